@@ -1,0 +1,51 @@
+"""meshbus: a message-routing bus for game and service back ends.
+
+    async with await meshbus.connect("127.0.0.1:7400", server="game01") as conn:
+        login = await conn.register(instance=1)
+        await login.join(meshbus.Anycast("login"))
+        async for msg in login:
+            await msg.reply(b"ok")
+
+The public surface is what ``__all__`` lists; every other module is private.
+"""
+
+from meshbus.address import Address, Anycast, Multicast, Unicast
+from meshbus.client import Connector, Message, Service, connect
+from meshbus.errors import (
+    AddressInUse,
+    ConnectionLost,
+    FrameTooLarge,
+    MeshbusError,
+    NoRoute,
+    NotConnected,
+    ProtocolError,
+    RegistrationError,
+    RemoteProtocolError,
+    RequestError,
+    Timeout,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Address",
+    "AddressInUse",
+    "Anycast",
+    "ConnectionLost",
+    "Connector",
+    "FrameTooLarge",
+    "MeshbusError",
+    "Message",
+    "Multicast",
+    "NoRoute",
+    "NotConnected",
+    "ProtocolError",
+    "RegistrationError",
+    "RemoteProtocolError",
+    "RequestError",
+    "Service",
+    "Timeout",
+    "Unicast",
+    "__version__",
+    "connect",
+]

@@ -1,0 +1,3 @@
+from meshbus.cli import main
+
+main()

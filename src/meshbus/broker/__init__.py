@@ -1,0 +1,5 @@
+"""The meshbus broker daemon (``meshbus broker``)."""
+
+from meshbus.broker.server import Broker, BrokerConfig, serve
+
+__all__ = ["Broker", "BrokerConfig", "serve"]

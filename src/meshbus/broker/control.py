@@ -1,0 +1,171 @@
+"""Control frames from connectors: handshake, register/unregister, join/leave, stat.
+
+Every handler answers with exactly one frame carrying the request's correlation
+id (OK, REGISTERED, STATS, PONG or ERROR), so the connector can match answers
+to questions. Refusals that leave the link usable (address in use, unknown
+control type) are ERROR frames with a non-fatal code; frames that make the link
+untrustworthy raise FrameError and the link is closed by the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshbus.address import Address, Unicast, server_name_bytes
+from meshbus.broker.link import CloseReason, LinkState
+from meshbus.broker.routing import RoutingError
+from meshbus.protocol.codec import FrameError, describe
+from meshbus.protocol.control import (
+    AddressBody,
+    Body,
+    Empty,
+    Error,
+    Hello,
+    Membership,
+    Register,
+    Stats,
+    Welcome,
+)
+from meshbus.protocol.layout import MIN_MAX_FRAME, PROTOCOL_VERSION, ControlType, ErrorCode
+
+if TYPE_CHECKING:
+    from meshbus.broker.link import Link
+    from meshbus.broker.server import Broker
+
+
+class Refused(Exception):
+    """A request the broker declines; answered with a non-fatal ERROR frame."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ControlHandler:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def handle(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
+        handler = _HANDLERS.get(ControlType(ctype)) if ctype in _KNOWN else None
+        if handler is None or body is None:
+            self.broker.reply(
+                link,
+                ControlType.ERROR,
+                Error(
+                    code=ErrorCode.UNSUPPORTED_CONTROL,
+                    message=f"{describe(ctype)} is not a request a broker accepts from a connector",
+                ),
+                correlation,
+            )
+            return
+        try:
+            answer_type, answer = handler(self, link, body)
+        except Refused as exc:
+            answer_type, answer = ControlType.ERROR, Error(code=exc.code, message=str(exc))
+        if answer_type is not None:
+            self.broker.reply(link, answer_type, answer, correlation)
+
+    def _hello(self, link: Link, body: Body) -> Answer:
+        assert isinstance(body, Hello)
+        if link.state is LinkState.OPEN:
+            raise Refused(ErrorCode.ALREADY_HANDSHAKEN, "HELLO was already received on this link")
+        if body.protocol != PROTOCOL_VERSION:
+            raise FrameError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"connector speaks protocol {body.protocol}; this broker speaks {PROTOCOL_VERSION}",
+            )
+        config = self.broker.config
+        # Each side enforces the smaller of the two limits, so neither sends what the other
+        # must refuse.
+        link.max_frame = max(MIN_MAX_FRAME, min(body.max_frame, config.max_frame))
+        link.name = body.name
+        link.state = LinkState.OPEN
+        return ControlType.WELCOME, Welcome(
+            broker=config.name, slot=config.slot, max_frame=link.max_frame
+        )
+
+    def _register(self, link: Link, body: Body) -> Answer:
+        assert isinstance(body, Register)
+        routing = self.broker.routing
+        try:
+            if body.instance == 0:
+                address = routing.allocate_dynamic(server_name_bytes(body.server), link)
+                return ControlType.REGISTERED, AddressBody(address=address)
+            wanted = Unicast(body.server, body.instance)
+        except (ValueError, TypeError) as exc:
+            raise Refused(ErrorCode.INVALID_ADDRESS, f"cannot register: {exc}") from None
+        except RoutingError as exc:
+            raise Refused(ErrorCode.INSTANCES_EXHAUSTED, str(exc)) from None
+        raw = wanted.to_bytes()
+        if routing.owner(raw) is not None:
+            raise Refused(
+                ErrorCode.ADDRESS_IN_USE,
+                f"address {wanted} is already registered by another service; "
+                "pick another instance id or register without one for a dynamic id",
+            )
+        routing.add_service(raw, link)
+        return ControlType.REGISTERED, AddressBody(address=raw)
+
+    def _unregister(self, link: Link, body: Body) -> Answer:
+        assert isinstance(body, AddressBody)
+        self._check_owned(link, body.address, "unregister")
+        self.broker.routing.remove_service(body.address, link)
+        return ControlType.OK, Empty()
+
+    def _join(self, link: Link, body: Body) -> Answer:
+        assert isinstance(body, Membership)
+        self._check_membership(link, body, "join")
+        self.broker.routing.join(body.member, body.group)
+        return ControlType.OK, Empty()
+
+    def _leave(self, link: Link, body: Body) -> Answer:
+        assert isinstance(body, Membership)
+        self._check_membership(link, body, "leave")
+        self.broker.routing.leave(body.member, body.group)
+        return ControlType.OK, Empty()
+
+    def _stat(self, link: Link, body: Body) -> Answer:
+        return ControlType.STATS, Stats(data=self.broker.snapshot())
+
+    def _ping(self, link: Link, body: Body) -> Answer:
+        return ControlType.PONG, Empty()
+
+    def _bye(self, link: Link, body: Body) -> Answer:
+        link.close(CloseReason.CLIENT_BYE)
+        return None, None
+
+    def _check_owned(self, link: Link, address: bytes, verb: str) -> None:
+        if self.broker.routing.owner(address) is not link:
+            raise Refused(
+                ErrorCode.NOT_REGISTERED,
+                f"cannot {verb} {self.broker.describe(address)}: "
+                "this connector has not registered it",
+            )
+
+    def _check_membership(self, link: Link, body: Membership, verb: str) -> None:
+        self._check_owned(link, body.member, verb)
+        try:
+            group = Address.from_bytes(body.group)
+        except ValueError as exc:
+            raise Refused(ErrorCode.INVALID_ADDRESS, f"cannot {verb}: {exc}") from None
+        if not group.is_group:
+            raise Refused(
+                ErrorCode.INVALID_ADDRESS,
+                f"cannot {verb} {group}: only multicast and anycast addresses are groups",
+            )
+
+
+Answer = tuple[ControlType | None, Body | None]
+
+_KNOWN = frozenset(int(t) for t in ControlType)
+
+_HANDLERS = {
+    ControlType.HELLO: ControlHandler._hello,
+    ControlType.REGISTER: ControlHandler._register,
+    ControlType.UNREGISTER: ControlHandler._unregister,
+    ControlType.JOIN: ControlHandler._join,
+    ControlType.LEAVE: ControlHandler._leave,
+    ControlType.STAT: ControlHandler._stat,
+    ControlType.PING: ControlHandler._ping,
+    ControlType.BYE: ControlHandler._bye,
+}

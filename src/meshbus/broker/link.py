@@ -1,0 +1,362 @@
+"""One connector's link to the broker, and the broker's hot path.
+
+Link states and the only transitions allowed between them:
+
+    AWAIT_HELLO --HELLO ok----------------> OPEN
+    AWAIT_HELLO --anything else-----------> CLOSED   (NOT_HANDSHAKEN)
+    OPEN        --BYE / EOF / fatal error--> CLOSED
+    any         --broker stops------------> CLOSED   (SHUTTING_DOWN)
+
+The hot path (``Link._process``) forwards data frames as the bytes it read.
+It never decodes a payload: it reads the 40-byte routing key at the start of
+each frame (length, kind, version, flags, hops, destination, source). When a
+frame's key equals the previous frame's, the routing decision is the same, so a
+burst of frames to one destination costs one ``bytearray.startswith`` per frame
+and is written out as one slice. Frames whose decision depends on more than the
+key -- requests, responses, anycast, drop notifications -- take the general
+path one by one. Everything routed during one read is batched per destination
+link and written once per link at the end of the read, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import TYPE_CHECKING
+
+from meshbus.errors import ProtocolError
+from meshbus.protocol.codec import (
+    FrameError,
+    check_data_flags,
+    decode_body,
+    encode_control,
+    frame_extent,
+)
+from meshbus.protocol.control import Error
+from meshbus.protocol.layout import (
+    DATA_HEADER,
+    KIND_CONTROL,
+    OFF_DST,
+    OFF_FLAGS,
+    OFF_SRC,
+    ROUTING_KEY_SIZE,
+    ControlType,
+    DataFlags,
+    ErrorCode,
+)
+
+if TYPE_CHECKING:
+    from meshbus.broker.server import Broker
+
+log = logging.getLogger("meshbus.broker")
+
+_READ_BUFFER = 256 * 1024
+_MIN_READ = 64 * 1024
+_REQUEST = int(DataFlags.REQUEST)
+_RESPONSE = int(DataFlags.RESPONSE)
+_ECHO = int(DataFlags.ECHO)
+_NOTIFY = int(DataFlags.NOTIFY_DROP)
+_PER_FRAME = _REQUEST | _RESPONSE | _NOTIFY
+_CAST_UNICAST = 1
+_CAST_MULTICAST = 2
+_CAST_ANYCAST = 3
+
+
+class LinkState(enum.Enum):
+    AWAIT_HELLO = "await-hello"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class CloseReason(enum.Enum):
+    """Why a link closed; logged, counted in ``stat``, and sent to the peer when it is an error."""
+
+    CLIENT_BYE = "client-bye"
+    CLIENT_EOF = "client-eof"
+    CONNECTION_LOST = "connection-lost"
+    PROTOCOL_ERROR = "protocol-error"
+    SLOW_CONSUMER = "slow-consumer"
+    BROKER_SHUTDOWN = "broker-shutdown"
+
+
+class Link(asyncio.BufferedProtocol):
+    """The broker's side of one connector link."""
+
+    def __init__(self, broker: Broker, link_id: int) -> None:
+        self.broker = broker
+        self.link_id = link_id
+        self.state = LinkState.AWAIT_HELLO
+        self.peer = "?"
+        self.name = ""
+        self.transport: asyncio.Transport | None = None
+        self.max_frame = broker.config.max_frame
+        self._buf = bytearray(_READ_BUFFER)
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        # The cached routing decision of the last data frame read on this link.
+        self._key = b""
+        self._key_total = 0
+        self._key_targets: tuple[Link, ...] = ()
+        self._key_version = -1
+        self.msgs_in = 0
+        self.msgs_out = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def __hash__(self) -> int:
+        return self.link_id
+
+    def __repr__(self) -> str:
+        return f"<Link {self.link_id} {self.peer} {self.state.value}>"
+
+    # -- asyncio callbacks ------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.broker.link_opened(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._buf) - self._end < _MIN_READ:
+            self._make_room()
+        return self._mv[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        self.bytes_in += nbytes
+        self._process()
+
+    def eof_received(self) -> bool:
+        self.close(CloseReason.CLIENT_EOF)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not LinkState.CLOSED:
+            self._closed(CloseReason.CONNECTION_LOST if exc else CloseReason.CLIENT_EOF)
+
+    # -- output -------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        """Write now (outside a read: timers, other links' control changes)."""
+        if self.transport is not None and self.state is not LinkState.CLOSED:
+            self.transport.write(data)
+            self.bytes_out += len(data)
+            self._check_backlog()
+
+    def _check_backlog(self) -> None:
+        transport = self.transport
+        if (
+            transport is not None
+            and transport.get_write_buffer_size() > self.broker.config.max_pending_bytes
+        ):
+            self.fail(
+                ErrorCode.SLOW_CONSUMER,
+                f"slow consumer: more than {self.broker.config.max_pending_bytes} bytes "
+                "waiting to be written to this link",
+                reason=CloseReason.SLOW_CONSUMER,
+            )
+
+    # -- the hot path -------------------------------------------------------
+
+    def _process(self) -> None:
+        buf = self._buf
+        mv = self._mv
+        end = self._end
+        pos = self._start
+        broker = self.broker
+        out = broker.outbox
+        if self._key_version != broker.routing.version:
+            self._key = b""
+        key = self._key
+        key_total = self._key_total
+        targets = self._key_targets
+        run_start = pos
+        try:
+            while True:
+                if key and buf.startswith(key, pos) and pos + key_total <= end:
+                    pos += key_total
+                    continue
+                if pos > run_start:
+                    self._flush_run(out, targets, mv[run_start:pos], (pos - run_start) // key_total)
+                key = b""
+                total = frame_extent(buf, pos, end, self.max_frame)
+                if not total:
+                    break
+                if buf[pos + 4] == KIND_CONTROL:
+                    self._on_control(bytes(buf[pos : pos + total]))
+                    pos += total
+                elif self.state is not LinkState.OPEN:
+                    raise FrameError(
+                        ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"
+                    )
+                else:
+                    decided = self._route_one(buf, mv, pos, total)
+                    if decided is not None:
+                        # This frame opens a run; it is flushed with the frames that follow it.
+                        key = bytes(buf[pos : pos + ROUTING_KEY_SIZE])
+                        key_total = total
+                        targets = decided
+                        run_start = pos
+                        pos += total
+                        continue
+                    pos += total
+                run_start = pos
+                if self.state is LinkState.CLOSED:
+                    break
+        except ProtocolError as exc:
+            self._start = pos
+            code = getattr(exc, "code", ErrorCode.PROTOCOL_ERROR)
+            self.fail(code, str(exc), reason=CloseReason.PROTOCOL_ERROR)
+            return
+        self._key = key
+        self._key_total = key_total
+        self._key_targets = targets
+        self._key_version = broker.routing.version
+        self._start = pos
+        if pos == end:
+            self._start = self._end = 0
+        broker.flush_outbox()
+
+    def _flush_run(
+        self,
+        out: dict[Link, list[memoryview | bytes]],
+        targets: tuple[Link, ...],
+        frames: memoryview,
+        count: int,
+    ) -> None:
+        self.msgs_in += count
+        if not targets:
+            self.broker.stats.dropped_no_route += count
+            return
+        for link in targets:
+            link.msgs_out += count
+            parts = out.get(link)
+            if parts is None:
+                out[link] = [frames]
+            else:
+                parts.append(frames)
+
+    def _route_one(
+        self, buf: bytearray, mv: memoryview, pos: int, total: int
+    ) -> tuple[Link, ...] | None:
+        """Route the data frame at ``pos``. Returns the targets when later frames with the
+        same routing key may reuse them; None when this frame was handled on its own."""
+        broker = self.broker
+        routing = broker.routing
+        flags = buf[pos + OFF_FLAGS]
+        check_data_flags(flags)
+        src = bytes(buf[pos + OFF_SRC : pos + OFF_SRC + 16])
+        if routing.owner(src) is not self:
+            raise FrameError(
+                ErrorCode.ADDRESS_NOT_OWNED,
+                f"data frame from source {broker.describe(src)}, "
+                "which this link has not registered",
+            )
+        dst = bytes(buf[pos + OFF_DST : pos + OFF_DST + 16])
+        cast = dst[0]
+        if cast not in (_CAST_UNICAST, _CAST_MULTICAST, _CAST_ANYCAST):
+            raise FrameError(ErrorCode.INVALID_ADDRESS, f"destination has unknown cast type {cast}")
+        if not flags & _PER_FRAME and cast != _CAST_ANYCAST:
+            if cast == _CAST_UNICAST:
+                owner = routing.route_unicast(dst)
+                return (owner,) if owner is not None else ()
+            return routing.route_multicast(dst, src, self, bool(flags & _ECHO))
+
+        frame = mv[pos : pos + total]
+        self.msgs_in += 1
+        _, _, _, _, _, _, _, _, msg_id, response_for, timeout_ms = DATA_HEADER.unpack_from(buf, pos)
+        if flags & _RESPONSE:
+            requester_link = broker.pending.resolve(dst, response_for)
+            if requester_link is None or requester_link.state is LinkState.CLOSED:
+                broker.stats.late_responses += 1
+            else:
+                broker.deliver(requester_link, frame)
+            return None
+        if cast == _CAST_UNICAST:
+            owner = routing.route_unicast(dst)
+            found: tuple[Link, ...] = (owner,) if owner is not None else ()
+        elif cast == _CAST_MULTICAST:
+            found = routing.route_multicast(dst, src, self, bool(flags & _ECHO))
+        else:
+            one = routing.route_anycast(dst, src, bool(flags & _ECHO))
+            found = (one,) if one is not None else ()
+        if not found:
+            broker.stats.dropped_no_route += 1
+            if flags & (_REQUEST | _NOTIFY):
+                broker.no_route(self, msg_id, src, dst)
+            return None
+        if flags & _REQUEST:
+            broker.stats.requests += 1
+            broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
+        for link in found:
+            broker.deliver(link, frame)
+        return None
+
+    # -- control frames -------------------------------------------------------
+
+    def _on_control(self, frame: bytes) -> None:
+        ctype = int.from_bytes(frame[6:8], "big")
+        correlation = int.from_bytes(frame[8:12], "big")
+        body = decode_body(ctype, frame[12:])
+        if self.state is LinkState.AWAIT_HELLO and ctype != ControlType.HELLO:
+            raise FrameError(ErrorCode.NOT_HANDSHAKEN, "the first frame on a link must be HELLO")
+        self.broker.control.handle(self, ctype, correlation, body)
+
+    # -- closing ---------------------------------------------------------------
+
+    def fail(self, code: ErrorCode, message: str, *, reason: CloseReason) -> None:
+        """Tell the peer what went wrong in an ERROR frame, then close the link.
+
+        A slow consumer is aborted instead: its output is what is stuck, so a
+        graceful close would wait on exactly the bytes it does not read."""
+        if self.state is LinkState.CLOSED:
+            return
+        log.info(
+            "closing link",
+            extra={
+                "link": self.link_id,
+                "peer": self.peer,
+                "reason": reason.value,
+                "error": message,
+            },
+        )
+        self.broker.flush_outbox()
+        transport = self.transport
+        self._closed(reason)
+        if transport is None:
+            return
+        if reason is CloseReason.SLOW_CONSUMER:
+            transport.abort()
+            return
+        transport.write(encode_control(ControlType.ERROR, Error(code=int(code), message=message)))
+        transport.close()
+
+    def close(self, reason: CloseReason) -> None:
+        if self.state is LinkState.CLOSED:
+            return
+        self._closed(reason)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _closed(self, reason: CloseReason) -> None:
+        self.state = LinkState.CLOSED
+        self.broker.link_closed(self, reason)
+
+    def _make_room(self) -> None:
+        """Called when under _MIN_READ bytes are free: move the unread tail to the front,
+        and grow the buffer if that is not enough (a frame larger than the buffer)."""
+        pending = self._end - self._start
+        size = len(self._buf)
+        if size - pending < _MIN_READ:
+            size = min(2 * size, self.max_frame + _READ_BUFFER)
+        # A fresh buffer rather than an in-place move or resize: the loop may still hold
+        # views of the old one, and a bytearray with live views cannot be resized.
+        buf = bytearray(size)
+        buf[:pending] = self._mv[self._start : self._end]
+        self._buf = buf
+        self._mv = memoryview(buf)
+        self._start, self._end = 0, pending

@@ -1,0 +1,83 @@
+"""The pending-request table: reverse routes for responses (ARCHITECTURE.md section 4).
+
+A request is keyed by (requester address, message id): message ids are chosen
+by the requester's connector, so they are unique only per requester. The entry
+remembers the link the request came in on and its deadline. A response names
+the request in ``response_for`` and is sent to the requester's address, which
+gives the same key back; ``resolve`` pops the entry and returns the link.
+
+Deadlines live in a heap with lazy deletion: resolving an entry leaves a stale
+heap item behind, which ``expire`` skips. To keep that garbage bounded the heap
+is rebuilt when stale items outnumber live ones by more than two to one.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+L = TypeVar("L", bound=Hashable)
+
+Key = tuple[bytes, int]
+
+
+@dataclass(slots=True)
+class PendingEntry(Generic[L]):
+    requester: bytes
+    msg_id: int
+    link: L
+    deadline: float
+    dst: bytes
+
+
+class PendingTable(Generic[L]):
+    def __init__(self) -> None:
+        self._entries: dict[Key, PendingEntry[L]] = {}
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, requester: bytes, msg_id: int, link: L, deadline: float, dst: bytes) -> None:
+        """Record a request. A second request with the same key replaces the first."""
+        key = (requester, msg_id)
+        self._entries[key] = PendingEntry(requester, msg_id, link, deadline, dst)
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, key))
+        if len(self._heap) > 64 and len(self._heap) > 3 * len(self._entries):
+            self._compact()
+
+    def resolve(self, requester: bytes, msg_id: int) -> L | None:
+        """Pop the entry a response for (requester, msg_id) answers; None if there is none."""
+        entry = self._entries.pop((requester, msg_id), None)
+        return None if entry is None else entry.link
+
+    def expire(self, now: float) -> list[PendingEntry[L]]:
+        """Remove and return every entry whose deadline is at or before ``now``."""
+        expired: list[PendingEntry[L]] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            deadline, _, key = heapq.heappop(heap)
+            entry = self._entries.get(key)
+            if entry is not None and entry.deadline == deadline:
+                del self._entries[key]
+                expired.append(entry)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline in the heap (possibly of a resolved entry), or None."""
+        return self._heap[0][0] if self._heap else None
+
+    def drop_link(self, link: L) -> int:
+        """Forget the requests made over ``link`` (its requester is gone); returns how many."""
+        gone = [k for k, e in self._entries.items() if e.link == link]
+        for key in gone:
+            del self._entries[key]
+        return len(gone)
+
+    def _compact(self) -> None:
+        self._heap = [item for item in self._heap if item[2] in self._entries]
+        heapq.heapify(self._heap)

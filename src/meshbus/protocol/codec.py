@@ -1,0 +1,246 @@
+"""Sans-IO codec: bytes in, frames out; frames in, bytes out. No sockets here.
+
+Use ``FrameDecoder``: ``feed(data)`` then call ``next_frame()`` until it returns
+``None`` (it needs more bytes). Any violation raises a ``ProtocolError`` whose
+``code`` says which rule broke; after that the decoder is poisoned, because a
+byte stream that lost its framing cannot be trusted again.
+
+``frame_extent`` is the one place that checks a frame's prefix; the decoder and
+the broker's hot path both call it, so they accept exactly the same frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from meshbus.errors import FrameTooLarge, ProtocolError
+from meshbus.protocol.control import DECODERS, ENCODER, Body
+from meshbus.protocol.layout import (
+    CONTROL_HEADER,
+    CONTROL_HEADER_SIZE,
+    DATA_HEADER,
+    DATA_HEADER_SIZE,
+    DEFAULT_MAX_FRAME,
+    KIND_CONTROL,
+    KIND_DATA,
+    KNOWN_DATA_FLAGS,
+    LENGTH_SIZE,
+    PROTOCOL_VERSION,
+    ControlType,
+    ErrorCode,
+)
+
+_MIN_SIZE = {KIND_DATA: DATA_HEADER_SIZE, KIND_CONTROL: CONTROL_HEADER_SIZE}
+
+
+class FrameError(ProtocolError):
+    """A frame broke the wire rules; ``code`` is the ErrorCode to report to the peer."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class OversizedFrame(FrameTooLarge):
+    """FrameTooLarge raised while decoding; carries the wire code like FrameError."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+@dataclass(slots=True)
+class DataFrame:
+    """An MRMSG frame. Addresses are raw 16-byte values; ``meshbus.Address`` decodes them."""
+
+    dst: bytes
+    src: bytes
+    payload: bytes
+    msg_id: int = 0
+    response_for: int = 0
+    flags: int = 0
+    hops: int = 0
+    link_tag: int = 0
+    timeout_ms: int = 0
+
+
+@dataclass(slots=True)
+class ControlFrame:
+    """An MRCMP frame. ``body`` is None for a type this codec does not know."""
+
+    type: int
+    body: Body | None
+    correlation: int = 0
+
+
+Frame = DataFrame | ControlFrame
+
+
+def frame_extent(buf: bytes | bytearray | memoryview, pos: int, end: int, max_frame: int) -> int:
+    """Size of the complete frame at ``buf[pos:end]``; 0 if more bytes are needed.
+
+    Raises FrameError (unknown kind, unsupported version, impossible length) or
+    OversizedFrame as soon as the prefix shows it, without waiting for the body.
+    """
+    avail = end - pos
+    if avail < LENGTH_SIZE:
+        return 0
+    total = int.from_bytes(buf[pos : pos + LENGTH_SIZE], "big") + LENGTH_SIZE
+    if total > max_frame:
+        raise OversizedFrame(total, max_frame)
+    if avail < LENGTH_SIZE + 2:
+        return 0
+    kind = buf[pos + 4]
+    minimum = _MIN_SIZE.get(kind)
+    if minimum is None:
+        raise FrameError(
+            ErrorCode.UNKNOWN_KIND, f"unknown frame kind {kind} (1 = data, 2 = control)"
+        )
+    version = buf[pos + 5]
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"unsupported protocol version {version}; this side speaks {PROTOCOL_VERSION}",
+        )
+    if total < minimum:
+        raise FrameError(
+            ErrorCode.PROTOCOL_ERROR,
+            f"frame of kind {kind} is {total} bytes, shorter than its {minimum}-byte header",
+        )
+    return total if avail >= total else 0
+
+
+def check_data_flags(flags: int) -> None:
+    """Reject reserved flag bits and contradictory combinations."""
+    if flags & ~KNOWN_DATA_FLAGS:
+        raise FrameError(ErrorCode.PROTOCOL_ERROR, f"reserved data flag bits set: {flags:#04x}")
+    if flags & 0x03 == 0x03:
+        raise FrameError(ErrorCode.PROTOCOL_ERROR, "a frame cannot be both REQUEST and RESPONSE")
+
+
+def encode_data(
+    dst: bytes,
+    src: bytes,
+    payload: bytes | bytearray | memoryview,
+    *,
+    msg_id: int = 0,
+    response_for: int = 0,
+    flags: int = 0,
+    hops: int = 0,
+    link_tag: int = 0,
+    timeout_ms: int = 0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """Encode one data frame. Raises FrameTooLarge instead of sending what the peer must refuse."""
+    total = DATA_HEADER_SIZE + len(payload)
+    if total > max_frame:
+        raise FrameTooLarge(total, max_frame)
+    header = DATA_HEADER.pack(
+        total - LENGTH_SIZE,
+        KIND_DATA,
+        PROTOCOL_VERSION,
+        flags,
+        hops,
+        dst,
+        src,
+        link_tag,
+        msg_id,
+        response_for,
+        timeout_ms,
+    )
+    return header + payload
+
+
+def encode_control(
+    type_: ControlType, body: Body, correlation: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    raw = ENCODER.encode(body)
+    total = CONTROL_HEADER_SIZE + len(raw)
+    if total > max_frame:
+        raise FrameTooLarge(total, max_frame)
+    header = CONTROL_HEADER.pack(
+        total - LENGTH_SIZE, KIND_CONTROL, PROTOCOL_VERSION, int(type_), correlation
+    )
+    return header + raw
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> Frame:
+    """Decode exactly one complete frame (as delimited by ``frame_extent``)."""
+    kind = frame[4]
+    if kind == KIND_DATA:
+        (_, _, _, flags, hops, dst, src, tag, msg_id, resp, timeout_ms) = DATA_HEADER.unpack_from(
+            frame
+        )
+        check_data_flags(flags)
+        return DataFrame(
+            dst=dst,
+            src=src,
+            payload=bytes(frame[DATA_HEADER_SIZE:]),
+            msg_id=msg_id,
+            response_for=resp,
+            flags=flags,
+            hops=hops,
+            link_tag=tag,
+            timeout_ms=timeout_ms,
+        )
+    _, _, _, ctype, corr = CONTROL_HEADER.unpack_from(frame)
+    return ControlFrame(ctype, decode_body(ctype, frame[CONTROL_HEADER_SIZE:]), corr)
+
+
+def decode_body(ctype: int, raw: bytes | bytearray | memoryview) -> Body | None:
+    decoder = DECODERS.get(ctype)
+    if decoder is None:
+        return None
+    try:
+        body: Body = decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        name = ControlType(ctype).name
+        raise FrameError(ErrorCode.PROTOCOL_ERROR, f"malformed {name} body: {exc}") from exc
+    return body
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` bytes, then take frames with ``next_frame``."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._pos = 0
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None when more bytes are needed."""
+        if self._error is not None:
+            raise self._error
+        try:
+            total = frame_extent(self._buf, self._pos, len(self._buf), self.max_frame)
+            if not total:
+                return None
+            start = self._pos
+            self._pos += total
+            # A copy, not a memoryview: the buffer must stay resizable for feed().
+            return decode_frame(bytes(self._buf[start : start + total]))
+        except ProtocolError as exc:
+            self._error = exc
+            raise
+
+
+def describe(type_: int) -> str:
+    """A readable name for a control type, also for ones this side does not know."""
+    try:
+        return ControlType(type_).name
+    except ValueError:
+        return f"control type {type_}"

@@ -1,0 +1,118 @@
+"""Byte layout of meshbus frames (docs/protocol.md has the full table).
+
+Every frame starts with a 6-byte prefix: ``length`` (u32 BE, bytes after the
+length field), ``kind`` (u8) and ``version`` (u8). Data frames (MRMSG) then
+carry a fixed 58-byte rest of header; control frames (MRCMP) a 6-byte one.
+
+The data header is ordered so that everything a broker needs to route a frame
+sits in bytes 0..39 -- length, kind, version, flags, hops, destination, source
+-- and is contiguous. That prefix is the *routing key*: two frames with equal
+keys get the same routing decision (for unicast and multicast), so a broker can
+forward a burst of them after checking the key once. The link tag follows at a
+fixed offset, so a broker can stamp it in place.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum, IntFlag
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 1024 * 1024
+MIN_MAX_FRAME = 256
+
+KIND_DATA = 1  # MRMSG
+KIND_CONTROL = 2  # MRCMP
+
+LENGTH_SIZE = 4
+PREFIX = struct.Struct(">IBB")  # length, kind, version
+
+# Data frame header (64 bytes).
+DATA_HEADER = struct.Struct(">IBBBB16s16sIQQI")
+DATA_HEADER_SIZE = DATA_HEADER.size
+OFF_FLAGS = 6
+OFF_HOPS = 7
+OFF_DST = 8
+OFF_SRC = 24
+OFF_LINK_TAG = 40
+OFF_MSG_ID = 44
+OFF_RESPONSE_FOR = 52
+OFF_TIMEOUT_MS = 60
+ROUTING_KEY_SIZE = 40
+
+# Control frame header (12 bytes).
+CONTROL_HEADER = struct.Struct(">IBBHI")
+CONTROL_HEADER_SIZE = CONTROL_HEADER.size
+
+assert DATA_HEADER_SIZE == 64
+assert CONTROL_HEADER_SIZE == 12
+
+
+class DataFlags(IntFlag):
+    """Bits of the data frame's flags byte."""
+
+    NONE = 0
+    REQUEST = 0x01  # the sender waits for a response; timeout_ms is set
+    RESPONSE = 0x02  # response_for names the request this answers
+    ECHO = 0x04  # a group send is also delivered to the sender if it is a member
+    NOTIFY_DROP = 0x08  # tell the sender with NO_ROUTE when a plain send finds no route
+
+
+KNOWN_DATA_FLAGS = int(
+    DataFlags.REQUEST | DataFlags.RESPONSE | DataFlags.ECHO | DataFlags.NOTIFY_DROP
+)
+
+
+class ControlType(IntEnum):
+    """Control frame types (MRCMP). New types get new numbers; numbers are never reused."""
+
+    HELLO = 1
+    WELCOME = 2
+    REGISTER = 3
+    REGISTERED = 4
+    UNREGISTER = 5
+    JOIN = 6
+    LEAVE = 7
+    OK = 8
+    ERROR = 9
+    TIMEOUT = 10
+    NO_ROUTE = 11
+    STAT = 12
+    STATS = 13
+    PING = 14
+    PONG = 15
+    BYE = 16
+
+
+class ErrorCode(IntEnum):
+    """Codes carried by ERROR frames. The message next to it is for people."""
+
+    PROTOCOL_ERROR = 1  # malformed frame or body
+    FRAME_TOO_LARGE = 2
+    UNKNOWN_KIND = 3
+    UNSUPPORTED_VERSION = 4
+    NOT_HANDSHAKEN = 5  # anything but HELLO before the handshake
+    ALREADY_HANDSHAKEN = 6
+    ADDRESS_NOT_OWNED = 7  # a data frame from a source the link did not register
+    ADDRESS_IN_USE = 8
+    INVALID_ADDRESS = 9
+    NOT_REGISTERED = 10  # unregister/join/leave of an address the link does not own
+    UNSUPPORTED_CONTROL = 11  # a control type this broker does not know (link stays open)
+    INSTANCES_EXHAUSTED = 12
+    SLOW_CONSUMER = 13
+    SHUTTING_DOWN = 14
+
+
+# Errors after which the sender of the offending frame is disconnected.
+FATAL_ERRORS = frozenset(
+    {
+        ErrorCode.PROTOCOL_ERROR,
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.UNKNOWN_KIND,
+        ErrorCode.UNSUPPORTED_VERSION,
+        ErrorCode.NOT_HANDSHAKEN,
+        ErrorCode.ADDRESS_NOT_OWNED,
+        ErrorCode.SLOW_CONSUMER,
+        ErrorCode.SHUTTING_DOWN,
+    }
+)
