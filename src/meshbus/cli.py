@@ -14,7 +14,7 @@ from meshbus.util import parse_hostport
 DEFAULT_BROKER = "127.0.0.1:7400"
 
 
-class HostPort(click.ParamType):
+class HostPort(click.ParamType[str]):
     """HOST:PORT, checked when parsed so a typo fails with a clear message."""
 
     name = "HOST:PORT"
@@ -30,7 +30,7 @@ class HostPort(click.ParamType):
         return text
 
 
-class AddressParam(click.ParamType):
+class AddressParam(click.ParamType[Address]):
     """A meshbus address in text form: SERVER:INSTANCE, multicast:NAME, anycast:NAME."""
 
     name = "ADDRESS"
