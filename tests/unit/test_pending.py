@@ -1,0 +1,203 @@
+"""The pending-request table: reverse routes and deadlines, with no clock of its own."""
+
+from __future__ import annotations
+
+import random
+
+from meshbus.address import Anycast, Unicast
+from meshbus.broker.pending import PendingEntry, PendingTable
+
+R1 = Unicast("client", 1).to_bytes()
+R2 = Unicast("client", 2).to_bytes()
+DST = Unicast("server", 1).to_bytes()
+POOL = Anycast("pool").to_bytes()
+
+
+def keys(entries: list[PendingEntry[str]]) -> list[tuple[bytes, int]]:
+    return [(e.requester, e.msg_id) for e in entries]
+
+
+def test_add_and_resolve() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 2, "a", 11.0, DST)
+    assert len(t) == 2
+    assert t.resolve(R1, 1) == "a"
+    assert len(t) == 1
+    assert t.resolve(R1, 1) is None  # a second response is late
+    assert t.resolve(R1, 3) is None
+    assert t.resolve(R1, 2) == "a"
+    assert len(t) == 0
+
+
+def test_key_is_requester_and_msg_id() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 7, "a", 10.0, DST)
+    t.add(R2, 7, "b", 10.0, DST)
+    assert len(t) == 2
+    assert t.resolve(R2, 7) == "b"
+    assert t.resolve(R1, 7) == "a"
+
+
+def test_expire_returns_due_entries_in_deadline_order() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 30.0, DST)
+    t.add(R1, 2, "a", 10.0, POOL)
+    t.add(R2, 3, "b", 20.0, DST)
+    t.add(R2, 4, "b", 40.0, DST)
+    assert t.expire(5.0) == []
+    got = t.expire(30.0)  # a deadline equal to now is due
+    assert keys(got) == [(R1, 2), (R2, 3), (R1, 1)]
+    assert got[0] == PendingEntry(R1, 2, "a", 10.0, POOL)
+    assert got[1].link == "b"
+    assert got[1].dst == DST
+    assert len(t) == 1
+    assert t.expire(30.0) == []
+    assert keys(t.expire(1e9)) == [(R2, 4)]
+    assert len(t) == 0
+
+
+def test_equal_deadlines_expire_in_insertion_order() -> None:
+    t: PendingTable[str] = PendingTable()
+    for msg_id in (5, 3, 9, 1):
+        t.add(R1, msg_id, "a", 1.0, DST)
+    assert [e.msg_id for e in t.expire(1.0)] == [5, 3, 9, 1]
+
+
+def test_resolve_after_expire_returns_none() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    assert keys(t.expire(10.0)) == [(R1, 1)]
+    assert t.resolve(R1, 1) is None
+
+
+def test_expire_after_resolve_returns_nothing() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 2, "a", 10.0, DST)
+    assert t.resolve(R1, 1) == "a"
+    assert keys(t.expire(100.0)) == [(R1, 2)]
+
+
+def test_replacing_with_a_later_deadline() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 1, "b", 20.0, POOL)
+    assert len(t) == 1
+    assert t.expire(15.0) == []  # the old deadline no longer counts
+    assert t.expire(20.0) == [PendingEntry(R1, 1, "b", 20.0, POOL)]
+    assert len(t) == 0
+
+
+def test_replacing_with_an_earlier_deadline() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 20.0, DST)
+    t.add(R1, 1, "b", 10.0, DST)
+    assert [e.link for e in t.expire(10.0)] == ["b"]
+    assert t.expire(100.0) == []
+
+
+def test_replacing_then_resolving() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 1, "b", 10.0, DST)
+    assert t.resolve(R1, 1) == "b"
+    assert t.resolve(R1, 1) is None
+    assert t.expire(100.0) == []
+
+
+def test_resolve_then_add_same_key_again() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    assert t.resolve(R1, 1) == "a"
+    t.add(R1, 1, "b", 50.0, DST)
+    assert t.expire(10.0) == []  # the stale item for the first request must not expire it
+    assert [e.link for e in t.expire(50.0)] == ["b"]
+
+
+def test_drop_link() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 2, "a", 20.0, DST)
+    t.add(R2, 1, "b", 15.0, DST)
+    assert t.drop_link("a") == 2
+    assert t.drop_link("a") == 0
+    assert t.drop_link("nobody") == 0
+    assert len(t) == 1
+    assert t.resolve(R1, 1) is None
+    assert keys(t.expire(100.0)) == [(R2, 1)]
+
+
+def test_next_deadline() -> None:
+    t: PendingTable[str] = PendingTable()
+    assert t.next_deadline() is None
+    t.add(R1, 1, "a", 30.0, DST)
+    assert t.next_deadline() == 30.0
+    t.add(R1, 2, "a", 10.0, DST)
+    assert t.next_deadline() == 10.0
+    t.expire(10.0)
+    assert t.next_deadline() == 30.0
+    t.expire(30.0)
+    assert t.next_deadline() is None
+
+
+def test_next_deadline_may_be_a_resolved_entrys() -> None:
+    # Documented: lazy deletion means the earliest deadline may belong to a resolved entry;
+    # it is never later than the earliest live one, so a sweeper never wakes too late.
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 2, "a", 20.0, DST)
+    t.resolve(R1, 1)
+    deadline = t.next_deadline()
+    assert deadline is not None
+    assert deadline <= 20.0
+    assert t.expire(10.0) == []
+    assert t.next_deadline() == 20.0
+
+
+def test_compaction_keeps_correctness() -> None:
+    rng = random.Random(7)
+    t: PendingTable[str] = PendingTable()
+    live: dict[tuple[bytes, int], float] = {}
+    for msg_id in range(1, 5001):
+        deadline = rng.uniform(0, 1000)
+        t.add(R1, msg_id, "a", deadline, DST)
+        live[(R1, msg_id)] = deadline
+        # Resolve most requests, in random order, so stale heap items pile up.
+        if rng.random() < 0.9:
+            key = rng.choice(list(live)) if len(live) > 1 else (R1, msg_id)
+            assert t.resolve(*key) == "a"
+            del live[key]
+    assert len(t) == len(live)
+    expected = sorted(live.items(), key=lambda kv: kv[1])
+    half = expected[len(expected) // 2][1]
+    first = t.expire(half)
+    assert keys(first) == [k for k, d in expected if d <= half]
+    rest = t.expire(1001.0)
+    assert keys(rest) == [k for k, d in expected if d > half]
+    assert len(t) == 0
+    for key in live:
+        assert t.resolve(*key) is None
+
+
+def test_heap_stays_bounded_under_add_resolve_cycles() -> None:
+    t: PendingTable[str] = PendingTable()
+    for msg_id in range(10000):
+        t.add(R1, msg_id, "a", float(msg_id), DST)
+        t.resolve(R1, msg_id)
+    # The module promises to rebuild the heap when stale items outnumber live ones 2:1.
+    assert len(t._heap) <= 3 * len(t) + 65
+
+
+def test_heap_stays_bounded_when_the_same_key_is_replaced() -> None:
+    """A connector that reuses one msg_id must not grow the heap (or make each add O(n)).
+
+    The heap items of replaced entries are stale too: ``expire`` already skips them
+    (their deadline no longer matches), so compaction should drop them as well.
+    """
+    t: PendingTable[str] = PendingTable()
+    for i in range(1000):
+        t.add(R1, 1, "a", float(i), DST)
+    assert len(t) == 1
+    assert len(t._heap) <= 3 * len(t) + 65
+    assert keys(t.expire(1e9)) == [(R1, 1)]

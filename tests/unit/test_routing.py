@@ -1,0 +1,397 @@
+"""The routing table on its own: plain strings stand in for links."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from meshbus.address import (
+    Address,
+    Anycast,
+    Multicast,
+    Unicast,
+    dynamic_instance,
+    server_name_bytes,
+)
+from meshbus.broker.routing import AddressTaken, NotOwned, RoutingError, RoutingTable
+
+A1 = Unicast("game01", 1).to_bytes()
+A2 = Unicast("game01", 2).to_bytes()
+B1 = Unicast("game02", 1).to_bytes()
+B2 = Unicast("game02", 2).to_bytes()
+C1 = Unicast("game03", 1).to_bytes()
+TOPIC = Multicast("chat").to_bytes()
+POOL = Anycast("login").to_bytes()
+
+
+def table(**kwargs: object) -> RoutingTable[str]:
+    return RoutingTable(**kwargs)  # type: ignore[arg-type]
+
+
+# -- services -------------------------------------------------------------------------
+
+
+def test_add_and_look_up() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(A2, "a")
+    rt.add_service(B1, "b")
+    assert rt.owner(A1) == "a"
+    assert rt.route_unicast(B1) == "b"
+    assert rt.route_unicast(C1) is None
+    assert rt.owned_by("a") == frozenset({A1, A2})
+    assert rt.owned_by("nobody") == frozenset()
+    assert rt.service_count == 3
+    assert dict(rt.services()) == {A1: "a", A2: "a", B1: "b"}
+
+
+def test_address_taken() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    with pytest.raises(AddressTaken):
+        rt.add_service(A1, "b")
+    with pytest.raises(AddressTaken):
+        rt.add_service(A1, "a")
+    assert rt.owner(A1) == "a"
+    assert rt.service_count == 1
+    assert issubclass(AddressTaken, RoutingError)
+
+
+def test_remove_service() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(A2, "a")
+    rt.remove_service(A1, "a")
+    assert rt.owner(A1) is None
+    assert rt.owned_by("a") == frozenset({A2})
+    assert rt.service_count == 1
+    # The address is free again.
+    rt.add_service(A1, "b")
+    assert rt.owner(A1) == "b"
+
+
+def test_remove_service_not_owned() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    with pytest.raises(NotOwned):
+        rt.remove_service(A1, "b")
+    with pytest.raises(NotOwned):
+        rt.remove_service(B1, "a")
+    assert rt.owner(A1) == "a"
+    assert issubclass(NotOwned, RoutingError)
+
+
+def test_remove_service_leaves_its_groups() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(B1, "b")
+    rt.join(A1, TOPIC)
+    rt.join(A1, POOL)
+    rt.join(B1, TOPIC)
+    rt.remove_service(A1, "a")
+    assert rt.groups_of(A1) == frozenset()
+    assert dict(rt.groups()) == {TOPIC: (B1,)}
+    assert rt.route_multicast(TOPIC, C1, "c", echo=False) == ("b",)
+    assert rt.route_anycast(POOL, C1, echo=False) is None
+
+
+# -- dynamic ids --------------------------------------------------------------------------
+
+SERVER = server_name_bytes("game01")
+
+
+def _instance(address: bytes) -> int:
+    return int.from_bytes(address[12:16], "big")
+
+
+def test_allocate_dynamic_is_slot_partitioned() -> None:
+    rt = table(slot=3)
+    first = rt.allocate_dynamic(SERVER, "a")
+    assert first == b"\x01" + SERVER + dynamic_instance(3, 0).to_bytes(4, "big")
+    assert _instance(first) == 3 * 65536
+    decoded = Address.from_bytes(first)
+    assert isinstance(decoded, Unicast)
+    assert decoded.server == "game01"
+    assert not decoded.is_fixed
+    assert rt.owner(first) == "a"
+
+
+def test_allocate_dynamic_gives_unique_ids_at_or_above_65536() -> None:
+    rt = table(slot=1)
+    got = [rt.allocate_dynamic(SERVER, "a") for _ in range(500)]
+    assert len(set(got)) == 500
+    instances = [_instance(a) for a in got]
+    assert min(instances) >= 65536
+    assert instances == list(range(65536, 65536 + 500))  # round-robin sequence
+    assert rt.service_count == 500
+
+
+def test_allocate_dynamic_skips_ids_in_use() -> None:
+    rt = table(slot=2)
+    for seq in (0, 1, 3):
+        rt.add_service(Unicast("game01", dynamic_instance(2, seq)).to_bytes(), "other")
+    a = rt.allocate_dynamic(SERVER, "a")
+    b = rt.allocate_dynamic(SERVER, "a")
+    c = rt.allocate_dynamic(SERVER, "a")
+    assert [_instance(x) - 2 * 65536 for x in (a, b, c)] == [2, 4, 5]
+
+
+def test_allocate_dynamic_does_not_reuse_a_freed_id_at_once() -> None:
+    rt = table()
+    a = rt.allocate_dynamic(SERVER, "a")
+    rt.remove_service(a, "a")
+    b = rt.allocate_dynamic(SERVER, "a")
+    assert b != a
+    assert _instance(b) == _instance(a) + 1
+
+
+def test_allocate_dynamic_sequences_are_per_server_name() -> None:
+    rt = table()
+    a = rt.allocate_dynamic(SERVER, "a")
+    b = rt.allocate_dynamic(server_name_bytes("game02"), "a")
+    assert _instance(a) == _instance(b) == 65536
+    assert a != b
+
+
+def test_allocate_dynamic_exhaustion() -> None:
+    rt = table(slot=5)
+    every = {rt.allocate_dynamic(SERVER, "a") for _ in range(65536)}
+    assert len(every) == 65536
+    assert {_instance(a) for a in every} == set(range(5 * 65536, 6 * 65536))
+    version = rt.version
+    with pytest.raises(RoutingError, match="in use") as info:
+        rt.allocate_dynamic(SERVER, "a")
+    assert not isinstance(info.value, AddressTaken)
+    assert rt.version == version
+    # One freed id is found again, wherever it sits in the sequence.
+    freed = Unicast("game01", dynamic_instance(5, 12345)).to_bytes()
+    rt.remove_service(freed, "a")
+    assert rt.allocate_dynamic(SERVER, "b") == freed
+    assert rt.owner(freed) == "b"
+    # Another server name still has all its ids.
+    assert _instance(rt.allocate_dynamic(server_name_bytes("x"), "a")) == 5 * 65536
+
+
+# -- groups ----------------------------------------------------------------------------------
+
+
+def test_join_and_leave() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.join(A1, TOPIC)
+    rt.join(A1, POOL)
+    assert rt.groups_of(A1) == frozenset({TOPIC, POOL})
+    assert rt.group_count == 2
+    rt.leave(A1, TOPIC)
+    assert rt.groups_of(A1) == frozenset({POOL})
+    assert rt.group_count == 1
+    assert rt.route_multicast(TOPIC, B1, "b", echo=False) == ()
+
+
+def test_join_requires_a_registered_member() -> None:
+    rt = table()
+    with pytest.raises(NotOwned):
+        rt.join(A1, TOPIC)
+    assert rt.group_count == 0
+
+
+def test_join_requires_a_group_address() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(B1, "b")
+    with pytest.raises(RoutingError):
+        rt.join(A1, B1)
+    assert rt.group_count == 0
+
+
+def test_join_twice_is_a_no_op() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.join(A1, TOPIC)
+    version = rt.version
+    rt.join(A1, TOPIC)
+    assert rt.version == version
+    assert dict(rt.groups()) == {TOPIC: (A1,)}
+
+
+def test_leave_unknown_is_a_no_op() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(B1, "b")
+    rt.join(B1, TOPIC)
+    version = rt.version
+    rt.leave(A1, TOPIC)  # not a member
+    rt.leave(A1, POOL)  # no such group
+    rt.leave(C1, TOPIC)  # not even registered
+    assert rt.version == version
+    assert dict(rt.groups()) == {TOPIC: (B1,)}
+
+
+# -- multicast -----------------------------------------------------------------------------------
+
+
+def _topic_on(rt: RoutingTable[str], members: dict[bytes, str]) -> None:
+    for address, link in members.items():
+        rt.add_service(address, link)
+        rt.join(address, TOPIC)
+
+
+def test_multicast_one_entry_per_link() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", A2: "a", B1: "b", B2: "b", C1: "c"})
+    links = rt.route_multicast(TOPIC, Unicast("x", 1).to_bytes(), "x", echo=False)
+    assert sorted(links) == ["a", "b", "c"]
+
+
+def test_multicast_skips_the_senders_link_when_it_is_the_only_member_there() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", B1: "b", B2: "b"})
+    assert rt.route_multicast(TOPIC, A1, "a", echo=False) == ("b",)
+
+
+def test_multicast_echo_includes_the_senders_link() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", B1: "b"})
+    assert sorted(rt.route_multicast(TOPIC, A1, "a", echo=True)) == ["a", "b"]
+
+
+def test_multicast_includes_the_senders_link_when_another_member_is_there() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", A2: "a", B1: "b"})
+    assert sorted(rt.route_multicast(TOPIC, A1, "a", echo=False)) == ["a", "b"]
+
+
+def test_multicast_from_a_non_member_reaches_members_on_its_link() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", B1: "b"})
+    rt.add_service(A2, "a")  # registered on "a", not a member
+    assert sorted(rt.route_multicast(TOPIC, A2, "a", echo=False)) == ["a", "b"]
+
+
+def test_multicast_sole_member_sends_to_nobody() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a"})
+    assert rt.route_multicast(TOPIC, A1, "a", echo=False) == ()
+    assert rt.route_multicast(TOPIC, A1, "a", echo=True) == ("a",)
+
+
+def test_multicast_unknown_group() -> None:
+    rt = table()
+    assert rt.route_multicast(TOPIC, A1, "a", echo=True) == ()
+
+
+# -- anycast ---------------------------------------------------------------------------------------
+
+
+def _pool_on(rt: RoutingTable[str], members: dict[bytes, str]) -> None:
+    for address, link in members.items():
+        rt.add_service(address, link)
+        rt.join(address, POOL)
+
+
+def test_anycast_unknown_group() -> None:
+    assert table().route_anycast(POOL, A1, echo=False) is None
+
+
+def test_anycast_sender_alone_gets_none_unless_echo() -> None:
+    rt = table(rng=random.Random(1))
+    _pool_on(rt, {A1: "a"})
+    assert rt.route_anycast(POOL, A1, echo=False) is None
+    assert rt.route_anycast(POOL, A1, echo=True) == "a"
+    # Somebody else reaches the lone member.
+    assert rt.route_anycast(POOL, B1, echo=False) == "a"
+
+
+def test_anycast_excludes_the_sender() -> None:
+    rt = table(rng=random.Random(2))
+    _pool_on(rt, {A1: "a", B1: "b", C1: "c"})
+    seen = Counter(rt.route_anycast(POOL, A1, echo=False) for _ in range(3000))
+    assert set(seen) == {"b", "c"}
+    assert 1200 < seen["b"] < 1800
+    assert 1200 < seen["c"] < 1800
+
+
+def test_anycast_echo_may_pick_the_sender() -> None:
+    rt = table(rng=random.Random(3))
+    _pool_on(rt, {A1: "a", B1: "b"})
+    seen = Counter(rt.route_anycast(POOL, A1, echo=True) for _ in range(2000))
+    assert set(seen) == {"a", "b"}
+    assert 800 < seen["a"] < 1200
+
+
+def test_anycast_is_uniform_over_members_not_links() -> None:
+    rt = table(rng=random.Random(4))
+    # Three members on "a", one on "b": "a" carries three quarters of the picks.
+    _pool_on(rt, {A1: "a", A2: "a", C1: "a", B1: "b"})
+    sender = Unicast("x", 1).to_bytes()
+    seen = Counter(rt.route_anycast(POOL, sender, echo=False) for _ in range(4000))
+    assert 2700 < seen["a"] < 3300
+    assert 700 < seen["b"] < 1300
+
+
+def test_anycast_excludes_the_sender_but_not_its_link() -> None:
+    rt = table(rng=random.Random(5))
+    _pool_on(rt, {A1: "a", A2: "a"})
+    assert {rt.route_anycast(POOL, A1, echo=False) for _ in range(50)} == {"a"}
+
+
+# -- links and versions ------------------------------------------------------------
+
+
+def test_remove_link_drops_services_and_memberships() -> None:
+    rt = table()
+    _topic_on(rt, {A1: "a", A2: "a", B1: "b"})
+    rt.join(A1, POOL)
+    gone = rt.remove_link("a")
+    assert gone == sorted([A1, A2])
+    assert rt.owner(A1) is None
+    assert rt.owner(A2) is None
+    assert rt.owned_by("a") == frozenset()
+    assert rt.groups_of(A1) == frozenset()
+    assert dict(rt.groups()) == {TOPIC: (B1,)}
+    assert rt.group_count == 1
+    assert rt.route_multicast(TOPIC, C1, "c", echo=False) == ("b",)
+    assert rt.route_anycast(POOL, C1, echo=False) is None
+    assert rt.owner(B1) == "b"
+
+
+def test_remove_unknown_link() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    version = rt.version
+    assert rt.remove_link("zzz") == []
+    assert rt.version == version
+
+
+def test_version_increases_on_every_mutation() -> None:
+    rt = table()
+    versions = [rt.version]
+
+    def step() -> None:
+        assert rt.version > versions[-1]
+        versions.append(rt.version)
+
+    rt.add_service(A1, "a")
+    step()
+    rt.add_service(B1, "b")
+    step()
+    rt.allocate_dynamic(SERVER, "a")
+    step()
+    rt.join(A1, TOPIC)
+    step()
+    rt.join(B1, TOPIC)
+    step()
+    rt.leave(B1, TOPIC)
+    step()
+    rt.join(A1, POOL)
+    step()
+    rt.remove_service(A1, "a")
+    step()
+    rt.remove_link("b")
+    step()
+    rt.remove_link("a")  # still holds the dynamic address
+    step()
+    assert rt.service_count == 0
+    assert rt.group_count == 0
