@@ -1,0 +1,332 @@
+"""The ``meshbus`` command, run as real subprocesses against a real broker.
+
+Readiness is never guessed with a sleep: a test that starts ``listen`` or
+``reply`` polls the broker's ``stat`` until the membership or registration is
+there, then sends. ``listen`` runs without PYTHONUNBUFFERED on purpose: its
+output must reach the pipe line by line on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pytest
+
+import meshbus
+
+CLI_TIMEOUT = 30.0
+READY_TIMEOUT = 10.0
+
+
+class Broker(Protocol):
+    address: str
+    name: str
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "meshbus",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
+@asynccontextmanager
+async def cli_process(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A long-running command (listen, reply); killed at the end if it is still running."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "meshbus",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+async def finish(process: asyncio.subprocess.Process) -> Result:
+    out, err = await asyncio.wait_for(process.communicate(), CLI_TIMEOUT)
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
+async def wait_for_stat(
+    address: str, ready: Callable[[dict[str, Any]], bool], what: str
+) -> dict[str, Any]:
+    """Poll the broker's stat until ``ready`` holds (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_TIMEOUT
+    async with await meshbus.connect(address, server="probe") as conn:
+        while True:
+            data = await conn.stat()
+            if ready(data):
+                return data
+            if loop.time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; last stat: {data}")
+            await asyncio.sleep(0.02)
+
+
+def members(group: str, count: int = 1) -> Callable[[dict[str, Any]], bool]:
+    return lambda data: len(data["groups"].get(group, [])) >= count
+
+
+def registered(address: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda data: address in data["services"]
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# -- send / listen -------------------------------------------------------------------
+
+
+async def test_listen_send_multicast_to_two_members(broker: Broker) -> None:
+    args = ("--broker", broker.address, "multicast:chat", "--count", "1", "--timeout", "20")
+    async with (
+        cli_process("listen", *args) as text_listener,
+        cli_process("listen", "--json", *args) as json_listener,
+    ):
+        await wait_for_stat(broker.address, members("multicast:chat", 2), "two chat members")
+        sent = await run_cli("send", "--broker", broker.address, "multicast:chat", "hello world")
+        assert sent.code == 0, sent.err
+        assert sent.out == ""
+
+        text = await finish(text_listener)
+        assert text.code == 0, text.err
+        assert re.fullmatch(r"\[cli:\d+ -> multicast:chat\] hello world\n", text.out), text.out
+        assert "listening on multicast:chat" in text.err
+
+        as_json = await finish(json_listener)
+        assert as_json.code == 0, as_json.err
+        message = json.loads(as_json.out)
+        assert message["dst"] == "multicast:chat"
+        assert message["payload"] == "hello world"
+        assert message["request"] is False
+        assert re.fullmatch(r"cli:\d+", message["src"])
+
+
+async def test_listen_prints_each_line_as_it_arrives(broker: Broker) -> None:
+    async with cli_process(
+        "listen", "--broker", broker.address, "--server", "ears", "anycast:news"
+    ) as listener:
+        await wait_for_stat(broker.address, members("anycast:news"), "the listener")
+        assert listener.stdout is not None
+        for n in range(2):
+            sent = await run_cli("send", "--broker", broker.address, "anycast:news", f"item {n}")
+            assert sent.code == 0, sent.err
+            line = await asyncio.wait_for(listener.stdout.readline(), CLI_TIMEOUT)
+            assert line.decode().endswith(f"-> anycast:news] item {n}\n")
+
+
+async def test_listen_on_unicast_address_registers_it(broker: Broker) -> None:
+    async with cli_process(
+        "listen", "--broker", broker.address, "game01:5", "--count", "1", "--timeout", "20"
+    ) as listener:
+        await wait_for_stat(broker.address, registered("game01:5"), "game01:5")
+
+        taken = await run_cli("listen", "--broker", broker.address, "game01:5", "--count", "1")
+        assert taken.code == 1
+        assert "game01:5 is already registered" in taken.err
+        assert "Traceback" not in taken.err
+
+        sent = await run_cli("send", "--broker", broker.address, "game01:5", "two\nlines")
+        assert sent.code == 0, sent.err
+        result = await finish(listener)
+        assert result.code == 0, result.err
+        assert re.fullmatch(r"\[cli:\d+ -> game01:5\] two\\nlines\n", result.out), result.out
+        assert "listening on game01:5 as game01:5" in result.err
+
+
+async def test_listen_timeout_before_count_exits_3(broker: Broker) -> None:
+    result = await run_cli(
+        "listen", "--broker", broker.address, "multicast:quiet", "--count", "1", "--timeout", "0.2"
+    )
+    assert result.code == 3
+    assert "received 0 of 1 messages" in result.err
+
+
+async def test_send_notify_reports_no_route(broker: Broker) -> None:
+    plain = await run_cli("send", "--broker", broker.address, "anycast:nobody", "x")
+    assert plain.code == 0, plain.err
+    assert plain.err == ""
+
+    notified = await run_cli("send", "--notify", "--broker", broker.address, "anycast:nobody", "x")
+    assert notified.code == 4
+    assert "no route to anycast:nobody" in notified.err
+    assert "Traceback" not in notified.err
+
+
+async def test_send_notify_is_quiet_when_delivered(broker: Broker) -> None:
+    async with await meshbus.connect(broker.address, server="game01") as conn:
+        room = await conn.register(instance=3)
+        sent = await run_cli("send", "--notify", "--broker", broker.address, "game01:3", "hi")
+        assert sent.code == 0, sent.err
+        message = await room.recv(timeout=5)
+        assert message.payload == b"hi"
+
+
+# -- request / reply -------------------------------------------------------------------
+
+
+async def test_reply_echo_and_request(broker: Broker) -> None:
+    async with cli_process(
+        "reply", "--broker", broker.address, "anycast:echo", "--count", "2"
+    ) as responder:
+        await wait_for_stat(broker.address, members("anycast:echo"), "the responder")
+        for text in ("ping", "über"):
+            result = await run_cli("request", "--broker", broker.address, "anycast:echo", text)
+            assert result.code == 0, result.err
+            assert result.out == f"{text}\n"
+        done = await finish(responder)
+        assert done.code == 0, done.err
+        assert done.out.splitlines()[1].endswith("-> anycast:echo] über")
+
+
+async def test_reply_fixed_text_on_unicast_address(broker: Broker) -> None:
+    async with cli_process(
+        "reply", "--broker", broker.address, "--text", "pong", "game01:7", "--count", "1"
+    ) as responder:
+        await wait_for_stat(broker.address, registered("game01:7"), "game01:7")
+        result = await run_cli("request", "--broker", broker.address, "game01:7", "ping")
+        assert result.code == 0, result.err
+        assert result.out == "pong\n"
+        assert (await finish(responder)).code == 0
+
+
+async def test_request_timeout_exits_3(broker: Broker) -> None:
+    async with await meshbus.connect(broker.address, server="game01") as conn:
+        await conn.register(instance=9)  # registered, never answers
+        result = await run_cli(
+            "request", "--broker", broker.address, "--timeout", "0.3", "game01:9", "anyone?"
+        )
+    assert result.code == 3
+    assert result.out == ""
+    assert "no response from game01:9" in result.err
+    assert "Traceback" not in result.err
+
+
+async def test_request_no_route_exits_4(broker: Broker) -> None:
+    result = await run_cli("request", "--broker", broker.address, "anycast:nobody", "x")
+    assert result.code == 4
+    assert result.out == ""
+    assert "no service is registered at or member of anycast:nobody" in result.err
+    assert "Traceback" not in result.err
+
+
+# -- stat ----------------------------------------------------------------------------
+
+
+async def test_stat_json_and_table(broker: Broker) -> None:
+    async with await meshbus.connect(broker.address, server="game01") as conn:
+        player = await conn.register()
+        await player.join(meshbus.Multicast("chat.lobby"))
+        fixed = await conn.register(instance=1)
+
+        result = await run_cli("stat", "--json", "--broker", broker.address)
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        assert data["broker"] == broker.name
+        assert data["address"] == broker.address
+        assert data["groups"] == {"multicast:chat.lobby": [str(player.address)]}
+        assert {str(player.address), str(fixed.address)} <= set(data["services"])
+        names = {link["name"] for link in data["links"]}
+        assert {"game01", "cli"} <= names
+        assert {"msgs_in", "requests", "timeouts", "dropped_no_route"} <= set(data["counters"])
+
+        table = await run_cli("stat", "--broker", broker.address)
+        assert table.code == 0, table.err
+        for text in (broker.name, "links", "groups", "counters", "multicast:chat.lobby"):
+            assert text in table.out
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["send", "nocolon", "x"], "has no ':'"),
+        (["send", "game01:abc", "x"], "is not a decimal integer"),
+        (["send", "--broker", "localhost", "multicast:a", "x"], "is not HOST:PORT"),
+        (["stat", "--broker", "127.0.0.1:99999"], "out of range"),
+        (["send", "multicast:" + "a" * 16, "x"], "the limit is 15 bytes"),
+        (["listen", "averylongname:1"], "the limit is 11 bytes"),
+        (["request", "--server", "s" * 12, "anycast:a", "x"], "the limit is 11 bytes"),
+        (["listen", "game01:70000"], "only fixed ids 1..65535"),
+        (["request", "--timeout", "0", "anycast:a", "x"], "--timeout"),
+        (["reply", "--echo", "--text", "a", "anycast:a"], "exclude each other"),
+        (["send", "multicast:a"], "Missing argument 'TEXT'"),
+    ],
+)
+async def test_bad_arguments_exit_2(args: list[str], message: str) -> None:
+    result = await run_cli(*args)
+    assert result.code == 2, result
+    assert "Usage:" in result.err
+    assert message in result.err
+    assert "Traceback" not in result.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["send", "multicast:a", "x"],
+        ["request", "anycast:a", "x"],
+        ["listen", "multicast:a"],
+        ["reply", "anycast:a"],
+        ["stat"],
+    ],
+)
+async def test_no_broker_exits_1_without_traceback(args: list[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    result = await run_cli(args[0], "--broker", address, *args[1:])
+    assert result.code == 1
+    assert result.err.startswith(f"Error: could not connect to broker {address}")
+    assert "Traceback" not in result.err
+
+
+async def test_help_explains_addresses_and_exit_codes() -> None:
+    main = await run_cli("--help")
+    assert main.code == 0
+    assert "multicast:NAME" in main.out
+    assert "SERVER:INSTANCE" in main.out
+    request = await run_cli("request", "--help")
+    assert "3 timeout" in request.out
+    assert "4 no route" in request.out
+    assert "anycast:NAME" in request.out
