@@ -111,13 +111,9 @@ class Address:
             kind, sep, rest = rest.partition(":")
             if not sep:
                 raise ValueError(f"address {text!r}: expected unicast:SERVER:INSTANCE")
-        try:
-            instance = int(rest, 10)
-        except ValueError:
-            raise ValueError(
-                f"address {text!r}: instance {rest!r} is not a decimal integer"
-            ) from None
-        return Unicast(kind, instance)
+        if not (rest.isascii() and rest.isdigit()):
+            raise ValueError(f"address {text!r}: instance {rest!r} is not a decimal integer")
+        return Unicast(kind, int(rest))
 
 
 @dataclass(frozen=True, eq=False, slots=True)

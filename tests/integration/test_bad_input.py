@@ -237,7 +237,7 @@ CASES = [
         "destination-unknown-cast-type",
         "registered",
         lambda c: data_frame(b"\x07" + bytes(15), c.own, b"x"),
-        ErrorCode.INVALID_ADDRESS,
+        ErrorCode.PROTOCOL_ERROR,
     ),
 ]
 

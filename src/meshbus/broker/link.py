@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import (
@@ -37,9 +37,7 @@ from meshbus.protocol.control import Error
 from meshbus.protocol.layout import (
     DATA_HEADER,
     KIND_CONTROL,
-    OFF_DST,
-    OFF_FLAGS,
-    OFF_SRC,
+    KNOWN_DATA_FLAGS,
     ROUTING_KEY_SIZE,
     ControlType,
     DataFlags,
@@ -58,6 +56,11 @@ _RESPONSE = int(DataFlags.RESPONSE)
 _ECHO = int(DataFlags.ECHO)
 _NOTIFY = int(DataFlags.NOTIFY_DROP)
 _PER_FRAME = _REQUEST | _RESPONSE | _NOTIFY
+_TELL_SENDER = _REQUEST | _NOTIFY
+_REQUEST_RESPONSE = _REQUEST | _RESPONSE
+_BAD_FLAGS = ~KNOWN_DATA_FLAGS
+_unpack_header = DATA_HEADER.unpack_from
+_NO_KEY = bytearray()  # empty, so falsy: no cached routing decision
 _CAST_UNICAST = 1
 _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
@@ -96,7 +99,7 @@ class Link(asyncio.BufferedProtocol):
         self._start = 0
         self._end = 0
         # The cached routing decision of the last data frame read on this link.
-        self._key = b""
+        self._key = bytearray()
         self._key_total = 0
         self._key_targets: tuple[Link, ...] = ()
         self._key_version = -1
@@ -114,8 +117,8 @@ class Link(asyncio.BufferedProtocol):
     # -- asyncio callbacks ------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.broker.link_opened(self)
@@ -131,7 +134,14 @@ class Link(asyncio.BufferedProtocol):
         self._process()
 
     def eof_received(self) -> bool:
-        self.close(CloseReason.CLIENT_EOF)
+        if self._end > self._start:
+            self.fail(
+                ErrorCode.PROTOCOL_ERROR,
+                f"connection closed inside a frame ({self._end - self._start} bytes unread)",
+                reason=CloseReason.PROTOCOL_ERROR,
+            )
+        else:
+            self.close(CloseReason.CLIENT_EOF)
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -170,7 +180,7 @@ class Link(asyncio.BufferedProtocol):
         broker = self.broker
         out = broker.outbox
         if self._key_version != broker.routing.version:
-            self._key = b""
+            self._key = bytearray()
         key = self._key
         key_total = self._key_total
         targets = self._key_targets
@@ -181,8 +191,10 @@ class Link(asyncio.BufferedProtocol):
                     pos += key_total
                     continue
                 if pos > run_start:
-                    self._flush_run(out, targets, mv[run_start:pos], (pos - run_start) // key_total)
-                key = b""
+                    self._flush_run(
+                        out, targets, mv[run_start:pos], (pos - run_start) // key_total, key_total
+                    )
+                key = _NO_KEY
                 total = frame_extent(buf, pos, end, self.max_frame)
                 if not total:
                     break
@@ -197,7 +209,7 @@ class Link(asyncio.BufferedProtocol):
                     decided = self._route_one(buf, mv, pos, total)
                     if decided is not None:
                         # This frame opens a run; it is flushed with the frames that follow it.
-                        key = bytes(buf[pos : pos + ROUTING_KEY_SIZE])
+                        key = buf[pos : pos + ROUTING_KEY_SIZE]
                         key_total = total
                         targets = decided
                         run_start = pos
@@ -227,12 +239,16 @@ class Link(asyncio.BufferedProtocol):
         targets: tuple[Link, ...],
         frames: memoryview,
         count: int,
+        frame_size: int,
     ) -> None:
         self.msgs_in += count
         if not targets:
             self.broker.stats.dropped_no_route += count
             return
         for link in targets:
+            if frame_size > link.max_frame:
+                self.broker.stats.dropped_too_large += count
+                continue
             link.msgs_out += count
             parts = out.get(link)
             if parts is None:
@@ -247,28 +263,27 @@ class Link(asyncio.BufferedProtocol):
         same routing key may reuse them; None when this frame was handled on its own."""
         broker = self.broker
         routing = broker.routing
-        flags = buf[pos + OFF_FLAGS]
-        check_data_flags(flags)
-        src = bytes(buf[pos + OFF_SRC : pos + OFF_SRC + 16])
+        (_, _, _, flags, _, dst, src, _, msg_id, response_for, timeout_ms) = _unpack_header(
+            buf, pos
+        )
+        if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
+            check_data_flags(flags)
         if routing.owner(src) is not self:
             raise FrameError(
                 ErrorCode.ADDRESS_NOT_OWNED,
                 f"data frame from source {broker.describe(src)}, "
                 "which this link has not registered",
             )
-        dst = bytes(buf[pos + OFF_DST : pos + OFF_DST + 16])
-        cast = dst[0]
-        if cast not in (_CAST_UNICAST, _CAST_MULTICAST, _CAST_ANYCAST):
-            raise FrameError(ErrorCode.INVALID_ADDRESS, f"destination has unknown cast type {cast}")
-        if not flags & _PER_FRAME and cast != _CAST_ANYCAST:
-            if cast == _CAST_UNICAST:
+        cast_type = dst[0]
+        if not flags & _PER_FRAME:
+            if cast_type == _CAST_UNICAST:
                 owner = routing.route_unicast(dst)
                 return (owner,) if owner is not None else ()
-            return routing.route_multicast(dst, src, self, bool(flags & _ECHO))
+            if cast_type == _CAST_MULTICAST:
+                return routing.route_multicast(dst, src, self, bool(flags & _ECHO))
 
-        frame = mv[pos : pos + total]
         self.msgs_in += 1
-        _, _, _, _, _, _, _, _, msg_id, response_for, timeout_ms = DATA_HEADER.unpack_from(buf, pos)
+        frame = mv[pos : pos + total]
         if flags & _RESPONSE:
             requester_link = broker.pending.resolve(dst, response_for)
             if requester_link is None or requester_link.state is LinkState.CLOSED:
@@ -276,24 +291,39 @@ class Link(asyncio.BufferedProtocol):
             else:
                 broker.deliver(requester_link, frame)
             return None
-        if cast == _CAST_UNICAST:
+        if cast_type == _CAST_UNICAST:
             owner = routing.route_unicast(dst)
             found: tuple[Link, ...] = (owner,) if owner is not None else ()
-        elif cast == _CAST_MULTICAST:
+        elif cast_type == _CAST_MULTICAST:
             found = routing.route_multicast(dst, src, self, bool(flags & _ECHO))
-        else:
+        elif cast_type == _CAST_ANYCAST:
             one = routing.route_anycast(dst, src, bool(flags & _ECHO))
             found = (one,) if one is not None else ()
+        else:
+            raise FrameError(
+                ErrorCode.PROTOCOL_ERROR, f"destination has unknown cast type {cast_type}"
+            )
         if not found:
             broker.stats.dropped_no_route += 1
-            if flags & (_REQUEST | _NOTIFY):
+            if flags & _TELL_SENDER:
                 broker.no_route(self, msg_id, src, dst)
+            return None
+        delivered = 0
+        for link in found:
+            delivered += broker.deliver(link, frame)
+        if not delivered:
+            if flags & _TELL_SENDER:
+                broker.no_route(
+                    self,
+                    msg_id,
+                    src,
+                    dst,
+                    f"the frame of {total} bytes exceeds the receiver's maximum frame size",
+                )
             return None
         if flags & _REQUEST:
             broker.stats.requests += 1
             broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
-        for link in found:
-            broker.deliver(link, frame)
         return None
 
     # -- control frames -------------------------------------------------------

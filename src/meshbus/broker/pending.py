@@ -8,19 +8,25 @@ gives the same key back; ``resolve`` pops the entry and returns the link.
 
 Deadlines live in a heap with lazy deletion: resolving an entry leaves a stale
 heap item behind, which ``expire`` skips. To keep that garbage bounded the heap
-is rebuilt when stale items outnumber live ones by more than two to one.
+is rebuilt when stale items outnumber live ones by more than two to one (plus
+``COMPACT_SLACK``); an item
+is live only if its sequence number is the one its entry was added with, so an
+entry replaced under the same key leaves nothing behind either.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 L = TypeVar("L", bound=Hashable)
 
 Key = tuple[bytes, int]
+# Stale heap items tolerated on top of 3x the live entries before a rebuild; the slack
+# keeps a small table (a few requests in flight) from rebuilding every few adds.
+COMPACT_SLACK = 1024
 
 
 @dataclass(slots=True)
@@ -30,6 +36,7 @@ class PendingEntry(Generic[L]):
     link: L
     deadline: float
     dst: bytes
+    seq: int = field(default=0, compare=False)  # the heap item this entry was added with
 
 
 class PendingTable(Generic[L]):
@@ -44,10 +51,10 @@ class PendingTable(Generic[L]):
     def add(self, requester: bytes, msg_id: int, link: L, deadline: float, dst: bytes) -> None:
         """Record a request. A second request with the same key replaces the first."""
         key = (requester, msg_id)
-        self._entries[key] = PendingEntry(requester, msg_id, link, deadline, dst)
         self._seq += 1
+        self._entries[key] = PendingEntry(requester, msg_id, link, deadline, dst, self._seq)
         heapq.heappush(self._heap, (deadline, self._seq, key))
-        if len(self._heap) > 64 and len(self._heap) > 3 * len(self._entries):
+        if len(self._heap) > COMPACT_SLACK + 3 * len(self._entries):
             self._compact()
 
     def resolve(self, requester: bytes, msg_id: int) -> L | None:
@@ -60,9 +67,9 @@ class PendingTable(Generic[L]):
         expired: list[PendingEntry[L]] = []
         heap = self._heap
         while heap and heap[0][0] <= now:
-            deadline, _, key = heapq.heappop(heap)
+            _, seq, key = heapq.heappop(heap)
             entry = self._entries.get(key)
-            if entry is not None and entry.deadline == deadline:
+            if entry is not None and entry.seq == seq:
                 del self._entries[key]
                 expired.append(entry)
         return expired
@@ -79,5 +86,10 @@ class PendingTable(Generic[L]):
         return len(gone)
 
     def _compact(self) -> None:
-        self._heap = [item for item in self._heap if item[2] in self._entries]
+        entries = self._entries
+        self._heap = [
+            item
+            for item in self._heap
+            if (entry := entries.get(item[2])) is not None and entry.seq == item[1]
+        ]
         heapq.heapify(self._heap)

@@ -39,8 +39,8 @@ class BrokerConfig:
     max_pending_bytes: int = 64 * 1024 * 1024
     # Used when a request carries no timeout of its own.
     default_request_timeout: float = 30.0
-    # The sweeper wakes at least this often, and at every pending deadline.
-    sweep_interval: float = 0.05
+    # How often pending requests are checked for expiry: a TIMEOUT is at most this late.
+    sweep_interval: float = 0.01
 
 
 @dataclass
@@ -49,7 +49,11 @@ class BrokerStats:
     timeouts: int = 0
     late_responses: int = 0
     dropped_no_route: int = 0
+    dropped_too_large: int = 0
     links_accepted: int = 0
+    # Traffic of links that have closed; open links keep their own counts.
+    closed_msgs_in: int = 0
+    closed_msgs_out: int = 0
     links_closed: Counter[str] = field(default_factory=Counter)
 
 
@@ -67,7 +71,7 @@ class Broker:
         self._next_link_id = 1
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._wake_sweeper = asyncio.Event()
+        self._clock = time.monotonic
         self._stopped = asyncio.Event()
         self.address = ""
 
@@ -75,6 +79,7 @@ class Broker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._clock = loop.time
         self._server = await loop.create_server(
             self._new_link, self.config.host, self.config.port, reuse_address=True, backlog=1024
         )
@@ -117,6 +122,8 @@ class Broker:
     def link_closed(self, link: Link, reason: CloseReason) -> None:
         self.links.pop(link.link_id, None)
         self.stats.links_closed[reason.value] += 1
+        self.stats.closed_msgs_in += link.msgs_in
+        self.stats.closed_msgs_out += link.msgs_out
         gone = self.routing.remove_link(link)
         self.pending.drop_link(link)
         self.outbox.pop(link, None)
@@ -127,14 +134,21 @@ class Broker:
 
     # -- output ----------------------------------------------------------------
 
-    def deliver(self, link: Link, frame: memoryview | bytes) -> None:
-        """Queue a frame for ``link``; written when the current read is done."""
+    def deliver(self, link: Link, frame: memoryview | bytes) -> bool:
+        """Queue a frame for ``link``; written when the current read is done.
+
+        False (and counted) when the frame is larger than the link accepts: forwarding
+        it would break the receiver's framing and cost it its link."""
+        if len(frame) > link.max_frame:
+            self.stats.dropped_too_large += 1
+            return False
         link.msgs_out += 1
         parts = self.outbox.get(link)
         if parts is None:
             self.outbox[link] = [frame]
         else:
             parts.append(frame)
+        return True
 
     def reply(self, link: Link, type_: ControlType, body: Any, correlation: int = 0) -> None:
         parts = self.outbox.setdefault(link, [])
@@ -154,34 +168,27 @@ class Broker:
             link.bytes_out += len(data)
             link._check_backlog()
 
-    def no_route(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
-        self.reply(link, ControlType.NO_ROUTE, DeliveryFailure(msg_id=msg_id, src=src, dst=dst))
+    def no_route(self, link: Link, msg_id: int, src: bytes, dst: bytes, reason: str = "") -> None:
+        self.reply(
+            link,
+            ControlType.NO_ROUTE,
+            DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason=reason),
+        )
 
     # -- requests -------------------------------------------------------------
 
     def deadline(self, timeout_ms: int) -> float:
         timeout = timeout_ms / 1000 if timeout_ms else self.config.default_request_timeout
-        deadline = asyncio.get_running_loop().time() + timeout
-        next_deadline = self.pending.next_deadline()
-        if next_deadline is None or deadline < next_deadline:
-            self._wake_sweeper.set()
-        return deadline
+        return self._clock() + timeout
 
     async def _sweep_pending(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Expire pending requests. A fixed tick rather than a timer per request: one wake-up
+        every ``sweep_interval`` costs nothing per request, and bounds how late a TIMEOUT
+        can be to one interval."""
         interval = self.config.sweep_interval
         while True:
-            next_deadline = self.pending.next_deadline()
-            delay = (
-                interval if next_deadline is None else min(interval, next_deadline - loop.time())
-            )
-            if delay > 0:
-                self._wake_sweeper.clear()
-                try:
-                    await asyncio.wait_for(self._wake_sweeper.wait(), delay)
-                except TimeoutError:
-                    pass
-            for entry in self.pending.expire(loop.time()):
+            await asyncio.sleep(interval)
+            for entry in self.pending.expire(self._clock()):
                 self.stats.timeouts += 1
                 if entry.link.state is LinkState.OPEN:
                     entry.link.send(
@@ -231,13 +238,14 @@ class Broker:
             "services": sorted(self.describe(a) for a, _ in self.routing.services()),
             "groups": groups,
             "counters": {
-                "msgs_in": sum(link.msgs_in for link in self.links.values()),
-                "msgs_out": sum(link.msgs_out for link in self.links.values()),
+                "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),
+                "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in self.links.values()),
                 "requests": s.requests,
                 "pending": len(self.pending),
                 "timeouts": s.timeouts,
                 "late_responses": s.late_responses,
                 "dropped_no_route": s.dropped_no_route,
+                "dropped_too_large": s.dropped_too_large,
                 "links_accepted": s.links_accepted,
                 "links_closed": dict(s.links_closed),
             },
@@ -251,13 +259,14 @@ async def serve(config: BrokerConfig) -> None:
 
     broker = Broker(config)
     await broker.start()
-    # The one line scripts and tests wait for; it carries the real port when --listen used 0.
-    sys.stdout.write(f"meshbus broker {config.name} listening on {broker.address}\n")
-    sys.stdout.flush()
+    # Handlers first: a script may signal the broker the moment it reads the ready line.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # The one line scripts and tests wait for; it carries the real port when --listen used 0.
+    sys.stdout.write(f"meshbus broker {config.name} listening on {broker.address}\n")
+    sys.stdout.flush()
     await stop.wait()
     log.info("stopping", extra={"broker": config.name})
     await broker.stop()

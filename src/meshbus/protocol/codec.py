@@ -27,12 +27,16 @@ from meshbus.protocol.layout import (
     KIND_DATA,
     KNOWN_DATA_FLAGS,
     LENGTH_SIZE,
+    PREFIX,
     PROTOCOL_VERSION,
     ControlType,
     ErrorCode,
 )
 
 _MIN_SIZE = {KIND_DATA: DATA_HEADER_SIZE, KIND_CONTROL: CONTROL_HEADER_SIZE}
+_NEVER = 1 << 40  # larger than any frame: an unknown kind never passes the fast check
+_PREFIX_SIZE = PREFIX.size
+_unpack_prefix = PREFIX.unpack_from
 
 
 class FrameError(ProtocolError):
@@ -83,12 +87,26 @@ def frame_extent(buf: bytes | bytearray | memoryview, pos: int, end: int, max_fr
     OversizedFrame as soon as the prefix shows it, without waiting for the body.
     """
     avail = end - pos
-    if avail < LENGTH_SIZE:
+    if avail >= _PREFIX_SIZE:
+        # The common case in one C call; anything unusual is sorted out below.
+        length, kind, version = _unpack_prefix(buf, pos)
+        total = length + LENGTH_SIZE
+        if (
+            total <= max_frame
+            and version == PROTOCOL_VERSION
+            and total >= _MIN_SIZE.get(kind, _NEVER)
+        ):
+            return total if avail >= total else 0
+    elif avail < LENGTH_SIZE:
         return 0
+    return _check_prefix(buf, pos, avail, max_frame)
+
+
+def _check_prefix(buf: bytes | bytearray | memoryview, pos: int, avail: int, max_frame: int) -> int:
     total = int.from_bytes(buf[pos : pos + LENGTH_SIZE], "big") + LENGTH_SIZE
     if total > max_frame:
         raise OversizedFrame(total, max_frame)
-    if avail < LENGTH_SIZE + 2:
+    if avail < _PREFIX_SIZE:
         return 0
     kind = buf[pos + 4]
     minimum = _MIN_SIZE.get(kind)
@@ -102,12 +120,10 @@ def frame_extent(buf: bytes | bytearray | memoryview, pos: int, end: int, max_fr
             ErrorCode.UNSUPPORTED_VERSION,
             f"unsupported protocol version {version}; this side speaks {PROTOCOL_VERSION}",
         )
-    if total < minimum:
-        raise FrameError(
-            ErrorCode.PROTOCOL_ERROR,
-            f"frame of kind {kind} is {total} bytes, shorter than its {minimum}-byte header",
-        )
-    return total if avail >= total else 0
+    raise FrameError(
+        ErrorCode.PROTOCOL_ERROR,
+        f"frame of kind {kind} is {total} bytes, shorter than its {minimum}-byte header",
+    )
 
 
 def check_data_flags(flags: int) -> None:
@@ -132,6 +148,8 @@ def encode_data(
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
     """Encode one data frame. Raises FrameTooLarge instead of sending what the peer must refuse."""
+    if len(dst) != 16 or len(src) != 16:
+        raise ValueError(f"addresses are 16 bytes; got dst of {len(dst)}, src of {len(src)}")
     total = DATA_HEADER_SIZE + len(payload)
     if total > max_frame:
         raise FrameTooLarge(total, max_frame)
@@ -187,13 +205,23 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> Frame:
     return ControlFrame(ctype, decode_body(ctype, frame[CONTROL_HEADER_SIZE:]), corr)
 
 
+_BODY_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+
 def decode_body(ctype: int, raw: bytes | bytearray | memoryview) -> Body | None:
     decoder = DECODERS.get(ctype)
     if decoder is None:
         return None
     try:
         body: Body = decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    # msgspec raises UnicodeDecodeError for a non-UTF-8 str and RecursionError for
+    # absurd nesting (even inside fields it skips); both are the peer's malformed bytes.
+    except (
+        msgspec.DecodeError,
+        msgspec.ValidationError,
+        UnicodeDecodeError,
+        RecursionError,
+    ) as exc:
         name = ControlType(ctype).name
         raise FrameError(ErrorCode.PROTOCOL_ERROR, f"malformed {name} body: {exc}") from exc
     return body

@@ -71,6 +71,7 @@ class DeliveryFailure(Body):
     msg_id: int
     src: bytes
     dst: bytes
+    reason: str = ""  # why, when it is not the obvious one (e.g. a frame too large)
 
 
 class Stats(Body):
