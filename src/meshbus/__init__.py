@@ -10,7 +10,7 @@ The public surface is what ``__all__`` lists; every other module is private.
 """
 
 from meshbus.address import Address, Anycast, Multicast, Unicast
-from meshbus.client import Connector, Message, Service, connect
+from meshbus.client import Connector, Message, Service, Undeliverable, connect
 from meshbus.errors import (
     AddressInUse,
     ConnectionLost,
@@ -45,6 +45,7 @@ __all__ = [
     "RequestError",
     "Service",
     "Timeout",
+    "Undeliverable",
     "Unicast",
     "__version__",
     "connect",

@@ -25,7 +25,7 @@ from meshbus.util import parse_hostport
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from meshbus.client import Connector, Message, Service
+    from meshbus.client import Connector, Message, Service, Undeliverable
 
 DEFAULT_BROKER = "127.0.0.1:7400"
 DEFAULT_SERVER = "cli"
@@ -271,39 +271,6 @@ async def _bind(conn: Connector, address: Address) -> Service:
     return service
 
 
-def _watch_no_route(conn: Connector, service: Service) -> list[str]:
-    """Collect the destinations the broker reports as NO_ROUTE for sends from ``service``.
-
-    Workaround: the connector drops a NO_ROUTE answer to a plain ``send(notify=True)``
-    (it only matches them to pending requests) and the public API has no other way
-    to see it, so this wraps the connector's control-frame handler. Remove it once
-    the library surfaces notified drops itself.
-    """
-    from meshbus.protocol.codec import ControlFrame
-    from meshbus.protocol.control import DeliveryFailure
-    from meshbus.protocol.layout import ControlType
-
-    raw = service.address.to_bytes()
-    failed: list[str] = []
-    original = conn._on_control
-
-    def on_control(frame: ControlFrame) -> None:
-        body = frame.body
-        if (
-            frame.type == ControlType.NO_ROUTE
-            and isinstance(body, DeliveryFailure)
-            and body.src == raw
-        ):
-            try:
-                failed.append(str(Address.from_bytes(body.dst)))
-            except ValueError:
-                failed.append(body.dst.hex())
-        original(frame)
-
-    conn._on_control = on_control  # type: ignore[method-assign]
-    return failed
-
-
 # -- send ------------------------------------------------------------------------
 
 
@@ -336,15 +303,14 @@ async def _send(
 
     async with await meshbus.connect(broker_address, server=server) as conn:
         service = await conn.register()
-        failed = _watch_no_route(conn, service) if notify else []
+        failed: list[Undeliverable] = []
+        conn.on_undeliverable(failed.append)
         await service.send(address, payload, notify=notify)
         # The broker answers in the order it reads: PONG comes after the send was routed
         # (and after its NO_ROUTE, if any), so the message has left this process.
         await conn.ping()
     if failed:
-        raise NoRouteFailure(
-            f"no route to {failed[0]}: no service is registered at or member of it"
-        )
+        raise NoRouteFailure(f"no route to {failed[0].dst}: {failed[0].reason}")
 
 
 # -- listen ----------------------------------------------------------------------

@@ -25,6 +25,7 @@ EXPECTED_ALL = [
     "RequestError",
     "Service",
     "Timeout",
+    "Undeliverable",
     "Unicast",
     "__version__",
     "connect",

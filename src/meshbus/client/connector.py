@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import socket
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
 from meshbus.address import Address, Unicast
 from meshbus.client.service import Message, Service
@@ -100,10 +103,22 @@ async def connect(
         connector._abort()
         raise ConnectionLost(f"could not connect to broker {broker} within {timeout} s") from None
     except OSError as exc:
+        # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ConnectionLost(
-            f"could not connect to broker {broker}: {exc.strerror or exc}"
+            f"could not connect to broker {broker}: {why} (is a broker running there?)"
         ) from exc
     return connector
+
+
+@dataclass(frozen=True)
+class Undeliverable:
+    """A ``send(..., notify=True)`` the broker could not deliver (see ``on_undeliverable``)."""
+
+    src: str
+    dst: str
+    msg_id: int
+    reason: str
 
 
 class _LinkProtocol(asyncio.Protocol):
@@ -111,8 +126,8 @@ class _LinkProtocol(asyncio.Protocol):
         self.connector = connector
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.connector._transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.connector._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.connector._data_received(data)
@@ -157,6 +172,7 @@ class Connector:
         self._lost: MeshbusError | None = None
         self._broker_error = ""
         self._rng = random.Random()
+        self._undeliverable_handlers: list[Callable[[Undeliverable], None]] = []
         self.dropped = 0
 
     async def __aenter__(self) -> Connector:
@@ -198,7 +214,16 @@ class Connector:
         return frame.body.data
 
     async def ping(self) -> None:
+        """A round trip to the broker. Frames sent before it have been routed when it returns,
+        since the broker handles a link's frames in order."""
         await self._control(ControlType.PING, Empty())
+
+    def on_undeliverable(self, handler: Callable[[Undeliverable], None]) -> None:
+        """Call ``handler`` for each ``send(..., notify=True)`` the broker could not deliver.
+
+        Without a handler such reports are logged as warnings. ``Undeliverable.msg_id``
+        is the value ``send`` returned."""
+        self._undeliverable_handlers.append(handler)
 
     async def close(self) -> None:
         """Say goodbye and close the link. Pending requests fail with ``NotConnected``."""
@@ -221,7 +246,7 @@ class Connector:
 
     async def _send_data(
         self, src: bytes, dst: bytes, payload: bytes, flags: int, *, response_for: int = 0
-    ) -> None:
+    ) -> int:
         self._check_usable()
         msg_id = self._next_msg_id
         self._next_msg_id += 1
@@ -238,6 +263,7 @@ class Connector:
         self._transport.write(frame)
         if self._write_paused:
             await self._drain()
+        return msg_id
 
     async def _request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
         self._check_usable()
@@ -264,6 +290,9 @@ class Connector:
             return await asyncio.wait_for(future, timeout + _LOCAL_TIMEOUT_GRACE)
         except TimeoutError:
             raise Timeout(f"no response from {dst} within {timeout} s", timeout) from None
+        except Timeout as exc:
+            exc.timeout = timeout
+            raise
         finally:
             self._requests.pop(key, None)
 
@@ -389,15 +418,7 @@ class Connector:
         body = frame.body
         if ctype in (ControlType.TIMEOUT, ControlType.NO_ROUTE):
             assert isinstance(body, DeliveryFailure)
-            future = self._requests.get((body.src, body.msg_id))
-            if future is not None and not future.done():
-                dst = _describe(body.dst)
-                if ctype == ControlType.TIMEOUT:
-                    future.set_exception(Timeout(f"no response from {dst} before the deadline"))
-                else:
-                    future.set_exception(
-                        NoRoute(f"no service is registered at or member of {dst}", dst)
-                    )
+            self._on_delivery_failure(ctype, body)
             return
         waiter = self._control_waiters.get(frame.correlation) if frame.correlation else None
         if waiter is not None:
@@ -411,6 +432,28 @@ class Connector:
         elif ctype == ControlType.BYE:
             assert isinstance(body, Bye)
             self._broker_error = f"the broker said goodbye: {body.reason}"
+
+    def _on_delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
+        dst = _describe(body.dst)
+        reason = body.reason or f"no service is registered at or member of {dst}"
+        future = self._requests.get((body.src, body.msg_id))
+        if future is not None:
+            if not future.done():
+                if ctype == ControlType.TIMEOUT:
+                    future.set_exception(Timeout(f"no response from {dst} before the deadline"))
+                else:
+                    future.set_exception(NoRoute(f"no route to {dst}: {reason}", dst))
+            return
+        if ctype != ControlType.NO_ROUTE:
+            return  # a TIMEOUT for a request this side already gave up on
+        report = Undeliverable(_describe(body.src), dst, body.msg_id, reason)
+        if not self._undeliverable_handlers:
+            log.warning(
+                "undeliverable message",
+                extra={"src": report.src, "dst": report.dst, "reason": reason},
+            )
+        for handler in self._undeliverable_handlers:
+            handler(report)
 
     def _connection_lost(self, exc: Exception | None) -> None:
         if self._closed:

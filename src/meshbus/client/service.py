@@ -93,7 +93,7 @@ class Service:
         self._raw = address.to_bytes()
         self._inbox: deque[Message] = deque()
         self._max_inbox = max_inbox
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._groups: set[Address] = set()
         self._closed = False
 
@@ -109,12 +109,16 @@ class Service:
 
     async def send(
         self, dst: AddressLike, payload: bytes, *, echo: bool = False, notify: bool = False
-    ) -> None:
-        """Send ``payload`` to ``dst`` (at most once). ``echo``: a group send also reaches this
-        service if it is a member. ``notify``: the broker reports a missing route, which
-        ``request`` always does; by default a send with no route is dropped and counted."""
+    ) -> int:
+        """Send ``payload`` to ``dst`` (at most once); returns the message id.
+
+        ``echo``: a group send also reaches this service if it is a member.
+        ``notify``: if the broker cannot deliver it, it says so, and the connector calls
+        its ``on_undeliverable`` handlers; by default such a send is dropped and counted."""
         flags = (DataFlags.ECHO if echo else 0) | (DataFlags.NOTIFY_DROP if notify else 0)
-        await self._conn._send_data(self._raw, as_address(dst).to_bytes(), payload, int(flags))
+        return await self._conn._send_data(
+            self._raw, as_address(dst).to_bytes(), payload, int(flags)
+        )
 
     async def request(self, dst: AddressLike, payload: bytes, *, timeout: float = 5.0) -> Message:
         """Send a request and wait for its response.
@@ -135,22 +139,34 @@ class Service:
     # -- receiving --------------------------------------------------------------
 
     async def recv(self, timeout: float | None = None) -> Message:
-        """The next message; ``meshbus.Timeout`` if none arrives within ``timeout`` seconds."""
+        """The next message; ``meshbus.Timeout`` if none arrives within ``timeout`` seconds.
+
+        Several tasks may wait on one service; each message goes to one of them."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while not self._inbox:
             self._check_open()
-            loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
             try:
-                if timeout is None:
-                    await self._waiter
+                if deadline is None:
+                    await waiter
                 else:
-                    await asyncio.wait_for(self._waiter, timeout)
+                    await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
             except TimeoutError:
+                self._remove_waiter(waiter)
+                if self._inbox:
+                    break  # a message arrived just as the time ran out: take it
                 raise Timeout(
                     f"no message for {self.address} within {timeout} s", timeout
                 ) from None
-            finally:
-                self._waiter = None
+            except BaseException:
+                # Cancelled, perhaps after being woken: hand the wake-up on so the
+                # message that woke this task is not stranded in the inbox.
+                self._remove_waiter(waiter)
+                if self._inbox:
+                    self._wake_one()
+                raise
         message = self._inbox.popleft()
         if len(self._inbox) == self._max_inbox // 2:
             self._conn._inbox_drained(self)
@@ -174,14 +190,28 @@ class Service:
 
     def _deliver(self, message: Message) -> None:
         self._inbox.append(message)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake_one()
         if len(self._inbox) == self._max_inbox:
             self._conn._inbox_full(self)
 
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _remove_waiter(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- membership ---------------------------------------------------------------
 
