@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import struct
 from typing import TYPE_CHECKING, cast
 
 from meshbus.errors import ProtocolError
@@ -60,10 +61,16 @@ _TELL_SENDER = _REQUEST | _NOTIFY
 _REQUEST_RESPONSE = _REQUEST | _RESPONSE
 _BAD_FLAGS = ~KNOWN_DATA_FLAGS
 _unpack_header = DATA_HEADER.unpack_from
-_NO_KEY = bytearray()  # empty, so falsy: no cached routing decision
+_NO_KEY = b""  # empty, so falsy: no cached routing decision
+_unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
+# A link sending to more distinct (destination, source, size) keys than this starts over;
+# the bound keeps a hostile or unusual sender from growing the cache without limit.
+_MAX_DECISIONS = 4096
 _CAST_UNICAST = 1
 _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
+# Anycast picks a member per message, so its decisions are never reused.
+_CACHEABLE_CASTS = (_CAST_UNICAST, _CAST_MULTICAST)
 
 
 class LinkState(enum.Enum):
@@ -98,11 +105,13 @@ class Link(asyncio.BufferedProtocol):
         self._mv = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        # The cached routing decision of the last data frame read on this link.
-        self._key = bytearray()
+        # Routing decisions by routing key, valid for one routing-table version; and the
+        # key, frame size and targets of the last data frame read on this link.
+        self._decisions: dict[bytes, tuple[int, tuple[Link, ...]]] = {}
+        self._decisions_version = -1
+        self._key = _NO_KEY
         self._key_total = 0
-        self._key_targets: tuple[Link, ...] = ()
-        self._key_version = -1
+        self._targets: tuple[Link, ...] = ()
         self.msgs_in = 0
         self.msgs_out = 0
         self.bytes_in = 0
@@ -179,28 +188,53 @@ class Link(asyncio.BufferedProtocol):
         pos = self._start
         broker = self.broker
         out = broker.outbox
-        if self._key_version != broker.routing.version:
-            self._key = bytearray()
+        decisions = self._decisions
+        if self._decisions_version != broker.routing.version:
+            decisions.clear()
+            self._key = _NO_KEY
+            self._decisions_version = broker.routing.version
         key = self._key
         key_total = self._key_total
-        targets = self._key_targets
+        targets = self._targets
         run_start = pos
+        run_frames = 0
         try:
             while True:
+                # 1. The same routing key as the frame before: extend the run.
                 if key and buf.startswith(key, pos) and pos + key_total <= end:
                     pos += key_total
+                    run_frames += 1
                     continue
-                if pos > run_start:
-                    self._flush_run(
-                        out, targets, mv[run_start:pos], (pos - run_start) // key_total, key_total
-                    )
+                # 2. A key seen before: its decision is cached; a run continues as long
+                #    as the targets stay the same, whatever the destination address.
+                if end - pos >= ROUTING_KEY_SIZE:
+                    (seen,) = _unpack_key(buf, pos)
+                    hit = decisions.get(seen)
+                    if hit is not None and pos + hit[0] <= end:
+                        key = seen
+                        key_total = hit[0]
+                        if hit[1] != targets:
+                            if run_frames:
+                                self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                            targets = hit[1]
+                            run_start = pos
+                            run_frames = 0
+                        pos += key_total
+                        run_frames += 1
+                        continue
+                # 3. Anything else takes the general path, one frame at a time.
+                if run_frames:
+                    self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                    run_frames = 0
                 key = _NO_KEY
                 total = frame_extent(buf, pos, end, self.max_frame)
                 if not total:
                     break
                 if buf[pos + 4] == KIND_CONTROL:
                     self._on_control(bytes(buf[pos : pos + total]))
-                    pos += total
+                    if self._decisions_version != broker.routing.version:
+                        decisions.clear()
+                        self._decisions_version = broker.routing.version
                 elif self.state is not LinkState.OPEN:
                     raise FrameError(
                         ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"
@@ -209,13 +243,17 @@ class Link(asyncio.BufferedProtocol):
                     decided = self._route_one(buf, mv, pos, total)
                     if decided is not None:
                         # This frame opens a run; it is flushed with the frames that follow it.
-                        key = buf[pos : pos + ROUTING_KEY_SIZE]
+                        (key,) = _unpack_key(buf, pos)
+                        if len(decisions) >= _MAX_DECISIONS:
+                            decisions.clear()
+                        decisions[key] = (total, decided)
                         key_total = total
                         targets = decided
                         run_start = pos
                         pos += total
+                        run_frames = 1
                         continue
-                    pos += total
+                pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED:
                     break
@@ -226,8 +264,7 @@ class Link(asyncio.BufferedProtocol):
             return
         self._key = key
         self._key_total = key_total
-        self._key_targets = targets
-        self._key_version = broker.routing.version
+        self._targets = targets
         self._start = pos
         if pos == end:
             self._start = self._end = 0
@@ -239,16 +276,12 @@ class Link(asyncio.BufferedProtocol):
         targets: tuple[Link, ...],
         frames: memoryview,
         count: int,
-        frame_size: int,
     ) -> None:
         self.msgs_in += count
         if not targets:
             self.broker.stats.dropped_no_route += count
             return
         for link in targets:
-            if frame_size > link.max_frame:
-                self.broker.stats.dropped_too_large += count
-                continue
             link.msgs_out += count
             parts = out.get(link)
             if parts is None:
@@ -275,12 +308,16 @@ class Link(asyncio.BufferedProtocol):
                 "which this link has not registered",
             )
         cast_type = dst[0]
-        if not flags & _PER_FRAME:
+        if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS:
             if cast_type == _CAST_UNICAST:
                 owner = routing.route_unicast(dst)
-                return (owner,) if owner is not None else ()
-            if cast_type == _CAST_MULTICAST:
-                return routing.route_multicast(dst, src, self, bool(flags & _ECHO))
+                cacheable: tuple[Link, ...] = (owner,) if owner is not None else ()
+            else:
+                cacheable = routing.route_multicast(dst, src, self, bool(flags & _ECHO))
+            # A link's frame limit is fixed at HELLO, before it owns any address, so a
+            # decision that passes this check stays valid for every frame of this key.
+            if all(total <= link.max_frame for link in cacheable):
+                return cacheable
 
         self.msgs_in += 1
         frame = mv[pos : pos + total]
