@@ -1,0 +1,185 @@
+"""The `meshbus bench` commands.
+
+Each run starts fresh connections on servers that live for the whole command;
+with --vs-nats the meshbus and nats-server runs alternate, so both see the same
+machine noise, and the ratio is taken between the medians of the runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import click
+
+from meshbus.bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+@contextlib.contextmanager
+def _servers(vs_nats: bool) -> Iterator[list[Server]]:
+    with contextlib.ExitStack() as stack:
+        try:
+            servers = [stack.enter_context(meshbus_broker())]
+            if vs_nats:
+                servers.append(stack.enter_context(nats_server()))
+        except BenchSetupError as exc:
+            raise click.ClickException(str(exc)) from exc
+        yield servers
+
+
+def _print(table: Table) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(table)
+
+
+@click.group()
+def bench() -> None:
+    """Measure meshbus, optionally against nats-server in the same run (--vs-nats).
+
+    The last line of every benchmark is machine-readable key=value pairs.
+    """
+
+
+@bench.command()
+@click.option(
+    "--size",
+    type=click.IntRange(0, 1_000_000),
+    default=16,
+    show_default=True,
+    help="Payload bytes per message.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(1),
+    default=1_000_000,
+    show_default=True,
+    help="Messages per run.",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Runs per system; the median is reported.",
+)
+@click.option(
+    "--destinations",
+    type=click.IntRange(1, 9999),
+    default=1,
+    show_default=True,
+    help="Spread messages round-robin over this many addresses on the consumer "
+    "link (1 = a burst to one address; more defeats per-destination batching).",
+)
+@click.option("--vs-nats", is_flag=True, help="Also measure nats-server (Debian package).")
+def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) -> None:
+    """One producer -> one consumer through one server: messages per second.
+
+    Last line: `meshbus=<msgs/s> [nats=<msgs/s> ratio=<meshbus/nats>]`.
+    """
+    from rich.table import Table
+
+    from meshbus.bench.throughput import measure_throughput
+    from meshbus.bench.wire import MeshbusWire, NatsWire, Wire
+
+    wires: dict[str, Wire] = {"meshbus": MeshbusWire(), "nats": NatsWire()}
+    rates: dict[str, list[float]] = {}
+    table = Table(title=f"unicast: {count:,} x {size} B, {destinations} destination(s)")
+    for column in ("run", "system", "msgs/s", "MiB/s", "seconds"):
+        table.add_column(column, justify="right")
+    with _servers(vs_nats) as servers:
+        for run in range(1, runs + 1):
+            for server in servers:
+                result = measure_throughput(
+                    wires[server.kind], server.host, server.port, count, size, destinations
+                )
+                rates.setdefault(server.kind, []).append(result.msgs_per_s)
+                table.add_row(
+                    str(run),
+                    server.kind,
+                    f"{result.msgs_per_s:,.0f}",
+                    f"{result.mib_per_s:,.1f}",
+                    f"{result.seconds:.3f}",
+                )
+    _print(table)
+    medians = {kind: statistics.median(values) for kind, values in rates.items()}
+    line = f"meshbus={medians['meshbus']:.0f}"
+    if vs_nats:
+        line += f" nats={medians['nats']:.0f} ratio={medians['meshbus'] / medians['nats']:.3f}"
+    click.echo(line)
+
+
+@bench.command()
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 10_000),
+    default=1,
+    show_default=True,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(10),
+    default=20_000,
+    show_default=True,
+    help="Timed requests per run (a warm-up of 10% more is not timed).",
+)
+@click.option(
+    "--size",
+    type=click.IntRange(0, 1_000_000),
+    default=16,
+    show_default=True,
+    help="Payload bytes per request and response.",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Runs per system; the median of the per-run p50s is reported.",
+)
+@click.option("--vs-nats", is_flag=True, help="Also measure nats-server (Debian package).")
+def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -> None:
+    """Request/response through one server: p50/p99 latency and requests per second.
+
+    Last line: `meshbus_p50_us=<us> [nats_p50_us=<us> ratio=<meshbus/nats>]`.
+    """
+    import uvloop
+    from rich.table import Table
+
+    from meshbus.bench.latency import MeshbusRequests, NatsRequests, RequestCodec, measure_latency
+
+    codecs: dict[str, RequestCodec] = {"meshbus": MeshbusRequests(), "nats": NatsRequests()}
+    p50s: dict[str, list[float]] = {}
+    table = Table(title=f"request/response: {count:,} x {size} B, concurrency {concurrency}")
+    for column in ("run", "system", "p50 µs", "p99 µs", "req/s"):
+        table.add_column(column, justify="right")
+    with _servers(vs_nats) as servers:
+        for run in range(1, runs + 1):
+            for server in servers:
+                result = uvloop.run(
+                    measure_latency(
+                        codecs[server.kind], server.host, server.port, count, concurrency, size
+                    )
+                )
+                p50s.setdefault(server.kind, []).append(result.p50_us)
+                table.add_row(
+                    str(run),
+                    server.kind,
+                    f"{result.p50_us:.0f}",
+                    f"{result.p99_us:.0f}",
+                    f"{result.requests_per_s:,.0f}",
+                )
+    _print(table)
+    medians = {kind: statistics.median(values) for kind, values in p50s.items()}
+    line = f"meshbus_p50_us={medians['meshbus']:.1f}"
+    if vs_nats:
+        line += (
+            f" nats_p50_us={medians['nats']:.1f} ratio={medians['meshbus'] / medians['nats']:.3f}"
+        )
+    click.echo(line)
