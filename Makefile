@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit integration bench clean
+.PHONY: test demo lint typecheck unit integration nats-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# The benchmark tests compare against nats-server, a Debian package.
+nats-server:
+	@command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || { \
+	  echo "installing the nats-server Debian package (the benchmark's peer)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null \
+	  || { echo "could not install nats-server: run 'apt-get install nats-server' as root"; exit 1; }; }
+
+test: lint typecheck nats-server
 	$(BIN)/pytest -q
 
 unit: $(STAMP)

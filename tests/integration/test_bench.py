@@ -1,0 +1,52 @@
+"""`meshbus bench` end to end, with tiny loads: the figures must be real and parseable."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+BENCH = [sys.executable, "-m", "meshbus", "bench"]
+
+
+def run_bench(*args: str) -> str:
+    done = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("destinations", ["1", "3"])
+def test_unicast_vs_nats_last_line(destinations: str) -> None:
+    line = run_bench(
+        "unicast", "--count", "20000", "--runs", "1", "--vs-nats", "--destinations", destinations
+    )
+    match = re.fullmatch(r"meshbus=(\d+) nats=(\d+) ratio=(\d+\.\d+)", line)
+    assert match, line
+    meshbus, nats, ratio = int(match[1]), int(match[2]), float(match[3])
+    assert meshbus > 0
+    assert nats > 0
+    assert ratio == pytest.approx(meshbus / nats, rel=0.01)
+
+
+def test_request_vs_nats_last_line() -> None:
+    line = run_bench("request", "--count", "500", "--runs", "1", "--concurrency", "4", "--vs-nats")
+    match = re.fullmatch(r"meshbus_p50_us=(\d+\.\d) nats_p50_us=(\d+\.\d) ratio=(\d+\.\d+)", line)
+    assert match, line
+    meshbus, nats, ratio = float(match[1]), float(match[2]), float(match[3])
+    assert 0 < meshbus < 1_000_000
+    assert 0 < nats < 1_000_000
+    assert ratio == pytest.approx(meshbus / nats, rel=0.02)
+
+
+def test_meshbus_only_line() -> None:
+    assert re.fullmatch(r"meshbus=\d+", run_bench("unicast", "--count", "5000", "--runs", "1"))
+
+
+def test_bad_argument_exits_2() -> None:
+    done = subprocess.run(
+        [*BENCH, "unicast", "--count", "0"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 2
+    assert "--count" in done.stderr
