@@ -572,5 +572,14 @@ def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
     return [title, links, groups, counters]
 
 
+def _add_bench() -> None:
+    from meshbus.bench.cli import bench
+
+    main.add_command(bench)
+
+
+_add_bench()
+
+
 if __name__ == "__main__":
     main()
