@@ -39,6 +39,8 @@ from meshbus.protocol.layout import (
     DATA_HEADER,
     KIND_CONTROL,
     KNOWN_DATA_FLAGS,
+    OFF_MSG_ID,
+    OFF_RESPONSE_FOR,
     ROUTING_KEY_SIZE,
     ControlType,
     DataFlags,
@@ -62,6 +64,17 @@ _REQUEST_RESPONSE = _REQUEST | _RESPONSE
 _BAD_FLAGS = ~KNOWN_DATA_FLAGS
 _unpack_header = DATA_HEADER.unpack_from
 _NO_KEY = b""  # empty, so falsy: no cached routing decision
+_unpack_response_for = struct.Struct(">Q").unpack_from
+_unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
+
+# How a cached decision is carried out: plain frames join runs; requests and responses
+# each touch the pending table. The modes are compared by identity.
+_PLAIN = "plain"
+_REQUEST_MODE = "request"
+_RESPONSE_MODE = "response"
+# (frame size, target links, mode, source, destination): valid for every frame with the
+# routing key it was made for, until the routing table changes.
+Decision = tuple[int, tuple["Link", ...], str, bytes, bytes]
 _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
@@ -107,7 +120,7 @@ class Link(asyncio.BufferedProtocol):
         self._end = 0
         # Routing decisions by routing key, valid for one routing-table version; and the
         # key, frame size and targets of the last data frame read on this link.
-        self._decisions: dict[bytes, tuple[int, tuple[Link, ...]]] = {}
+        self._decisions: dict[bytes, Decision] = {}
         self._decisions_version = -1
         self._key = _NO_KEY
         self._key_total = 0
@@ -211,6 +224,16 @@ class Link(asyncio.BufferedProtocol):
                     (seen,) = _unpack_key(buf, pos)
                     hit = decisions.get(seen)
                     if hit is not None and pos + hit[0] <= end:
+                        if hit[2] is not _PLAIN:
+                            # A request or response: its own pending-table work, no run.
+                            if run_frames:
+                                self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                                run_frames = 0
+                            key = _NO_KEY
+                            self._forward(hit, pos)
+                            pos += hit[0]
+                            run_start = pos
+                            continue
                         key = seen
                         key_total = hit[0]
                         if hit[1] != targets:
@@ -242,17 +265,20 @@ class Link(asyncio.BufferedProtocol):
                 else:
                     decided = self._route_one(buf, mv, pos, total)
                     if decided is not None:
-                        # This frame opens a run; it is flushed with the frames that follow it.
-                        (key,) = _unpack_key(buf, pos)
+                        (seen,) = _unpack_key(buf, pos)
                         if len(decisions) >= _MAX_DECISIONS:
                             decisions.clear()
-                        decisions[key] = (total, decided)
-                        key_total = total
-                        targets = decided
-                        run_start = pos
-                        pos += total
-                        run_frames = 1
-                        continue
+                        decisions[seen] = decided
+                        if decided[2] is _PLAIN:
+                            # This frame opens a run, flushed with the frames that follow it.
+                            key = seen
+                            key_total = total
+                            targets = decided[1]
+                            run_start = pos
+                            pos += total
+                            run_frames = 1
+                            continue
+                        self._forward(decided, pos)
                 pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED:
@@ -289,16 +315,14 @@ class Link(asyncio.BufferedProtocol):
             else:
                 parts.append(frames)
 
-    def _route_one(
-        self, buf: bytearray, mv: memoryview, pos: int, total: int
-    ) -> tuple[Link, ...] | None:
-        """Route the data frame at ``pos``. Returns the targets when later frames with the
-        same routing key may reuse them; None when this frame was handled on its own."""
+    def _route_one(self, buf: bytearray, mv: memoryview, pos: int, total: int) -> Decision | None:
+        """Validate and route the data frame at ``pos``, the first with its routing key.
+
+        Returns the decision when frames with the same key can reuse it (the caller
+        executes it for this frame too); None when this frame was handled on its own."""
         broker = self.broker
         routing = broker.routing
-        (_, _, _, flags, _, dst, src, _, msg_id, response_for, timeout_ms) = _unpack_header(
-            buf, pos
-        )
+        (_, _, _, flags, _, dst, src, _, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
         if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
             check_data_flags(flags)
         if routing.owner(src) is not self:
@@ -317,17 +341,12 @@ class Link(asyncio.BufferedProtocol):
             # A link's frame limit is fixed at HELLO, before it owns any address, so a
             # decision that passes this check stays valid for every frame of this key.
             if all(total <= link.max_frame for link in cacheable):
-                return cacheable
+                return (total, cacheable, _PLAIN, src, dst)
+        if flags & _RESPONSE:
+            return (total, (), _RESPONSE_MODE, src, dst)
 
         self.msgs_in += 1
         frame = mv[pos : pos + total]
-        if flags & _RESPONSE:
-            requester_link = broker.pending.resolve(dst, response_for)
-            if requester_link is None or requester_link.state is LinkState.CLOSED:
-                broker.stats.late_responses += 1
-            else:
-                broker.deliver(requester_link, frame)
-            return None
         if cast_type == _CAST_UNICAST:
             owner = routing.route_unicast(dst)
             found: tuple[Link, ...] = (owner,) if owner is not None else ()
@@ -345,6 +364,13 @@ class Link(asyncio.BufferedProtocol):
             if flags & _TELL_SENDER:
                 broker.no_route(self, msg_id, src, dst)
             return None
+        if (
+            flags & _REQUEST
+            and cast_type != _CAST_ANYCAST
+            and all(total <= link.max_frame for link in found)
+        ):
+            self.msgs_in -= 1  # counted again when the decision is carried out
+            return (total, found, _REQUEST_MODE, src, dst)
         delivered = 0
         for link in found:
             delivered += broker.deliver(link, frame)
@@ -362,6 +388,26 @@ class Link(asyncio.BufferedProtocol):
             broker.stats.requests += 1
             broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
         return None
+
+    def _forward(self, decision: Decision, pos: int) -> None:
+        """Carry out a request or response decision for the frame at ``pos``."""
+        total, targets, mode, src, dst = decision
+        broker = self.broker
+        self.msgs_in += 1
+        frame = self._mv[pos : pos + total]
+        if mode is _RESPONSE_MODE:
+            (response_for,) = _unpack_response_for(self._buf, pos + OFF_RESPONSE_FOR)
+            requester_link = broker.pending.resolve(dst, response_for)
+            if requester_link is None or requester_link.state is LinkState.CLOSED:
+                broker.stats.late_responses += 1
+            else:
+                broker.deliver(requester_link, frame)
+            return
+        msg_id, timeout_ms = _unpack_request_ids(self._buf, pos + OFF_MSG_ID)
+        for link in targets:
+            broker.deliver(link, frame)
+        broker.stats.requests += 1
+        broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
 
     # -- control frames -------------------------------------------------------
 
