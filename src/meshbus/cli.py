@@ -112,11 +112,23 @@ class NoRouteFailure(click.ClickException):
     exit_code = EXIT_NO_ROUTE
 
 
+class _KeyValueFormatter(logging.Formatter):
+    """One line per event: time, level, logger, message, then the ``extra=`` fields as
+    key=value pairs, so logs stay greppable and machine-readable."""
+
+    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = {k: v for k, v in vars(record).items() if k not in self._STANDARD}
+        return line + "".join(f" {k}={v!r}" for k, v in fields.items())
+
+
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=ADDRESS_HELP)
