@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 
-READY_PREFIX = "meshbus broker "
+from meshbus.broker.process import spawn_broker
 
 
 @dataclass
@@ -36,26 +34,8 @@ class BrokerProcess:
 
 async def start_broker(*args: str) -> BrokerProcess:
     """Start `meshbus broker --listen 127.0.0.1:0 ARGS` and wait for its ready line."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "meshbus",
-        "broker",
-        "--listen",
-        "127.0.0.1:0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
-    if not line.startswith(READY_PREFIX):
-        process.kill()
-        await process.wait()
-        raise RuntimeError(f"broker did not print its ready line, got {line!r}")
-    # "meshbus broker NAME listening on HOST:PORT"
-    words = line.split()
-    return BrokerProcess(process, words[2], words[-1])
+    process, name, address = await spawn_broker(*args)
+    return BrokerProcess(process, name, address)
 
 
 @pytest.fixture

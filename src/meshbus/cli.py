@@ -47,57 +47,35 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class HostPort(click.ParamType[str]):
-    """HOST:PORT, checked when parsed so a typo fails with a clear message."""
+class _Parsed(click.ParamType[T]):
+    """A parameter checked by ``parse`` when it is read, so a typo fails with its message."""
 
-    name = "HOST:PORT"
+    def __init__(self, name: str, parse: Callable[[str], T]) -> None:
+        self.name = name
+        self._parse = parse
 
-    def convert(
-        self, value: object, param: click.Parameter | None, ctx: click.Context | None
-    ) -> str:
-        text = str(value)
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> T:
+        if not isinstance(value, str):
+            return value  # type: ignore[return-value]  # already converted (a default)
         try:
-            parse_hostport(text)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-        return text
-
-
-class AddressParam(click.ParamType[Address]):
-    """A meshbus address in text form: SERVER:INSTANCE, multicast:NAME, anycast:NAME."""
-
-    name = "ADDRESS"
-
-    def convert(
-        self, value: object, param: click.Parameter | None, ctx: click.Context | None
-    ) -> Address:
-        if isinstance(value, Address):
-            return value
-        try:
-            return Address.parse(str(value))
+            return self._parse(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
 
-class ServerName(click.ParamType[str]):
-    """The server part of a unicast address: at most 11 bytes of UTF-8, no ':'."""
-
-    name = "NAME"
-
-    def convert(
-        self, value: object, param: click.Parameter | None, ctx: click.Context | None
-    ) -> str:
-        text = str(value)
-        try:
-            Unicast(text, 1)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-        return text
+def _check_hostport(text: str) -> str:
+    parse_hostport(text)
+    return text
 
 
-HOSTPORT = HostPort()
-ADDRESS = AddressParam()
-SERVER_NAME = ServerName()
+def _check_server_name(text: str) -> str:
+    Unicast(text, 1)  # the server part of a unicast address: <= 11 bytes of UTF-8, no ':'
+    return text
+
+
+HOSTPORT = _Parsed("HOST:PORT", _check_hostport)
+ADDRESS = _Parsed("ADDRESS", Address.parse)
+SERVER_NAME = _Parsed("NAME", _check_server_name)
 
 
 class TimedOut(click.ClickException):

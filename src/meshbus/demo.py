@@ -13,7 +13,6 @@ test of the installed package.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -24,9 +23,9 @@ from rich.console import Console
 
 import meshbus
 from meshbus import Anycast, Multicast, Service, Unicast
+from meshbus.broker.process import BrokerStartError, spawn_broker
 from meshbus.cli import stat_renderables
 
-READY_PREFIX = "meshbus broker "
 STARTUP_TIMEOUT = 20.0
 RECV_TIMEOUT = 2.0
 SLOW_TIMEOUT = 0.5
@@ -46,28 +45,11 @@ def check(condition: bool, what: str) -> None:
 
 async def start_broker() -> tuple[asyncio.subprocess.Process, str]:
     """Start ``meshbus broker`` on a free port; return the process and its HOST:PORT."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "meshbus",
-        "broker",
-        "--listen",
-        "127.0.0.1:0",
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert process.stdout is not None
     try:
-        line = (await asyncio.wait_for(process.stdout.readline(), STARTUP_TIMEOUT)).decode()
-    except TimeoutError:
-        line = ""
-    if not line.startswith(READY_PREFIX):
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        raise StepFailed(f"the broker did not print its ready line (got {line!r})")
-    # "meshbus broker NAME listening on HOST:PORT"
-    return process, line.split()[-1]
+        process, _, address = await spawn_broker(timeout=STARTUP_TIMEOUT)
+    except BrokerStartError as exc:
+        raise StepFailed(str(exc)) from exc
+    return process, address
 
 
 async def stop_broker(process: asyncio.subprocess.Process) -> int:

@@ -8,10 +8,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from meshbus.broker.process import broker_command, child_env, parse_ready_line
+from meshbus.util import parse_hostport
 
 
 class BenchSetupError(Exception):
@@ -39,18 +41,15 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def meshbus_broker(*extra: str) -> Iterator[Server]:
     """A `meshbus broker` subprocess on a free loopback port, stopped on exit."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "meshbus", "broker", "--listen", "127.0.0.1:0", *extra],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process = subprocess.Popen(broker_command(*extra), stdout=subprocess.PIPE, env=child_env())
     try:
         assert process.stdout is not None
         line = process.stdout.readline().decode()
-        match = re.match(r"meshbus broker \S+ listening on (\S+):(\d+)$", line.strip())
-        if match is None:
+        ready = parse_ready_line(line)
+        if ready is None:
             raise BenchSetupError(f"meshbus broker did not start: {line!r}")
-        yield Server("meshbus", process, match.group(1), int(match.group(2)))
+        host, port = parse_hostport(ready[1])
+        yield Server("meshbus", process, host, port)
     finally:
         _stop(process)
 

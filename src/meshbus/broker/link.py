@@ -130,9 +130,6 @@ class Link(asyncio.BufferedProtocol):
         self.bytes_in = 0
         self.bytes_out = 0
 
-    def __hash__(self) -> int:
-        return self.link_id
-
     def __repr__(self) -> str:
         return f"<Link {self.link_id} {self.peer} {self.state.value}>"
 

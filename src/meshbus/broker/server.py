@@ -19,6 +19,7 @@ from meshbus.address import Address
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.link import CloseReason, Link, LinkState
 from meshbus.broker.pending import PendingTable
+from meshbus.broker.process import ready_line
 from meshbus.broker.routing import RoutingTable
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import Bye, DeliveryFailure
@@ -265,7 +266,7 @@ async def serve(config: BrokerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # The one line scripts and tests wait for; it carries the real port when --listen used 0.
-    sys.stdout.write(f"meshbus broker {config.name} listening on {broker.address}\n")
+    sys.stdout.write(ready_line(config.name, broker.address) + "\n")
     sys.stdout.flush()
     await stop.wait()
     log.info("stopping", extra={"broker": config.name})

@@ -1,0 +1,59 @@
+"""Running `meshbus broker` as a child process: the ready line, written and read in one place.
+
+The broker prints exactly one line when it accepts links, ``meshbus broker NAME
+listening on HOST:PORT``; scripts, the demo, the benchmarks and the tests start a
+broker on port 0 and read the real address from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+
+_READY = re.compile(r"meshbus broker (\S+) listening on (\S+:\d+)$")
+
+
+class BrokerStartError(RuntimeError):
+    """A broker child process did not come up; the message has what it printed."""
+
+
+def ready_line(name: str, address: str) -> str:
+    return f"meshbus broker {name} listening on {address}"
+
+
+def parse_ready_line(line: str) -> tuple[str, str] | None:
+    """(NAME, HOST:PORT) from a ready line, or None if ``line`` is not one."""
+    match = _READY.match(line.strip())
+    return (match[1], match[2]) if match else None
+
+
+def broker_command(*args: str) -> list[str]:
+    """The command line of a broker on a free loopback port, plus ``args``."""
+    return [sys.executable, "-m", "meshbus", "broker", "--listen", "127.0.0.1:0", *args]
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+async def spawn_broker(
+    *args: str, timeout: float = 20.0
+) -> tuple[asyncio.subprocess.Process, str, str]:
+    """Start a broker and wait for its ready line: (process, NAME, HOST:PORT)."""
+    process = await asyncio.create_subprocess_exec(
+        *broker_command(*args), stdout=asyncio.subprocess.PIPE, env=child_env()
+    )
+    assert process.stdout is not None
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), timeout)).decode()
+    except TimeoutError:
+        line = ""
+    ready = parse_ready_line(line)
+    if ready is None:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        raise BrokerStartError(f"the broker did not print its ready line (got {line!r})")
+    return process, ready[0], ready[1]
