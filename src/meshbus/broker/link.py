@@ -9,13 +9,22 @@ Link states and the only transitions allowed between them:
 
 The hot path (``Link._process``) forwards data frames as the bytes it read.
 It never decodes a payload: it reads the 40-byte routing key at the start of
-each frame (length, kind, version, flags, hops, destination, source). When a
-frame's key equals the previous frame's, the routing decision is the same, so a
-burst of frames to one destination costs one ``bytearray.startswith`` per frame
-and is written out as one slice. Frames whose decision depends on more than the
-key -- requests, responses, anycast, drop notifications -- take the general
-path one by one. Everything routed during one read is batched per destination
-link and written once per link at the end of the read, in arrival order.
+each frame (length, kind, version, flags, hops, destination, source). Frames
+with equal keys get the same routing decision, so:
+
+1. a frame whose key equals the previous frame's costs one
+   ``bytearray.startswith`` and extends the current run;
+2. a frame whose key was seen before takes its decision from a per-link cache
+   (cleared whenever the routing table changes); a run goes on while the target
+   links stay the same, whatever the destination address;
+3. any other frame is validated in full (prefix, flags, source ownership, cast
+   type) and routed by the table; its decision is cached when it can be reused.
+
+A run is written out as one slice. Requests and responses reuse cached
+decisions too but are carried out one by one, since each touches the pending
+table; anycast picks a member per frame and is never cached. Everything routed
+during one read is batched per destination link and written once per link at
+the end of the read, in arrival order.
 """
 
 from __future__ import annotations
