@@ -6,10 +6,12 @@ member of an anycast group gets it, and the sender is skipped unless it asked
 for ``echo``.
 
 Backpressure: each service's inbox holds at most ``max_inbox`` messages. When
-one fills, the connector stops reading from the socket until it drains to half,
-so a slow service slows its sender through TCP rather than growing memory
-without bound; the broker closes a link that falls more than its
-``max_pending_bytes`` behind (a slow consumer, as in NATS).
+one fills, the connector stops handing out frames and reading from the socket
+until it drains to half, so a slow service slows its sender through TCP rather
+than growing memory without bound. While it waits, nothing else on the link
+moves either (control answers included): one link, one order. The broker closes
+a link that falls more than its ``max_pending_bytes`` behind (a slow consumer,
+as in NATS).
 """
 
 from __future__ import annotations
@@ -363,23 +365,36 @@ class Connector:
             self._full_inboxes.discard(service)
             if not self._full_inboxes and self._transport is not None:
                 self._transport.resume_reading()
+                self._dispatch_buffered()
 
     # -- incoming frames -----------------------------------------------------------
 
     def _data_received(self, data: bytes) -> None:
+        try:
+            self._decoder.feed(data)
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        self._dispatch_buffered()
+
+    def _dispatch_buffered(self) -> None:
+        """Hand out the buffered frames, stopping while an inbox is full: the rest stay
+        in the decoder, so an inbox never holds more than ``max_inbox`` messages."""
         decoder = self._decoder
         try:
-            decoder.feed(data)
-            while (frame := decoder.next_frame()) is not None:
+            while not self._full_inboxes and (frame := decoder.next_frame()) is not None:
                 if isinstance(frame, DataFrame):
                     self._on_data(frame)
                 else:
                     self._on_control(frame)
         except ProtocolError as exc:
-            log.warning("broker broke the protocol", extra={"error": str(exc)})
-            self._lost = ConnectionLost(f"the broker sent an invalid frame: {exc}")
-            if self._transport is not None:
-                self._transport.abort()
+            self._protocol_error(exc)
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        log.warning("broker broke the protocol", extra={"error": str(exc)})
+        self._lost = ConnectionLost(f"the broker sent an invalid frame: {exc}")
+        if self._transport is not None:
+            self._transport.abort()
 
     def _on_data(self, frame: DataFrame) -> None:
         flags = frame.flags
