@@ -147,6 +147,10 @@ class Link(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        # Unsent output past this is a slow consumer (see pause_writing); the transport
+        # checks it on every write at no cost to the hot path.
+        high = self.broker.config.max_pending_bytes
+        self.transport.set_write_buffer_limits(high=high, low=high // 2)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.broker.link_opened(self)
@@ -183,20 +187,20 @@ class Link(asyncio.BufferedProtocol):
         if self.transport is not None and self.state is not LinkState.CLOSED:
             self.transport.write(data)
             self.bytes_out += len(data)
-            self._check_backlog()
 
-    def _check_backlog(self) -> None:
-        transport = self.transport
-        if (
-            transport is not None
-            and transport.get_write_buffer_size() > self.broker.config.max_pending_bytes
-        ):
-            self.fail(
-                ErrorCode.SLOW_CONSUMER,
-                f"slow consumer: more than {self.broker.config.max_pending_bytes} bytes "
-                "waiting to be written to this link",
-                reason=CloseReason.SLOW_CONSUMER,
-            )
+    def pause_writing(self) -> None:
+        """The transport's unsent output passed ``max_pending_bytes`` (its high-water
+        mark): a slow consumer. Closed on the next loop turn, not inside ``write``."""
+        asyncio.get_running_loop().call_soon(
+            self.fail,
+            ErrorCode.SLOW_CONSUMER,
+            f"slow consumer: more than {self.broker.config.max_pending_bytes} bytes "
+            "waiting to be written to this link",
+            CloseReason.SLOW_CONSUMER,
+        )
+
+    def resume_writing(self) -> None:
+        pass  # a link that paused is already being closed
 
     # -- the hot path -------------------------------------------------------
 
@@ -427,7 +431,7 @@ class Link(asyncio.BufferedProtocol):
 
     # -- closing ---------------------------------------------------------------
 
-    def fail(self, code: ErrorCode, message: str, *, reason: CloseReason) -> None:
+    def fail(self, code: ErrorCode, message: str, reason: CloseReason) -> None:
         """Tell the peer what went wrong in an ERROR frame, then close the link.
 
         A slow consumer is aborted instead: its output is what is stuck, so a

@@ -167,7 +167,6 @@ class Broker:
             data = b"".join(parts)
             link.transport.write(data)
             link.bytes_out += len(data)
-            link._check_backlog()
 
     def no_route(self, link: Link, msg_id: int, src: bytes, dst: bytes, reason: str = "") -> None:
         self.reply(
