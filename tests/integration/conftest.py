@@ -154,6 +154,17 @@ def data_frame(
 
 
 @pytest.fixture
+async def conns(broker) -> AsyncIterator[list[meshbus.Connector]]:  # type: ignore[no-untyped-def]
+    """Three connectors to one broker."""
+    opened = [await meshbus.connect(broker.address, server=f"srv{i}") for i in range(3)]
+    try:
+        yield opened
+    finally:
+        for conn in opened:
+            await conn.close()
+
+
+@pytest.fixture
 async def raw_link(broker) -> AsyncIterator[RawLink]:  # type: ignore[no-untyped-def]
     link = await RawLink.open(broker.address)
     try:

@@ -63,16 +63,6 @@ async def wait_pending_zero(conn: meshbus.Connector) -> None:
     raise AssertionError(f"broker still has {last} pending requests")
 
 
-@pytest.fixture
-async def conns(broker):
-    opened = [await meshbus.connect(broker.address, server=f"srv{i}") for i in range(3)]
-    try:
-        yield opened
-    finally:
-        for conn in opened:
-            await conn.close()
-
-
 # -- answered requests --------------------------------------------------------------------
 
 

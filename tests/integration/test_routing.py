@@ -36,17 +36,6 @@ async def expect_markers(*receivers: meshbus.Service) -> None:
         await assert_next_is(receiver, b"marker:" + str(receiver.address).encode())
 
 
-@pytest.fixture
-async def conns(broker):
-    """Three connectors to one broker."""
-    opened = [await meshbus.connect(broker.address, server=f"srv{i}") for i in range(3)]
-    try:
-        yield opened
-    finally:
-        for conn in opened:
-            await conn.close()
-
-
 # -- unicast ----------------------------------------------------------------------------
 
 

@@ -9,19 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import click
 
 from meshbus.bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
 
-if TYPE_CHECKING:
+
+def _alternate(
+    vs_nats: bool,
+    runs: int,
+    title: str,
+    columns: tuple[str, ...],
+    measure: Callable[[Server], tuple[float, tuple[str, ...]]],
+) -> dict[str, float]:
+    """Run ``measure`` ``runs`` times per system, meshbus and nats-server alternating,
+    print the per-run table on stderr and return the median figure per system.
+
+    ``measure`` returns the figure to take the median of and the table cells of the run.
+    """
+    from rich.console import Console
     from rich.table import Table
 
-
-@contextlib.contextmanager
-def _servers(vs_nats: bool) -> Iterator[list[Server]]:
+    table = Table(title=title)
+    for column in ("run", "system", *columns):
+        table.add_column(column, justify="right")
+    figures: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:
         try:
             servers = [stack.enter_context(meshbus_broker())]
@@ -29,13 +42,13 @@ def _servers(vs_nats: bool) -> Iterator[list[Server]]:
                 servers.append(stack.enter_context(nats_server()))
         except BenchSetupError as exc:
             raise click.ClickException(str(exc)) from exc
-        yield servers
-
-
-def _print(table: Table) -> None:
-    from rich.console import Console
-
+        for run in range(1, runs + 1):
+            for server in servers:
+                figure, cells = measure(server)
+                figures.setdefault(server.kind, []).append(figure)
+                table.add_row(str(run), server.kind, *cells)
     Console(stderr=True).print(table)
+    return {kind: statistics.median(values) for kind, values in figures.items()}
 
 
 @click.group()
@@ -82,32 +95,28 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
 
     Last line: `meshbus=<msgs/s> [nats=<msgs/s> ratio=<meshbus/nats>]`.
     """
-    from rich.table import Table
-
     from meshbus.bench.throughput import measure_throughput
     from meshbus.bench.wire import MeshbusWire, NatsWire, Wire
 
     wires: dict[str, Wire] = {"meshbus": MeshbusWire(), "nats": NatsWire()}
-    rates: dict[str, list[float]] = {}
-    table = Table(title=f"unicast: {count:,} x {size} B, {destinations} destination(s)")
-    for column in ("run", "system", "msgs/s", "MiB/s", "seconds"):
-        table.add_column(column, justify="right")
-    with _servers(vs_nats) as servers:
-        for run in range(1, runs + 1):
-            for server in servers:
-                result = measure_throughput(
-                    wires[server.kind], server.host, server.port, count, size, destinations
-                )
-                rates.setdefault(server.kind, []).append(result.msgs_per_s)
-                table.add_row(
-                    str(run),
-                    server.kind,
-                    f"{result.msgs_per_s:,.0f}",
-                    f"{result.mib_per_s:,.1f}",
-                    f"{result.seconds:.3f}",
-                )
-    _print(table)
-    medians = {kind: statistics.median(values) for kind, values in rates.items()}
+
+    def measure(server: Server) -> tuple[float, tuple[str, ...]]:
+        result = measure_throughput(
+            wires[server.kind], server.host, server.port, count, size, destinations
+        )
+        return result.msgs_per_s, (
+            f"{result.msgs_per_s:,.0f}",
+            f"{result.mib_per_s:,.1f}",
+            f"{result.seconds:.3f}",
+        )
+
+    medians = _alternate(
+        vs_nats,
+        runs,
+        f"unicast: {count:,} x {size} B, {destinations} destination(s)",
+        ("msgs/s", "MiB/s", "seconds"),
+        measure,
+    )
     line = f"meshbus={medians['meshbus']:.0f}"
     if vs_nats:
         line += f" nats={medians['nats']:.0f} ratio={medians['meshbus'] / medians['nats']:.3f}"
@@ -150,33 +159,28 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
     Last line: `meshbus_p50_us=<us> [nats_p50_us=<us> ratio=<meshbus/nats>]`.
     """
     import uvloop
-    from rich.table import Table
 
     from meshbus.bench.latency import MeshbusRequests, NatsRequests, RequestCodec, measure_latency
 
     codecs: dict[str, RequestCodec] = {"meshbus": MeshbusRequests(), "nats": NatsRequests()}
-    p50s: dict[str, list[float]] = {}
-    table = Table(title=f"request/response: {count:,} x {size} B, concurrency {concurrency}")
-    for column in ("run", "system", "p50 µs", "p99 µs", "req/s"):
-        table.add_column(column, justify="right")
-    with _servers(vs_nats) as servers:
-        for run in range(1, runs + 1):
-            for server in servers:
-                result = uvloop.run(
-                    measure_latency(
-                        codecs[server.kind], server.host, server.port, count, concurrency, size
-                    )
-                )
-                p50s.setdefault(server.kind, []).append(result.p50_us)
-                table.add_row(
-                    str(run),
-                    server.kind,
-                    f"{result.p50_us:.0f}",
-                    f"{result.p99_us:.0f}",
-                    f"{result.requests_per_s:,.0f}",
-                )
-    _print(table)
-    medians = {kind: statistics.median(values) for kind, values in p50s.items()}
+
+    def measure(server: Server) -> tuple[float, tuple[str, ...]]:
+        result = uvloop.run(
+            measure_latency(codecs[server.kind], server.host, server.port, count, concurrency, size)
+        )
+        return result.p50_us, (
+            f"{result.p50_us:.0f}",
+            f"{result.p99_us:.0f}",
+            f"{result.requests_per_s:,.0f}",
+        )
+
+    medians = _alternate(
+        vs_nats,
+        runs,
+        f"request/response: {count:,} x {size} B, concurrency {concurrency}",
+        ("p50 µs", "p99 µs", "req/s"),
+        measure,
+    )
     line = f"meshbus_p50_us={medians['meshbus']:.1f}"
     if vs_nats:
         line += (
