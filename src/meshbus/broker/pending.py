@@ -41,7 +41,9 @@ class PendingEntry(Generic[L]):
 
 class PendingTable(Generic[L]):
     def __init__(self) -> None:
-        self._entries: dict[Key, PendingEntry[L]] = {}
+        # key -> (link, deadline, dst, seq): a plain tuple, the cheapest thing to build on
+        # every request; PendingEntry objects are made only for the few that expire.
+        self._entries: dict[Key, tuple[L, float, bytes, int]] = {}
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
 
@@ -51,16 +53,16 @@ class PendingTable(Generic[L]):
     def add(self, requester: bytes, msg_id: int, link: L, deadline: float, dst: bytes) -> None:
         """Record a request. A second request with the same key replaces the first."""
         key = (requester, msg_id)
-        self._seq += 1
-        self._entries[key] = PendingEntry(requester, msg_id, link, deadline, dst, self._seq)
-        heapq.heappush(self._heap, (deadline, self._seq, key))
+        seq = self._seq = self._seq + 1
+        self._entries[key] = (link, deadline, dst, seq)
+        heapq.heappush(self._heap, (deadline, seq, key))
         if len(self._heap) > COMPACT_SLACK + 3 * len(self._entries):
             self._compact()
 
     def resolve(self, requester: bytes, msg_id: int) -> L | None:
         """Pop the entry a response for (requester, msg_id) answers; None if there is none."""
         entry = self._entries.pop((requester, msg_id), None)
-        return None if entry is None else entry.link
+        return None if entry is None else entry[0]
 
     def expire(self, now: float) -> list[PendingEntry[L]]:
         """Remove and return every entry whose deadline is at or before ``now``."""
@@ -69,9 +71,10 @@ class PendingTable(Generic[L]):
         while heap and heap[0][0] <= now:
             _, seq, key = heapq.heappop(heap)
             entry = self._entries.get(key)
-            if entry is not None and entry.seq == seq:
+            if entry is not None and entry[3] == seq:
                 del self._entries[key]
-                expired.append(entry)
+                link, deadline, dst, _ = entry
+                expired.append(PendingEntry(key[0], key[1], link, deadline, dst, seq))
         return expired
 
     def next_deadline(self) -> float | None:
@@ -80,7 +83,7 @@ class PendingTable(Generic[L]):
 
     def drop_link(self, link: L) -> int:
         """Forget the requests made over ``link`` (its requester is gone); returns how many."""
-        gone = [k for k, e in self._entries.items() if e.link == link]
+        gone = [k for k, e in self._entries.items() if e[0] == link]
         for key in gone:
             del self._entries[key]
         return len(gone)
@@ -90,6 +93,6 @@ class PendingTable(Generic[L]):
         self._heap = [
             item
             for item in self._heap
-            if (entry := entries.get(item[2])) is not None and entry.seq == item[1]
+            if (entry := entries.get(item[2])) is not None and entry[3] == item[1]
         ]
         heapq.heapify(self._heap)
