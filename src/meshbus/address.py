@@ -194,6 +194,15 @@ def _from_bytes_cached(raw: bytes) -> Address:
     raise ValueError(f"unknown cast type {cast} (expected 1 unicast, 2 multicast, 3 anycast)")
 
 
+def describe_address(raw: bytes) -> str:
+    """The text form of a 16-byte address, or a readable placeholder if it is not valid
+    (for logs and error messages about bytes a peer sent)."""
+    try:
+        return str(Address.from_bytes(raw))
+    except ValueError:
+        return f"<invalid address {bytes(raw).hex()}>"
+
+
 def server_name_bytes(server: str) -> bytes:
     """The 11-byte, NUL-padded wire form of a server name; ValueError if it is not valid."""
     raw = _encode_name(server, SERVER_NAME_MAX, "server name")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshbus.address import Address, Unicast, server_name_bytes
+from meshbus.address import Address, Unicast, describe_address, server_name_bytes
 from meshbus.broker.link import CloseReason, LinkState
 from meshbus.broker.routing import RoutingError
 from meshbus.protocol.codec import FrameError, describe
@@ -138,8 +138,7 @@ class ControlHandler:
         if self.broker.routing.owner(address) is not link:
             raise Refused(
                 ErrorCode.NOT_REGISTERED,
-                f"cannot {verb} {self.broker.describe(address)}: "
-                "this connector has not registered it",
+                f"cannot {verb} {describe_address(address)}: this connector has not registered it",
             )
 
     def _check_membership(self, link: Link, body: Membership, verb: str) -> None:

@@ -35,6 +35,7 @@ import logging
 import struct
 from typing import TYPE_CHECKING, cast
 
+from meshbus.address import describe_address
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import (
     FrameError,
@@ -338,7 +339,7 @@ class Link(asyncio.BufferedProtocol):
         if routing.owner(src) is not self:
             raise FrameError(
                 ErrorCode.ADDRESS_NOT_OWNED,
-                f"data frame from source {broker.describe(src)}, "
+                f"data frame from source {describe_address(src)}, "
                 "which this link has not registered",
             )
         cast_type = dst[0]

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshbus.address import Address
+from meshbus.address import describe_address
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.link import CloseReason, Link, LinkState
 from meshbus.broker.pending import PendingTable
@@ -73,7 +73,6 @@ class Broker:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._clock = time.monotonic
-        self._stopped = asyncio.Event()
         self.address = ""
 
     # -- lifecycle -------------------------------------------------------------
@@ -106,10 +105,6 @@ class Broker:
                 pass
         if self._server is not None:
             await self._server.wait_closed()
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     def _new_link(self) -> Link:
         link = Link(self, self._next_link_id)
@@ -202,13 +197,6 @@ class Broker:
 
     # -- introspection ----------------------------------------------------------
 
-    @staticmethod
-    def describe(address: bytes) -> str:
-        try:
-            return str(Address.from_bytes(address))
-        except ValueError:
-            return f"<invalid address {address.hex()}>"
-
     def snapshot(self) -> dict[str, Any]:
         """What ``meshbus stat`` shows: links, services, groups and counters."""
         links = [
@@ -217,7 +205,7 @@ class Broker:
                 "peer": link.peer,
                 "name": link.name,
                 "state": link.state.value,
-                "services": sorted(self.describe(a) for a in self.routing.owned_by(link)),
+                "services": sorted(describe_address(a) for a in self.routing.owned_by(link)),
                 "msgs_in": link.msgs_in,
                 "msgs_out": link.msgs_out,
                 "bytes_in": link.bytes_in,
@@ -226,7 +214,7 @@ class Broker:
             for link in self.links.values()
         ]
         groups = {
-            self.describe(group): sorted(self.describe(m) for m in members)
+            describe_address(group): sorted(describe_address(m) for m in members)
             for group, members in self.routing.groups()
         }
         s = self.stats
@@ -235,7 +223,7 @@ class Broker:
             "address": self.address,
             "uptime_s": round(time.time() - self.started_at, 3),
             "links": links,
-            "services": sorted(self.describe(a) for a, _ in self.routing.services()),
+            "services": sorted(describe_address(a) for a, _ in self.routing.services()),
             "groups": groups,
             "counters": {
                 "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from meshbus.address import Address, Unicast
+from meshbus.address import Address, Unicast, describe_address
 from meshbus.client.service import Message, Service
 from meshbus.errors import (
     AddressInUse,
@@ -449,7 +449,7 @@ class Connector:
             self._broker_error = f"the broker said goodbye: {body.reason}"
 
     def _on_delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
-        dst = _describe(body.dst)
+        dst = describe_address(body.dst)
         reason = body.reason or f"no service is registered at or member of {dst}"
         future = self._requests.get((body.src, body.msg_id))
         if future is not None:
@@ -461,7 +461,7 @@ class Connector:
             return
         if ctype != ControlType.NO_ROUTE:
             return  # a TIMEOUT for a request this side already gave up on
-        report = Undeliverable(_describe(body.src), dst, body.msg_id, reason)
+        report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
         if not self._undeliverable_handlers:
             log.warning(
                 "undeliverable message",
@@ -498,13 +498,6 @@ class Connector:
         self._closed = True
         if self._transport is not None:
             self._transport.abort()
-
-
-def _describe(raw: bytes) -> str:
-    try:
-        return str(Address.from_bytes(raw))
-    except ValueError:
-        return raw.hex()
 
 
 def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError:
