@@ -38,8 +38,9 @@ class Result:
     err: str
 
 
-async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
-    process = await asyncio.create_subprocess_exec(
+async def spawn_cli(*args: str) -> asyncio.subprocess.Process:
+    """`python -m meshbus ARGS` with stdout and stderr captured."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "meshbus",
@@ -47,6 +48,10 @@ async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
+    process = await spawn_cli(*args)
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout)
     finally:
@@ -60,14 +65,7 @@ async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
 @asynccontextmanager
 async def cli_process(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
     """A long-running command (listen, reply); killed at the end if it is still running."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "meshbus",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await spawn_cli(*args)
     try:
         yield process
     finally:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from meshbus.bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _alternate(
@@ -51,6 +54,20 @@ def _alternate(
     return {kind: statistics.median(values) for kind, values in figures.items()}
 
 
+def _runs_options(command: F) -> F:
+    """--runs and --vs-nats, the same for every benchmark."""
+    command = click.option(
+        "--vs-nats", is_flag=True, help="Also measure nats-server (Debian package)."
+    )(command)
+    return click.option(
+        "--runs",
+        type=click.IntRange(1),
+        default=3,
+        show_default=True,
+        help="Runs per system, meshbus and nats-server alternating; medians are reported.",
+    )(command)
+
+
 @click.group()
 def bench() -> None:
     """Measure meshbus, optionally against nats-server in the same run (--vs-nats).
@@ -74,13 +91,7 @@ def bench() -> None:
     show_default=True,
     help="Messages per run.",
 )
-@click.option(
-    "--runs",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="Runs per system; the median is reported.",
-)
+@_runs_options
 @click.option(
     "--destinations",
     type=click.IntRange(1, 9999),
@@ -89,7 +100,6 @@ def bench() -> None:
     help="Spread messages round-robin over this many addresses on the consumer "
     "link (1 = a burst to one address; more defeats per-destination batching).",
 )
-@click.option("--vs-nats", is_flag=True, help="Also measure nats-server (Debian package).")
 def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) -> None:
     """One producer -> one consumer through one server: messages per second.
 
@@ -145,14 +155,7 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
     show_default=True,
     help="Payload bytes per request and response.",
 )
-@click.option(
-    "--runs",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="Runs per system; the median of the per-run p50s is reported.",
-)
-@click.option("--vs-nats", is_flag=True, help="Also measure nats-server (Debian package).")
+@_runs_options
 def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -> None:
     """Request/response through one server: p50/p99 latency and requests per second.
 
