@@ -251,3 +251,48 @@ async def test_broker_name_and_sigterm_via_shared_fixture(broker):
     """The shared fixture's broker is real too: a connector talks to it by its address."""
     async with await meshbus.connect(broker.address, server="g") as conn:
         assert conn.broker_name == broker.name
+
+
+async def test_broker_survives_running_out_of_file_descriptors() -> None:
+    """At its descriptor limit the broker stops accepting, and accepts again once links
+    close; it does not crash, and its accept loop survives EMFILE."""
+    import resource
+
+    from meshbus.broker.process import broker_command, child_env, parse_ready_line
+
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    process = await asyncio.create_subprocess_exec(
+        *broker_command(),
+        stdout=asyncio.subprocess.PIPE,
+        env=child_env(),
+        preexec_fn=low_fd_limit,
+    )
+    assert process.stdout is not None
+    ready = parse_ready_line((await asyncio.wait_for(process.stdout.readline(), 20)).decode())
+    assert ready is not None
+    address = ready[1]
+    host, port = address.rsplit(":", 1)
+    hogs = []
+    try:
+        for _ in range(100):  # more than the broker can hold open
+            _, writer = await asyncio.open_connection(host, int(port))
+            hogs.append(writer)
+        with pytest.raises(meshbus.ConnectionLost):
+            await meshbus.connect(address, server="late", timeout=1.0)
+        assert process.returncode is None
+    finally:
+        for writer in hogs:
+            writer.close()
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                conn = await meshbus.connect(address, server="late", timeout=1.0)
+                break
+            except meshbus.ConnectionLost:
+                continue
+    async with conn:
+        assert (await conn.stat())["counters"]["links_accepted"] >= 2
+    process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(process.wait(), 10) == 0
