@@ -50,3 +50,10 @@ def test_bad_argument_exits_2() -> None:
     )
     assert done.returncode == 2
     assert "--count" in done.stderr
+
+
+def test_tables_last_line() -> None:
+    line = run_bench("tables", "--services", "100", "--links", "3", "--ops", "2000")
+    match = re.fullmatch(r"route_unicast_ns=(\d+) route_multicast_ns=(\d+) pending_ns=(\d+)", line)
+    assert match, line
+    assert all(int(value) > 0 for value in match.groups())

@@ -190,3 +190,49 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
             f" nats_p50_us={medians['nats']:.1f} ratio={medians['meshbus'] / medians['nats']:.3f}"
         )
     click.echo(line)
+
+
+@bench.command()
+@click.option(
+    "--services",
+    type=click.IntRange(1, 65535),
+    default=10_000,
+    show_default=True,
+    help="Services in the routing table (all in one topic).",
+)
+@click.option(
+    "--links",
+    type=click.IntRange(1),
+    default=50,
+    show_default=True,
+    help="Links the services are spread over.",
+)
+@click.option(
+    "--ops",
+    type=click.IntRange(1),
+    default=200_000,
+    show_default=True,
+    help="Operations timed per figure.",
+)
+def tables(services: int, links: int, ops: int) -> None:
+    """The broker's routing and pending tables in process: nanoseconds per operation.
+
+    Last line: `route_unicast_ns=<ns> route_multicast_ns=<ns> pending_ns=<ns>`.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from meshbus.bench.tables import measure_tables
+
+    results = measure_tables(services, links, ops)
+    table = Table(title=f"tables: {services:,} services on {links} links, {ops:,} ops")
+    for column in ("operation", "ns/op", "ops/s"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(r.name, f"{r.ns_per_op:.0f}", f"{r.ops / r.seconds:,.0f}")
+    Console(stderr=True).print(table)
+    unicast, multicast, pending = (r.ns_per_op for r in results)
+    click.echo(
+        f"route_unicast_ns={unicast:.0f} route_multicast_ns={multicast:.0f} "
+        f"pending_ns={pending:.0f}"
+    )
