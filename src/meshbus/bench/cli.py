@@ -54,6 +54,15 @@ def _alternate(
     return {kind: statistics.median(values) for kind, values in figures.items()}
 
 
+def _last_line(medians: dict[str, float], suffix: str, digits: int) -> str:
+    """`meshbus<suffix>=<v> [nats<suffix>=<v> ratio=<meshbus/nats>]`, machine-readable."""
+    line = f"meshbus{suffix}={medians['meshbus']:.{digits}f}"
+    if "nats" in medians:
+        ratio = medians["meshbus"] / medians["nats"]
+        line += f" nats{suffix}={medians['nats']:.{digits}f} ratio={ratio:.3f}"
+    return line
+
+
 def _runs_options(command: F) -> F:
     """--runs and --vs-nats, the same for every benchmark."""
     command = click.option(
@@ -127,10 +136,7 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
         ("msgs/s", "MiB/s", "seconds"),
         measure,
     )
-    line = f"meshbus={medians['meshbus']:.0f}"
-    if vs_nats:
-        line += f" nats={medians['nats']:.0f} ratio={medians['meshbus'] / medians['nats']:.3f}"
-    click.echo(line)
+    click.echo(_last_line(medians, "", 0))
 
 
 @bench.command()
@@ -184,12 +190,7 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
         ("p50 µs", "p99 µs", "req/s"),
         measure,
     )
-    line = f"meshbus_p50_us={medians['meshbus']:.1f}"
-    if vs_nats:
-        line += (
-            f" nats_p50_us={medians['nats']:.1f} ratio={medians['meshbus'] / medians['nats']:.3f}"
-        )
-    click.echo(line)
+    click.echo(_last_line(medians, "_p50_us", 1))
 
 
 @bench.command()

@@ -211,7 +211,6 @@ class Link(asyncio.BufferedProtocol):
         end = self._end
         pos = self._start
         broker = self.broker
-        out = broker.outbox
         decisions = self._decisions
         if self._decisions_version != broker.routing.version:
             decisions.clear()
@@ -238,7 +237,7 @@ class Link(asyncio.BufferedProtocol):
                         if hit[2] is not _PLAIN:
                             # A request or response: its own pending-table work, no run.
                             if run_frames:
-                                self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                                self._flush_run(targets, mv[run_start:pos], run_frames)
                                 run_frames = 0
                             key = _NO_KEY
                             self._forward(hit, pos)
@@ -249,7 +248,7 @@ class Link(asyncio.BufferedProtocol):
                         key_total = hit[0]
                         if hit[1] != targets:
                             if run_frames:
-                                self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                                self._flush_run(targets, mv[run_start:pos], run_frames)
                             targets = hit[1]
                             run_start = pos
                             run_frames = 0
@@ -258,7 +257,7 @@ class Link(asyncio.BufferedProtocol):
                         continue
                 # 3. Anything else takes the general path, one frame at a time.
                 if run_frames:
-                    self._flush_run(out, targets, mv[run_start:pos], run_frames)
+                    self._flush_run(targets, mv[run_start:pos], run_frames)
                     run_frames = 0
                 key = _NO_KEY
                 total = frame_extent(buf, pos, end, self.max_frame)
@@ -307,24 +306,14 @@ class Link(asyncio.BufferedProtocol):
             self._start = self._end = 0
         broker.flush_outbox()
 
-    def _flush_run(
-        self,
-        out: dict[Link, list[memoryview | bytes]],
-        targets: tuple[Link, ...],
-        frames: memoryview,
-        count: int,
-    ) -> None:
+    def _flush_run(self, targets: tuple[Link, ...], frames: memoryview, count: int) -> None:
         self.msgs_in += count
         if not targets:
             self.broker.stats.dropped_no_route += count
             return
+        queue = self.broker.queue
         for link in targets:
-            link.msgs_out += count
-            parts = out.get(link)
-            if parts is None:
-                out[link] = [frames]
-            else:
-                parts.append(frames)
+            queue(link, frames, count)
 
     def _route_one(self, buf: bytearray, mv: memoryview, pos: int, total: int) -> Decision | None:
         """Validate and route the data frame at ``pos``, the first with its routing key.

@@ -138,13 +138,17 @@ class Broker:
         if len(frame) > link.max_frame:
             self.stats.dropped_too_large += 1
             return False
-        link.msgs_out += 1
+        self.queue(link, frame, 1)
+        return True
+
+    def queue(self, link: Link, frames: memoryview | bytes, count: int) -> None:
+        """Queue ``count`` frames (one contiguous slice) for ``link`` without checks."""
+        link.msgs_out += count
         parts = self.outbox.get(link)
         if parts is None:
-            self.outbox[link] = [frame]
+            self.outbox[link] = [frames]
         else:
-            parts.append(frame)
-        return True
+            parts.append(frames)
 
     def reply(self, link: Link, type_: ControlType, body: Any, correlation: int = 0) -> None:
         parts = self.outbox.setdefault(link, [])
