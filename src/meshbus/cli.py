@@ -12,70 +12,23 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import click
 
 from meshbus.address import Address, Unicast
-from meshbus.errors import MeshbusError, NoRoute, Timeout
-from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
-from meshbus.util import parse_hostport
+from meshbus.cli_common import (
+    ADDRESS,
+    ADDRESS_HELP,
+    EXIT_NO_ROUTE,
+    EXIT_TIMEOUT,
+    connection_options,
+    run,
+)
+from meshbus.errors import NoRoute, Timeout
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
-
     from meshbus.client import Connector, Message, Service, Undeliverable
-
-DEFAULT_BROKER = "127.0.0.1:7400"
-DEFAULT_SERVER = "cli"
-
-# Exit codes besides click's own (1 error, 2 usage), the same for every command.
-EXIT_TIMEOUT = 3
-EXIT_NO_ROUTE = 4
-
-ADDRESS_HELP = """\b
-Addresses:
-  SERVER:INSTANCE   one service (unicast), e.g. game01:5; the server name is
-                    at most 11 bytes, fixed instances are 1..65535
-  multicast:NAME    a topic: every member gets a copy, e.g. multicast:chat
-  anycast:NAME      a pool: exactly one member gets each message,
-                    e.g. anycast:login
-  Group names are at most 15 bytes; names may not contain ':'."""
-
-T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Parsed(click.ParamType[T]):
-    """A parameter checked by ``parse`` when it is read, so a typo fails with its message."""
-
-    def __init__(self, name: str, parse: Callable[[str], T]) -> None:
-        self.name = name
-        self._parse = parse
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> T:
-        if not isinstance(value, str):
-            return value  # type: ignore[return-value]  # already converted (a default)
-        try:
-            return self._parse(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def _check_hostport(text: str) -> str:
-    parse_hostport(text)
-    return text
-
-
-def _check_server_name(text: str) -> str:
-    Unicast(text, 1)  # the server part of a unicast address: <= 11 bytes of UTF-8, no ':'
-    return text
-
-
-HOSTPORT = _Parsed("HOST:PORT", _check_hostport)
-ADDRESS = _Parsed("ADDRESS", Address.parse)
-SERVER_NAME = _Parsed("NAME", _check_server_name)
 
 
 class TimedOut(click.ClickException):
@@ -115,99 +68,15 @@ def _setup_logging(verbose: int) -> None:
 def main(verbose: int) -> None:
     """meshbus: a message-routing bus for game and service back ends.
 
-    Start a broker with `meshbus broker`, then talk to it with `send`, `listen`,
-    `request`, `reply` and `stat`. Addresses are written SERVER:INSTANCE
-    (unicast), multicast:NAME or anycast:NAME.
+    Start a broker with `meshbus broker` (or a local mesh of several with
+    `meshbus mesh up -n 3`), then talk to it with `send`, `listen`, `request`,
+    `reply` and `stat`. Addresses are written SERVER:INSTANCE (unicast),
+    multicast:NAME or anycast:NAME.
     """
     _setup_logging(verbose)
 
 
-@main.command()
-@click.option(
-    "--listen",
-    "listen",
-    type=HOSTPORT,
-    default=DEFAULT_BROKER,
-    show_default=True,
-    help="Address to accept connectors on; port 0 picks a free port.",
-)
-@click.option("--name", default="", help="Broker name (default: broker-PORT, with the bound port).")
-@click.option(
-    "--max-frame",
-    type=click.IntRange(MIN_MAX_FRAME, 2**31),
-    default=DEFAULT_MAX_FRAME,
-    show_default=True,
-    help="Largest frame accepted or sent, in bytes.",
-)
-@click.option(
-    "--max-pending-bytes",
-    type=click.IntRange(1),
-    default=64 * 1024 * 1024,
-    show_default=True,
-    help="A link with more unsent output than this is closed as a slow consumer.",
-)
-def broker(listen: str, name: str, max_frame: int, max_pending_bytes: int) -> None:
-    """Run a broker in the foreground until SIGINT or SIGTERM.
-
-    Prints one line when ready: `meshbus broker NAME listening on HOST:PORT`.
-    """
-    import uvloop
-
-    from meshbus.broker import BrokerConfig, serve
-
-    host, port = parse_hostport(listen)
-    config = BrokerConfig(
-        host=host,
-        port=port,
-        name=name,
-        max_frame=max_frame,
-        max_pending_bytes=max_pending_bytes,
-    )
-    try:
-        uvloop.run(serve(config))
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
-
-
 # -- shared plumbing ------------------------------------------------------------
-
-
-def _connection_options(command: F) -> F:
-    """--broker and --server, the same on every client command."""
-    command = click.option(
-        "--server",
-        type=SERVER_NAME,
-        default=DEFAULT_SERVER,
-        show_default=True,
-        help="Server name of the command's own dynamic address (SERVER:65536 and up).",
-    )(command)
-    command = click.option(
-        "--broker",
-        "broker_address",
-        type=HOSTPORT,
-        default=DEFAULT_BROKER,
-        show_default=True,
-        help="Broker to connect to.",
-    )(command)
-    return command
-
-
-def _run(coro: Coroutine[Any, Any, T], *, interruptible: bool = False) -> T | None:
-    """Run ``coro`` on uvloop; a library error becomes a one-line message and exit 1.
-
-    ``interruptible`` commands (listen, reply) run until Ctrl-C, so for them
-    Ctrl-C is the normal way out and ends the command quietly with exit 0.
-    """
-    import uvloop
-
-    try:
-        return uvloop.run(coro)
-    except MeshbusError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except KeyboardInterrupt:
-        if not interruptible:
-            raise
-        return None
 
 
 def _payload(text: str) -> bytes:
@@ -265,7 +134,7 @@ async def _bind(conn: Connector, address: Address) -> Service:
 
 
 @main.command(epilog=ADDRESS_HELP)
-@_connection_options
+@connection_options
 @click.option(
     "--notify",
     is_flag=True,
@@ -283,7 +152,7 @@ def send(broker_address: str, server: str, notify: bool, address: Address, text:
     Exit codes: 0 sent, 1 error (e.g. no broker),
     2 bad arguments, 4 no route (with --notify).
     """
-    _run(_send(broker_address, server, address, _payload(text), notify))
+    run(_send(broker_address, server, address, _payload(text), notify))
 
 
 async def _send(
@@ -307,7 +176,7 @@ async def _send(
 
 
 @main.command(epilog=ADDRESS_HELP)
-@_connection_options
+@connection_options
 @click.option(
     "--count", type=click.IntRange(1), default=None, help="Stop after N messages (default: never)."
 )
@@ -339,7 +208,7 @@ def listen(
     2 bad arguments, 3 --timeout passed before --count messages.
     """
     _check_bindable(address)
-    _run(
+    run(
         _listen(broker_address, _server_for(address, server), address, count, timeout, as_json),
         interruptible=True,
     )
@@ -379,7 +248,7 @@ async def _listen(
 
 
 @main.command(epilog=ADDRESS_HELP)
-@_connection_options
+@connection_options
 @click.option(
     "--timeout",
     type=click.FloatRange(0, min_open=True),
@@ -400,7 +269,7 @@ def request(broker_address: str, server: str, timeout: float, address: Address, 
     2 bad arguments, 3 timeout (no response in time),
     4 no route (nobody serves ADDRESS).
     """
-    _run(_request(broker_address, server, address, _payload(text), timeout))
+    run(_request(broker_address, server, address, _payload(text), timeout))
 
 
 async def _request(
@@ -423,7 +292,7 @@ async def _request(
 
 
 @main.command(epilog=ADDRESS_HELP)
-@_connection_options
+@connection_options
 @click.option(
     "--echo",
     "echo",
@@ -462,7 +331,7 @@ def reply(
         raise click.UsageError("--echo and --text exclude each other")
     _check_bindable(address)
     answer = None if text is None else _payload(text)
-    _run(
+    run(
         _reply(broker_address, _server_for(address, server), address, answer, count, as_json),
         interruptible=True,
     )
@@ -492,83 +361,16 @@ async def _reply(
         await conn.ping()
 
 
-# -- stat ------------------------------------------------------------------------
-
-
-@main.command()
-@_connection_options
-@click.option("--json", "as_json", is_flag=True, help="Print the broker's raw answer as JSON.")
-def stat(broker_address: str, server: str, as_json: bool) -> None:
-    """Show the broker's view: links, services, groups and counters.
-
-    The command's own connection is one of the links listed.
-    """
-    data = _run(_stat(broker_address, server))
-    assert data is not None
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
-        return
-    from rich.console import Console
-
-    console = Console()
-    for renderable in stat_renderables(data):
-        console.print(renderable)
-
-
-async def _stat(broker_address: str, server: str) -> dict[str, Any]:
-    import meshbus
-
-    async with await meshbus.connect(broker_address, server=server) as conn:
-        return await conn.stat()
-
-
-def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
-    """Rich tables for a ``conn.stat()`` answer (also used by ``python -m meshbus.demo``)."""
-    from rich.table import Table
-
-    title = (
-        f"broker [bold]{data.get('broker', '?')}[/] on {data.get('address', '?')}, "
-        f"up {data.get('uptime_s', 0)} s, {len(data.get('services', []))} services"
-    )
-    links = Table(title="links", title_justify="left")
-    for column in ("id", "name", "peer", "state"):
-        links.add_column(column, overflow="fold")
-    links.add_column("services", no_wrap=True)
-    links.add_column("msgs in/out", justify="right")
-    links.add_column("bytes in/out", justify="right")
-    for link in data.get("links", []):
-        links.add_row(
-            str(link.get("id", "")),
-            str(link.get("name", "")),
-            str(link.get("peer", "")),
-            str(link.get("state", "")),
-            "\n".join(link.get("services", [])) or "-",
-            f"{link.get('msgs_in', '?')}/{link.get('msgs_out', '?')}",
-            f"{link.get('bytes_in', '?')}/{link.get('bytes_out', '?')}",
-        )
-    groups = Table(title="groups", title_justify="left")
-    groups.add_column("group")
-    groups.add_column("members", justify="right")
-    groups.add_column("member addresses")
-    for group, members in sorted(data.get("groups", {}).items()):
-        groups.add_row(group, str(len(members)), ", ".join(members))
-    counters = Table(title="counters", title_justify="left")
-    counters.add_column("counter")
-    counters.add_column("value", justify="right")
-    for name, value in data.get("counters", {}).items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-        counters.add_row(name, str(value))
-    return [title, links, groups, counters]
-
-
-def _add_bench() -> None:
+def _add_commands() -> None:
+    """The operator's commands and the benchmarks live in modules of their own."""
     from meshbus.bench.cli import bench
+    from meshbus.cli_admin import broker, drain, mesh, stat
 
-    main.add_command(bench)
+    for command in (broker, mesh, drain, stat, bench):
+        main.add_command(command)
 
 
-_add_bench()
+_add_commands()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from rich.console import Console
 import meshbus
 from meshbus import Anycast, Multicast, Service, Unicast
 from meshbus.broker.process import BrokerStartError, spawn_broker
-from meshbus.cli import stat_renderables
+from meshbus.cli_admin import stat_renderables
 
 STARTUP_TIMEOUT = 20.0
 RECV_TIMEOUT = 2.0

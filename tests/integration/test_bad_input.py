@@ -289,7 +289,9 @@ async def test_fatal_bad_input(broker, healthy_pair, case):
     stat = await healthy_pair.conn_a.stat()
     assert stat["counters"]["links_closed"].get("protocol-error") == 1
     if case.stage == "registered":
-        assert "bad:1" not in stat["services"], "a closed link's services must be withdrawn"
+        assert "bad:1" not in stat["service_addresses"], (
+            "a closed link's services must be withdrawn"
+        )
 
 
 def test_fatal_codes_are_declared_fatal():
@@ -372,7 +374,7 @@ async def test_raw_link_reset_mid_frame(broker, healthy_pair, cut):
 async def wait_service_gone(conn: meshbus.Connector, address: str) -> None:
     """Bounded poll of the broker's service list (the change happens on another link)."""
     for _ in range(int(IO_TIMEOUT / 0.01)):
-        if address not in (await conn.stat())["services"]:
+        if address not in (await conn.stat())["service_addresses"]:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{address} is still registered")
@@ -404,7 +406,8 @@ async def test_connector_killed_mid_burst(broker, healthy_pair):
     """A connector whose transport is aborted while it streams: the broker stays up, the
     receiver gets an in-order prefix of what was sent, and the dead one's services go."""
     victim_rx = await healthy_pair.conn_b.register()
-    doomed = await meshbus.connect(broker.address, server="doomed")
+    # No failover: the process is gone for good, it does not come back elsewhere.
+    doomed = await meshbus.connect(broker.address, server="doomed", failover=False)
     sender = await doomed.register(instance=5)
     count = 20_000
 
@@ -412,8 +415,8 @@ async def test_connector_killed_mid_burst(broker, healthy_pair):
         for i in range(count):
             await sender.send(victim_rx.address, seq(i))
             if i == count // 2:
-                assert doomed._transport is not None
-                doomed._transport.abort()
+                assert doomed._link is not None
+                doomed._link.abort()
                 break
         await wait_service_gone(healthy_pair.conn_a, "doomed:5")
 

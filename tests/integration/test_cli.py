@@ -101,7 +101,7 @@ def members(group: str, count: int = 1) -> Callable[[dict[str, Any]], bool]:
 
 
 def registered(address: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda data: address in data["services"]
+    return lambda data: address in data["service_addresses"]
 
 
 def free_port() -> int:
@@ -260,10 +260,10 @@ async def test_stat_json_and_table(broker: Broker) -> None:
         result = await run_cli("stat", "--json", "--broker", broker.address)
         assert result.code == 0, result.err
         data = json.loads(result.out)
-        assert data["broker"] == broker.name
+        assert data["name"] == broker.name
         assert data["address"] == broker.address
         assert data["groups"] == {"multicast:chat.lobby": [str(player.address)]}
-        assert {str(player.address), str(fixed.address)} <= set(data["services"])
+        assert {str(player.address), str(fixed.address)} <= set(data["service_addresses"])
         names = {link["name"] for link in data["links"]}
         assert {"game01", "cli"} <= names
         assert {"msgs_in", "requests", "timeouts", "dropped_no_route"} <= set(data["counters"])

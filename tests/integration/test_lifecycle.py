@@ -75,7 +75,7 @@ async def test_listen_port_is_real():
             assert conn.broker_name == "real"
             stat = await conn.stat()
             assert stat["address"] == broker.address
-            assert stat["broker"] == "real"
+            assert stat["name"] == "real"
     finally:
         broker.process.send_signal(signal.SIGTERM)
         code, _, err = await broker.finish()

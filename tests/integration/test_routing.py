@@ -254,7 +254,7 @@ async def test_unregister_of_dynamic_address_stops_delivery(broker):
         await sender.send(meshbus.Multicast("t"), b"y")
         stat = await conn.stat()
         assert stat["counters"]["dropped_no_route"] == before + 2
-        assert str(address) not in stat["services"]
+        assert str(address) not in stat["service_addresses"]
         assert "multicast:t" not in stat["groups"]
 
 

@@ -35,15 +35,26 @@ from meshbus.protocol import (
 )
 from meshbus.protocol.control import (
     BODY_TYPES,
+    OP_ADD,
+    OP_JOIN,
     AddressBody,
     Body,
+    BrokerInfo,
+    Brokers,
     Bye,
+    Claim,
     DeliveryFailure,
+    Drain,
     Empty,
     Error,
     Hello,
+    Load,
     Membership,
+    Move,
+    Ready,
     Register,
+    Routes,
+    StatRequest,
     Stats,
     Welcome,
 )
@@ -257,11 +268,24 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.ERROR: Error(code=int(ErrorCode.ADDRESS_IN_USE), message="taken"),
     ControlType.TIMEOUT: DeliveryFailure(msg_id=2**64 - 1, src=SRC, dst=DST),
     ControlType.NO_ROUTE: DeliveryFailure(msg_id=17, src=SRC, dst=GROUP),
-    ControlType.STAT: Empty(),
+    ControlType.STAT: StatRequest(detail=False),
     ControlType.STATS: Stats(data={"n": 1, "list": [1, "a", None], "nested": {"x": 1.5}}),
     ControlType.PING: Empty(),
     ControlType.PONG: Empty(),
     ControlType.BYE: Bye(reason="done"),
+    ControlType.BROKERS: Brokers(
+        brokers=[BrokerInfo(name="b1", address="127.0.0.1:7400", slot=1, ready=True)]
+    ),
+    ControlType.ROUTES: Routes(
+        ops=[(OP_ADD, DST, b"s" * 16), (OP_JOIN, DST, GROUP)], snapshot=True, complete=True
+    ),
+    ControlType.CLAIM: Claim(key=DST, session=b"s" * 16),
+    ControlType.RELEASE: Claim(key=DST),
+    ControlType.LOAD: Load(connectors=3, capacity=50, slot=2, ready=True),
+    ControlType.READY: Ready(counts={"b1": 10, "b2": 0}),
+    ControlType.DRAINING: Empty(),
+    ControlType.MOVE: Move(address="127.0.0.1:7401", reason="rebalance"),
+    ControlType.DRAIN: Drain(grace=2.5),
 }
 
 
@@ -300,7 +324,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 17, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 26, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

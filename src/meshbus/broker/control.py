@@ -1,14 +1,22 @@
-"""Control frames from connectors: handshake, register/unregister, join/leave, stat.
+"""Control frames from connectors: handshake, register/unregister, join/leave, stat, drain.
 
 Every handler answers with exactly one frame carrying the request's correlation
 id (OK, REGISTERED, STATS, PONG or ERROR), so the connector can match answers
 to questions. Refusals that leave the link usable (address in use, unknown
 control type) are ERROR frames with a non-fatal code; frames that make the link
 untrustworthy raise FrameError and the link is closed by the hot path.
+
+Every change to the routing table made here is announced to the peer brokers.
+A REGISTER of a chosen address (a fixed id, or an address a connector brings
+along after failover) must be granted by every peer first (a claim). Until the
+mesh has answered, the link is blocked: nothing after the REGISTER is handled,
+so a JOIN or a send from the new address pipelined behind it still finds it
+registered.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from meshbus.address import Address, Unicast, describe_address, server_name_bytes
@@ -16,13 +24,21 @@ from meshbus.broker.link import CloseReason, LinkState
 from meshbus.broker.routing import RoutingError
 from meshbus.protocol.codec import FrameError, describe
 from meshbus.protocol.control import (
+    OP_ADD,
+    OP_JOIN,
+    OP_LEAVE,
+    OP_REMOVE,
+    ROLE_BROKER,
+    ROLE_CONNECTOR,
     AddressBody,
     Body,
+    Drain,
     Empty,
     Error,
     Hello,
     Membership,
     Register,
+    StatRequest,
     Stats,
     Welcome,
 )
@@ -44,6 +60,7 @@ class Refused(Exception):
 class ControlHandler:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
+        self._correlation = 0  # of the request being handled
 
     def handle(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
         handler = _HANDLERS.get(ControlType(ctype)) if ctype in _KNOWN else None
@@ -58,6 +75,7 @@ class ControlHandler:
                 correlation,
             )
             return
+        self._correlation = correlation
         try:
             answer_type, answer = handler(self, link, body)
         except Refused as exc:
@@ -74,14 +92,32 @@ class ControlHandler:
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"connector speaks protocol {body.protocol}; this broker speaks {PROTOCOL_VERSION}",
             )
-        config = self.broker.config
+        broker = self.broker
+        mesh = broker.mesh
+        if body.role == ROLE_BROKER:
+            answer = mesh.accept_peer(link, body)
+            if isinstance(answer, Error):
+                link.fail(ErrorCode(answer.code), answer.message, CloseReason.REFUSED)
+                return None, None
+            return ControlType.WELCOME, answer
+        if body.role != ROLE_CONNECTOR:
+            raise FrameError(ErrorCode.PROTOCOL_ERROR, f"unknown HELLO role {body.role!r}")
+        refusal = broker.refusal()
+        if refusal:
+            link.fail(ErrorCode.REDIRECT, refusal, CloseReason.REFUSED, redirect=broker.redirect())
+            return None, None
         # Each side enforces the smaller of the two limits, so neither sends what the other
         # must refuse.
-        link.max_frame = max(MIN_MAX_FRAME, min(body.max_frame, config.max_frame))
+        link.max_frame = max(MIN_MAX_FRAME, min(body.max_frame, broker.config.max_frame))
         link.name = body.name
+        link.session = body.session
         link.state = LinkState.OPEN
+        broker.connector_opened(link)
         return ControlType.WELCOME, Welcome(
-            broker=config.name, slot=config.slot, max_frame=link.max_frame
+            broker=broker.config.name,
+            slot=broker.routing.slot,
+            max_frame=link.max_frame,
+            brokers=mesh.connector_list(),
         )
 
     def _register(self, link: Link, body: Body) -> Answer:
@@ -89,7 +125,10 @@ class ControlHandler:
         routing = self.broker.routing
         try:
             if body.instance == 0:
-                address = routing.allocate_dynamic(server_name_bytes(body.server), link)
+                address = routing.allocate_dynamic(
+                    server_name_bytes(body.server), link, link.session
+                )
+                self.broker.mesh.announce(OP_ADD, address, link.session)
                 return ControlType.REGISTERED, AddressBody(address=address)
             wanted = Unicast(body.server, body.instance)
         except (ValueError, TypeError) as exc:
@@ -97,38 +136,83 @@ class ControlHandler:
         except RoutingError as exc:
             raise Refused(ErrorCode.INSTANCES_EXHAUSTED, str(exc)) from None
         raw = wanted.to_bytes()
-        if routing.owner(raw) is not None:
-            raise Refused(
-                ErrorCode.ADDRESS_IN_USE,
-                f"address {wanted} is already registered by another service; "
-                "pick another instance id or register without one for a dynamic id",
-            )
-        routing.add_service(raw, link)
-        return ControlType.REGISTERED, AddressBody(address=raw)
+        owner = routing.owner(raw)
+        if owner is not None and not self._may_take(link, raw):
+            raise _in_use(wanted)
+        if not self.broker.mesh.peers:
+            self._take(link, raw)
+            return ControlType.REGISTERED, AddressBody(address=raw)
+        # Ask the mesh; the link waits (see the module docstring).
+        claim = self.broker.mesh.claim(
+            raw, link.session, None if owner is None else routing.session_of(raw)
+        )
+        link.block()
+        correlation = self._correlation
+        claim.add_done_callback(lambda f: self._claimed(link, wanted, correlation, f.result()))
+        return None, None
+
+    def _claimed(self, link: Link, wanted: Unicast, correlation: int, granted: bool) -> None:
+        raw = wanted.to_bytes()
+        if link.state is LinkState.OPEN:
+            if granted and (self.broker.routing.owner(raw) is None or self._may_take(link, raw)):
+                self._take(link, raw)
+                self.broker.reply(
+                    link, ControlType.REGISTERED, AddressBody(address=raw), correlation
+                )
+            else:
+                exc = _in_use(wanted)
+                self.broker.reply(
+                    link, ControlType.ERROR, Error(code=exc.code, message=str(exc)), correlation
+                )
+            self.broker.flush_outbox()
+        asyncio.get_running_loop().call_soon(link.unblock)
+
+    def _may_take(self, link: Link, address: bytes) -> bool:
+        """A connector may take over an address its own session registered (failover)."""
+        routing = self.broker.routing
+        return (
+            routing.owner(address) is not link
+            and bool(link.session)
+            and routing.session_of(address) == link.session
+        )
+
+    def _take(self, link: Link, address: bytes) -> None:
+        self.broker.routing.take_over(address, link, link.session)
+        self.broker.mesh.announce(OP_ADD, address, link.session)
 
     def _unregister(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, AddressBody)
         self._check_owned(link, body.address, "unregister")
         self.broker.routing.remove_service(body.address, link)
+        self.broker.mesh.announce(OP_REMOVE, body.address)
         return ControlType.OK, Empty()
 
     def _join(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "join")
         self.broker.routing.join(body.member, body.group)
+        self.broker.mesh.announce(OP_JOIN, body.member, body.group)
         return ControlType.OK, Empty()
 
     def _leave(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "leave")
         self.broker.routing.leave(body.member, body.group)
+        self.broker.mesh.announce(OP_LEAVE, body.member, body.group)
         return ControlType.OK, Empty()
 
     def _stat(self, link: Link, body: Body) -> Answer:
-        return ControlType.STATS, Stats(data=self.broker.snapshot())
+        assert isinstance(body, StatRequest)
+        return ControlType.STATS, Stats(data=self.broker.snapshot(detail=body.detail))
 
     def _ping(self, link: Link, body: Body) -> Answer:
         return ControlType.PONG, Empty()
+
+    def _drain(self, link: Link, body: Body) -> Answer:
+        """An operator asks for a drain; the broker drains and exits (as on SIGTERM)."""
+        assert isinstance(body, Drain)
+        self.broker.request_drain(body.grace or None, requested_by=link)
+        return ControlType.OK, Empty()
 
     def _bye(self, link: Link, body: Body) -> Answer:
         link.close(CloseReason.CLIENT_BYE)
@@ -156,6 +240,15 @@ class ControlHandler:
 
 Answer = tuple[ControlType | None, Body | None]
 
+
+def _in_use(wanted: Unicast) -> Refused:
+    return Refused(
+        ErrorCode.ADDRESS_IN_USE,
+        f"address {wanted} is already registered by another service; "
+        "pick another instance id or register without one for a dynamic id",
+    )
+
+
 _KNOWN = frozenset(int(t) for t in ControlType)
 
 _HANDLERS = {
@@ -167,4 +260,5 @@ _HANDLERS = {
     ControlType.STAT: ControlHandler._stat,
     ControlType.PING: ControlHandler._ping,
     ControlType.BYE: ControlHandler._bye,
+    ControlType.DRAIN: ControlHandler._drain,
 }

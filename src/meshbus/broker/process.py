@@ -29,9 +29,14 @@ def parse_ready_line(line: str) -> tuple[str, str] | None:
     return (match[1], match[2]) if match else None
 
 
+def broker_argv(*args: str) -> list[str]:
+    """The command line of ``meshbus broker ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "meshbus", "broker", *args]
+
+
 def broker_command(*args: str) -> list[str]:
     """The command line of a broker on a free loopback port, plus ``args``."""
-    return [sys.executable, "-m", "meshbus", "broker", "--listen", "127.0.0.1:0", *args]
+    return broker_argv("--listen", "127.0.0.1:0", *args)
 
 
 def child_env() -> dict[str, str]:

@@ -1,7 +1,12 @@
 """The routing table: who owns each unicast address, who is in each group.
 
 A plain data structure with no I/O. ``L`` is whatever the broker uses for a
-link (anything hashable); the table never looks inside it.
+link (anything hashable); the table never looks inside it, except through
+``is_remote``, which tells a peer broker's link from a local connector's.
+
+Every broker holds the whole mesh's table. A remote service is owned by the
+link to the broker it is attached to, so one lookup gives the next hop either
+way, and a route is never more than one broker-to-broker hop long.
 
 Group sends go to *links*, not members: a link that carries several members of
 a group gets one copy and its connector fans it out, which is the same rule the
@@ -9,18 +14,30 @@ mesh applies between brokers (one copy per peer broker). The sender is a member
 like any other, but a send does not come back to it unless it asks (``echo``):
 so its own link is skipped when the sender is the only member there.
 
+Anycast prefers a local member; only when there is none does it pick a peer
+broker, at random weighted by the number of members behind it, and that broker
+then picks one of its own members (``route_anycast_local``).
+
+Each address remembers the *session* of the connector that registered it. A
+connector keeps its session across failover and moves, so a registration of an
+address by the session that already owns it is a takeover (``take_over``), not
+a conflict.
+
 ``version`` changes on every mutation; the broker's hot path caches routing
 decisions per frame header and drops the cache when the version moves.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, dynamic_instance
+from meshbus.protocol.control import OP_ADD, OP_JOIN, RouteOp
 
 L = TypeVar("L", bound=Hashable)
 
@@ -37,46 +54,82 @@ class NotOwned(RoutingError):
     pass
 
 
+def _never_remote(link: object) -> bool:
+    return False
+
+
 @dataclass
 class _Group(Generic[L]):
     members: dict[bytes, L] = field(default_factory=dict)
     per_link: dict[L, int] = field(default_factory=dict)
     # Caches rebuilt on change: the hot path reads these, never the dicts above.
     links: tuple[L, ...] = ()
-    member_list: tuple[tuple[bytes, L], ...] = ()
+    local_links: tuple[L, ...] = ()
+    local_members: tuple[tuple[bytes, L], ...] = ()
+    peers: tuple[L, ...] = ()
+    peer_weights: tuple[int, ...] = ()  # cumulative member counts, for bisect
 
-    def rebuild(self) -> None:
+    def rebuild(self, is_remote: Callable[[L], bool]) -> None:
         self.links = tuple(self.per_link)
-        self.member_list = tuple(self.members.items())
+        self.local_links = tuple(link for link in self.links if not is_remote(link))
+        self.local_members = tuple(
+            (member, link) for member, link in self.members.items() if not is_remote(link)
+        )
+        self.peers = tuple(link for link in self.links if is_remote(link))
+        self.peer_weights = tuple(itertools.accumulate(self.per_link[p] for p in self.peers))
 
 
 class RoutingTable(Generic[L]):
-    def __init__(self, slot: int = 1, rng: random.Random | None = None) -> None:
-        self.slot = slot
+    def __init__(
+        self,
+        slot: int = 1,
+        rng: random.Random | None = None,
+        is_remote: Callable[[L], bool] = _never_remote,
+    ) -> None:
+        self.slot = slot  # 0 while the broker has none yet (joining): no dynamic ids
         self.version = 0
+        self._is_remote = is_remote
         self._owner: dict[bytes, L] = {}
+        self._session: dict[bytes, bytes] = {}
         self._by_link: dict[L, set[bytes]] = {}
         self._groups: dict[bytes, _Group[L]] = {}
         self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
+        self._memberships = 0
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
         self._rng = rng or random.Random()
 
     # -- changes ---------------------------------------------------------
 
-    def add_service(self, address: bytes, link: L) -> None:
+    def add_service(self, address: bytes, link: L, session: bytes = b"") -> None:
         """Register ``address`` (16-byte unicast) on ``link``; AddressTaken if owned already."""
         if address in self._owner:
             raise AddressTaken("address is already registered")
         self._owner[address] = link
+        if session:
+            self._session[address] = session
         self._by_link.setdefault(link, set()).add(address)
         self.version += 1
 
-    def allocate_dynamic(self, server: bytes, link: L) -> bytes:
+    def take_over(self, address: bytes, link: L, session: bytes = b"") -> L | None:
+        """Give ``address`` to ``link``, whoever owns it now; returns the previous owner.
+
+        The previous owner's registration goes with its group memberships: the new
+        owner's connector joins its groups again, through its new broker."""
+        previous = self._owner.get(address)
+        if previous is not None:
+            self.remove_service(address, previous)
+        self.add_service(address, link, session)
+        return previous
+
+    def allocate_dynamic(self, server: bytes, link: L, session: bytes = b"") -> bytes:
         """Register and return a fresh dynamic unicast address for ``server`` (11 padded bytes).
 
         Ids are ``slot * 65536 + sequence`` (see ``meshbus.address.dynamic_instance``),
-        handed out round-robin per server name, skipping ids still in use.
+        handed out round-robin per server name, skipping ids still in use -- also ids
+        of this slot that a connector took along to another broker.
         """
+        if not self.slot:
+            raise RoutingError("this broker has no dynamic-id slot yet (it is joining the mesh)")
         start = self._next_seq.get(server, 0)
         for step in range(0x10000):
             seq = (start + step) & 0xFFFF
@@ -87,7 +140,7 @@ class RoutingTable(Generic[L]):
             )
             if address not in self._owner:
                 self._next_seq[server] = (seq + 1) & 0xFFFF
-                self.add_service(address, link)
+                self.add_service(address, link, session)
                 return address
         raise RoutingError(
             "all 65536 dynamic instance ids of this server name are in use on this broker"
@@ -100,6 +153,7 @@ class RoutingTable(Generic[L]):
         for group in list(self._joined.get(address, ())):
             self.leave(address, group)
         del self._owner[address]
+        self._session.pop(address, None)
         owned = self._by_link[link]
         owned.discard(address)
         if not owned:
@@ -117,8 +171,9 @@ class RoutingTable(Generic[L]):
             return
         g.members[member] = link
         g.per_link[link] = g.per_link.get(link, 0) + 1
-        g.rebuild()
+        g.rebuild(self._is_remote)
         self._joined.setdefault(member, set()).add(group)
+        self._memberships += 1
         self.version += 1
 
     def leave(self, member: bytes, group: bytes) -> None:
@@ -133,17 +188,19 @@ class RoutingTable(Generic[L]):
         else:
             del g.per_link[link]
         if g.members:
-            g.rebuild()
+            g.rebuild(self._is_remote)
         else:
             del self._groups[group]
         joined = self._joined[member]
         joined.discard(group)
         if not joined:
             del self._joined[member]
+        self._memberships -= 1
         self.version += 1
 
     def remove_link(self, link: L) -> list[bytes]:
-        """Drop every service of ``link`` (a connector went away); returns their addresses."""
+        """Drop every service of ``link`` (a connector or a peer broker went away);
+        returns their addresses."""
         gone = sorted(self._by_link.get(link, ()))
         for address in gone:
             self.remove_service(address, link)
@@ -154,6 +211,10 @@ class RoutingTable(Generic[L]):
     def owner(self, address: bytes) -> L | None:
         return self._owner.get(address)
 
+    def session_of(self, address: bytes) -> bytes:
+        """The session that registered ``address``; b"" if unknown or not registered."""
+        return self._session.get(address, b"")
+
     def owned_by(self, link: L) -> frozenset[bytes]:
         return frozenset(self._by_link.get(link, ()))
 
@@ -161,7 +222,8 @@ class RoutingTable(Generic[L]):
         return self._owner.get(dst)
 
     def route_multicast(self, group: bytes, src: bytes, src_link: L, echo: bool) -> tuple[L, ...]:
-        """Links that get one copy of a multicast from ``src`` (on ``src_link``)."""
+        """Links that get one copy of a multicast from ``src`` (on ``src_link``):
+        local links with members, and each peer broker with members once."""
         g = self._groups.get(group)
         if g is None:
             return ()
@@ -169,15 +231,36 @@ class RoutingTable(Generic[L]):
             return g.links
         return tuple(link for link in g.links if link != src_link)
 
+    def route_multicast_local(self, group: bytes) -> tuple[L, ...]:
+        """Local links with members: where a multicast that came from a peer broker goes."""
+        g = self._groups.get(group)
+        return () if g is None else g.local_links
+
     def route_anycast(self, group: bytes, src: bytes, echo: bool) -> L | None:
-        """The link of one member chosen uniformly at random (the sender only if ``echo``)."""
+        """The link of one member: a local one chosen uniformly at random when there is
+        one (the sender only if ``echo``), otherwise a peer broker chosen at random
+        weighted by its member count."""
         g = self._groups.get(group)
         if g is None:
             return None
-        members = g.member_list
+        local = self._pick_local(g, src, echo)
+        if local is not None or not g.peers:
+            return local
+        weights = g.peer_weights
+        return g.peers[bisect.bisect_right(weights, self._rng.randrange(weights[-1]))]
+
+    def route_anycast_local(self, group: bytes, src: bytes, echo: bool) -> L | None:
+        """One local member's link: where an anycast that came from a peer broker goes."""
+        g = self._groups.get(group)
+        return None if g is None else self._pick_local(g, src, echo)
+
+    def _pick_local(self, g: _Group[L], src: bytes, echo: bool) -> L | None:
+        members = g.local_members
+        if not members:
+            return None
         if not echo and src in g.members:
             if len(members) == 1:
-                return None
+                return None if members[0][0] == src else members[0][1]
             while True:
                 address, link = members[self._rng.randrange(len(members))]
                 if address != src:
@@ -196,6 +279,15 @@ class RoutingTable(Generic[L]):
     def groups_of(self, member: bytes) -> frozenset[bytes]:
         return frozenset(self._joined.get(member, ()))
 
+    def local_state(self) -> list[RouteOp]:
+        """This broker's own services and memberships as route operations: what it sends
+        a peer at link-up (ADDs first, so every JOIN finds its member registered)."""
+        is_remote = self._is_remote
+        local = [a for a, link in self._owner.items() if not is_remote(link)]
+        ops: list[RouteOp] = [(OP_ADD, a, self._session.get(a, b"")) for a in local]
+        ops.extend((OP_JOIN, a, group) for a in local for group in self._joined.get(a, ()))
+        return ops
+
     @property
     def service_count(self) -> int:
         return len(self._owner)
@@ -203,3 +295,8 @@ class RoutingTable(Generic[L]):
     @property
     def group_count(self) -> int:
         return len(self._groups)
+
+    @property
+    def route_count(self) -> int:
+        """Entries in the table: one per unicast address, one per group membership."""
+        return len(self._owner) + self._memberships

@@ -218,25 +218,34 @@ class Service:
     async def join(self, group: AddressLike) -> None:
         """Join a multicast (topic) or anycast (pool) group."""
         address = as_address(group)
-        await self._conn._control(
-            ControlType.JOIN, Membership(member=self._raw, group=address.to_bytes())
+
+        def joined(_: object) -> None:
+            self._groups.add(address)
+            self._conn._joined(self, address)
+
+        await self._conn._change(
+            ControlType.JOIN, Membership(member=self._raw, group=address.to_bytes()), joined
         )
-        self._groups.add(address)
-        self._conn._joined(self, address)
 
     async def leave(self, group: AddressLike) -> None:
         """Leave a group; leaving a group the service is not in does nothing."""
         address = as_address(group)
-        await self._conn._control(
-            ControlType.LEAVE, Membership(member=self._raw, group=address.to_bytes())
+
+        def left(_: object) -> None:
+            self._groups.discard(address)
+            self._conn._left(self, address)
+
+        await self._conn._change(
+            ControlType.LEAVE, Membership(member=self._raw, group=address.to_bytes()), left
         )
-        self._groups.discard(address)
-        self._conn._left(self, address)
 
     async def unregister(self) -> None:
         """Remove the service from the bus; its address becomes free."""
-        await self._conn._control(ControlType.UNREGISTER, AddressBody(address=self._raw))
-        self._conn._forget(self)
+        await self._conn._change(
+            ControlType.UNREGISTER,
+            AddressBody(address=self._raw),
+            lambda _: self._conn._forget(self),
+        )
 
     def _close(self) -> None:
         self._closed = True

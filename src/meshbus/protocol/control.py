@@ -18,22 +18,55 @@ class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Base of control bodies."""
 
 
+ROLE_CONNECTOR = "connector"
+ROLE_BROKER = "broker"
+
+
 class Hello(Body):
-    """Connector -> broker, first frame on a link."""
+    """First frame on a link: connector -> broker, or dialling broker -> broker.
+
+    ``session`` identifies a connector across reconnects (failover, moves): a
+    re-registration of an address the same session owned elsewhere is a takeover,
+    not a conflict. Brokers send ``role="broker"`` with their own ``listen`` address,
+    dynamic-id ``slot`` (0 while joining), and the link ``tag`` they assigned to the
+    broker they dial (neighbour identifiers: the receiver stamps it into every data
+    frame it sends back on this link).
+    """
 
     protocol: int = PROTOCOL_VERSION
-    role: str = "connector"
+    role: str = ROLE_CONNECTOR
     name: str = ""
     max_frame: int = DEFAULT_MAX_FRAME
+    session: bytes = b""
+    listen: str = ""
+    slot: int = 0
+    tag: int = 0
+
+
+class BrokerInfo(Body):
+    """One broker of the mesh as its peers know it."""
+
+    name: str
+    address: str
+    slot: int = 0
+    connectors: int = 0
+    capacity: int = 0
+    ready: bool = False
+    draining: bool = False
 
 
 class Welcome(Body):
-    """Broker -> connector, the answer to HELLO."""
+    """The answer to HELLO. To a connector it carries the mesh's brokers that take
+    connectors (later changes come as BROKERS); to a dialling broker the accepting
+    broker's ``listen`` address and the link ``tag`` it assigned to the dialler."""
 
     protocol: int = PROTOCOL_VERSION
     broker: str = ""
     slot: int = 1
     max_frame: int = DEFAULT_MAX_FRAME
+    listen: str = ""
+    tag: int = 0
+    brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
 
 
 class Register(Body):
@@ -57,12 +90,21 @@ class Membership(Body):
 
 
 class Empty(Body):
-    """OK, STAT, PING, PONG."""
+    """OK, PING, PONG, DRAINING."""
+
+
+class StatRequest(Body):
+    """STAT: ``detail`` False leaves out the per-service and per-group lists (large meshes)."""
+
+    detail: bool = True
 
 
 class Error(Body):
+    """``redirect`` (with code REDIRECT) names a broker that takes connectors."""
+
     code: int
     message: str = ""
+    redirect: str = ""
 
 
 class DeliveryFailure(Body):
@@ -82,6 +124,71 @@ class Bye(Body):
     reason: str = ""
 
 
+class Brokers(Body):
+    """BROKERS: the mesh's brokers. To a connector: where it may fail over to (ready,
+    not draining). Between brokers: gossip, so every broker links to every other."""
+
+    brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
+
+
+# Route operations between brokers, (op, address, extra): ADD (address, session),
+# REMOVE (address, b""), JOIN (member, group), LEAVE (member, group). A broker only
+# announces changes of its own (local) services; receivers apply them conditionally.
+OP_ADD = 1
+OP_REMOVE = 2
+OP_JOIN = 3
+OP_LEAVE = 4
+RouteOp = tuple[int, bytes, bytes]
+
+
+class Routes(Body):
+    """ROUTES: route operations. ``snapshot`` marks the peer's full local state sent at
+    link-up, in chunks; ``complete`` marks its last chunk."""
+
+    ops: list[RouteOp] = msgspec.field(default_factory=list)
+    snapshot: bool = False
+    complete: bool = False
+
+
+class Claim(Body):
+    """CLAIM / RELEASE: reserve (or give back) ``key`` mesh-wide for ``session``.
+
+    ``key`` is a 16-byte unicast address, or a dynamic-id slot (cast byte 0)."""
+
+    key: bytes
+    session: bytes = b""
+
+
+class Load(Body):
+    """LOAD: a broker's state, sent to its peers on change and as the heartbeat."""
+
+    connectors: int = 0
+    capacity: int = 0
+    slot: int = 0
+    ready: bool = False
+    draining: bool = False
+
+
+class Ready(Body):
+    """READY: a joined broker takes connectors now. ``counts`` is the connector count per
+    broker it saw (itself included): every broker computes its excess from this one view."""
+
+    counts: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class Move(Body):
+    """MOVE: broker -> connector, reconnect to ``address`` (rebalance or drain)."""
+
+    address: str
+    reason: str = ""
+
+
+class Drain(Body):
+    """DRAIN: ask the broker to drain; ``grace`` 0 uses its configured grace period."""
+
+    grace: float = 0.0
+
+
 BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.HELLO: Hello,
     ControlType.WELCOME: Welcome,
@@ -94,11 +201,20 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.ERROR: Error,
     ControlType.TIMEOUT: DeliveryFailure,
     ControlType.NO_ROUTE: DeliveryFailure,
-    ControlType.STAT: Empty,
+    ControlType.STAT: StatRequest,
     ControlType.STATS: Stats,
     ControlType.PING: Empty,
     ControlType.PONG: Empty,
     ControlType.BYE: Bye,
+    ControlType.BROKERS: Brokers,
+    ControlType.ROUTES: Routes,
+    ControlType.CLAIM: Claim,
+    ControlType.RELEASE: Claim,
+    ControlType.LOAD: Load,
+    ControlType.READY: Ready,
+    ControlType.DRAINING: Empty,
+    ControlType.MOVE: Move,
+    ControlType.DRAIN: Drain,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

@@ -39,6 +39,9 @@ OFF_MSG_ID = 44
 OFF_RESPONSE_FOR = 52
 OFF_TIMEOUT_MS = 60
 ROUTING_KEY_SIZE = 40
+# A frame crosses at most one broker-to-broker hop: connectors send hops 0, and a
+# broker forwarding to a peer writes 1, which is the only value a peer accepts.
+PEER_HOPS = 1
 
 # Control frame header (12 bytes).
 CONTROL_HEADER = struct.Struct(">IBBHI")
@@ -82,6 +85,15 @@ class ControlType(IntEnum):
     PING = 14
     PONG = 15
     BYE = 16
+    BROKERS = 17  # broker -> connector, and broker <-> broker (gossip)
+    ROUTES = 18  # broker <-> broker
+    CLAIM = 19  # broker <-> broker; answered with OK or ERROR ADDRESS_IN_USE
+    RELEASE = 20  # broker <-> broker
+    LOAD = 21  # broker <-> broker; also the heartbeat
+    READY = 22  # broker <-> broker
+    DRAINING = 23  # broker <-> broker
+    MOVE = 24  # broker -> connector
+    DRAIN = 25  # connector (an operator) -> broker; answered with OK
 
 
 class ErrorCode(IntEnum):
@@ -101,6 +113,9 @@ class ErrorCode(IntEnum):
     INSTANCES_EXHAUSTED = 12
     SLOW_CONSUMER = 13
     SHUTTING_DOWN = 14
+    REDIRECT = 15  # this broker takes no connector now (full, joining, draining); see redirect
+    DUPLICATE_LINK = 16  # a second link between the same two brokers; the other one stays
+    NAME_IN_USE = 17  # a broker of that name is already in the mesh
 
 
 # Errors after which the sender of the offending frame is disconnected.
@@ -114,5 +129,8 @@ FATAL_ERRORS = frozenset(
         ErrorCode.ADDRESS_NOT_OWNED,
         ErrorCode.SLOW_CONSUMER,
         ErrorCode.SHUTTING_DOWN,
+        ErrorCode.REDIRECT,
+        ErrorCode.DUPLICATE_LINK,
+        ErrorCode.NAME_IN_USE,
     }
 )

@@ -1,0 +1,858 @@
+"""The mesh: this broker's links to its peers, and everything that travels on them.
+
+Design decisions (docs/mesh.md has the long form):
+
+* **Each broker is the authority for its own services.** At link-up a broker
+  sends the peer its *local* services and memberships (a snapshot, in chunks),
+  then every later change of them, in order. A peer's view of broker X is thus
+  X's snapshot plus X's changes in TCP order, and no third broker can make it
+  stale. Operations are conditional (REMOVE only if the peer still owns the
+  address), so a connector that moved from X to Y while X's REMOVE was on its
+  way ends up owned by Y everywhere.
+* **A joining broker copies the table from its peers**, each contributing its own
+  part, rather than all of it from one randomly chosen broker as the seed
+  patent has it: a copy of X's services taken from Z can miss a change that X
+  made before linking to us, and nothing would ever repair it.
+* **Uniqueness by claims** (meshbus.broker.claims): fixed addresses, addresses a
+  connector takes along, and a joiner's dynamic-id slot are granted by every peer
+  before they are used; fresh dynamic ids need no round trip.
+* **Duplicate links** are resolved at the handshake by one rule applied on both
+  ends (meshbus.broker.balance.incoming_link_wins), before any route is sent.
+* **Heartbeats**: LOAD frames every ``heartbeat_interval``; a peer that sends
+  nothing for ``heartbeat_misses`` intervals is dead. A peer that closes without
+  BYE crashed: its routes go, and this broker raises its connector capacity by
+  ``capacity_boost`` for ``boost_window`` seconds so the orphans can land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
+from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
+from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
+from meshbus.broker.link import CloseReason, Link, LinkState
+from meshbus.broker.routing import RoutingError
+from meshbus.protocol.codec import describe, encode_control
+from meshbus.protocol.control import (
+    OP_ADD,
+    OP_JOIN,
+    OP_LEAVE,
+    OP_REMOVE,
+    ROLE_BROKER,
+    Body,
+    BrokerInfo,
+    Brokers,
+    Bye,
+    Claim,
+    DeliveryFailure,
+    Empty,
+    Error,
+    Hello,
+    Load,
+    Move,
+    Ready,
+    RouteOp,
+    Routes,
+    Welcome,
+)
+from meshbus.protocol.layout import MIN_MAX_FRAME, ControlType, ErrorCode
+from meshbus.util import parse_hostport
+
+if TYPE_CHECKING:
+    from meshbus.broker.server import Broker
+
+log = logging.getLogger("meshbus.broker")
+
+# Route operations per ROUTES frame: about 40 bytes each, well under the default frame limit.
+ROUTES_CHUNK = 10_000
+# A broker that could not be dialled is not dialled again from gossip for this long.
+_DIAL_COOLDOWN = 2.0
+_DIAL_TIMEOUT = 5.0
+_GRACEFUL = frozenset(
+    {CloseReason.PEER_BYE, CloseReason.DUPLICATE_LINK, CloseReason.BROKER_SHUTDOWN}
+)
+
+
+class JoinFailed(Exception):
+    """The broker could not join the mesh through any of its seeds."""
+
+
+@dataclass
+class PeerState:
+    """What this broker knows of another broker (from its handshake, LOAD and gossip)."""
+
+    name: str
+    address: str
+    slot: int = 0
+    connectors: int = 0
+    capacity: int = 0
+    ready: bool = False
+    draining: bool = False
+
+    def info(self) -> BrokerInfo:
+        return BrokerInfo(
+            name=self.name,
+            address=self.address,
+            slot=self.slot,
+            connectors=self.connectors,
+            capacity=self.capacity,
+            ready=self.ready,
+            draining=self.draining,
+        )
+
+
+@dataclass
+class _ClaimRound:
+    """One claim this broker put to its peers, waiting for their answers."""
+
+    key: bytes
+    session: bytes
+    future: asyncio.Future[bool]
+    waiting: dict[str, int] = field(default_factory=dict)  # peer name -> correlation
+    granted: list[Link] = field(default_factory=list)
+    denied: bool = False
+
+
+@dataclass
+class MeshStats:
+    duplicate_links: int = 0
+    peers_lost: int = 0
+    peers_crashed: int = 0
+    moves_sent: int = 0
+    claims_granted: int = 0
+    claims_refused: int = 0
+    route_ops_in: int = 0
+    route_ops_out: int = 0
+    route_conflicts: int = 0
+
+
+class Mesh:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.config = broker.config
+        self.peers: dict[str, Link] = {}  # open peer links, by broker name
+        self.known: dict[str, PeerState] = {}  # every other broker we know of
+        self.claims = ClaimTable("")
+        self.stats = MeshStats()
+        self.ready = False
+        self.draining = False
+        self._dialling: dict[str, str] = {}  # address -> expected name ("" unknown)
+        self._dial_waiters: dict[Link, asyncio.Future[bool]] = {}
+        self._dial_failed: dict[str, float] = {}  # address -> when
+        self._ops: list[RouteOp] = []
+        self._flush_scheduled = False
+        self._lists_scheduled = False
+        self._pushed: tuple[str, ...] = ()
+        self._rounds: dict[int, _ClaimRound] = {}
+        self._next_correlation = 1
+        self._snapshot_pending: set[Link] = set()
+        self._snapshots_done = asyncio.Event()
+        self._gossip = asyncio.Event()
+        self._boost_until = 0.0
+        self._all_moved = asyncio.Event()  # set when the last connector told to move has left
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- identity and capacity ------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def capacity(self) -> int:
+        """The current connector limit: raised for a while after a peer crashed."""
+        limit = self.config.max_connectors
+        if self.broker.clock() < self._boost_until:
+            return math.ceil(limit * self.config.capacity_boost)
+        return limit
+
+    def self_state(self) -> PeerState:
+        return PeerState(
+            name=self.name,
+            address=self.broker.advertised,
+            slot=self.broker.routing.slot,
+            connectors=len(self.broker.connectors),
+            capacity=self.capacity,
+            ready=self.ready,
+            draining=self.draining,
+        )
+
+    def brokers(self) -> list[PeerState]:
+        """Every broker of the mesh this one knows, itself first."""
+        return [self.self_state(), *self.known.values()]
+
+    # -- start: a new mesh, or a join through seeds ------------------------------------
+
+    def start(self) -> None:
+        self.claims.me = self.name
+        self._spawn(self._heartbeats(), "mesh-heartbeats")
+
+    def found(self) -> None:
+        """Start a new mesh of one: slot 1, ready at once."""
+        self.broker.routing.slot = self.config.slot
+        self._became_ready()
+
+    def _became_ready(self) -> None:
+        self.ready = True
+        # Connectors get the list in WELCOME from now on; only changes are pushed.
+        self._pushed = self._connector_addresses()
+
+    async def join(self, seeds: list[str]) -> None:
+        """The seed patent's join, steps in order: link to a seed, learn the broker list,
+        link to every broker, claim a slot, take every peer's table, announce READY."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.join_timeout
+        while not self.peers:
+            for seed in seeds:
+                if await self.dial(seed):
+                    break
+            else:
+                if loop.time() >= deadline:
+                    raise JoinFailed(
+                        "could not join the mesh: no seed answered ("
+                        + ", ".join(seeds)
+                        + "); is a broker running there?"
+                    )
+                await asyncio.sleep(0.2)
+        # The seed sends its broker list right after the handshake.
+        try:
+            await asyncio.wait_for(self._gossip.wait(), max(0.1, deadline - loop.time()))
+        except TimeoutError:
+            raise JoinFailed("the seed did not send the broker list") from None
+        others = [
+            s.address for s in self.known.values() if s.name not in self.peers and not s.draining
+        ]
+        await asyncio.gather(*(self.dial(address) for address in others))
+        self.broker.routing.slot = await self._claim_slot()
+        try:
+            await asyncio.wait_for(self._snapshots_done.wait(), max(0.1, deadline - loop.time()))
+        except TimeoutError:
+            raise JoinFailed("peers did not send their routing tables in time") from None
+        self._became_ready()
+        counts = {s.name: s.connectors for s in self.brokers() if not s.draining}
+        self._send_all(ControlType.READY, Ready(counts=counts))
+        self.lists_changed()
+        log.info("joined the mesh", extra={"broker": self.name, "peers": sorted(self.peers)})
+
+    async def _claim_slot(self) -> int:
+        """A dynamic-id slot no other broker of the mesh has, granted by every peer."""
+        attempt = 0
+        while True:
+            used = {s.slot for s in self.known.values()} | self.claims.reserved_slots()
+            free = [s for s in range(1, 0x10000) if s not in used]
+            # After a lost race, pick further away: the winner may be taking the next one.
+            slot = free[min(len(free) - 1, random.randrange(attempt * 4 + 1))]
+            if await self.claim(slot_key(slot), self.name.encode(), None):
+                return slot
+            attempt += 1
+            await asyncio.sleep(random.uniform(0.0, 0.05))
+
+    # -- dialling and handshakes ---------------------------------------------------------
+
+    async def dial(self, address: str, expected: str = "") -> bool:
+        """Link to the broker at ``address``; True once the link is open (or was already)."""
+        if address == self.broker.advertised or address in self._dialling:
+            return False
+        if any(link.listen == address for link in self.peers.values()):
+            return True
+        loop = asyncio.get_running_loop()
+        self._dialling[address] = expected
+        try:
+            host, port = parse_hostport(address)
+            async with asyncio.timeout(_DIAL_TIMEOUT):
+                _, link = await loop.create_connection(
+                    lambda: Link(self.broker, self.broker.next_link_id(), dialled=True), host, port
+                )
+                opened: asyncio.Future[bool] = loop.create_future()
+                self._dial_waiters[link] = opened
+                link.send(
+                    encode_control(
+                        ControlType.HELLO,
+                        Hello(
+                            role=ROLE_BROKER,
+                            name=self.name,
+                            max_frame=self.config.max_frame,
+                            listen=self.broker.advertised,
+                            slot=self.broker.routing.slot,
+                            tag=link.tag_in,
+                        ),
+                    )
+                )
+                return await opened
+        except (OSError, TimeoutError, ValueError) as exc:
+            self._dial_failed[address] = loop.time()
+            log.info("could not link to a broker", extra={"address": address, "error": str(exc)})
+            return False
+        finally:
+            self._dialling.pop(address, None)
+
+    def accept_peer(self, link: Link, hello: Hello) -> Welcome | Error:
+        """HELLO from a dialling broker: the duplicate-link rule, then WELCOME."""
+        name = hello.name
+        if not name or name == self.name:
+            return Error(
+                code=ErrorCode.NAME_IN_USE,
+                message=f"a broker named {name!r} is already in the mesh; "
+                "give every broker a unique --name",
+            )
+        mine = self.peers.get(name)
+        dialling = hello.listen in self._dialling or name in self._dialling.values()
+        if (mine is not None and mine.dialled) or dialling:
+            self.stats.duplicate_links += 1
+            if not incoming_link_wins(self.name, name):
+                return Error(
+                    code=ErrorCode.DUPLICATE_LINK,
+                    message=f"{self.name} and {name} dialled each other; the link "
+                    f"{self.name} dialled stays",
+                )
+            if mine is not None:
+                mine.fail(ErrorCode.DUPLICATE_LINK, "replaced", CloseReason.DUPLICATE_LINK)
+        elif mine is not None:
+            # It dialled again: it lost the old link, even if we have not noticed yet.
+            mine.close(CloseReason.DUPLICATE_LINK)
+        self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, hello.max_frame)
+        return Welcome(
+            broker=self.name,
+            slot=self.broker.routing.slot,
+            max_frame=link.max_frame,
+            listen=self.broker.advertised,
+            tag=link.tag_in,
+        )
+
+    def _welcomed(self, link: Link, welcome: Welcome) -> None:
+        """WELCOME on a link this broker dialled."""
+        name = welcome.broker
+        existing = self.peers.get(name)
+        if name == self.name:
+            link.fail(ErrorCode.NAME_IN_USE, "that is this broker", CloseReason.REFUSED)
+        elif existing is not None and incoming_link_wins(self.name, name):
+            self.stats.duplicate_links += 1
+            link.fail(
+                ErrorCode.DUPLICATE_LINK, "the link you dialled stays", CloseReason.DUPLICATE_LINK
+            )
+        else:
+            if existing is not None:
+                self.stats.duplicate_links += 1
+                existing.fail(ErrorCode.DUPLICATE_LINK, "replaced", CloseReason.DUPLICATE_LINK)
+            self._open_peer(
+                link, name, welcome.listen, welcome.slot, welcome.tag, welcome.max_frame
+            )
+        waiter = self._dial_waiters.pop(link, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(link.state is LinkState.OPEN)
+
+    def _open_peer(
+        self, link: Link, name: str, listen: str, slot: int, tag: int, max_frame: int
+    ) -> None:
+        link.state = LinkState.OPEN
+        link.is_peer = True
+        link.name = name
+        link.listen = listen
+        link.slot = slot
+        link.tag_out = tag.to_bytes(4, "big")
+        link.max_frame = max(MIN_MAX_FRAME, min(max_frame, self.config.max_frame))
+        self.peers[name] = link
+        state = self.known.setdefault(name, PeerState(name, listen))
+        state.address = listen
+        state.slot = slot
+        # Pending operations go out first, so the snapshot below is all the new peer needs.
+        self.flush_ops()
+        ops = self.broker.routing.local_state()
+        for start in range(0, max(len(ops), 1), ROUTES_CHUNK):
+            chunk = ops[start : start + ROUTES_CHUNK]
+            done = start + ROUTES_CHUNK >= len(ops)
+            link.send(
+                encode_control(ControlType.ROUTES, Routes(ops=chunk, snapshot=True, complete=done))
+            )
+        self.stats.route_ops_out += len(ops)
+        link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self._gossip_list())))
+        link.send(encode_control(ControlType.LOAD, self._load()))
+        if not self.ready:
+            self._snapshot_pending.add(link)
+            self._snapshots_done.clear()
+        self.lists_changed()
+        log.info("peer linked", extra={"peer": name, "address": listen, "link": link.link_id})
+
+    # -- frames from peers --------------------------------------------------------------------
+
+    def on_peer_control(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
+        if link.state is LinkState.AWAIT_WELCOME:
+            if isinstance(body, Welcome) and ctype == ControlType.WELCOME:
+                self._welcomed(link, body)
+            elif isinstance(body, Error):
+                log.info(
+                    "a broker refused our link", extra={"code": body.code, "error": body.message}
+                )
+                link.close(CloseReason.REFUSED)
+            else:
+                link.fail(ErrorCode.PROTOCOL_ERROR, "expected WELCOME", CloseReason.PROTOCOL_ERROR)
+            return
+        handler = _PEER_HANDLERS.get(ctype)
+        if handler is None or body is None:
+            log.warning("unexpected control frame from a peer", extra={"type": describe(ctype)})
+            return
+        handler(self, link, correlation, body)
+
+    def _on_routes(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Routes)
+        self.stats.route_ops_in += len(body.ops)
+        for op, address, extra in body.ops:
+            try:
+                self._apply(link, op, address, extra)
+            except (RoutingError, IndexError) as exc:
+                log.warning(
+                    "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
+                )
+        if body.complete and link in self._snapshot_pending:
+            self._snapshot_pending.discard(link)
+            if not self._snapshot_pending:
+                self._snapshots_done.set()
+
+    def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
+        routing = self.broker.routing
+        owner = routing.owner(address)
+        if op == OP_ADD:
+            if len(address) != 16 or address[0] != CAST_UNICAST:
+                raise RoutingError("ADD of an address that is not unicast")
+            self.claims.release(address, link.name)
+            if owner is None:
+                routing.add_service(address, link, extra)
+            elif owner is link:
+                return
+            elif extra and routing.session_of(address) == extra:
+                routing.take_over(address, link, extra)  # the connector moved here
+            else:
+                self._conflict(link, address, extra, owner)
+        elif owner is not link:
+            return  # about an address that has moved on since: stale
+        elif op == OP_REMOVE:
+            routing.remove_service(address, link)
+        elif op in (OP_JOIN, OP_LEAVE):
+            if len(extra) != 16 or extra[0] not in (CAST_MULTICAST, CAST_ANYCAST):
+                raise RoutingError("JOIN or LEAVE of an address that is not a group")
+            if op == OP_JOIN:
+                routing.join(address, extra)
+            else:
+                routing.leave(address, extra)
+
+    def _conflict(self, link: Link, address: bytes, session: bytes, owner: Link) -> None:
+        """Two brokers registered one address for different sessions (claims make this
+        all but impossible). Every broker keeps the owner with the smaller name, so the
+        tables still converge; a local loser's connector is told."""
+        self.stats.route_conflicts += 1
+        current = owner.name if owner.is_peer else self.name
+        if link.name >= current:
+            return
+        self.broker.routing.take_over(address, link, session)
+        if not owner.is_peer:
+            owner.send(
+                encode_control(
+                    ControlType.ERROR,
+                    Error(
+                        code=ErrorCode.ADDRESS_IN_USE,
+                        message="this address was registered at the same moment through "
+                        f"broker {link.name}, which keeps it",
+                    ),
+                )
+            )
+
+    def _on_claim(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Claim)
+        key = body.key
+        if is_slot_key(key):
+            slot = int.from_bytes(key[5:7], "big")
+            in_use = slot == self.broker.routing.slot or any(
+                p.slot == slot for p in self.peers.values()
+            )
+            owner_session: bytes | None = b"" if in_use else None
+        elif self.broker.routing.owner(key) is None:
+            owner_session = None
+        else:
+            owner_session = self.broker.routing.session_of(key)
+        if self.claims.reserve(key, link.name, body.session, owner_session):
+            self.broker.reply(link, ControlType.OK, Empty(), correlation)
+        else:
+            self.broker.reply(
+                link,
+                ControlType.ERROR,
+                Error(code=ErrorCode.ADDRESS_IN_USE, message="in use or claimed"),
+                correlation,
+            )
+
+    def _on_release(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Claim)
+        self.claims.release(body.key, link.name)
+
+    def _on_answer(self, link: Link, correlation: int, body: Body) -> None:
+        """OK or ERROR: the answer to one of our CLAIMs."""
+        claim = self._rounds.pop(correlation, None)
+        if claim is None:
+            if isinstance(body, Error):
+                log.warning("error from a peer", extra={"peer": link.name, "error": body.message})
+            return
+        claim.waiting.pop(link.name, None)
+        if isinstance(body, Error):
+            claim.denied = True
+        else:
+            claim.granted.append(link)
+        self._settle(claim)
+
+    def _on_load(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Load)
+        state = self.known.get(link.name)
+        if state is None:
+            return
+        changed = (state.ready, state.draining) != (body.ready, body.draining)
+        state.connectors = body.connectors
+        state.capacity = body.capacity
+        state.ready = body.ready
+        state.draining = body.draining
+        state.slot = link.slot = body.slot
+        if changed:
+            self.lists_changed()
+
+    def _on_brokers(self, link: Link, correlation: int, body: Body) -> None:
+        """Gossip: link to every broker we hear of and are not linked to."""
+        assert isinstance(body, Brokers)
+        now = self.broker.clock()
+        for info in body.brokers:
+            if info.name == self.name or info.name in self.peers:
+                continue
+            state = self.known.setdefault(info.name, PeerState(info.name, info.address))
+            state.address, state.slot = info.address, info.slot
+            state.connectors, state.capacity = info.connectors, info.capacity
+            state.ready, state.draining = info.ready, info.draining
+            failed = self._dial_failed.get(info.address)
+            # A joining broker dials us itself; we dial the ready ones we are missing.
+            if (
+                info.ready
+                and self.ready
+                and not self.draining
+                and (failed is None or now - failed > _DIAL_COOLDOWN)
+            ):
+                self._spawn(self.dial(info.address, info.name), f"dial-{info.name}")
+        self._gossip.set()
+
+    def _on_ready(self, link: Link, correlation: int, body: Body) -> None:
+        """A broker joined: hand it our share of connectors (the seed's join step)."""
+        assert isinstance(body, Ready)
+        state = self.known.get(link.name)
+        if state is not None:
+            state.ready = True
+        self.lists_changed()
+        if self.draining:
+            return
+        count = excess(body.counts, link.name, self.name)
+        movable = [c for c in self.broker.connectors if not c.moving]
+        # The newest connectors move: the ones that have been here least.
+        for connector in sorted(movable, key=lambda c: -c.link_id)[:count]:
+            self.move(connector, link.listen, f"rebalance: {link.name} joined")
+        if count:
+            log.info("rebalancing", extra={"to": link.name, "connectors": count})
+
+    def _on_draining(self, link: Link, correlation: int, body: Body) -> None:
+        state = self.known.get(link.name)
+        if state is not None:
+            state.draining = True
+        self.lists_changed()
+
+    def _on_bye(self, link: Link, correlation: int, body: Body) -> None:
+        link.close(CloseReason.PEER_BYE)
+
+    def _on_delivery_failure(self, link: Link, correlation: int, body: Body) -> None:
+        """NO_ROUTE from a peer about a frame that entered the mesh here: to the requester
+        (by the pending entry) or to the sender of a notified send (by its address)."""
+        assert isinstance(body, DeliveryFailure)
+        broker = self.broker
+        target = broker.pending.resolve(body.src, body.msg_id)
+        if target is None:
+            owner = broker.routing.owner(body.src)
+            target = owner if owner is not None and not owner.is_peer else None
+        if target is not None:
+            broker.reply(target, ControlType.NO_ROUTE, body)
+
+    def _on_ping(self, link: Link, correlation: int, body: Body) -> None:
+        self.broker.reply(link, ControlType.PONG, Empty(), correlation)
+
+    def _ignore(self, link: Link, correlation: int, body: Body) -> None:
+        pass
+
+    # -- claims ---------------------------------------------------------------------------------
+
+    def claim(
+        self, key: bytes, session: bytes, owner_session: bytes | None
+    ) -> asyncio.Future[bool]:
+        """Reserve ``key`` here and at every peer; the future says whether all granted it.
+
+        On success the caller uses the key at once (and its ADD ends the peers'
+        reservations); on failure the grants are given back."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if not self.claims.reserve(key, self.name, session, owner_session):
+            self.stats.claims_refused += 1
+            future.set_result(False)
+            return future
+        claim = _ClaimRound(key, session, future)
+        for name, link in self.peers.items():
+            correlation = self._next_correlation
+            self._next_correlation = correlation % 0xFFFFFFFF + 1
+            self._rounds[correlation] = claim
+            claim.waiting[name] = correlation
+            link.send(
+                encode_control(ControlType.CLAIM, Claim(key=key, session=session), correlation)
+            )
+        self._settle(claim)
+        return future
+
+    def _settle(self, claim: _ClaimRound) -> None:
+        if claim.waiting or claim.future.done():
+            return
+        won = not claim.denied and self.claims.held_by(claim.key, self.name, claim.session)
+        if not won:
+            for link in claim.granted:
+                link.send(encode_control(ControlType.RELEASE, Claim(key=claim.key)))
+        if not won or not is_slot_key(claim.key):
+            self.claims.release(claim.key, self.name)
+        if won:
+            self.stats.claims_granted += 1
+        else:
+            self.stats.claims_refused += 1
+        claim.future.set_result(won)
+
+    # -- route operations out ---------------------------------------------------------------------
+
+    def announce(self, op: int, address: bytes, extra: bytes = b"") -> None:
+        """Tell every peer about a change of a local service; sent at the end of this loop turn."""
+        if not self.peers:
+            return
+        self._ops.append((op, address, extra))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush_ops)
+
+    def flush_ops(self) -> None:
+        self._flush_scheduled = False
+        ops, self._ops = self._ops, []
+        if not ops:
+            return
+        self.stats.route_ops_out += len(ops) * len(self.peers)
+        for start in range(0, len(ops), ROUTES_CHUNK):
+            self._send_all(ControlType.ROUTES, Routes(ops=ops[start : start + ROUTES_CHUNK]))
+
+    # -- broker lists and load --------------------------------------------------------------------
+
+    def lists_changed(self) -> None:
+        """The mesh's membership or a broker's state changed: tell peers and connectors
+        at the end of this loop turn (once, however many changes it saw)."""
+        if not self._lists_scheduled:
+            self._lists_scheduled = True
+            asyncio.get_running_loop().call_soon(self._push_lists)
+
+    def connector_list(self) -> list[BrokerInfo]:
+        """The brokers a connector may fail over or be redirected to: ready, not draining."""
+        return [s.info() for s in self.brokers() if s.ready and not s.draining]
+
+    def _connector_addresses(self) -> tuple[str, ...]:
+        return tuple(sorted(b.address for b in self.connector_list()))
+
+    def _push_lists(self) -> None:
+        self._lists_scheduled = False
+        self._send_all(ControlType.LOAD, self._load())
+        self._send_all(ControlType.BROKERS, Brokers(brokers=self._gossip_list()))
+        # Connectors only need to hear when the set of brokers changes, not every load.
+        addresses = self._connector_addresses()
+        if addresses != self._pushed:
+            self._pushed = addresses
+            frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
+            for connector in self.broker.connectors:
+                connector.send(frame)
+
+    def _gossip_list(self) -> list[BrokerInfo]:
+        return [s.info() for s in self.brokers()]
+
+    def _load(self) -> Load:
+        s = self.self_state()
+        return Load(
+            connectors=s.connectors,
+            capacity=s.capacity,
+            slot=s.slot,
+            ready=s.ready,
+            draining=s.draining,
+        )
+
+    def _send_all(self, type_: ControlType, body: Body) -> None:
+        if self.peers:
+            frame = encode_control(type_, body)
+            for link in self.peers.values():
+                link.send(frame)
+
+    # -- connectors: moves ---------------------------------------------------------------------
+
+    def connector_left(self) -> None:
+        self.lists_changed()
+        if not any(c.moving for c in self.broker.connectors):
+            self._all_moved.set()
+
+    def move(self, connector: Link, address: str, reason: str) -> None:
+        connector.moving = True
+        self.stats.moves_sent += 1
+        connector.send(encode_control(ControlType.MOVE, Move(address=address, reason=reason)))
+
+    # -- losing a peer ----------------------------------------------------------------------------
+
+    def peer_lost(self, link: Link, reason: CloseReason) -> None:
+        waiter = self._dial_waiters.pop(link, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(False)
+        if self._snapshot_pending and link in self._snapshot_pending:
+            self._snapshot_pending.discard(link)
+            if not self._snapshot_pending:
+                self._snapshots_done.set()
+        if not link.is_peer or self.peers.get(link.name) is not link:
+            return  # never opened, or a duplicate that lost
+        del self.peers[link.name]
+        self.stats.peers_lost += 1
+        self.claims.drop_holder(link.name)
+        for correlation, claim in list(self._rounds.items()):
+            if claim.waiting.get(link.name) == correlation:
+                # A broker that is gone holds nothing: its vote is a grant.
+                del self._rounds[correlation]
+                del claim.waiting[link.name]
+                self._settle(claim)
+        self.known.pop(link.name, None)
+        if reason not in _GRACEFUL:
+            self.stats.peers_crashed += 1
+            self._boost_until = self.broker.clock() + self.config.boost_window
+            log.warning(
+                "peer broker lost; its services are withdrawn",
+                extra={"peer": link.name, "reason": reason.value, "capacity": self.capacity},
+            )
+        self.lists_changed()
+
+    # -- heartbeats -----------------------------------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        interval = self.config.heartbeat_interval
+        while True:
+            await asyncio.sleep(interval)
+            for link in list(self.peers.values()):
+                if link.heard:
+                    link.heard = False
+                    link.misses = 0
+                else:
+                    link.misses += 1
+                    if link.misses >= self.config.heartbeat_misses:
+                        link.fail(
+                            ErrorCode.PROTOCOL_ERROR,
+                            f"no frame for {link.misses} heartbeat intervals",
+                            CloseReason.HEARTBEAT_TIMEOUT,
+                        )
+            self._send_all(ControlType.LOAD, self._load())
+
+    # -- drain and stop -------------------------------------------------------------------------
+
+    async def drain(self, grace: float) -> None:
+        """Stop taking connectors, tell the peers, move every connector to another broker,
+        and wait until they have left or ``grace`` seconds passed."""
+        if self.draining:
+            return
+        self.draining = True
+        self._send_all(ControlType.DRAINING, Empty())
+        self.lists_changed()
+        connectors = sorted(self.broker.connectors, key=lambda c: c.link_id)
+        targets = spread_moves(len(connectors), self.known.values(), exclude=self.name)
+        for connector, address in zip(connectors, targets, strict=False):
+            self.move(connector, address, f"broker {self.name} is draining")
+        if not targets:
+            return
+        self._all_moved.clear()
+        try:
+            await asyncio.wait_for(self._all_moved.wait(), grace)
+        except TimeoutError:
+            pass
+        log.info(
+            "drained",
+            extra={"moved": len(targets), "left": len(self.broker.connectors)},
+        )
+
+    async def stop(self) -> None:
+        """Say goodbye to every peer and stop the background work."""
+        self.flush_ops()
+        frame = encode_control(ControlType.BYE, Bye(reason=f"broker {self.name} stopping"))
+        for link in list(self.peers.values()):
+            link.send(frame)
+            link.close(CloseReason.BROKER_SHUTDOWN)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "peer_links": [
+                {
+                    "name": link.name,
+                    "address": link.listen,
+                    "link_id": link.link_id,
+                    "tag_in": link.tag_in,
+                    "tag_out": int.from_bytes(link.tag_out, "big"),
+                    "dialled": link.dialled,
+                    "msgs_in": link.msgs_in,
+                    "msgs_out": link.msgs_out,
+                    "bytes_in": link.bytes_in,
+                    "bytes_out": link.bytes_out,
+                }
+                for link in self.peers.values()
+            ],
+            "mesh": [
+                {
+                    "name": s.name,
+                    "address": s.address,
+                    "slot": s.slot,
+                    "connectors": s.connectors,
+                    "capacity": s.capacity,
+                    "ready": s.ready,
+                    "draining": s.draining,
+                }
+                for s in self.brokers()
+            ],
+            "mesh_counters": {
+                "duplicate_links": self.stats.duplicate_links,
+                "peers_lost": self.stats.peers_lost,
+                "peers_crashed": self.stats.peers_crashed,
+                "moves_sent": self.stats.moves_sent,
+                "claims_granted": self.stats.claims_granted,
+                "claims_refused": self.stats.claims_refused,
+                "route_ops_in": self.stats.route_ops_in,
+                "route_ops_out": self.stats.route_ops_out,
+                "route_conflicts": self.stats.route_conflicts,
+            },
+        }
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+_PEER_HANDLERS = {
+    int(ControlType.ROUTES): Mesh._on_routes,
+    int(ControlType.CLAIM): Mesh._on_claim,
+    int(ControlType.RELEASE): Mesh._on_release,
+    int(ControlType.OK): Mesh._on_answer,
+    int(ControlType.ERROR): Mesh._on_answer,
+    int(ControlType.LOAD): Mesh._on_load,
+    int(ControlType.BROKERS): Mesh._on_brokers,
+    int(ControlType.READY): Mesh._on_ready,
+    int(ControlType.DRAINING): Mesh._on_draining,
+    int(ControlType.BYE): Mesh._on_bye,
+    int(ControlType.NO_ROUTE): Mesh._on_delivery_failure,
+    int(ControlType.PING): Mesh._on_ping,
+    int(ControlType.PONG): Mesh._ignore,
+}

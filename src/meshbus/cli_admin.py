@@ -1,0 +1,481 @@
+"""The operator's commands: ``broker``, ``mesh up``, ``drain`` and ``stat``.
+
+Like the rest of the CLI a thin layer: ``broker`` runs ``meshbus.broker.serve``,
+``mesh up`` starts broker processes and stops them, ``drain`` and ``stat`` are
+one control request each through a connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from meshbus.cli_common import DEFAULT_BROKER, DEFAULT_SERVER, HOSTPORT, connection_options, run
+from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
+from meshbus.util import parse_hostport
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+# -- broker --------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option(
+    "--listen",
+    "listen",
+    type=HOSTPORT,
+    default=DEFAULT_BROKER,
+    show_default=True,
+    help="Address to accept connectors and peer brokers on; port 0 picks a free port.",
+)
+@click.option(
+    "--seed",
+    "seeds",
+    type=HOSTPORT,
+    multiple=True,
+    help="A broker of the mesh to join through (repeat for more; any one is enough). "
+    "Without --seed the broker starts a new mesh.",
+)
+@click.option(
+    "--advertise",
+    type=HOSTPORT,
+    default=None,
+    help="Address other brokers and connectors reach this one at "
+    "(default: the --listen address; set it when listening on 0.0.0.0).",
+)
+@click.option(
+    "--name",
+    default="",
+    help="Broker name, unique in the mesh (default: broker-PORT, with the bound port).",
+)
+@click.option(
+    "--max-connectors",
+    type=click.IntRange(1),
+    default=50,
+    show_default=True,
+    help="Connectors this broker takes; more are redirected to a broker with room.",
+)
+@click.option(
+    "--capacity-boost",
+    type=click.FloatRange(1.0),
+    default=1.2,
+    show_default=True,
+    help="After a peer crashed, take this many times --max-connectors for a while.",
+)
+@click.option(
+    "--boost-window",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="Seconds the raised capacity lasts.",
+)
+@click.option(
+    "--heartbeat-interval",
+    type=click.FloatRange(0.01),
+    default=0.5,
+    show_default=True,
+    help="Seconds between heartbeats on broker-to-broker links.",
+)
+@click.option(
+    "--heartbeat-misses",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="A peer silent for this many intervals is considered dead.",
+)
+@click.option(
+    "--drain-grace",
+    type=click.FloatRange(0),
+    default=10.0,
+    show_default=True,
+    help="On SIGTERM or `meshbus drain`: seconds to wait for connectors to move away.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Directory for the broker's durable data (created if missing).",
+)
+@click.option(
+    "--max-frame",
+    type=click.IntRange(MIN_MAX_FRAME, 2**31),
+    default=DEFAULT_MAX_FRAME,
+    show_default=True,
+    help="Largest frame accepted or sent, in bytes.",
+)
+@click.option(
+    "--max-pending-bytes",
+    type=click.IntRange(1),
+    default=64 * 1024 * 1024,
+    show_default=True,
+    help="A link with more unsent output than this is closed as a slow consumer.",
+)
+def broker(
+    listen: str,
+    seeds: tuple[str, ...],
+    advertise: str | None,
+    name: str,
+    max_connectors: int,
+    capacity_boost: float,
+    boost_window: float,
+    heartbeat_interval: float,
+    heartbeat_misses: int,
+    drain_grace: float,
+    data_dir: str | None,
+    max_frame: int,
+    max_pending_bytes: int,
+) -> None:
+    """Run a broker in the foreground until SIGINT or SIGTERM.
+
+    Prints one line once it takes connectors (after joining the mesh, with
+    --seed): `meshbus broker NAME listening on HOST:PORT`. SIGTERM (or
+    `meshbus drain`) drains it first: its connectors move to other brokers of
+    the mesh; a second signal stops it at once.
+    """
+    import uvloop
+
+    from meshbus.broker import BrokerConfig, serve
+    from meshbus.broker.mesh import JoinFailed
+
+    host, port = parse_hostport(listen)
+    if data_dir:
+        os.makedirs(data_dir, exist_ok=True)
+    config = BrokerConfig(
+        host=host,
+        port=port,
+        name=name,
+        max_frame=max_frame,
+        max_pending_bytes=max_pending_bytes,
+        seeds=list(seeds),
+        advertise=advertise or "",
+        max_connectors=max_connectors,
+        capacity_boost=capacity_boost,
+        boost_window=boost_window,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_misses=heartbeat_misses,
+        drain_grace=drain_grace,
+        data_dir=data_dir or "",
+    )
+    try:
+        uvloop.run(serve(config))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
+    except JoinFailed as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+# -- mesh up ------------------------------------------------------------------------------
+
+
+@click.group()
+def mesh() -> None:
+    """Run a local mesh of brokers (to try meshbus on one machine)."""
+
+
+@mesh.command()
+@click.option(
+    "-n",
+    "count",
+    type=click.IntRange(1, 64),
+    default=3,
+    show_default=True,
+    help="Number of brokers.",
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address the brokers listen on."
+)
+@click.option(
+    "--base-port",
+    type=click.IntRange(0, 65535),
+    default=7400,
+    show_default=True,
+    help="Port of the first broker; the others take the next ones. 0: free ports.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Each broker keeps its durable data in DATA_DIR/NAME.",
+)
+@click.option(
+    "--max-connectors",
+    type=click.IntRange(1),
+    default=50,
+    show_default=True,
+    help="Connectors per broker.",
+)
+def up(count: int, host: str, base_port: int, data_dir: str | None, max_connectors: int) -> None:
+    """Start COUNT brokers as one mesh, in the foreground; Ctrl-C drains and stops them.
+
+    The first broker starts the mesh and the others join it through the first.
+    Prints each broker's name and address; connect with
+    `--broker ADDRESS[,ADDRESS...]`.
+    """
+    if base_port and base_port + count - 1 > 65535:
+        raise click.BadParameter(
+            f"ports {base_port}..{base_port + count - 1} do not fit", param_hint="'--base-port'"
+        )
+    from rich.console import Console
+    from rich.table import Table
+
+    from meshbus.broker.process import broker_argv, parse_ready_line
+
+    console = Console(stderr=True)
+    brokers: list[tuple[subprocess.Popen[bytes], str, str]] = []
+
+    def start(index: int, seed: str | None) -> subprocess.Popen[bytes]:
+        port = base_port + index if base_port else 0
+        name = f"mesh-{index + 1}"
+        args = ["--listen", f"{host}:{port}", "--name", name]
+        args += ["--max-connectors", str(max_connectors)]
+        if seed:
+            args += ["--seed", seed]
+        if data_dir:
+            args += ["--data-dir", os.path.join(data_dir, name)]
+        # A session of its own: Ctrl-C reaches `mesh up`, which drains them in order.
+        return subprocess.Popen(broker_argv(*args), stdout=subprocess.PIPE, start_new_session=True)
+
+    def wait_ready(process: subprocess.Popen[bytes]) -> tuple[str, str]:
+        assert process.stdout is not None
+        line = process.stdout.readline().decode()
+        ready = parse_ready_line(line)
+        if ready is None:
+            process.wait()
+            raise click.ClickException(
+                f"a broker did not start (exit {process.returncode}); its output is above"
+            )
+        return ready
+
+    try:
+        with console.status(f"starting {count} brokers"):
+            first = start(0, None)
+            brokers.append((first, *wait_ready(first)))
+            rest = [start(i, brokers[0][2]) for i in range(1, count)]
+            for process in rest:
+                brokers.append((process, *wait_ready(process)))
+        table = Table(title=f"meshbus mesh of {count}")
+        table.add_column("name")
+        table.add_column("address")
+        table.add_column("pid", justify="right")
+        for process, name, address in brokers:
+            table.add_row(name, address, str(process.pid))
+        console.print(table)
+        addresses = ",".join(address for _, _, address in brokers)
+        click.echo(addresses)  # stdout: the one line a script needs
+        console.print(f"connect with --broker {addresses}; Ctrl-C drains and stops the mesh")
+        _wait_for_interrupt(brokers)
+    finally:
+        _stop_in_order(brokers, console)
+
+
+def _wait_for_interrupt(brokers: list[tuple[subprocess.Popen[bytes], str, str]]) -> None:
+    """Until Ctrl-C or SIGTERM, or until a broker exits on its own (reported)."""
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop:
+            for process, name, _ in brokers:
+                if process.poll() is not None:
+                    click.echo(f"broker {name} exited with {process.returncode}", err=True)
+                    brokers.remove((process, name, _))
+                    break
+            if not brokers:
+                return
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], console: Any) -> None:
+    """Drain the brokers one at a time, the last first, so connectors always have a
+    broker to move to; kill any that does not stop in time. No child is left behind."""
+    for process, name, _ in reversed(brokers):
+        if process.poll() is None:
+            with console.status(f"draining {name}"):
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            console.print(f"{name} stopped (exit {process.returncode})")
+
+
+# -- drain -------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option(
+    "--broker",
+    "broker_address",
+    type=HOSTPORT,
+    default=DEFAULT_BROKER,
+    show_default=True,
+    help="The broker to drain.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Seconds to wait for connectors to move (default: the broker's --drain-grace).",
+)
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until the broker has stopped.",
+)
+def drain(broker_address: str, grace: float | None, wait: bool) -> None:
+    """Drain a broker: it takes no new connectors, moves its connectors to the other
+    brokers of the mesh, waits up to its grace period, and exits."""
+    run(_drain(broker_address, grace or 0.0, wait))
+
+
+async def _drain(broker_address: str, grace: float, wait: bool) -> None:
+    import asyncio
+
+    import meshbus
+
+    async with await meshbus.connect(broker_address, server=DEFAULT_SERVER, failover=False) as conn:
+        name = conn.broker_name
+        await conn.drain_broker(grace)
+    click.echo(f"broker {name} at {broker_address} is draining", err=True)
+    if not wait:
+        return
+    host, port = parse_hostport(broker_address)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (grace or 60.0) + 10.0
+    while loop.time() < deadline:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            click.echo(f"broker {name} stopped", err=True)
+            return
+        writer.close()
+        await asyncio.sleep(0.1)
+    raise click.ClickException(f"broker {name} was still running after the grace period")
+
+
+# -- stat ----------------------------------------------------------------------------------
+
+
+@click.command()
+@connection_options
+@click.option("--json", "as_json", is_flag=True, help="Print the broker's raw answer as JSON.")
+@click.option(
+    "--brief",
+    is_flag=True,
+    help="Leave out the per-service and per-group lists (for large routing tables).",
+)
+def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
+    """Show the broker's view: the mesh, its links, services, groups and counters.
+
+    --json prints one object with at least: name, connectors, services
+    (registered through this broker), routes (entries in its routing table),
+    peers (names of the brokers it is linked to) and capacity.
+    The command's own connection is one of the links listed.
+    """
+    data = run(_stat(broker_address, server, not brief))
+    assert data is not None
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+
+    console = Console()
+    for renderable in stat_renderables(data):
+        console.print(renderable)
+
+
+async def _stat(broker_address: str, server: str, detail: bool) -> dict[str, Any]:
+    import meshbus
+
+    async with await meshbus.connect(broker_address, server=server, failover=False) as conn:
+        return await conn.stat(detail=detail)
+
+
+def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
+    """Rich tables for a ``conn.stat()`` answer (also used by ``python -m meshbus.demo``)."""
+    from rich.table import Table
+
+    state = "draining" if data.get("draining") else "ready" if data.get("ready") else "joining"
+    title = (
+        f"broker [bold]{data.get('name', '?')}[/] on {data.get('address', '?')}, {state}, "
+        f"up {data.get('uptime_s', 0)} s: {data.get('connectors', 0)} connectors "
+        f"(capacity {data.get('capacity', '?')}), {data.get('services', 0)} services, "
+        f"{data.get('routes', 0)} routes"
+    )
+    mesh = Table(title="mesh", title_justify="left")
+    for column in ("broker", "address", "slot", "connectors", "capacity", "state"):
+        mesh.add_column(column, justify="right" if column in ("connectors", "capacity") else "left")
+    for b in data.get("mesh", []):
+        mesh.add_row(
+            b.get("name", "") + (" (this)" if b.get("name") == data.get("name") else ""),
+            b.get("address", ""),
+            str(b.get("slot", "")),
+            str(b.get("connectors", "")),
+            str(b.get("capacity", "")),
+            "draining" if b.get("draining") else "ready" if b.get("ready") else "joining",
+        )
+    peers = Table(title="broker links", title_justify="left")
+    for column in ("peer", "address", "our id for it", "its id for us", "dialled by"):
+        peers.add_column(column)
+    peers.add_column("msgs in/out", justify="right")
+    for p in data.get("peer_links", []):
+        peers.add_row(
+            p.get("name", ""),
+            p.get("address", ""),
+            str(p.get("tag_in", "")),
+            str(p.get("tag_out", "")),
+            data.get("name", "?") if p.get("dialled") else p.get("name", ""),
+            f"{p.get('msgs_in', '?')}/{p.get('msgs_out', '?')}",
+        )
+    links = Table(title="connector links", title_justify="left")
+    for column in ("id", "name", "peer", "state"):
+        links.add_column(column, overflow="fold")
+    links.add_column("services", no_wrap=True)
+    links.add_column("msgs in/out", justify="right")
+    links.add_column("bytes in/out", justify="right")
+    for link in data.get("links", []):
+        services = link.get("services", [])
+        links.add_row(
+            str(link.get("id", "")),
+            str(link.get("name", "")),
+            str(link.get("peer", "")),
+            str(link.get("state", "")),
+            "\n".join(services) or "-" if isinstance(services, list) else str(services),
+            f"{link.get('msgs_in', '?')}/{link.get('msgs_out', '?')}",
+            f"{link.get('bytes_in', '?')}/{link.get('bytes_out', '?')}",
+        )
+    renderables: list[RenderableType] = [title, mesh, peers, links]
+    if "groups" in data:
+        groups = Table(title="groups", title_justify="left")
+        groups.add_column("group")
+        groups.add_column("members", justify="right")
+        groups.add_column("member addresses")
+        for group, members in sorted(data["groups"].items()):
+            groups.add_row(group, str(len(members)), ", ".join(members))
+        renderables.append(groups)
+    counters = Table(title="counters", title_justify="left")
+    counters.add_column("counter")
+    counters.add_column("value", justify="right")
+    for name, value in {**data.get("counters", {}), **data.get("mesh_counters", {})}.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
+        counters.add_row(name, str(value))
+    renderables.append(counters)
+    return renderables

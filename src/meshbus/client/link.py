@@ -1,0 +1,107 @@
+"""One TCP link from a connector to a broker: bytes in, frames handed to the connector.
+
+A connector normally has one link. While it moves to another broker it has two
+for a moment: the new one carries everything it sends, the old one is read
+until the old broker closes it, so nothing already routed to it is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, cast
+
+from meshbus.errors import ProtocolError
+from meshbus.protocol.codec import DataFrame, FrameDecoder
+
+if TYPE_CHECKING:
+    from meshbus.client.connector import Connector
+
+
+class BrokerLink(asyncio.Protocol):
+    def __init__(self, connector: Connector, address: str, max_frame: int) -> None:
+        self.connector = connector
+        self.address = address
+        self.broker_name = ""
+        self.transport: asyncio.Transport | None = None
+        self.decoder = FrameDecoder(max_frame)
+        self.closed = False
+        self.error = ""  # what the broker said before it closed the link (ERROR, BYE)
+        self.error_code = 0
+        self.redirect = ""  # with error_code REDIRECT: a broker that takes connectors
+        self.heard_at = 0.0
+        self.write_paused = False
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def __repr__(self) -> str:
+        return f"<BrokerLink {self.broker_name or '?'} at {self.address}>"
+
+    # -- asyncio callbacks ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.heard_at = asyncio.get_running_loop().time()
+        if self.connector._full_inboxes:
+            self.transport.pause_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.heard_at = asyncio.get_running_loop().time()
+        try:
+            self.decoder.feed(data)
+        except ProtocolError as exc:
+            self.connector._protocol_error(self, exc)
+            return
+        self.dispatch()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.connector._link_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.connector._resume_writing()
+
+    # -- frames ----------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Hand out the buffered frames, stopping while an inbox is full: the rest stay
+        in the decoder, so an inbox never holds more than ``max_inbox`` messages."""
+        connector = self.connector
+        decoder = self.decoder
+        try:
+            while not connector._full_inboxes and (frame := decoder.next_frame()) is not None:
+                if isinstance(frame, DataFrame):
+                    connector._on_data(frame)
+                else:
+                    connector._on_control(self, frame)
+        except ProtocolError as exc:
+            connector._protocol_error(self, exc)
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
