@@ -95,11 +95,10 @@ class ControlHandler:
         broker = self.broker
         mesh = broker.mesh
         if body.role == ROLE_BROKER:
-            answer = mesh.accept_peer(link, body)
-            if isinstance(answer, Error):
-                link.fail(ErrorCode(answer.code), answer.message, CloseReason.REFUSED)
-                return None, None
-            return ControlType.WELCOME, answer
+            refused = mesh.accept_peer(link, body, self._correlation)
+            if refused is not None:
+                link.fail(ErrorCode(refused.code), refused.message, CloseReason.REFUSED)
+            return None, None
         if body.role != ROLE_CONNECTOR:
             raise FrameError(ErrorCode.PROTOCOL_ERROR, f"unknown HELLO role {body.role!r}")
         refusal = broker.refusal()

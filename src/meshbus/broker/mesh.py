@@ -292,8 +292,9 @@ class Mesh:
         finally:
             self._dialling.pop(address, None)
 
-    def accept_peer(self, link: Link, hello: Hello) -> Welcome | Error:
-        """HELLO from a dialling broker: the duplicate-link rule, then WELCOME."""
+    def accept_peer(self, link: Link, hello: Hello, correlation: int) -> Error | None:
+        """HELLO from a dialling broker: the duplicate-link rule, then WELCOME (sent here,
+        before the route snapshot that follows it), or the Error to refuse it with."""
         name = hello.name
         if not name or name == self.name:
             return Error(
@@ -316,14 +317,17 @@ class Mesh:
         elif mine is not None:
             # It dialled again: it lost the old link, even if we have not noticed yet.
             mine.close(CloseReason.DUPLICATE_LINK)
-        self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, hello.max_frame)
-        return Welcome(
+        max_frame = max(MIN_MAX_FRAME, min(hello.max_frame, self.config.max_frame))
+        welcome = Welcome(
             broker=self.name,
             slot=self.broker.routing.slot,
-            max_frame=link.max_frame,
+            max_frame=max_frame,
             listen=self.broker.advertised,
             tag=link.tag_in,
         )
+        link.send(encode_control(ControlType.WELCOME, welcome, correlation))
+        self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, max_frame)
+        return None
 
     def _welcomed(self, link: Link, welcome: Welcome) -> None:
         """WELCOME on a link this broker dialled."""
