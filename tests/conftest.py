@@ -38,6 +38,32 @@ async def start_broker(*args: str) -> BrokerProcess:
     return BrokerProcess(process, name, address)
 
 
+async def start_mesh(count: int, *args: str) -> list[BrokerProcess]:
+    """``count`` brokers in one mesh: the first founds it, the others join through it
+    (concurrently). Each has joined -- linked to all, tables copied -- when this returns."""
+    first = await start_broker(*args)
+    rest = await asyncio.gather(
+        *(start_broker("--seed", first.address, *args) for _ in range(count - 1))
+    )
+    return [first, *rest]
+
+
+async def stop_all(brokers: list[BrokerProcess]) -> list[int]:
+    """SIGTERM every broker still running (they drain, then exit); their exit codes."""
+    return list(await asyncio.gather(*(b.stop() for b in brokers)))
+
+
+@pytest.fixture
+async def mesh3() -> AsyncIterator[list[BrokerProcess]]:
+    """Three brokers in one mesh."""
+    brokers = await start_mesh(3)
+    try:
+        yield brokers
+    finally:
+        codes = await stop_all(brokers)
+        assert all(code in (0, -9) for code in codes), f"broker exit codes {codes}"
+
+
 @pytest.fixture
 async def broker() -> AsyncIterator[BrokerProcess]:
     proc = await start_broker()

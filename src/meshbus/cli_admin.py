@@ -98,6 +98,13 @@ if TYPE_CHECKING:
     help="On SIGTERM or `meshbus drain`: seconds to wait for connectors to move away.",
 )
 @click.option(
+    "--join-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="With --seed: seconds to keep trying to join before giving up (exit 1).",
+)
+@click.option(
     "--data-dir",
     type=click.Path(file_okay=False),
     default=None,
@@ -128,6 +135,7 @@ def broker(
     heartbeat_interval: float,
     heartbeat_misses: int,
     drain_grace: float,
+    join_timeout: float,
     data_dir: str | None,
     max_frame: int,
     max_pending_bytes: int,
@@ -161,6 +169,7 @@ def broker(
         heartbeat_interval=heartbeat_interval,
         heartbeat_misses=heartbeat_misses,
         drain_grace=drain_grace,
+        join_timeout=join_timeout,
         data_dir=data_dir or "",
     )
     try:

@@ -395,3 +395,77 @@ def test_version_increases_on_every_mutation() -> None:
     step()
     assert rt.service_count == 0
     assert rt.group_count == 0
+
+
+# -- a mesh: peer links own remote services ------------------------------------------------
+# Links named "peer-..." stand for peer brokers; the rest are local connectors.
+
+
+def mesh_table(seed: int = 0) -> RoutingTable[str]:
+    return RoutingTable(
+        slot=1, rng=random.Random(seed), is_remote=lambda link: link.startswith("peer")
+    )
+
+
+def test_multicast_sends_one_copy_per_peer_and_local_only_from_peers() -> None:
+    rt = mesh_table()
+    for i, link in enumerate(["a", "peer-b", "peer-b", "peer-c"]):
+        member = Unicast("m", i + 1).to_bytes()
+        rt.add_service(member, link)
+        rt.join(member, TOPIC)
+    assert sorted(rt.route_multicast(TOPIC, C1, "x", echo=False)) == ["a", "peer-b", "peer-c"]
+    assert rt.route_multicast_local(TOPIC) == ("a",)
+    assert rt.route_multicast_local(POOL) == ()
+
+
+def test_anycast_prefers_local_then_weights_peers_by_member_count() -> None:
+    rt = mesh_table(seed=7)
+    members = [("peer-b", 1), ("peer-c", 3)]
+    n = 0
+    for link, count in members:
+        for _ in range(count):
+            n += 1
+            rt.add_service(Unicast("m", n).to_bytes(), link)
+            rt.join(Unicast("m", n).to_bytes(), POOL)
+    picks = Counter(rt.route_anycast(POOL, C1, echo=False) for _ in range(4000))
+    assert set(picks) == {"peer-b", "peer-c"}
+    assert 0.7 < picks["peer-c"] / 4000 < 0.8  # 3 of 4 members, within ~5 sigma
+    assert rt.route_anycast_local(POOL, C1, echo=False) is None  # no local member
+    rt.add_service(A1, "a")
+    rt.join(A1, POOL)
+    assert {rt.route_anycast(POOL, C1, echo=False) for _ in range(200)} == {"a"}
+    assert rt.route_anycast_local(POOL, C1, echo=False) == "a"
+    # The sender is the only local member: it does not get its own message, a peer does.
+    assert rt.route_anycast(POOL, A1, echo=False) in ("peer-b", "peer-c")
+    assert rt.route_anycast(POOL, A1, echo=True) == "a"
+
+
+def test_take_over_moves_an_address_and_drops_its_memberships() -> None:
+    rt = mesh_table()
+    rt.add_service(A1, "a", session=b"s1")
+    rt.join(A1, TOPIC)
+    assert rt.session_of(A1) == b"s1"
+    assert rt.take_over(A1, "peer-b", b"s1") == "a"
+    assert rt.owner(A1) == "peer-b"
+    assert rt.owned_by("a") == frozenset()
+    assert rt.groups_of(A1) == frozenset(), "the connector joins again through its new broker"
+    assert rt.take_over(B1, "a") is None
+    assert rt.session_of(B1) == b""
+
+
+def test_local_state_lists_local_services_then_memberships() -> None:
+    from meshbus.protocol.control import OP_ADD, OP_JOIN
+
+    rt = mesh_table()
+    rt.add_service(A1, "a", session=b"s")
+    rt.add_service(B1, "peer-b")
+    rt.join(A1, TOPIC)
+    rt.join(B1, TOPIC)
+    assert rt.local_state() == [(OP_ADD, A1, b"s"), (OP_JOIN, A1, TOPIC)]
+    assert rt.route_count == 4  # two addresses, two memberships
+
+
+def test_no_dynamic_ids_without_a_slot() -> None:
+    rt = table(slot=0)
+    with pytest.raises(RoutingError, match="joining"):
+        rt.allocate_dynamic(SERVER, "a")

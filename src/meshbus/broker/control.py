@@ -17,6 +17,7 @@ registered.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import TYPE_CHECKING
 
 from meshbus.address import Address, Unicast, describe_address, server_name_bytes
@@ -47,6 +48,12 @@ from meshbus.protocol.layout import MIN_MAX_FRAME, PROTOCOL_VERSION, ControlType
 if TYPE_CHECKING:
     from meshbus.broker.link import Link
     from meshbus.broker.server import Broker
+
+
+# A claim that lost while nobody took the address is tried again, up to this many times,
+# after a random pause of up to CLAIM_BACKOFF seconds times the attempt number.
+CLAIM_ATTEMPTS = 6
+CLAIM_BACKOFF = 0.01
 
 
 class Refused(Exception):
@@ -142,29 +149,51 @@ class ControlHandler:
             self._take(link, raw)
             return ControlType.REGISTERED, AddressBody(address=raw)
         # Ask the mesh; the link waits (see the module docstring).
+        link.block()
+        self._claim(link, wanted, self._correlation, 1)
+        return None, None
+
+    def _claim(self, link: Link, wanted: Unicast, correlation: int, attempt: int) -> None:
+        raw = wanted.to_bytes()
+        routing = self.broker.routing
+        owner = routing.owner(raw)
         claim = self.broker.mesh.claim(
             raw, link.session, None if owner is None else routing.session_of(raw)
         )
-        link.block()
-        correlation = self._correlation
-        claim.add_done_callback(lambda f: self._claimed(link, wanted, correlation, f.result()))
-        return None, None
+        claim.add_done_callback(
+            lambda f: self._claimed(link, wanted, correlation, attempt, f.result())
+        )
 
-    def _claimed(self, link: Link, wanted: Unicast, correlation: int, granted: bool) -> None:
+    def _claimed(
+        self, link: Link, wanted: Unicast, correlation: int, attempt: int, granted: bool
+    ) -> None:
         raw = wanted.to_bytes()
-        if link.state is LinkState.OPEN:
-            if granted and (self.broker.routing.owner(raw) is None or self._may_take(link, raw)):
-                self._take(link, raw)
-                self.broker.reply(
-                    link, ControlType.REGISTERED, AddressBody(address=raw), correlation
-                )
-            else:
-                exc = _in_use(wanted)
-                self.broker.reply(
-                    link, ControlType.ERROR, Error(code=exc.code, message=str(exc)), correlation
-                )
-            self.broker.flush_outbox()
-        asyncio.get_running_loop().call_soon(link.unblock)
+        loop = asyncio.get_running_loop()
+        if link.state is not LinkState.OPEN:
+            return
+        owner = self.broker.routing.owner(raw)
+        if not granted and owner is None and attempt < CLAIM_ATTEMPTS:
+            # Simultaneous claims can all lose (each arbiter granted another first); nobody
+            # owns the address, so try again after a random pause: one of them gets there.
+            loop.call_later(
+                random.uniform(0, CLAIM_BACKOFF * attempt),
+                self._claim,
+                link,
+                wanted,
+                correlation,
+                attempt + 1,
+            )
+            return
+        if granted and (owner is None or self._may_take(link, raw)):
+            self._take(link, raw)
+            self.broker.reply(link, ControlType.REGISTERED, AddressBody(address=raw), correlation)
+        else:
+            exc = _in_use(wanted)
+            self.broker.reply(
+                link, ControlType.ERROR, Error(code=exc.code, message=str(exc)), correlation
+            )
+        self.broker.flush_outbox()
+        loop.call_soon(link.unblock)
 
     def _may_take(self, link: Link, address: bytes) -> bool:
         """A connector may take over an address its own session registered (failover)."""
