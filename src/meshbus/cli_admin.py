@@ -262,6 +262,7 @@ def up(count: int, host: str, base_port: int, data_dir: str | None, max_connecto
             )
         return ready
 
+    stop = _StopFlag()
     try:
         with console.status(f"starting {count} brokers"):
             first = start(0, None)
@@ -279,34 +280,34 @@ def up(count: int, host: str, base_port: int, data_dir: str | None, max_connecto
         addresses = ",".join(address for _, _, address in brokers)
         click.echo(addresses)  # stdout: the one line a script needs
         console.print(f"connect with --broker {addresses}; Ctrl-C drains and stops the mesh")
-        _wait_for_interrupt(brokers)
+        while not stop.set and brokers:
+            for entry in brokers:
+                if entry[0].poll() is not None:
+                    click.echo(f"broker {entry[1]} exited with {entry[0].returncode}", err=True)
+                    brokers.remove(entry)
+                    break
+            time.sleep(0.2)
     finally:
+        stop.restore()
         _stop_in_order(brokers, console)
 
 
-def _wait_for_interrupt(brokers: list[tuple[subprocess.Popen[bytes], str, str]]) -> None:
-    """Until Ctrl-C or SIGTERM, or until a broker exits on its own (reported)."""
-    stop = False
+class _StopFlag:
+    """Ctrl-C and SIGTERM set a flag instead of raising, from the moment ``mesh up`` starts:
+    the brokers are always drained in order, whenever the signal comes."""
 
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
+    def __init__(self) -> None:
+        self.set = False
+        self._previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        while not stop:
-            for process, name, _ in brokers:
-                if process.poll() is not None:
-                    click.echo(f"broker {name} exited with {process.returncode}", err=True)
-                    brokers.remove((process, name, _))
-                    break
-            if not brokers:
-                return
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.set = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], console: Any) -> None:

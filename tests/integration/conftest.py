@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -290,6 +291,46 @@ async def launch_broker(*args: str, listen: str = "127.0.0.1:0") -> LaunchedBrok
     return LaunchedBroker(process, line)
 
 
+# -- a mesh of brokers ----------------------------------------------------------------------
+
+
+async def stat(broker: Any, detail: bool = True) -> dict[str, Any]:
+    async with await meshbus.connect(broker.address, server="stat", failover=False) as conn:
+        return await conn.stat(detail=detail)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10) -> None:
+    """Poll ``check`` until it is true; fail naming ``what`` if it never is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def wait_routes(brokers: list[Any], address: meshbus.Address) -> None:
+    """Until every broker's table holds ``address`` (a unicast)."""
+
+    async def everywhere() -> bool:
+        for b in brokers:
+            if str(address) not in (await stat(b))["service_addresses"]:
+                return False
+        return True
+
+    await wait_until(everywhere, f"{address} in every routing table")
+
+
+async def wait_members(brokers: list[Any], group: meshbus.Address, count: int) -> None:
+    async def everywhere() -> bool:
+        for b in brokers:
+            if len((await stat(b))["groups"].get(str(group), [])) != count:
+                return False
+        return True
+
+    await wait_until(everywhere, f"{count} members of {group} in every routing table")
+
+
 # Test modules import these helpers as ``from integration_helpers import ...``: both
 # tests/conftest.py and this file are named "conftest", so "from conftest import" would
 # depend on which of them pytest loaded last.
@@ -307,4 +348,8 @@ __all__ = [
     "recv_n",
     "recv_payloads",
     "spawn_broker",
+    "stat",
+    "wait_members",
+    "wait_routes",
+    "wait_until",
 ]

@@ -12,50 +12,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from integration_helpers import IO_TIMEOUT, RawLink, assert_next_is, data_frame
+from integration_helpers import (
+    IO_TIMEOUT,
+    RawLink,
+    assert_next_is,
+    data_frame,
+    stat,
+    wait_members,
+    wait_routes,
+    wait_until,
+)
 
 import meshbus
 from meshbus.protocol import ControlType, encode_control
 from meshbus.protocol.control import ROLE_BROKER, Hello, Welcome
 from tests.conftest import BrokerProcess, start_broker, stop_all
-
-
-async def stat(broker: BrokerProcess, detail: bool = True) -> dict[str, Any]:
-    async with await meshbus.connect(broker.address, server="stat", failover=False) as conn:
-        return await conn.stat(detail=detail)
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10) -> None:
-    """Poll ``check`` until it is true; fail naming ``what`` if it never is."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def wait_routes(brokers: list[BrokerProcess], address: meshbus.Address) -> None:
-    """Until every broker's table holds ``address`` (a unicast)."""
-
-    async def everywhere() -> bool:
-        for b in brokers:
-            if str(address) not in (await stat(b))["service_addresses"]:
-                return False
-        return True
-
-    await wait_until(everywhere, f"{address} in every routing table")
-
-
-async def wait_members(brokers: list[BrokerProcess], group: meshbus.Address, count: int) -> None:
-    async def everywhere() -> bool:
-        for b in brokers:
-            if len((await stat(b))["groups"].get(str(group), [])) != count:
-                return False
-        return True
-
-    await wait_until(everywhere, f"{count} members of {group} in every routing table")
-
 
 # -- forming the mesh ---------------------------------------------------------------------
 
