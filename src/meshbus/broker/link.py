@@ -49,30 +49,18 @@ import logging
 import struct
 from typing import TYPE_CHECKING, cast
 
-from meshbus.address import describe_address
+from meshbus.broker.forward import (
+    PLAIN,
+    Decision,
+    flush_run,
+    forward,
+    route_connector_frame,
+    route_peer_frame,
+)
 from meshbus.errors import ProtocolError
-from meshbus.protocol.codec import (
-    FrameError,
-    check_data_flags,
-    decode_body,
-    encode_control,
-    frame_extent,
-)
-from meshbus.protocol.control import DeliveryFailure, Error
-from meshbus.protocol.layout import (
-    DATA_HEADER,
-    KIND_CONTROL,
-    KNOWN_DATA_FLAGS,
-    OFF_HOPS,
-    OFF_LINK_TAG,
-    OFF_MSG_ID,
-    OFF_RESPONSE_FOR,
-    PEER_HOPS,
-    ROUTING_KEY_SIZE,
-    ControlType,
-    DataFlags,
-    ErrorCode,
-)
+from meshbus.protocol.codec import FrameError, decode_body, encode_control, frame_extent
+from meshbus.protocol.control import Error
+from meshbus.protocol.layout import KIND_CONTROL, ROUTING_KEY_SIZE, ControlType, ErrorCode
 
 if TYPE_CHECKING:
     from meshbus.broker.server import Broker
@@ -81,36 +69,11 @@ log = logging.getLogger("meshbus.broker")
 
 _READ_BUFFER = 256 * 1024
 _MIN_READ = 64 * 1024
-_REQUEST = int(DataFlags.REQUEST)
-_RESPONSE = int(DataFlags.RESPONSE)
-_ECHO = int(DataFlags.ECHO)
-_NOTIFY = int(DataFlags.NOTIFY_DROP)
-_PER_FRAME = _REQUEST | _RESPONSE | _NOTIFY
-_TELL_SENDER = _REQUEST | _NOTIFY
-_REQUEST_RESPONSE = _REQUEST | _RESPONSE
-_BAD_FLAGS = ~KNOWN_DATA_FLAGS
-_unpack_header = DATA_HEADER.unpack_from
 _NO_KEY = b""  # empty, so falsy: no cached routing decision
-_unpack_response_for = struct.Struct(">Q").unpack_from
-_unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
-
-# How a cached decision is carried out: plain frames join runs; requests and responses
-# each touch the pending table. The modes are compared by identity.
-_PLAIN = "plain"
-_REQUEST_MODE = "request"
-_RESPONSE_MODE = "response"
-# (frame size, target links, mode, source, destination): valid for every frame with the
-# routing key it was made for, until the routing table changes.
-Decision = tuple[int, tuple["Link", ...], str, bytes, bytes]
 _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
-_CAST_UNICAST = 1
-_CAST_MULTICAST = 2
-_CAST_ANYCAST = 3
-# Anycast picks a member per message, so its decisions are never reused.
-_CACHEABLE_CASTS = (_CAST_UNICAST, _CAST_MULTICAST)
 
 
 class LinkState(enum.Enum):
@@ -174,6 +137,10 @@ class Link(asyncio.BufferedProtocol):
         self.msgs_out = 0
         self.bytes_in = 0
         self.bytes_out = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.state is LinkState.CLOSED
 
     def __repr__(self) -> str:
         return f"<Link {self.link_id} {self.peer} {self.state.value}>"
@@ -288,13 +255,13 @@ class Link(asyncio.BufferedProtocol):
                     (seen,) = _unpack_key(buf, pos)
                     hit = decisions.get(seen)
                     if hit is not None and pos + hit[0] <= end:
-                        if hit[2] is not _PLAIN:
+                        if hit[2] is not PLAIN:
                             # A request or response: its own pending-table work, no run.
                             if run_frames:
-                                self._flush_run(targets, mv[run_start:pos], run_frames, run_size)
+                                flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                                 run_frames = 0
                             key = _NO_KEY
-                            self._forward(hit, pos)
+                            forward(self, hit, pos)
                             pos += hit[0]
                             run_start = pos
                             continue
@@ -302,7 +269,7 @@ class Link(asyncio.BufferedProtocol):
                         key_total = hit[0]
                         if hit[1] != targets or not run_frames:
                             if run_frames:
-                                self._flush_run(targets, mv[run_start:pos], run_frames, run_size)
+                                flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                             targets = hit[1]
                             run_start = pos
                             run_frames = 0
@@ -314,7 +281,7 @@ class Link(asyncio.BufferedProtocol):
                         continue
                 # 3. Anything else takes the general path, one frame at a time.
                 if run_frames:
-                    self._flush_run(targets, mv[run_start:pos], run_frames, run_size)
+                    flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                     run_frames = 0
                 key = _NO_KEY
                 total = frame_extent(buf, pos, end, self.max_frame)
@@ -331,16 +298,16 @@ class Link(asyncio.BufferedProtocol):
                     )
                 else:
                     decided = (
-                        self._route_from_peer(buf, mv, pos, total)
+                        route_peer_frame(self, buf, mv, pos, total)
                         if self.is_peer
-                        else self._route_one(buf, mv, pos, total)
+                        else route_connector_frame(self, buf, mv, pos, total)
                     )
                     if decided is not None:
                         (seen,) = _unpack_key(buf, pos)
                         if len(decisions) >= _MAX_DECISIONS:
                             decisions.clear()
                         decisions[seen] = decided
-                        if decided[2] is _PLAIN:
+                        if decided[2] is PLAIN:
                             # This frame opens a run, flushed with the frames that follow it.
                             key = seen
                             key_total = run_size = total
@@ -349,7 +316,7 @@ class Link(asyncio.BufferedProtocol):
                             pos += total
                             run_frames = 1
                             continue
-                        self._forward(decided, pos)
+                        forward(self, decided, pos)
                 pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED or self._blocked:
@@ -366,194 +333,6 @@ class Link(asyncio.BufferedProtocol):
         if pos == end:
             self._start = self._end = 0
         broker.flush_outbox()
-
-    def _flush_run(
-        self, targets: tuple[Link, ...], frames: memoryview, count: int, size: int
-    ) -> None:
-        """Queue a run of ``count`` frames for each target; ``size`` is the size of each
-        frame when they are all the same size, else 0."""
-        self.msgs_in += count
-        if not targets:
-            self.broker.stats.dropped_no_route += count
-            return
-        queue = self.broker.queue
-        for link in targets:
-            if link.is_peer:
-                queue(link, stamp_run(frames, count, size, link.tag_out), count)
-            else:
-                queue(link, frames, count)
-
-    def _route_one(self, buf: bytearray, mv: memoryview, pos: int, total: int) -> Decision | None:
-        """Validate and route the data frame at ``pos``, the first with its routing key.
-
-        Returns the decision when frames with the same key can reuse it (the caller
-        executes it for this frame too); None when this frame was handled on its own."""
-        broker = self.broker
-        routing = broker.routing
-        (_, _, _, flags, hops, dst, src, _, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
-        if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
-            check_data_flags(flags)
-        if hops:
-            raise FrameError(
-                ErrorCode.PROTOCOL_ERROR, f"a connector's data frame must have hops 0, not {hops}"
-            )
-        # A connector moving to another broker (same session) keeps sending here until
-        # it switches over, also after its new broker has taken its addresses.
-        if routing.owner(src) is not self and (
-            not self.session or routing.session_of(src) != self.session
-        ):
-            raise FrameError(
-                ErrorCode.ADDRESS_NOT_OWNED,
-                f"data frame from source {describe_address(src)}, "
-                "which this link has not registered",
-            )
-        cast_type = dst[0]
-        if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS:
-            if cast_type == _CAST_UNICAST:
-                owner = routing.route_unicast(dst)
-                cacheable: tuple[Link, ...] = (owner,) if owner is not None else ()
-            else:
-                cacheable = routing.route_multicast(dst, src, self, bool(flags & _ECHO))
-            # A link's frame limit is fixed at HELLO, before it owns any address, so a
-            # decision that passes this check stays valid for every frame of this key.
-            if all(total <= link.max_frame for link in cacheable):
-                return (total, cacheable, _PLAIN, src, dst)
-        if flags & _RESPONSE:
-            return (total, (), _RESPONSE_MODE, src, dst)
-
-        self.msgs_in += 1
-        frame = mv[pos : pos + total]
-        if cast_type == _CAST_UNICAST:
-            owner = routing.route_unicast(dst)
-            found: tuple[Link, ...] = (owner,) if owner is not None else ()
-        elif cast_type == _CAST_MULTICAST:
-            found = routing.route_multicast(dst, src, self, bool(flags & _ECHO))
-        elif cast_type == _CAST_ANYCAST:
-            one = routing.route_anycast(dst, src, bool(flags & _ECHO))
-            found = (one,) if one is not None else ()
-        else:
-            raise FrameError(
-                ErrorCode.PROTOCOL_ERROR, f"destination has unknown cast type {cast_type}"
-            )
-        if not found:
-            broker.stats.dropped_no_route += 1
-            if flags & _TELL_SENDER:
-                broker.no_route(self, msg_id, src, dst)
-            return None
-        if (
-            flags & _REQUEST
-            and cast_type != _CAST_ANYCAST
-            and all(total <= link.max_frame for link in found)
-        ):
-            self.msgs_in -= 1  # counted again when the decision is carried out
-            return (total, found, _REQUEST_MODE, src, dst)
-        delivered = 0
-        for link in found:
-            delivered += broker.deliver(link, frame)
-        if not delivered:
-            if flags & _TELL_SENDER:
-                broker.no_route(
-                    self,
-                    msg_id,
-                    src,
-                    dst,
-                    f"the frame of {total} bytes exceeds the receiver's maximum frame size",
-                )
-            return None
-        if flags & _REQUEST:
-            broker.stats.requests += 1
-            broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
-        return None
-
-    def _route_from_peer(
-        self, buf: bytearray, mv: memoryview, pos: int, total: int
-    ) -> Decision | None:
-        """Route the data frame at ``pos`` that came from a peer broker: to local links only.
-
-        Requests need no pending entry here (the broker where they entered keeps it);
-        responses are resolved against this broker's pending table. Frames whose hop
-        count or link tag are wrong are dropped and counted, never forwarded."""
-        broker = self.broker
-        routing = broker.routing
-        (_, _, _, flags, hops, dst, src, tag, msg_id, _, _) = _unpack_header(buf, pos)
-        if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
-            check_data_flags(flags)
-        if hops != PEER_HOPS or tag != self.tag_in:
-            self.msgs_in += 1
-            broker.stats.dropped_bad_hop += 1
-            log.warning(
-                "dropped a frame from a peer with a wrong hop count or link tag",
-                extra={"peer": self.name, "hops": hops, "tag": tag, "expected": self.tag_in},
-            )
-            return None
-        if flags & _RESPONSE:
-            return (total, (), _RESPONSE_MODE, src, dst)
-        cast_type = dst[0]
-        found: tuple[Link, ...]
-        if cast_type == _CAST_UNICAST:
-            owner = routing.route_unicast(dst)
-            found = (owner,) if owner is not None and not owner.is_peer else ()
-        elif cast_type == _CAST_MULTICAST:
-            found = routing.route_multicast_local(dst)
-        elif cast_type == _CAST_ANYCAST:
-            self.msgs_in += 1
-            one = routing.route_anycast_local(dst, src, bool(flags & _ECHO))
-            if one is None or not broker.deliver(one, mv[pos : pos + total]):
-                self._undeliverable(flags, msg_id, src, dst)
-            return None
-        else:
-            raise FrameError(
-                ErrorCode.PROTOCOL_ERROR, f"destination has unknown cast type {cast_type}"
-            )
-        if not found or not all(total <= link.max_frame for link in found):
-            self.msgs_in += 1
-            self._undeliverable(flags, msg_id, src, dst)
-            return None
-        if flags & _TELL_SENDER:
-            # Delivered now; not cached, so a later stale route still reports the drop.
-            self._flush_run(found, mv[pos : pos + total], 1, total)
-            return None
-        return (total, found, _PLAIN, src, dst)
-
-    def _undeliverable(self, flags: int, msg_id: int, src: bytes, dst: bytes) -> None:
-        """A frame from a peer found no local receiver (its route went stale on the way):
-        counted, and the sender's broker told when the sender waits or asked."""
-        self.broker.stats.dropped_no_route += 1
-        if flags & _TELL_SENDER:
-            self.broker.reply(
-                self,
-                ControlType.NO_ROUTE,
-                DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason="the route went stale"),
-            )
-
-    def _forward(self, decision: Decision, pos: int) -> None:
-        """Carry out a request or response decision for the frame at ``pos``."""
-        total, targets, mode, src, dst = decision
-        broker = self.broker
-        self.msgs_in += 1
-        frame = self._mv[pos : pos + total]
-        if mode is _RESPONSE_MODE:
-            (response_for,) = _unpack_response_for(self._buf, pos + OFF_RESPONSE_FOR)
-            requester_link = broker.pending.resolve(dst, response_for)
-            if requester_link is None and not self.is_peer:
-                # The request entered the mesh at another broker, which keeps its pending
-                # entry: the response goes there, one hop, and is resolved there.
-                owner = broker.routing.route_unicast(dst)
-                if owner is not None and owner.is_peer:
-                    broker.deliver(owner, frame)
-                    return
-            if requester_link is None or requester_link.state is LinkState.CLOSED:
-                broker.stats.late_responses += 1
-            else:
-                broker.deliver(requester_link, frame)
-            return
-        msg_id, timeout_ms = _unpack_request_ids(self._buf, pos + OFF_MSG_ID)
-        for link in targets:
-            broker.deliver(link, frame)
-        broker.stats.requests += 1
-        broker.pending.add(src, msg_id, self, broker.deadline(timeout_ms), dst)
-
-    # -- control frames -------------------------------------------------------
 
     def _on_control(self, frame: bytes) -> None:
         ctype = int.from_bytes(frame[6:8], "big")
@@ -626,30 +405,3 @@ class Link(asyncio.BufferedProtocol):
         self._buf = buf
         self._mv = memoryview(buf)
         self._start, self._end = 0, pending
-
-
-_ONE = b"\x01"
-
-
-def stamp_run(
-    frames: memoryview | bytes | bytearray, count: int, size: int, tag: bytes
-) -> bytearray:
-    """A copy of ``count`` frames (``size`` bytes each, or 0 when sizes differ) with
-    hops = 1 and link tag ``tag`` (4 bytes) written in, for one peer.
-
-    Equal sizes: five strided slice assignments, whatever the count. Otherwise a
-    walk over the frames' length fields."""
-    out = bytearray(frames)
-    if size:
-        view = memoryview(out)
-        view[OFF_HOPS::size] = _ONE * count
-        for i in range(4):
-            view[OFF_LINK_TAG + i :: size] = tag[i : i + 1] * count
-        return out
-    pos = 0
-    end = len(out)
-    while pos < end:
-        out[pos + OFF_HOPS] = PEER_HOPS
-        out[pos + OFF_LINK_TAG : pos + OFF_LINK_TAG + 4] = tag
-        pos += int.from_bytes(out[pos : pos + 4], "big") + 4
-    return out

@@ -19,7 +19,8 @@ from typing import Any
 from meshbus.address import describe_address
 from meshbus.broker.balance import redirect_target
 from meshbus.broker.control import ControlHandler
-from meshbus.broker.link import CloseReason, Link, LinkState, stamp_run
+from meshbus.broker.forward import stamp_run
+from meshbus.broker.link import CloseReason, Link, LinkState
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.process import ready_line
