@@ -77,11 +77,11 @@ def flush_run(
         link.broker.stats.dropped_no_route += count
         return
     queue = link.broker.queue
-    for link in targets:
-        if link.is_peer:
-            queue(link, stamp_run(frames, count, size, link.tag_out), count)
+    for target in targets:
+        if target.is_peer:
+            queue(target, stamp_run(frames, count, size, target.tag_out), count)
         else:
-            queue(link, frames, count)
+            queue(target, frames, count)
 
 
 def route_connector_frame(
@@ -118,7 +118,7 @@ def route_connector_frame(
             cacheable = routing.route_multicast(dst, src, link, bool(flags & _ECHO))
         # A link's frame limit is fixed at HELLO, before it owns any address, so a
         # decision that passes this check stays valid for every frame of this key.
-        if all(total <= link.max_frame for link in cacheable):
+        if all(total <= target.max_frame for target in cacheable):
             return (total, cacheable, PLAIN, src, dst)
     if flags & _RESPONSE:
         return (total, (), _RESPONSE_MODE, src, dst)
@@ -143,13 +143,13 @@ def route_connector_frame(
     if (
         flags & _REQUEST
         and cast_type != _CAST_ANYCAST
-        and all(total <= link.max_frame for link in found)
+        and all(total <= target.max_frame for target in found)
     ):
         link.msgs_in -= 1  # counted again when the decision is carried out
         return (total, found, _REQUEST_MODE, src, dst)
     delivered = 0
-    for link in found:
-        delivered += broker.deliver(link, frame)
+    for target in found:
+        delivered += broker.deliver(target, frame)
     if not delivered:
         if flags & _TELL_SENDER:
             broker.no_route(
@@ -204,7 +204,7 @@ def route_peer_frame(
         return None
     else:
         raise FrameError(ErrorCode.PROTOCOL_ERROR, f"destination has unknown cast type {cast_type}")
-    if not found or not all(total <= link.max_frame for link in found):
+    if not found or not all(total <= target.max_frame for target in found):
         link.msgs_in += 1
         undeliverable(link, flags, msg_id, src, dst)
         return None
@@ -249,8 +249,8 @@ def forward(link: Link, decision: Decision, pos: int) -> None:
             broker.deliver(requester_link, frame)
         return
     msg_id, timeout_ms = _unpack_request_ids(link._buf, pos + OFF_MSG_ID)
-    for link in targets:
-        broker.deliver(link, frame)
+    for target in targets:
+        broker.deliver(target, frame)
     broker.stats.requests += 1
     broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst)
 
