@@ -134,7 +134,7 @@ class ControlHandler:
                 address = routing.allocate_dynamic(
                     server_name_bytes(body.server), link, link.session
                 )
-                self.broker.mesh.announce(OP_ADD, address, link.session)
+                self.broker.sync.announce(OP_ADD, address, link.session)
                 return ControlType.REGISTERED, AddressBody(address=address)
             wanted = Unicast(body.server, body.instance)
         except (ValueError, TypeError) as exc:
@@ -157,7 +157,7 @@ class ControlHandler:
         raw = wanted.to_bytes()
         routing = self.broker.routing
         owner = routing.owner(raw)
-        claim = self.broker.mesh.claim(
+        claim = self.broker.sync.claim(
             raw, link.session, None if owner is None else routing.session_of(raw)
         )
         claim.add_done_callback(
@@ -206,27 +206,27 @@ class ControlHandler:
 
     def _take(self, link: Link, address: bytes) -> None:
         self.broker.routing.take_over(address, link, link.session)
-        self.broker.mesh.announce(OP_ADD, address, link.session)
+        self.broker.sync.announce(OP_ADD, address, link.session)
 
     def _unregister(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, AddressBody)
         self._check_owned(link, body.address, "unregister")
         self.broker.routing.remove_service(body.address, link)
-        self.broker.mesh.announce(OP_REMOVE, body.address)
+        self.broker.sync.announce(OP_REMOVE, body.address)
         return ControlType.OK, Empty()
 
     def _join(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "join")
         self.broker.routing.join(body.member, body.group)
-        self.broker.mesh.announce(OP_JOIN, body.member, body.group)
+        self.broker.sync.announce(OP_JOIN, body.member, body.group)
         return ControlType.OK, Empty()
 
     def _leave(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "leave")
         self.broker.routing.leave(body.member, body.group)
-        self.broker.mesh.announce(OP_LEAVE, body.member, body.group)
+        self.broker.sync.announce(OP_LEAVE, body.member, body.group)
         return ControlType.OK, Empty()
 
     def _stat(self, link: Link, body: Body) -> Answer:

@@ -1,64 +1,52 @@
-"""The mesh: this broker's links to its peers, and everything that travels on them.
+"""The mesh: this broker's links to its peers, and the life of the mesh over time.
 
-Design decisions (docs/mesh.md has the long form):
+Membership (ARCHITECTURE.md section 5; docs/mesh.md has the long form):
 
-* **Each broker is the authority for its own services.** At link-up a broker
-  sends the peer its *local* services and memberships (a snapshot, in chunks),
-  then every later change of them, in order. A peer's view of broker X is thus
-  X's snapshot plus X's changes in TCP order, and no third broker can make it
-  stale. Operations are conditional (REMOVE only if the peer still owns the
-  address), so a connector that moved from X to Y while X's REMOVE was on its
-  way ends up owned by Y everywhere.
-* **A joining broker copies the table from its peers**, each contributing its own
-  part, rather than all of it from one randomly chosen broker as the seed
-  patent has it: a copy of X's services taken from Z can miss a change that X
-  made before linking to us, and nothing would ever repair it.
-* **Uniqueness by claims** (meshbus.broker.claims): fixed addresses, addresses a
-  connector takes along, and a joiner's dynamic-id slot are granted by every peer
-  before they are used; fresh dynamic ids need no round trip.
+* **Join** (the seed patent's steps): link to a seed, learn the broker list, link
+  to every broker, claim a dynamic-id slot, take every peer's table
+  (meshbus.broker.sync), announce READY; then every broker moves its excess
+  connectors to the newcomer (meshbus.broker.balance.excess).
 * **Duplicate links** are resolved at the handshake by one rule applied on both
   ends (meshbus.broker.balance.incoming_link_wins), before any route is sent.
+* **Gossip**: brokers send each other the list of brokers they know; a ready
+  broker links to every ready broker it hears of, so the mesh stays full.
 * **Heartbeats**: LOAD frames every ``heartbeat_interval``; a peer that sends
   nothing for ``heartbeat_misses`` intervals is dead. A peer that closes without
   BYE crashed: its routes go, and this broker raises its connector capacity by
   ``capacity_boost`` for ``boost_window`` seconds so the orphans can land.
+* **Drain**: take no connector, tell the peers, move every connector to the
+  broker with the most room, wait up to the grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
+import msgspec
+
 from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
-from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
+from meshbus.broker.claims import slot_key
 from meshbus.broker.link import CloseReason, Link, LinkState
-from meshbus.broker.routing import RoutingError
+from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import describe, encode_control
 from meshbus.protocol.control import (
-    OP_ADD,
-    OP_JOIN,
-    OP_LEAVE,
-    OP_REMOVE,
     ROLE_BROKER,
     Body,
     BrokerInfo,
     Brokers,
     Bye,
-    Claim,
-    DeliveryFailure,
     Empty,
     Error,
     Hello,
     Load,
     Move,
     Ready,
-    RouteOp,
-    Routes,
     Welcome,
 )
 from meshbus.protocol.layout import MIN_MAX_FRAME, ControlType, ErrorCode
@@ -96,27 +84,7 @@ class PeerState:
     draining: bool = False
 
     def info(self) -> BrokerInfo:
-        return BrokerInfo(
-            name=self.name,
-            address=self.address,
-            slot=self.slot,
-            connectors=self.connectors,
-            capacity=self.capacity,
-            ready=self.ready,
-            draining=self.draining,
-        )
-
-
-@dataclass
-class _ClaimRound:
-    """One claim this broker put to its peers, waiting for their answers."""
-
-    key: bytes
-    session: bytes
-    future: asyncio.Future[bool]
-    waiting: dict[str, int] = field(default_factory=dict)  # peer name -> correlation
-    granted: list[Link] = field(default_factory=list)
-    denied: bool = False
+        return BrokerInfo(**dataclasses.asdict(self))
 
 
 @dataclass
@@ -125,11 +93,6 @@ class MeshStats:
     peers_lost: int = 0
     peers_crashed: int = 0
     moves_sent: int = 0
-    claims_granted: int = 0
-    claims_refused: int = 0
-    route_ops_in: int = 0
-    route_ops_out: int = 0
-    route_conflicts: int = 0
 
 
 class Mesh:
@@ -138,19 +101,14 @@ class Mesh:
         self.config = broker.config
         self.peers: dict[str, Link] = {}  # open peer links, by broker name
         self.known: dict[str, PeerState] = {}  # every other broker we know of
-        self.claims = ClaimTable("")
         self.stats = MeshStats()
         self.ready = False
         self.draining = False
         self._dialling: dict[str, str] = {}  # address -> expected name ("" unknown)
         self._dial_waiters: dict[Link, asyncio.Future[bool]] = {}
         self._dial_failed: dict[str, float] = {}  # address -> when
-        self._ops: list[RouteOp] = []
-        self._flush_scheduled = False
         self._lists_scheduled = False
         self._pushed: tuple[str, ...] = ()
-        self._rounds: dict[int, _ClaimRound] = {}
-        self._next_correlation = 1
         self._snapshot_pending: set[Link] = set()
         self._snapshots_done = asyncio.Event()
         self._gossip = asyncio.Event()
@@ -190,7 +148,7 @@ class Mesh:
     # -- start: a new mesh, or a join through seeds ------------------------------------
 
     def start(self) -> None:
-        self.claims.me = self.name
+        self.broker.sync.claims.me = self.name
         self._spawn(self._heartbeats(), "mesh-heartbeats")
 
     def found(self) -> None:
@@ -244,11 +202,11 @@ class Mesh:
         """A dynamic-id slot no other broker of the mesh has, granted by every peer."""
         attempt = 0
         while True:
-            used = {s.slot for s in self.known.values()} | self.claims.reserved_slots()
+            used = {s.slot for s in self.known.values()} | self.broker.sync.claims.reserved_slots()
             free = [s for s in range(1, 0x10000) if s not in used]
             # After a lost race, pick further away: the winner may be taking the next one.
             slot = free[min(len(free) - 1, random.randrange(attempt * 4 + 1))]
-            if await self.claim(slot_key(slot), self.name.encode(), None):
+            if await self.broker.sync.claim(slot_key(slot), self.name.encode(), None):
                 return slot
             attempt += 1
             await asyncio.sleep(random.uniform(0.0, 0.05))
@@ -361,20 +319,11 @@ class Mesh:
         link.slot = slot
         link.tag_out = tag.to_bytes(4, "big")
         link.max_frame = max(MIN_MAX_FRAME, min(max_frame, self.config.max_frame))
-        self.peers[name] = link
         state = self.known.setdefault(name, PeerState(name, listen))
         state.address = listen
         state.slot = slot
-        # Pending operations go out first, so the snapshot below is all the new peer needs.
-        self.flush_ops()
-        ops = self.broker.routing.local_state()
-        for start in range(0, max(len(ops), 1), ROUTES_CHUNK):
-            chunk = ops[start : start + ROUTES_CHUNK]
-            done = start + ROUTES_CHUNK >= len(ops)
-            link.send(
-                encode_control(ControlType.ROUTES, Routes(ops=chunk, snapshot=True, complete=done))
-            )
-        self.stats.route_ops_out += len(ops)
+        self.broker.sync.send_snapshot(link)
+        self.peers[name] = link
         link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self._gossip_list())))
         link.send(encode_control(ControlType.LOAD, self._load()))
         if not self.ready:
@@ -397,115 +346,21 @@ class Mesh:
             else:
                 link.fail(ErrorCode.PROTOCOL_ERROR, "expected WELCOME", CloseReason.PROTOCOL_ERROR)
             return
-        handler = _PEER_HANDLERS.get(ctype)
-        if handler is None or body is None:
-            log.warning("unexpected control frame from a peer", extra={"type": describe(ctype)})
-            return
-        handler(self, link, correlation, body)
+        if body is not None:
+            if (handler := _MESH_HANDLERS.get(ctype)) is not None:
+                handler(self, link, correlation, body)
+                return
+            if (synced := _SYNC_HANDLERS.get(ctype)) is not None:
+                synced(self.broker.sync, link, correlation, body)
+                return
+        log.warning("unexpected control frame from a peer", extra={"type": describe(ctype)})
 
-    def _on_routes(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Routes)
-        self.stats.route_ops_in += len(body.ops)
-        for op, address, extra in body.ops:
-            try:
-                self._apply(link, op, address, extra)
-            except (RoutingError, IndexError) as exc:
-                log.warning(
-                    "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
-                )
-        if body.complete and link in self._snapshot_pending:
+    def snapshot_received(self, link: Link) -> None:
+        """A peer's whole table has arrived: a joining broker waits for every peer's."""
+        if link in self._snapshot_pending:
             self._snapshot_pending.discard(link)
             if not self._snapshot_pending:
                 self._snapshots_done.set()
-
-    def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
-        routing = self.broker.routing
-        owner = routing.owner(address)
-        if op == OP_ADD:
-            if len(address) != 16 or address[0] != CAST_UNICAST:
-                raise RoutingError("ADD of an address that is not unicast")
-            self.claims.release(address, link.name)
-            if owner is None:
-                routing.add_service(address, link, extra)
-            elif owner is link:
-                return
-            elif extra and routing.session_of(address) == extra:
-                routing.take_over(address, link, extra)  # the connector moved here
-            else:
-                self._conflict(link, address, extra, owner)
-        elif owner is not link:
-            return  # about an address that has moved on since: stale
-        elif op == OP_REMOVE:
-            routing.remove_service(address, link)
-        elif op in (OP_JOIN, OP_LEAVE):
-            if len(extra) != 16 or extra[0] not in (CAST_MULTICAST, CAST_ANYCAST):
-                raise RoutingError("JOIN or LEAVE of an address that is not a group")
-            if op == OP_JOIN:
-                routing.join(address, extra)
-            else:
-                routing.leave(address, extra)
-
-    def _conflict(self, link: Link, address: bytes, session: bytes, owner: Link) -> None:
-        """Two brokers registered one address for different sessions (claims make this
-        all but impossible). Every broker keeps the owner with the smaller name, so the
-        tables still converge; a local loser's connector is told."""
-        self.stats.route_conflicts += 1
-        current = owner.name if owner.is_peer else self.name
-        if link.name >= current:
-            return
-        self.broker.routing.take_over(address, link, session)
-        if not owner.is_peer:
-            owner.send(
-                encode_control(
-                    ControlType.ERROR,
-                    Error(
-                        code=ErrorCode.ADDRESS_IN_USE,
-                        message="this address was registered at the same moment through "
-                        f"broker {link.name}, which keeps it",
-                    ),
-                )
-            )
-
-    def _on_claim(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Claim)
-        key = body.key
-        if is_slot_key(key):
-            slot = int.from_bytes(key[5:7], "big")
-            in_use = slot == self.broker.routing.slot or any(
-                p.slot == slot for p in self.peers.values()
-            )
-            owner_session: bytes | None = b"" if in_use else None
-        elif self.broker.routing.owner(key) is None:
-            owner_session = None
-        else:
-            owner_session = self.broker.routing.session_of(key)
-        if self.claims.reserve(key, link.name, body.session, owner_session):
-            self.broker.reply(link, ControlType.OK, Empty(), correlation)
-        else:
-            self.broker.reply(
-                link,
-                ControlType.ERROR,
-                Error(code=ErrorCode.ADDRESS_IN_USE, message="in use or claimed"),
-                correlation,
-            )
-
-    def _on_release(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Claim)
-        self.claims.release(body.key, link.name)
-
-    def _on_answer(self, link: Link, correlation: int, body: Body) -> None:
-        """OK or ERROR: the answer to one of our CLAIMs."""
-        claim = self._rounds.pop(correlation, None)
-        if claim is None:
-            if isinstance(body, Error):
-                log.warning("error from a peer", extra={"peer": link.name, "error": body.message})
-            return
-        claim.waiting.pop(link.name, None)
-        if isinstance(body, Error):
-            claim.denied = True
-        else:
-            claim.granted.append(link)
-        self._settle(claim)
 
     def _on_load(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Load)
@@ -528,10 +383,7 @@ class Mesh:
         for info in body.brokers:
             if info.name == self.name or info.name in self.peers:
                 continue
-            state = self.known.setdefault(info.name, PeerState(info.name, info.address))
-            state.address, state.slot = info.address, info.slot
-            state.connectors, state.capacity = info.connectors, info.capacity
-            state.ready, state.draining = info.ready, info.draining
+            self.known[info.name] = PeerState(**msgspec.structs.asdict(info))
             failed = self._dial_failed.get(info.address)
             # A joining broker dials us itself; we dial the ready ones we are missing.
             if (
@@ -569,84 +421,11 @@ class Mesh:
     def _on_bye(self, link: Link, correlation: int, body: Body) -> None:
         link.close(CloseReason.PEER_BYE)
 
-    def _on_delivery_failure(self, link: Link, correlation: int, body: Body) -> None:
-        """NO_ROUTE from a peer about a frame that entered the mesh here: to the requester
-        (by the pending entry) or to the sender of a notified send (by its address)."""
-        assert isinstance(body, DeliveryFailure)
-        broker = self.broker
-        target = broker.pending.resolve(body.src, body.msg_id)
-        if target is None:
-            owner = broker.routing.owner(body.src)
-            target = owner if owner is not None and not owner.is_peer else None
-        if target is not None:
-            broker.reply(target, ControlType.NO_ROUTE, body)
-
     def _on_ping(self, link: Link, correlation: int, body: Body) -> None:
         self.broker.reply(link, ControlType.PONG, Empty(), correlation)
 
     def _ignore(self, link: Link, correlation: int, body: Body) -> None:
         pass
-
-    # -- claims ---------------------------------------------------------------------------------
-
-    def claim(
-        self, key: bytes, session: bytes, owner_session: bytes | None
-    ) -> asyncio.Future[bool]:
-        """Reserve ``key`` here and at every peer; the future says whether all granted it.
-
-        On success the caller uses the key at once (and its ADD ends the peers'
-        reservations); on failure the grants are given back."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if not self.claims.reserve(key, self.name, session, owner_session):
-            self.stats.claims_refused += 1
-            future.set_result(False)
-            return future
-        claim = _ClaimRound(key, session, future)
-        for name, link in self.peers.items():
-            correlation = self._next_correlation
-            self._next_correlation = correlation % 0xFFFFFFFF + 1
-            self._rounds[correlation] = claim
-            claim.waiting[name] = correlation
-            link.send(
-                encode_control(ControlType.CLAIM, Claim(key=key, session=session), correlation)
-            )
-        self._settle(claim)
-        return future
-
-    def _settle(self, claim: _ClaimRound) -> None:
-        if claim.waiting or claim.future.done():
-            return
-        won = not claim.denied and self.claims.held_by(claim.key, self.name, claim.session)
-        if not won:
-            for link in claim.granted:
-                link.send(encode_control(ControlType.RELEASE, Claim(key=claim.key)))
-        if not won or not is_slot_key(claim.key):
-            self.claims.release(claim.key, self.name)
-        if won:
-            self.stats.claims_granted += 1
-        else:
-            self.stats.claims_refused += 1
-        claim.future.set_result(won)
-
-    # -- route operations out ---------------------------------------------------------------------
-
-    def announce(self, op: int, address: bytes, extra: bytes = b"") -> None:
-        """Tell every peer about a change of a local service; sent at the end of this loop turn."""
-        if not self.peers:
-            return
-        self._ops.append((op, address, extra))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush_ops)
-
-    def flush_ops(self) -> None:
-        self._flush_scheduled = False
-        ops, self._ops = self._ops, []
-        if not ops:
-            return
-        self.stats.route_ops_out += len(ops) * len(self.peers)
-        for start in range(0, len(ops), ROUTES_CHUNK):
-            self._send_all(ControlType.ROUTES, Routes(ops=ops[start : start + ROUTES_CHUNK]))
 
     # -- broker lists and load --------------------------------------------------------------------
 
@@ -721,13 +500,7 @@ class Mesh:
             return  # never opened, or a duplicate that lost
         del self.peers[link.name]
         self.stats.peers_lost += 1
-        self.claims.drop_holder(link.name)
-        for correlation, claim in list(self._rounds.items()):
-            if claim.waiting.get(link.name) == correlation:
-                # A broker that is gone holds nothing: its vote is a grant.
-                del self._rounds[correlation]
-                del claim.waiting[link.name]
-                self._settle(claim)
+        self.broker.sync.peer_lost(link)
         self.known.pop(link.name, None)
         if reason not in _GRACEFUL:
             self.stats.peers_crashed += 1
@@ -786,7 +559,7 @@ class Mesh:
 
     async def stop(self) -> None:
         """Say goodbye to every peer and stop the background work."""
-        self.flush_ops()
+        self.broker.sync.flush_ops()
         frame = encode_control(ControlType.BYE, Bye(reason=f"broker {self.name} stopping"))
         for link in list(self.peers.values()):
             link.send(frame)
@@ -795,68 +568,26 @@ class Mesh:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    # -- introspection ------------------------------------------------------------------------
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "peer_links": [
-                {
-                    "name": link.name,
-                    "address": link.listen,
-                    "link_id": link.link_id,
-                    "tag_in": link.tag_in,
-                    "tag_out": int.from_bytes(link.tag_out, "big"),
-                    "dialled": link.dialled,
-                    "msgs_in": link.msgs_in,
-                    "msgs_out": link.msgs_out,
-                    "bytes_in": link.bytes_in,
-                    "bytes_out": link.bytes_out,
-                }
-                for link in self.peers.values()
-            ],
-            "mesh": [
-                {
-                    "name": s.name,
-                    "address": s.address,
-                    "slot": s.slot,
-                    "connectors": s.connectors,
-                    "capacity": s.capacity,
-                    "ready": s.ready,
-                    "draining": s.draining,
-                }
-                for s in self.brokers()
-            ],
-            "mesh_counters": {
-                "duplicate_links": self.stats.duplicate_links,
-                "peers_lost": self.stats.peers_lost,
-                "peers_crashed": self.stats.peers_crashed,
-                "moves_sent": self.stats.moves_sent,
-                "claims_granted": self.stats.claims_granted,
-                "claims_refused": self.stats.claims_refused,
-                "route_ops_in": self.stats.route_ops_in,
-                "route_ops_out": self.stats.route_ops_out,
-                "route_conflicts": self.stats.route_conflicts,
-            },
-        }
-
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
 
-_PEER_HANDLERS = {
-    int(ControlType.ROUTES): Mesh._on_routes,
-    int(ControlType.CLAIM): Mesh._on_claim,
-    int(ControlType.RELEASE): Mesh._on_release,
-    int(ControlType.OK): Mesh._on_answer,
-    int(ControlType.ERROR): Mesh._on_answer,
+_MESH_HANDLERS = {
     int(ControlType.LOAD): Mesh._on_load,
     int(ControlType.BROKERS): Mesh._on_brokers,
     int(ControlType.READY): Mesh._on_ready,
     int(ControlType.DRAINING): Mesh._on_draining,
     int(ControlType.BYE): Mesh._on_bye,
-    int(ControlType.NO_ROUTE): Mesh._on_delivery_failure,
     int(ControlType.PING): Mesh._on_ping,
     int(ControlType.PONG): Mesh._ignore,
+}
+_SYNC_HANDLERS = {
+    int(ControlType.ROUTES): RouteSync.on_routes,
+    int(ControlType.CLAIM): RouteSync.on_claim,
+    int(ControlType.RELEASE): RouteSync.on_release,
+    int(ControlType.OK): RouteSync.on_answer,
+    int(ControlType.ERROR): RouteSync.on_answer,
+    int(ControlType.NO_ROUTE): RouteSync.on_delivery_failure,
 }

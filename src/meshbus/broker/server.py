@@ -10,6 +10,7 @@ its link instead; see meshbus.broker.control).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from meshbus.broker.mesh import Mesh
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.process import ready_line
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Bye, DeliveryFailure
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, ControlType
@@ -87,6 +89,7 @@ class Broker:
         self.stats = BrokerStats()
         self.control = ControlHandler(self)
         self.mesh = Mesh(self)
+        self.sync = RouteSync(self)
         self.links: dict[int, Link] = {}
         self.connectors: set[Link] = set()  # open connector links
         # Frames routed during one read, per destination link; written at the end of the read.
@@ -180,7 +183,7 @@ class Broker:
         if link in self.connectors:
             self.connectors.discard(link)
             for address in gone:
-                self.mesh.announce(OP_REMOVE, address)
+                self.sync.announce(OP_REMOVE, address)
             self.mesh.connector_left()
         self.mesh.peer_lost(link, reason)
         log.debug(
@@ -319,7 +322,23 @@ class Broker:
             "capacity": mesh.capacity,
             "max_connectors": self.config.max_connectors,
             "links": links,
-            **mesh.snapshot(),
+            "peer_links": [
+                {
+                    "name": link.name,
+                    "address": link.listen,
+                    "link_id": link.link_id,
+                    "tag_in": link.tag_in,
+                    "tag_out": int.from_bytes(link.tag_out, "big"),
+                    "dialled": link.dialled,
+                    "msgs_in": link.msgs_in,
+                    "msgs_out": link.msgs_out,
+                    "bytes_in": link.bytes_in,
+                    "bytes_out": link.bytes_out,
+                }
+                for link in mesh.peers.values()
+            ],
+            "mesh": [dataclasses.asdict(state) for state in mesh.brokers()],
+            "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
             "counters": {
                 "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),
                 "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in self.links.values()),

@@ -1,0 +1,299 @@
+"""What brokers tell each other about routes: route operations, snapshots and claims.
+
+* **Each broker is the authority for its own services.** At link-up a broker
+  sends the peer its *local* services and memberships (a snapshot, in chunks),
+  then every later change of them, in order (``announce``). A peer's view of
+  broker X is thus X's snapshot plus X's changes in TCP order, and no third
+  broker can make it stale. Operations are conditional (REMOVE only if the peer
+  still owns the address), so a connector that moved from X to Y while X's
+  REMOVE was on its way ends up owned by Y everywhere.
+* A joining broker therefore copies the table from *all* its peers, each its own
+  part, rather than all of it from one randomly chosen broker as the seed patent
+  has it: a copy of X's services taken from Z can miss a change X made before
+  linking to us, and nothing would ever repair it (docs/mesh.md).
+* **Uniqueness by claims** (meshbus.broker.claims): fixed addresses, addresses a
+  connector takes along, and a joiner's dynamic-id slot are granted by every
+  peer before they are used; fresh dynamic ids need no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
+from meshbus.broker.claims import ClaimTable, is_slot_key
+from meshbus.broker.routing import RoutingError
+from meshbus.protocol.codec import encode_control
+from meshbus.protocol.control import (
+    OP_ADD,
+    OP_JOIN,
+    OP_LEAVE,
+    OP_REMOVE,
+    Body,
+    Claim,
+    DeliveryFailure,
+    Empty,
+    Error,
+    RouteOp,
+    Routes,
+)
+from meshbus.protocol.layout import ControlType, ErrorCode
+
+if TYPE_CHECKING:
+    from meshbus.broker.link import Link
+    from meshbus.broker.server import Broker
+
+log = logging.getLogger("meshbus.broker")
+
+# Route operations per ROUTES frame: about 40 bytes each, well under the default frame limit.
+ROUTES_CHUNK = 10_000
+
+
+@dataclass
+class _ClaimRound:
+    """One claim this broker put to its peers, waiting for their answers."""
+
+    key: bytes
+    session: bytes
+    future: asyncio.Future[bool]
+    waiting: dict[str, int] = field(default_factory=dict)  # peer name -> correlation
+    granted: list[Link] = field(default_factory=list)
+    denied: bool = False
+
+
+@dataclass
+class SyncStats:
+    route_ops_in: int = 0
+    route_ops_out: int = 0
+    route_conflicts: int = 0
+    claims_granted: int = 0
+    claims_refused: int = 0
+
+
+class RouteSync:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.claims = ClaimTable("")
+        self.stats = SyncStats()
+        self._ops: list[RouteOp] = []
+        self._flush_scheduled = False
+        self._rounds: dict[int, _ClaimRound] = {}
+        self._next_correlation = 1
+
+    @property
+    def _peers(self) -> dict[str, Link]:
+        return self.broker.mesh.peers
+
+    # -- route operations out ----------------------------------------------------------------
+
+    def announce(self, op: int, address: bytes, extra: bytes = b"") -> None:
+        """Tell every peer about a change of a local service; sent at the end of this loop turn."""
+        if not self._peers:
+            return
+        self._ops.append((op, address, extra))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush_ops)
+
+    def flush_ops(self) -> None:
+        self._flush_scheduled = False
+        ops, self._ops = self._ops, []
+        if not ops:
+            return
+        peers = list(self._peers.values())
+        self.stats.route_ops_out += len(ops) * len(peers)
+        for start in range(0, len(ops), ROUTES_CHUNK):
+            frame = encode_control(
+                ControlType.ROUTES, Routes(ops=ops[start : start + ROUTES_CHUNK])
+            )
+            for link in peers:
+                link.send(frame)
+
+    def send_snapshot(self, link: Link) -> None:
+        """This broker's local services and memberships, to a peer that just linked up.
+
+        Pending operations go out first (to the others), so the snapshot is all the
+        new peer needs and it gets no operation twice."""
+        self.flush_ops()
+        ops = self.broker.routing.local_state()
+        for start in range(0, max(len(ops), 1), ROUTES_CHUNK):
+            chunk = ops[start : start + ROUTES_CHUNK]
+            done = start + ROUTES_CHUNK >= len(ops)
+            link.send(
+                encode_control(ControlType.ROUTES, Routes(ops=chunk, snapshot=True, complete=done))
+            )
+        self.stats.route_ops_out += len(ops)
+
+    # -- route operations in -------------------------------------------------------------------
+
+    def on_routes(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Routes)
+        self.stats.route_ops_in += len(body.ops)
+        for op, address, extra in body.ops:
+            try:
+                self._apply(link, op, address, extra)
+            except (RoutingError, IndexError) as exc:
+                log.warning(
+                    "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
+                )
+        if body.complete:
+            self.broker.mesh.snapshot_received(link)
+
+    def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
+        routing = self.broker.routing
+        owner = routing.owner(address)
+        if op == OP_ADD:
+            if len(address) != 16 or address[0] != CAST_UNICAST:
+                raise RoutingError("ADD of an address that is not unicast")
+            self.claims.release(address, link.name)
+            if owner is None:
+                routing.add_service(address, link, extra)
+            elif owner is link:
+                return
+            elif extra and routing.session_of(address) == extra:
+                routing.take_over(address, link, extra)  # the connector moved here
+            else:
+                self._conflict(link, address, extra, owner)
+        elif owner is not link:
+            return  # about an address that has moved on since: stale
+        elif op == OP_REMOVE:
+            routing.remove_service(address, link)
+        elif op in (OP_JOIN, OP_LEAVE):
+            if len(extra) != 16 or extra[0] not in (CAST_MULTICAST, CAST_ANYCAST):
+                raise RoutingError("JOIN or LEAVE of an address that is not a group")
+            if op == OP_JOIN:
+                routing.join(address, extra)
+            else:
+                routing.leave(address, extra)
+
+    def _conflict(self, link: Link, address: bytes, session: bytes, owner: Link) -> None:
+        """Two brokers registered one address for different sessions (claims make this
+        all but impossible). Every broker keeps the owner with the smaller name, so the
+        tables still converge; a local loser's connector is told."""
+        self.stats.route_conflicts += 1
+        current = owner.name if owner.is_peer else self.broker.config.name
+        if link.name >= current:
+            return
+        self.broker.routing.take_over(address, link, session)
+        if not owner.is_peer:
+            owner.send(
+                encode_control(
+                    ControlType.ERROR,
+                    Error(
+                        code=ErrorCode.ADDRESS_IN_USE,
+                        message="this address was registered at the same moment through "
+                        f"broker {link.name}, which keeps it",
+                    ),
+                )
+            )
+
+    def on_delivery_failure(self, link: Link, correlation: int, body: Body) -> None:
+        """NO_ROUTE from a peer about a frame that entered the mesh here: to the requester
+        (by the pending entry) or to the sender of a notified send (by its address)."""
+        assert isinstance(body, DeliveryFailure)
+        broker = self.broker
+        target = broker.pending.resolve(body.src, body.msg_id)
+        if target is None:
+            owner = broker.routing.owner(body.src)
+            target = owner if owner is not None and not owner.is_peer else None
+        if target is not None:
+            broker.reply(target, ControlType.NO_ROUTE, body)
+
+    # -- claims: ours -------------------------------------------------------------------------
+
+    def claim(
+        self, key: bytes, session: bytes, owner_session: bytes | None
+    ) -> asyncio.Future[bool]:
+        """Reserve ``key`` here and at every peer; the future says whether all granted it.
+
+        On success the caller uses the key at once (and its ADD ends the peers'
+        reservations); on failure the grants are given back."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        me = self.broker.config.name
+        if not self.claims.reserve(key, me, session, owner_session):
+            self.stats.claims_refused += 1
+            future.set_result(False)
+            return future
+        claim = _ClaimRound(key, session, future)
+        for name, link in self._peers.items():
+            correlation = self._next_correlation
+            self._next_correlation = correlation % 0xFFFFFFFF + 1
+            self._rounds[correlation] = claim
+            claim.waiting[name] = correlation
+            link.send(
+                encode_control(ControlType.CLAIM, Claim(key=key, session=session), correlation)
+            )
+        self._settle(claim)
+        return future
+
+    def on_answer(self, link: Link, correlation: int, body: Body) -> None:
+        """OK or ERROR: the answer to one of our CLAIMs."""
+        claim = self._rounds.pop(correlation, None)
+        if claim is None:
+            if isinstance(body, Error):
+                log.warning("error from a peer", extra={"peer": link.name, "error": body.message})
+            return
+        claim.waiting.pop(link.name, None)
+        if isinstance(body, Error):
+            claim.denied = True
+        else:
+            claim.granted.append(link)
+        self._settle(claim)
+
+    def _settle(self, claim: _ClaimRound) -> None:
+        if claim.waiting or claim.future.done():
+            return
+        me = self.broker.config.name
+        won = not claim.denied and self.claims.held_by(claim.key, me, claim.session)
+        if not won:
+            for link in claim.granted:
+                link.send(encode_control(ControlType.RELEASE, Claim(key=claim.key)))
+        if not won or not is_slot_key(claim.key):
+            self.claims.release(claim.key, me)
+        if won:
+            self.stats.claims_granted += 1
+        else:
+            self.stats.claims_refused += 1
+        claim.future.set_result(won)
+
+    # -- claims: theirs --------------------------------------------------------------------
+
+    def on_claim(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Claim)
+        key = body.key
+        routing = self.broker.routing
+        if is_slot_key(key):
+            slot = int.from_bytes(key[5:7], "big")
+            in_use = slot == routing.slot or any(p.slot == slot for p in self._peers.values())
+            owner_session: bytes | None = b"" if in_use else None
+        elif routing.owner(key) is None:
+            owner_session = None
+        else:
+            owner_session = routing.session_of(key)
+        if self.claims.reserve(key, link.name, body.session, owner_session):
+            self.broker.reply(link, ControlType.OK, Empty(), correlation)
+        else:
+            self.broker.reply(
+                link,
+                ControlType.ERROR,
+                Error(code=ErrorCode.ADDRESS_IN_USE, message="in use or claimed"),
+                correlation,
+            )
+
+    def on_release(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Claim)
+        self.claims.release(body.key, link.name)
+
+    # -- a peer is gone ---------------------------------------------------------------------
+
+    def peer_lost(self, link: Link) -> None:
+        """A broker that is gone holds nothing: its reservations end, its vote is a grant."""
+        self.claims.drop_holder(link.name)
+        for correlation, claim in list(self._rounds.items()):
+            if claim.waiting.get(link.name) == correlation:
+                del self._rounds[correlation]
+                del claim.waiting[link.name]
+                self._settle(claim)
