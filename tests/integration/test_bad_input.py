@@ -415,8 +415,8 @@ async def test_connector_killed_mid_burst(broker, healthy_pair):
         for i in range(count):
             await sender.send(victim_rx.address, seq(i))
             if i == count // 2:
-                assert doomed._link is not None
-                doomed._link.abort()
+                assert doomed._keeper.link is not None
+                doomed._keeper.link.abort()
                 break
         await wait_service_gone(healthy_pair.conn_a, "doomed:5")
 

@@ -5,21 +5,8 @@ one copy per link): every member of a multicast group gets one copy, one random
 member of an anycast group gets it, and the sender is skipped unless it asked
 for ``echo``.
 
-Failover (ARCHITECTURE.md section 5). The connector knows every broker that
-takes connectors: the addresses it was given, then the list the brokers push
-(in WELCOME and BROKERS frames). When its broker dies, it drops that broker
-from the list, picks another at random, reconnects, and registers every service
-again *with the same address* and the same group memberships -- the broker sees
-the connector's session id and lets it take its own addresses back. Meanwhile
-sends wait (up to ``failover_timeout``); requests that were in flight through
-the dead broker fail with ``ConnectionLost``, since their pending entries died
-with it. A broker that refuses a connector (full, joining, draining) names one
-that has room, and the connector goes there.
-
-Moves (rebalancing after a join, or a drain): the broker sends MOVE; the
-connector opens a link to the new broker, registers everything there, switches
-its sends over, and only then says BYE on the old link, reading it until the old
-broker closes it -- make before break.
+Failover, redirects, moves and keepalive -- keeping the connector linked to
+one broker of the mesh -- are in meshbus.client.keeper.
 
 Backpressure: each service's inbox holds at most ``max_inbox`` messages. When
 one fills, the connector stops handing out frames and reading from its links
@@ -35,11 +22,12 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from meshbus.address import Address, Unicast, describe_address
+from meshbus.client.keeper import LinkKeeper
 from meshbus.client.link import BrokerLink
 from meshbus.client.service import Message, Service
 from meshbus.errors import (
@@ -63,13 +51,10 @@ from meshbus.protocol.control import (
     Drain,
     Empty,
     Error,
-    Hello,
-    Membership,
     Move,
     Register,
     StatRequest,
     Stats,
-    Welcome,
 )
 from meshbus.protocol.layout import (
     DEFAULT_MAX_FRAME,
@@ -90,10 +75,6 @@ _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
 # How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
 _LOCAL_TIMEOUT_GRACE = 1.0
-# Brokers that refuse us in a row while naming another one before we give up on that chain.
-_MAX_REDIRECTS = 8
-# Pause between rounds over the broker list while failing over.
-_RETRY_PAUSE = 0.05
 
 
 def broker_list(brokers: str | Sequence[str]) -> list[str]:
@@ -144,7 +125,7 @@ async def connect(
     )
     try:
         async with asyncio.timeout(timeout):
-            link = await connector._open_any(addresses, random_order=False)
+            link = await connector._keeper.open_any(addresses, random_order=False)
     except TimeoutError:
         connector._abort()
         raise ConnectionLost(
@@ -153,7 +134,7 @@ async def connect(
     except ConnectionLost:
         connector._abort()
         raise
-    connector._activate(link)
+    connector._keeper.activate(link)
     return connector
 
 
@@ -187,17 +168,9 @@ class Connector:
         self.name = name
         self.max_frame = max_frame
         self.max_inbox = max_inbox
-        self.failover_timeout = failover_timeout
-        self.keepalive = keepalive
-        self.session = os.urandom(16)
-        self.broker_name = ""
-        self.failovers = 0  # times the connector reconnected after losing its broker
-        self.moves = 0  # times it moved when a broker asked
+        self.session = os.urandom(16)  # the same across failover and moves
         self.dropped = 0
-        self._brokers = list(brokers)
-        self._link: BrokerLink | None = None
-        self._old_links: set[BrokerLink] = set()
-        self._connected = asyncio.Event()
+        self._keeper = LinkKeeper(self, brokers, failover_timeout, keepalive)
         self._next_correlation = 1
         self._next_msg_id = 1
         self._control_waiters: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
@@ -208,12 +181,8 @@ class Connector:
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._closed = False
         self._lost: MeshbusError | None = None
-        # Held while the set of services is copied to a new broker, so a register or
-        # join cannot slip in between and be missing there.
-        self._membership_lock = asyncio.Lock()
         self._rng = random.Random()
         self._undeliverable_handlers: list[Callable[[Undeliverable], None]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Connector:
         return self
@@ -231,12 +200,29 @@ class Connector:
     @property
     def brokers(self) -> list[str]:
         """The brokers this connector may fail over to (kept current by the mesh)."""
-        return list(self._brokers)
+        return list(self._keeper.brokers)
+
+    @property
+    def broker_name(self) -> str:
+        """The name of the broker the connector is linked to (the last one while failing over)."""
+        link = self._keeper.link
+        return link.broker_name if link is not None else ""
 
     @property
     def broker_address(self) -> str:
-        """The address of the broker the connector is linked to now ("" while failing over)."""
-        return self._link.address if self._link is not None and self._connected.is_set() else ""
+        """The address of the broker the connector is linked to ("" while failing over)."""
+        link = self._keeper.link
+        return link.address if link is not None and self._keeper.connected.is_set() else ""
+
+    @property
+    def failovers(self) -> int:
+        """Times the connector reconnected to another broker after losing its own."""
+        return self._keeper.failovers
+
+    @property
+    def moves(self) -> int:
+        """Times it moved to another broker because its broker asked (rebalance, drain)."""
+        return self._keeper.moves
 
     # -- public API ----------------------------------------------------------
 
@@ -271,12 +257,13 @@ class Connector:
     ) -> T:
         """A register, unregister, join or leave, and ``apply`` to its answer: never
         interleaved with copying the services to a new broker (failover, move)."""
+        keeper = self._keeper
         while True:
-            await self._usable_link()
-            async with self._membership_lock:
+            await keeper.usable()
+            async with keeper.lock:
                 # A failover may have begun while we waited for the lock: wait it out.
-                if self._connected.is_set() and self._link is not None and not self._closed:
-                    return apply(await self._control(type_, body, subject, link=self._link))
+                if keeper.connected.is_set() and keeper.link is not None and not self._closed:
+                    return apply(await self._control(type_, body, subject, link=keeper.link))
 
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:
         """The broker's view: itself, its links, the mesh, services, groups and counters.
@@ -307,80 +294,16 @@ class Connector:
         """Say goodbye and close the link. Pending requests fail with ``NotConnected``."""
         if self._closed:
             return
-        links = [link for link in (self._link, *self._old_links) if link is not None]
+        links = self._keeper.links()
         for link in links:
             if link.transport is not None and not link.transport.is_closing():
                 link.write(encode_control(ControlType.BYE, Bye(reason="connector closed")))
         self._shutdown(NotConnected("the connector was closed"))
         for link in links:
             link.close()
-        for task in list(self._tasks):
-            task.cancel()
+        self._keeper.cancel()
 
-    # -- links: open, activate, lose, fail over, move ------------------------------
-
-    async def _open_any(self, addresses: list[str], *, random_order: bool) -> BrokerLink:
-        """A handshaken link to one of ``addresses``, following redirects; ConnectionLost
-        (naming every reason) if none takes us."""
-        order = list(addresses)
-        if random_order:
-            self._rng.shuffle(order)
-        reasons: list[str] = []
-        for address in order:
-            for _ in range(_MAX_REDIRECTS):
-                try:
-                    return await self._open(address)
-                except _Redirected as exc:
-                    reasons.append(f"{address}: {exc}")
-                    if not exc.address or exc.address == address:
-                        break
-                    address = exc.address
-                except ConnectionLost as exc:
-                    reasons.append(str(exc))
-                    break
-        raise ConnectionLost("; ".join(reasons) or "no broker to connect to")
-
-    async def _open(self, address: str) -> BrokerLink:
-        host, port = parse_hostport(address)
-        loop = asyncio.get_running_loop()
-        try:
-            _, link = await loop.create_connection(
-                lambda: BrokerLink(self, address, self.max_frame), host, port
-            )
-        except OSError as exc:
-            # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
-            why = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ConnectionLost(
-                f"could not connect to broker {address}: {why} (is a broker running there?)"
-            ) from exc
-        hello = Hello(name=self.name, max_frame=self.max_frame, session=self.session)
-        try:
-            frame = await self._control(ControlType.HELLO, hello, link=link)
-        except ConnectionLost:
-            # A broker that refuses us sends an ERROR (naming one with room) and closes.
-            link.abort()
-            if link.error_code == ErrorCode.REDIRECT:
-                raise _Redirected(link.error, link.redirect) from None
-            raise
-        except BaseException:
-            link.abort()
-            raise
-        assert isinstance(frame.body, Welcome)
-        link.broker_name = frame.body.broker
-        self.max_frame = min(self.max_frame, frame.body.max_frame)
-        self._set_brokers(frame.body.brokers)
-        return link
-
-    def _activate(self, link: BrokerLink) -> None:
-        self._link = link
-        self.broker_name = link.broker_name
-        self._connected.set()
-        if self.keepalive and not any(t.get_name() == "keepalive" for t in self._tasks):
-            self._spawn(self._keep_alive(), "keepalive")
-
-    def _set_brokers(self, infos: list[Any]) -> None:
-        if infos:
-            self._brokers = [info.address for info in infos]
+    # -- links ---------------------------------------------------------------------
 
     def _link_lost(self, link: BrokerLink, exc: Exception | None) -> None:
         reason = link.error or (str(exc) if exc else "the broker closed the connection")
@@ -388,155 +311,24 @@ class Connector:
             f"lost the link to broker {link.broker_name or link.address}: {reason}"
         )
         self._fail_in_flight(link, lost)
-        if link in self._old_links:
-            self._old_links.discard(link)  # a move finished
-            return
-        if self._closed or link is not self._link:
-            return
-        if link.address in self._brokers:
-            self._brokers.remove(link.address)
-        if not self.failover_timeout or not self._brokers:
-            # No failover, or no other broker to go to (the seed's rule): the link is lost.
+        if not self._closed and not self._keeper.lost(link, lost):
             self._shutdown(self._lost or lost)
-            return
-        self._connected.clear()
-        log.info("broker lost, failing over", extra={"broker": link.broker_name, "reason": reason})
-        self._spawn(self._fail_over(lost), "failover")
-
-    async def _fail_over(self, lost: ConnectionLost) -> None:
-        """Reconnect to another broker and bring every service back, same addresses."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.failover_timeout
-        reasons = ""
-        async with self._membership_lock:
-            while loop.time() < deadline:
-                try:
-                    async with asyncio.timeout(max(0.05, deadline - loop.time())):
-                        link = await self._open_any(self._brokers, random_order=True)
-                        await self._restore(link)
-                except (ConnectionLost, TimeoutError) as exc:
-                    reasons = str(exc)
-                    await asyncio.sleep(_RETRY_PAUSE)
-                    continue
-                self.failovers += 1
-                self._activate(link)
-                log.info("failed over", extra={"broker": link.broker_name})
-                return
-        self._shutdown(
-            ConnectionLost(
-                f"{lost}; no other broker took this connector within "
-                f"{self.failover_timeout} s ({reasons})"
-            )
-        )
-
-    async def _move(self, address: str, reason: str) -> None:
-        """MOVE: link to ``address``, bring the services there, switch, then leave."""
-        async with self._membership_lock:
-            old = self._link
-            if old is None or self._closed or not self._connected.is_set():
-                return
-            try:
-                link = await self._open_any([address], random_order=False)
-                await self._restore(link)
-            except (ConnectionLost, RemoteProtocolError) as exc:
-                log.warning("could not move", extra={"to": address, "error": str(exc)})
-                return
-            if self._closed:
-                link.abort()
-                return
-            self.moves += 1
-            self._old_links.add(old)
-            self._activate(link)
-            old.write(encode_control(ControlType.BYE, Bye(reason=f"moved: {reason}")))
-        log.info("moved", extra={"to": link.broker_name, "reason": reason})
-
-    async def _restore(self, link: BrokerLink) -> None:
-        """Register every service on ``link`` with its own address, then its groups.
-
-        Requests go out together and are answered in order; a service whose address
-        was taken meanwhile by another session is closed (it cannot come back)."""
-        services = list(self._services.values())
-        answers = await asyncio.gather(
-            *(
-                self._control(
-                    ControlType.REGISTER,
-                    Register(server=s.address.server, instance=s.address.instance),
-                    str(s.address),
-                    link=link,
-                )
-                for s in services
-                if isinstance(s.address, Unicast)
-            ),
-            return_exceptions=True,
-        )
-        joins: list[Coroutine[Any, Any, ControlFrame]] = []
-        for service, answer in zip(services, answers, strict=True):
-            if isinstance(answer, ConnectionLost):
-                raise answer
-            if isinstance(answer, BaseException):
-                log.error(
-                    "a service could not be registered again after failover",
-                    extra={"address": str(service.address), "error": str(answer)},
-                )
-                self._forget(service)
-                continue
-            joins.extend(
-                self._control(
-                    ControlType.JOIN,
-                    Membership(member=service._raw, group=group.to_bytes()),
-                    link=link,
-                )
-                for group in service._groups
-            )
-        for answer in await asyncio.gather(*joins, return_exceptions=True):
-            if isinstance(answer, ConnectionLost):
-                raise answer
-
-    async def _keep_alive(self) -> None:
-        """Ping a silent link; three silent intervals mean the broker is gone (one that
-        hangs, or a host that vanished: a killed process closes its sockets itself)."""
-        loop = asyncio.get_running_loop()
-        interval = self.keepalive
-        while not self._closed:
-            await asyncio.sleep(interval)
-            link = self._link
-            if link is None or link.closed or not self._connected.is_set() or self._full_inboxes:
-                continue
-            silent = loop.time() - link.heard_at
-            if silent > 3 * interval:
-                link.error = f"no answer for {silent:.1f} s"
-                link.abort()
-            elif silent > interval:
-                link.write(encode_control(ControlType.PING, Empty()))
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- used by Service -------------------------------------------------------
 
     def _check_usable(self) -> None:
         if self._lost is not None:
             raise self._lost
-        if self._closed or self._link is None:
+        if self._closed or self._keeper.link is None:
             raise NotConnected("the connector is closed")
-
-    async def _usable_link(self) -> BrokerLink:
-        """The link to send on; waits while the connector fails over."""
-        self._check_usable()
-        if not self._connected.is_set():
-            await self._connected.wait()
-            self._check_usable()
-        assert self._link is not None
-        return self._link
 
     async def _send_data(
         self, src: bytes, dst: bytes, payload: bytes, flags: int, *, response_for: int = 0
     ) -> int:
-        link = self._link
-        if link is None or not self._connected.is_set() or self._closed:
-            link = await self._usable_link()
+        keeper = self._keeper
+        link = keeper.link
+        if link is None or not keeper.connected.is_set() or self._closed:
+            link = await keeper.usable()
         msg_id = self._next_msg_id
         self._next_msg_id += 1
         frame = encode_data(
@@ -554,7 +346,7 @@ class Connector:
         return msg_id
 
     async def _request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
-        link = await self._usable_link()
+        link = await self._keeper.usable()
         msg_id = self._next_msg_id
         self._next_msg_id += 1
         frame = encode_data(
@@ -595,7 +387,7 @@ class Connector:
 
         Without ``link`` it goes to the current broker (waiting out a failover)."""
         if link is None:
-            link = await self._usable_link()
+            link = await self._keeper.usable()
         correlation = self._next_correlation
         self._next_correlation = correlation % 0xFFFFFFFF + 1
         future: asyncio.Future[ControlFrame] = asyncio.get_running_loop().create_future()
@@ -643,19 +435,16 @@ class Connector:
         self._inbox_drained(service)
         service._close()
 
-    def _links(self) -> list[BrokerLink]:
-        return [link for link in (self._link, *self._old_links) if link is not None]
-
     def _inbox_full(self, service: Service) -> None:
         self._full_inboxes.add(service)
-        for link in self._links():
+        for link in self._keeper.links():
             link.pause_reading()
 
     def _inbox_drained(self, service: Service) -> None:
         if service in self._full_inboxes:
             self._full_inboxes.discard(service)
             if not self._full_inboxes:
-                for link in self._links():
+                for link in self._keeper.links():
                     link.resume_reading()
                     link.dispatch()
 
@@ -712,12 +501,12 @@ class Connector:
             return
         if ctype == ControlType.BROKERS:
             assert isinstance(body, Brokers)
-            if link is self._link:
-                self._set_brokers(body.brokers)
+            if link is self._keeper.link:
+                self._keeper.set_brokers(body.brokers)
         elif ctype == ControlType.MOVE:
             assert isinstance(body, Move)
-            if link is self._link:
-                self._spawn(self._move(body.address, body.reason), "move")
+            if link is self._keeper.link:
+                self._keeper.move(body.address, body.reason)
         elif ctype == ControlType.ERROR:
             assert isinstance(body, Error)
             link.error = body.message
@@ -768,7 +557,7 @@ class Connector:
         self._closed = True
         if isinstance(error, ConnectionLost):
             self._lost = error
-        self._connected.set()  # wake senders waiting out a failover: they raise now
+        self._keeper.connected.set()  # wake senders waiting out a failover: they raise now
         futures: list[asyncio.Future[Any]] = [
             *(f for f, _ in self._control_waiters.values()),
             *(f for f, _ in self._requests.values()),
@@ -785,18 +574,9 @@ class Connector:
 
     def _abort(self) -> None:
         self._closed = True
-        for link in self._links():
+        for link in self._keeper.links():
             link.abort()
-        for task in list(self._tasks):
-            task.cancel()
-
-
-class _Redirected(ConnectionLost):
-    """A broker refused the connector and named another (internal to connecting)."""
-
-    def __init__(self, message: str, address: str) -> None:
-        super().__init__(message)
-        self.address = address
+        self._keeper.cancel()
 
 
 def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError:
