@@ -21,14 +21,11 @@ Membership (ARCHITECTURE.md section 5; docs/mesh.md has the long form):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
 from meshbus.broker.claims import slot_key
@@ -72,22 +69,6 @@ class JoinFailed(Exception):
 
 
 @dataclass
-class PeerState:
-    """What this broker knows of another broker (from its handshake, LOAD and gossip)."""
-
-    name: str
-    address: str
-    slot: int = 0
-    connectors: int = 0
-    capacity: int = 0
-    ready: bool = False
-    draining: bool = False
-
-    def info(self) -> BrokerInfo:
-        return BrokerInfo(**dataclasses.asdict(self))
-
-
-@dataclass
 class MeshStats:
     duplicate_links: int = 0
     peers_lost: int = 0
@@ -100,7 +81,8 @@ class Mesh:
         self.broker = broker
         self.config = broker.config
         self.peers: dict[str, Link] = {}  # open peer links, by broker name
-        self.known: dict[str, PeerState] = {}  # every other broker we know of
+        # Every other broker we know of: from its handshake, its LOAD frames and gossip.
+        self.known: dict[str, BrokerInfo] = {}
         self.stats = MeshStats()
         self.ready = False
         self.draining = False
@@ -130,8 +112,8 @@ class Mesh:
             return math.ceil(limit * self.config.capacity_boost)
         return limit
 
-    def self_state(self) -> PeerState:
-        return PeerState(
+    def self_state(self) -> BrokerInfo:
+        return BrokerInfo(
             name=self.name,
             address=self.broker.advertised,
             slot=self.broker.routing.slot,
@@ -141,7 +123,7 @@ class Mesh:
             draining=self.draining,
         )
 
-    def brokers(self) -> list[PeerState]:
+    def brokers(self) -> list[BrokerInfo]:
         """Every broker of the mesh this one knows, itself first."""
         return [self.self_state(), *self.known.values()]
 
@@ -319,12 +301,12 @@ class Mesh:
         link.slot = slot
         link.tag_out = tag.to_bytes(4, "big")
         link.max_frame = max(MIN_MAX_FRAME, min(max_frame, self.config.max_frame))
-        state = self.known.setdefault(name, PeerState(name, listen))
+        state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))
         state.address = listen
         state.slot = slot
         self.broker.sync.send_snapshot(link)
         self.peers[name] = link
-        link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self._gossip_list())))
+        link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self.brokers())))
         link.send(encode_control(ControlType.LOAD, self._load()))
         if not self.ready:
             self._snapshot_pending.add(link)
@@ -383,7 +365,7 @@ class Mesh:
         for info in body.brokers:
             if info.name == self.name or info.name in self.peers:
                 continue
-            self.known[info.name] = PeerState(**msgspec.structs.asdict(info))
+            self.known[info.name] = info
             failed = self._dial_failed.get(info.address)
             # A joining broker dials us itself; we dial the ready ones we are missing.
             if (
@@ -438,7 +420,7 @@ class Mesh:
 
     def connector_list(self) -> list[BrokerInfo]:
         """The brokers a connector may fail over or be redirected to: ready, not draining."""
-        return [s.info() for s in self.brokers() if s.ready and not s.draining]
+        return [s for s in self.brokers() if s.ready and not s.draining]
 
     def _connector_addresses(self) -> tuple[str, ...]:
         return tuple(sorted(b.address for b in self.connector_list()))
@@ -446,7 +428,7 @@ class Mesh:
     def _push_lists(self) -> None:
         self._lists_scheduled = False
         self._send_all(ControlType.LOAD, self._load())
-        self._send_all(ControlType.BROKERS, Brokers(brokers=self._gossip_list()))
+        self._send_all(ControlType.BROKERS, Brokers(brokers=self.brokers()))
         # Connectors only need to hear when the set of brokers changes, not every load.
         addresses = self._connector_addresses()
         if addresses != self._pushed:
@@ -454,9 +436,6 @@ class Mesh:
             frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
             for connector in self.broker.connectors:
                 connector.send(frame)
-
-    def _gossip_list(self) -> list[BrokerInfo]:
-        return [s.info() for s in self.brokers()]
 
     def _load(self) -> Load:
         s = self.self_state()

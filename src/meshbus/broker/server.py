@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from meshbus.address import describe_address
 from meshbus.broker.balance import redirect_target
 from meshbus.broker.control import ControlHandler
@@ -337,7 +339,7 @@ class Broker:
                 }
                 for link in mesh.peers.values()
             ],
-            "mesh": [dataclasses.asdict(state) for state in mesh.brokers()],
+            "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
             "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
             "counters": {
                 "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),
