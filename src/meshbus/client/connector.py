@@ -256,14 +256,22 @@ class Connector:
         subject: str = "",
     ) -> T:
         """A register, unregister, join or leave, and ``apply`` to its answer: never
-        interleaved with copying the services to a new broker (failover, move)."""
+        interleaved with copying the services to a new broker (failover, move).
+
+        One whose broker dies before it answers is made again on the new broker: each
+        of them is safe to repeat there (a service the old broker registered but never
+        confirmed is not in ``services``, so the copy did not bring it along)."""
         keeper = self._keeper
         while True:
-            await keeper.usable()
-            async with keeper.lock:
-                # A failover may have begun while we waited for the lock: wait it out.
-                if keeper.connected.is_set() and keeper.link is not None and not self._closed:
-                    return apply(await self._control(type_, body, subject, link=keeper.link))
+            link = await keeper.usable()
+            try:
+                async with keeper.gate.change():
+                    # A failover may have begun while we waited: wait it out.
+                    if keeper.link is link and keeper.connected.is_set():
+                        return apply(await self._control(type_, body, subject, link=link))
+            except ConnectionLost:
+                if self._closed:
+                    raise
 
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:
         """The broker's view: itself, its links, the mesh, services, groups and counters.

@@ -25,10 +25,11 @@ killed process closes its sockets itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Unicast
@@ -66,6 +67,46 @@ class Redirected(ConnectionLost):
         self.address = address
 
 
+class Gate:
+    """Many service changes (register, join, ...) at once, or one copy of all services to
+    a new broker (failover, move) alone -- so no change can slip in while the services
+    are copied and be missing at the new broker. A waiting copy goes before new changes."""
+
+    def __init__(self) -> None:
+        self._changes = 0
+        self._copying = False
+        self._copy_waiting = 0
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def change(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._copying and not self._copy_waiting)
+            self._changes += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._changes -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def copy(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._copy_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._copying and not self._changes)
+            finally:
+                self._copy_waiting -= 1
+            self._copying = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._copying = False
+                self._cond.notify_all()
+
+
 class LinkKeeper:
     def __init__(
         self, connector: Connector, brokers: list[str], failover_timeout: float, keepalive: float
@@ -79,9 +120,7 @@ class LinkKeeper:
         self.connected = asyncio.Event()
         self.failovers = 0
         self.moves = 0
-        # Held while the set of services is copied to a new broker, so a register or
-        # join cannot slip in between and be missing there.
-        self.lock = asyncio.Lock()
+        self.gate = Gate()
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -186,7 +225,7 @@ class LinkKeeper:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.failover_timeout
         reasons = ""
-        async with self.lock:
+        async with self.gate.copy():
             while loop.time() < deadline:
                 try:
                     async with asyncio.timeout(max(0.05, deadline - loop.time())):
@@ -214,7 +253,7 @@ class LinkKeeper:
 
     async def _move(self, address: str, reason: str) -> None:
         """MOVE: link to ``address``, bring the services there, switch, then leave."""
-        async with self.lock:
+        async with self.gate.copy():
             old = self.link
             if old is None or self.connector._closed or not self.connected.is_set():
                 return
