@@ -199,6 +199,10 @@ async def test_sigterm_drains_connectors_to_the_other_brokers_and_loses_nothing(
         assert consumer_conn.broker_name in (a.name, b.name)
         counts = await connector_counts([a, b])
         assert sum(counts.values()) == 5  # the 4 from C, and the producer
+        for survivor in (a, b):
+            data = await stat(survivor, detail=False)
+            assert data["mesh_counters"]["peers_crashed"] == 0, "a drain is not a crash"
+            assert data["capacity"] == 50
         assert abs(counts[a.name] - counts[b.name]) <= 2
         consumer_task.cancel()
     finally:

@@ -380,6 +380,12 @@ class Link(asyncio.BufferedProtocol):
         )
         transport.close()
 
+    def half_close(self) -> None:
+        """Send everything written so far, then end our direction; keep reading until the
+        peer closes (closing with unread input would reset the connection instead)."""
+        if self.transport is not None and self.state is not LinkState.CLOSED:
+            self.transport.write_eof()
+
     def close(self, reason: CloseReason) -> None:
         if self.state is LinkState.CLOSED:
             return

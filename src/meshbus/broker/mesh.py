@@ -59,6 +59,8 @@ ROUTES_CHUNK = 10_000
 # A broker that could not be dialled is not dialled again from gossip for this long.
 _DIAL_COOLDOWN = 2.0
 _DIAL_TIMEOUT = 5.0
+# After BYE, how long a stopping broker waits for its peers to close their side.
+_BYE_TIMEOUT = 1.0
 _GRACEFUL = frozenset(
     {CloseReason.PEER_BYE, CloseReason.DUPLICATE_LINK, CloseReason.BROKER_SHUTDOWN}
 )
@@ -96,6 +98,7 @@ class Mesh:
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
         self._all_moved = asyncio.Event()  # set when the last connector told to move has left
+        self._leaving: dict[Link, asyncio.Future[None]] = {}  # peers told BYE, not yet closed
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- identity and capacity ------------------------------------------------------
@@ -468,6 +471,9 @@ class Mesh:
     # -- losing a peer ----------------------------------------------------------------------------
 
     def peer_lost(self, link: Link, reason: CloseReason) -> None:
+        leaving = self._leaving.pop(link, None)
+        if leaving is not None and not leaving.done():
+            leaving.set_result(None)
         waiter = self._dial_waiters.pop(link, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(False)
@@ -480,8 +486,13 @@ class Mesh:
         del self.peers[link.name]
         self.stats.peers_lost += 1
         self.broker.sync.peer_lost(link)
-        self.known.pop(link.name, None)
-        if reason not in _GRACEFUL:
+        state = self.known.pop(link.name, None)
+        # A peer we said goodbye to, or that announced its drain, is leaving, whatever
+        # way its link ends.
+        graceful = (
+            reason in _GRACEFUL or leaving is not None or (state is not None and state.draining)
+        )
+        if not graceful:
             self.stats.peers_crashed += 1
             self._boost_until = self.broker.clock() + self.config.boost_window
             log.warning(
@@ -537,11 +548,23 @@ class Mesh:
         )
 
     async def stop(self) -> None:
-        """Say goodbye to every peer and stop the background work."""
+        """Say goodbye to every peer and stop the background work.
+
+        After BYE this side only half-closes and waits (briefly) for each peer to close:
+        closing at once, with the peer's heartbeats still unread here, makes the kernel
+        reset the connection, and a reset can destroy the BYE before the peer reads it
+        -- the peer would then take a clean stop for a crash."""
         self.broker.sync.flush_ops()
         frame = encode_control(ControlType.BYE, Bye(reason=f"broker {self.name} stopping"))
-        for link in list(self.peers.values()):
+        links = list(self.peers.values())
+        loop = asyncio.get_running_loop()
+        for link in links:
+            self._leaving[link] = loop.create_future()
             link.send(frame)
+            link.half_close()
+        if self._leaving:
+            await asyncio.wait(self._leaving.values(), timeout=_BYE_TIMEOUT)
+        for link in links:
             link.close(CloseReason.BROKER_SHUTDOWN)
         for task in list(self._tasks):
             task.cancel()
