@@ -142,16 +142,19 @@ class ControlHandler:
         except RoutingError as exc:
             raise Refused(ErrorCode.INSTANCES_EXHAUSTED, str(exc)) from None
         raw = wanted.to_bytes()
-        owner = routing.owner(raw)
-        if owner is not None and not self._may_take(link, raw):
+        owned = routing.owner(raw) is not None
+        if owned and not self._may_take(link, raw):
             raise _in_use(wanted)
-        if not self.broker.mesh.peers:
-            self._take(link, raw)
-            return ControlType.REGISTERED, AddressBody(address=raw)
-        # Ask the mesh; the link waits (see the module docstring).
-        link.block()
-        self._claim(link, wanted, self._correlation, 1)
-        return None, None
+        if not owned and self.broker.mesh.peers:
+            # A free address: every peer must agree. The link waits (module docstring).
+            link.block()
+            self._claim(link, wanted, self._correlation, 1)
+            return None, None
+        # Free in a mesh of one, or the connector's own address coming back (it moved, or
+        # failed over before this broker dropped it): no claim. A rival claim needs this
+        # broker's grant too, and here the address is the session's, so it is refused.
+        self._take(link, raw)
+        return ControlType.REGISTERED, AddressBody(address=raw)
 
     def _claim(self, link: Link, wanted: Unicast, correlation: int, attempt: int) -> None:
         raw = wanted.to_bytes()

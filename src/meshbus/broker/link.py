@@ -120,6 +120,7 @@ class Link(asyncio.BufferedProtocol):
         self.misses = 0  # heartbeat intervals in a row without a frame
         self.moving = False  # a connector told to MOVE, not yet gone
         self._blocked = False  # reading stopped until a pending REGISTER is decided
+        self._eof = False  # our direction ended (half_close): nothing more may be written
         self.transport: asyncio.Transport | None = None
         self.max_frame = broker.config.max_frame
         self._buf = bytearray(_READ_BUFFER)
@@ -203,9 +204,15 @@ class Link(asyncio.BufferedProtocol):
 
     # -- output -------------------------------------------------------------
 
+    @property
+    def writable(self) -> bool:
+        """Open for output: not closed, and not half-closed after a goodbye."""
+        return self.transport is not None and self.state is not LinkState.CLOSED and not self._eof
+
     def send(self, data: bytes | bytearray) -> None:
         """Write now (outside a read: timers, other links' control changes)."""
-        if self.transport is not None and self.state is not LinkState.CLOSED:
+        if self.writable:
+            assert self.transport is not None
             self.transport.write(data)
             self.bytes_out += len(data)
 
@@ -373,6 +380,9 @@ class Link(asyncio.BufferedProtocol):
         if reason is CloseReason.SLOW_CONSUMER:
             transport.abort()
             return
+        if self._eof:
+            transport.close()  # we already said goodbye; nothing more may be written
+            return
         transport.write(
             encode_control(
                 ControlType.ERROR, Error(code=int(code), message=message, redirect=redirect)
@@ -383,8 +393,10 @@ class Link(asyncio.BufferedProtocol):
     def half_close(self) -> None:
         """Send everything written so far, then end our direction; keep reading until the
         peer closes (closing with unread input would reset the connection instead)."""
-        if self.transport is not None and self.state is not LinkState.CLOSED:
+        if self.writable:
+            assert self.transport is not None
             self.transport.write_eof()
+            self._eof = True
 
     def close(self, reason: CloseReason) -> None:
         if self.state is LinkState.CLOSED:

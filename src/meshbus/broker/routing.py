@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -52,6 +53,13 @@ class AddressTaken(RoutingError):
 
 class NotOwned(RoutingError):
     pass
+
+
+def _exhausted() -> RoutingError:
+    return RoutingError(
+        "all 65536 dynamic instance ids of this server name are in use on this broker; "
+        "unregister some or use another server name"
+    )
 
 
 def _never_remote(link: object) -> bool:
@@ -96,6 +104,9 @@ class RoutingTable(Generic[L]):
         self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
         self._memberships = 0
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
+        # Dynamic ids in the table per (server name, slot): a full server name is refused
+        # at once instead of after a scan of all 65536 ids.
+        self._dynamic_used: Counter[bytes] = Counter()
         self._rng = rng or random.Random()
 
     # -- changes ---------------------------------------------------------
@@ -108,6 +119,8 @@ class RoutingTable(Generic[L]):
         if session:
             self._session[address] = session
         self._by_link.setdefault(link, set()).add(address)
+        if address[12:14] != b"\x00\x00":  # instance >= 65536: a dynamic id
+            self._dynamic_used[address[1:14]] += 1
         self.version += 1
 
     def take_over(self, address: bytes, link: L, session: bytes = b"") -> L | None:
@@ -130,6 +143,8 @@ class RoutingTable(Generic[L]):
         """
         if not self.slot:
             raise RoutingError("this broker has no dynamic-id slot yet (it is joining the mesh)")
+        if self._dynamic_used[server + self.slot.to_bytes(2, "big")] > 0xFFFF:
+            raise _exhausted()
         start = self._next_seq.get(server, 0)
         for step in range(0x10000):
             seq = (start + step) & 0xFFFF
@@ -142,9 +157,7 @@ class RoutingTable(Generic[L]):
                 self._next_seq[server] = (seq + 1) & 0xFFFF
                 self.add_service(address, link, session)
                 return address
-        raise RoutingError(
-            "all 65536 dynamic instance ids of this server name are in use on this broker"
-        )
+        raise _exhausted()
 
     def remove_service(self, address: bytes, link: L) -> None:
         """Unregister ``address`` and leave all its groups; NotOwned if ``link`` does not own it."""
@@ -154,6 +167,8 @@ class RoutingTable(Generic[L]):
             self.leave(address, group)
         del self._owner[address]
         self._session.pop(address, None)
+        if address[12:14] != b"\x00\x00":
+            self._dynamic_used[address[1:14]] -= 1
         owned = self._by_link[link]
         owned.discard(address)
         if not owned:
@@ -217,6 +232,10 @@ class RoutingTable(Generic[L]):
 
     def owned_by(self, link: L) -> frozenset[bytes]:
         return frozenset(self._by_link.get(link, ()))
+
+    def owned_count(self, link: L) -> int:
+        """len(owned_by(link)) without the copy: stat asks this for every link."""
+        return len(self._by_link.get(link, ()))
 
     def route_unicast(self, dst: bytes) -> L | None:
         return self._owner.get(dst)

@@ -244,11 +244,7 @@ class Broker:
         batches = list(self.outbox.items())
         self.outbox.clear()
         for link, parts in batches:
-            if link.state is LinkState.CLOSED or link.transport is None:
-                continue
-            data = b"".join(parts)
-            link.transport.write(data)
-            link.bytes_out += len(data)
+            link.send(b"".join(parts))
 
     def no_route(self, link: Link, msg_id: int, src: bytes, dst: bytes, reason: str = "") -> None:
         self.reply(
@@ -297,7 +293,7 @@ class Broker:
                 "state": link.state.value,
                 "services": sorted(describe_address(a) for a in routing.owned_by(link))
                 if detail
-                else len(routing.owned_by(link)),
+                else routing.owned_count(link),
                 "msgs_in": link.msgs_in,
                 "msgs_out": link.msgs_out,
                 "bytes_in": link.bytes_in,
@@ -316,7 +312,7 @@ class Broker:
             "draining": mesh.draining,
             "slot": routing.slot,
             "connectors": len(self.connectors),
-            "services": sum(len(routing.owned_by(link)) for link in self.connectors),
+            "services": sum(routing.owned_count(link) for link in self.connectors),
             "routes": routing.route_count,
             "route_services": routing.service_count,
             "route_groups": routing.group_count,
