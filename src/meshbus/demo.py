@@ -1,13 +1,20 @@
-"""``python -m meshbus.demo``: one broker, two connectors, every routing pattern once.
+"""``python -m meshbus.demo``: a mesh of brokers, every routing pattern, a crash, a join, a drain.
 
-The demo starts a real broker process (``meshbus broker --listen 127.0.0.1:0``),
-waits for its ready line, runs a short scenario through the public API and
-checks every step, then stops the broker with SIGTERM. It exits 0 when every
+The demo starts a mesh of three real broker processes (``meshbus broker
+--seed ...`` on free ports), runs a short scenario through the public API and
+checks every step, then stops the brokers with SIGTERM. It exits 0 when every
 step behaved as described and 1 otherwise, so ``make demo`` doubles as a smoke
 test of the installed package.
 
-    connector game01   game01:1 (room, answers requests), alice, bob (dynamic ids)
-    connector lobby01  lobby01:1..3 (login pool), lobby01:9 (never answers), carol
+    connector game01 (on mesh-1)   game01:1 (room, answers requests), alice, bob
+    connector lobby01 (on mesh-2)  lobby01:1..3 (login pool), lobby01:9 (never
+                                   answers), carol
+    connectors player1..6          one service each, spread over the brokers
+
+Every message of steps 1-6 crosses from one broker to another. Then mesh-2 is
+killed with kill -9 (its connectors fail over with the same addresses), mesh-4
+joins (the others hand it connectors), and mesh-3 is drained with SIGTERM (its
+connectors move); after each, every service is reached again.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from rich.console import Console
 
@@ -30,6 +38,8 @@ STARTUP_TIMEOUT = 20.0
 RECV_TIMEOUT = 2.0
 SLOW_TIMEOUT = 0.5
 LOGIN_REQUESTS = 6
+PLAYERS = 6
+REACH_TIMEOUT = 10.0
 
 console = Console(highlight=False)
 
@@ -43,13 +53,23 @@ def check(condition: bool, what: str) -> None:
         raise StepFailed(what)
 
 
-async def start_broker() -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``meshbus broker`` on a free port; return the process and its HOST:PORT."""
+@dataclass
+class DemoBroker:
+    process: asyncio.subprocess.Process
+    name: str
+    address: str
+
+
+async def start_broker(name: str, *seed: str) -> DemoBroker:
+    """Start ``meshbus broker --name NAME [--seed ...]`` on a free port; the ready line
+    comes once it has joined the mesh."""
+    args = ["--name", name, *(a for address in seed for a in ("--seed", address))]
     try:
-        process, _, address = await spawn_broker(timeout=STARTUP_TIMEOUT)
+        process, _, address = await spawn_broker(*args, timeout=STARTUP_TIMEOUT)
     except BrokerStartError as exc:
         raise StepFailed(str(exc)) from exc
-    return process, address
+    console.print(f"broker {name} listening on [bold]{address}[/] (pid {process.pid})")
+    return DemoBroker(process, name, address)
 
 
 async def stop_broker(process: asyncio.subprocess.Process) -> int:
@@ -74,50 +94,76 @@ def welcome_from(login: Service) -> Callable[[bytes], bytes]:
     return lambda payload: f"welcome from {login.address}".encode()
 
 
-async def scenario(address: str) -> None:
+@dataclass
+class Cast:
+    """Everyone in the demo: the brokers, the connectors and their services."""
+
+    mesh: list[DemoBroker]
+    game: meshbus.Connector
+    lobby: meshbus.Connector
+    players: list[meshbus.Connector]
+    room: Service
+    alice: Service
+    bob: Service
+    carol: Service
+    logins: list[Service]
+    slow: Service
+    avatars: list[Service]  # one per player connector, answering requests
+
+
+async def scenario(mesh: list[DemoBroker]) -> None:
+    addresses = ",".join(b.address for b in mesh)
     async with (
-        await meshbus.connect(address, server="game01") as game,
-        await meshbus.connect(address, server="lobby01") as lobby,
+        await meshbus.connect(mesh[0].address, server="game01") as game,
+        await meshbus.connect(mesh[1].address, server="lobby01") as lobby,
     ):
+        players = [
+            await meshbus.connect(mesh[i % len(mesh)].address, server=f"player{i + 1}")
+            for i in range(PLAYERS)
+        ]
         room = await game.register(instance=1)
         alice = await game.register()
         bob = await game.register()
         logins = [await lobby.register(instance=n) for n in (1, 2, 3)]
         slow = await lobby.register(instance=9)
         carol = await lobby.register()
+        avatars = [await p.register(instance=1) for p in players]
         console.print(
-            f"connector [bold]game01[/]:  room {room.address}, alice {alice.address}, "
-            f"bob {bob.address}\n"
-            f"connector [bold]lobby01[/]: login pool {', '.join(str(s.address) for s in logins)}, "
-            f"slow {slow.address}, carol {carol.address}"
+            f"mesh: {addresses}\n"
+            f"connector [bold]game01[/] on {game.broker_name}: room {room.address}, "
+            f"alice {alice.address}, bob {bob.address}\n"
+            f"connector [bold]lobby01[/] on {lobby.broker_name}: login pool "
+            f"{', '.join(str(s.address) for s in logins)}, slow {slow.address}, "
+            f"carol {carol.address}\n"
+            f"{PLAYERS} player connectors: "
+            + ", ".join(
+                f"{a.address} on {p.broker_name}" for a, p in zip(avatars, players, strict=True)
+            )
         )
+        cast = Cast(mesh, game, lobby, players, room, alice, bob, carol, logins, slow, avatars)
 
         async with asyncio.TaskGroup() as tasks:
             # The responders end when their connector closes at the end of the block.
             tasks.create_task(answer_all(room, lambda p: b"room 1 says: " + p))
             for login in logins:
                 tasks.create_task(answer_all(login, welcome_from(login)))
+            for avatar in avatars:
+                tasks.create_task(answer_all(avatar, lambda p: b"here"))
             # `slow` is registered but nobody reads it: requests to it time out.
 
             try:
-                failures = await run_steps(lobby, room, alice, bob, carol, logins, slow)
+                failures = await run_steps(cast)
             finally:
-                await game.close()
-                await lobby.close()
+                for conn in (game, lobby, *players):
+                    await conn.close()
     if failures:
         raise StepFailed("; ".join(failures))
 
 
-async def run_steps(
-    conn: meshbus.Connector,
-    room: Service,
-    alice: Service,
-    bob: Service,
-    carol: Service,
-    logins: list[Service],
-    slow: Service,
-) -> list[str]:
+async def run_steps(cast: Cast) -> list[str]:
     """Run every step; return the failures, one line each."""
+    alice, bob, carol, room = cast.alice, cast.bob, cast.carol, cast.room
+    logins, slow = cast.logins, cast.slow
     # Each step only ends the demo early if the bus is unusable; otherwise it is
     # reported and the next step runs, so one run shows everything that is wrong.
     failures: list[str] = []
@@ -218,12 +264,97 @@ async def run_steps(
             raise StepFailed("a service that never answers sent a response")
 
     async def stat() -> None:
-        data = await conn.stat()
+        data = await cast.lobby.stat()
         for renderable in stat_renderables(data):
             console.print(renderable)
         groups = data.get("groups", {})
         check(len(groups.get(str(chat), [])) == 3, f"{chat} should have 3 members: {groups}")
         check(len(groups.get(str(pool), [])) == 3, f"{pool} should have 3 members: {groups}")
+        check(len(data["peers"]) == len(cast.mesh) - 1, f"peers: {data['peers']}")
+
+    connectors = [cast.game, cast.lobby, *cast.players]
+
+    async def reach_everyone() -> float:
+        """Seconds until alice (on mesh-1) has an answer from every player and the
+        login pool."""
+        started = time.monotonic()
+        pending: list[meshbus.Address] = [a.address for a in cast.avatars] + [pool]
+        while pending:
+            results = await asyncio.gather(
+                *(alice.request(t, b"ping", timeout=0.5) for t in pending),
+                return_exceptions=True,
+            )
+            pending = [t for t, r in zip(pending, results, strict=True) if isinstance(r, Exception)]
+            if pending:
+                check(time.monotonic() - started < REACH_TIMEOUT, f"unreachable: {pending}")
+                await asyncio.sleep(0.01)
+        return time.monotonic() - started
+
+    def where() -> str:
+        by_broker: dict[str, list[str]] = {}
+        for conn in connectors:
+            by_broker.setdefault(conn.broker_name, []).append(conn.name)
+        return "; ".join(f"{b}: {', '.join(n)}" for b, n in sorted(by_broker.items()))
+
+    # kill -9 a broker: its connectors fail over, with the same addresses.
+    async def crash() -> None:
+        victim = cast.mesh[1]
+        orphans = [c for c in connectors if c.broker_name == victim.name]
+        before = sorted(str(s.address) for c in orphans for s in c.services)
+        victim.process.kill()
+        took = await reach_everyone()
+        cast.mesh.remove(victim)
+        await victim.process.wait()
+        console.print(
+            f"kill -9 {victim.name}: {len(orphans)} connectors failed over, and every service "
+            f"answered again after {took * 1000:.0f} ms"
+        )
+        console.print(f"connectors now: {where()}")
+        check(all(c.failovers == 1 for c in orphans), "a connector did not fail over")
+        after = sorted(str(s.address) for c in orphans for s in c.services)
+        check(after == before, f"addresses changed: {before} -> {after}")
+        console.print(f"same addresses after failover: {', '.join(after)}")
+
+    async def counts() -> dict[str, int]:
+        mesh = (await cast.game.stat(detail=False))["mesh"]
+        return {b["name"]: b["connectors"] for b in mesh}
+
+    # A new broker joins: the others hand it connectors until the spread is within one.
+    async def join() -> None:
+        newcomer = await start_broker("mesh-4", cast.mesh[0].address)
+        cast.mesh.append(newcomer)
+        started = time.monotonic()
+        while True:
+            spread = await counts()
+            if len(spread) == 3 and max(spread.values()) - min(spread.values()) <= 1:
+                break
+            check(time.monotonic() - started < REACH_TIMEOUT, f"not balanced: {spread}")
+            await asyncio.sleep(0.02)
+        console.print(
+            f"{newcomer.name} joined; connectors per broker after "
+            f"{(time.monotonic() - started) * 1000:.0f} ms: "
+            + ", ".join(f"{name}={n}" for name, n in sorted(spread.items()))
+        )
+        console.print(f"connectors now: {where()}")
+        await reach_everyone()
+
+    # Drain a broker with SIGTERM: its connectors move away, then it exits.
+    async def drain() -> None:
+        leaving = next(b for b in cast.mesh if b.name == "mesh-3")
+        movers = [c for c in connectors if c.broker_name == leaving.name]
+        code = await stop_broker(leaving.process)
+        cast.mesh.remove(leaving)
+        check(code == 0, f"{leaving.name} exited with {code}")
+        took = await reach_everyone()
+        console.print(
+            f"SIGTERM {leaving.name}: it drained {len(movers)} connectors and exited 0; "
+            f"every service answered {took * 1000:.0f} ms later"
+        )
+        console.print(f"connectors now: {where()}")
+        check(all(c.moves >= 1 for c in movers), "a connector did not move")
+        check(all(c.broker_name != leaving.name for c in connectors), "one stayed behind")
+        for renderable in stat_renderables(await cast.game.stat(detail=False))[:3]:
+            console.print(renderable)
 
     await step("1. unicast send", unicast)
     await step("2. multicast chat", multicast)
@@ -232,6 +363,9 @@ async def run_steps(
     await step("5. request to nobody -> NoRoute", no_route)
     await step("6. request to a silent service -> Timeout", timeout)
     await step("7. broker stat", stat)
+    await step("8. a broker crashes (kill -9) -> failover", crash)
+    await step("9. a broker joins -> rebalance", join)
+    await step("10. a broker drains (SIGTERM) -> connectors move", drain)
     return failures
 
 
@@ -244,26 +378,25 @@ def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 async def run() -> int:
     started = time.monotonic()
-    console.print("[bold]meshbus demo[/]: starting a broker")
-    try:
-        process, address = await start_broker()
-    except StepFailed as exc:
-        console.print(f"[bold red]FAILED[/] {exc}")
-        return 1
-    console.print(f"broker listening on [bold]{address}[/] (pid {process.pid})")
+    console.print("[bold]meshbus demo[/]: starting a mesh of three brokers")
+    mesh: list[DemoBroker] = []
     failed = ""
     try:
-        await scenario(address)
+        mesh.append(await start_broker("mesh-1"))
+        mesh.extend(
+            await asyncio.gather(*(start_broker(f"mesh-{i}", mesh[0].address) for i in (2, 3)))
+        )
+        await scenario(mesh)
     except* (StepFailed, meshbus.MeshbusError) as group:
         # A failing responder task arrives wrapped by the TaskGroup; show the leaves.
         failed = "; ".join(str(exc) for exc in leaves(group))
     finally:
-        code = await stop_broker(process)
+        codes = {b.name: await stop_broker(b.process) for b in mesh}
     console.rule("[bold]done")
-    if code != 0:
-        failed = failed or f"the broker exited with {code} on SIGTERM"
+    if any(codes.values()):
+        failed = failed or f"brokers exited with {codes} on SIGTERM"
     else:
-        console.print("broker stopped with SIGTERM (exit 0)")
+        console.print(f"brokers {', '.join(codes)} stopped with SIGTERM (exit 0)")
     if failed:
         console.print(f"[bold red]demo FAILED[/]: {failed}")
         return 1

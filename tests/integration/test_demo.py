@@ -24,14 +24,19 @@ async def test_demo_runs_and_passes() -> None:
     assert process.returncode == 0, out + err
     assert "Traceback" not in err
     for expected in (
-        "broker listening on 127.0.0.1:",
+        "broker mesh-1 listening on 127.0.0.1:",
+        "broker mesh-3 listening on 127.0.0.1:",
         "multicast:chat.lobby",
         "taken by lobby01:",
         "room 1 says: who is here?",
         "NoRoute after",
         "Timeout after",
         "counters",
-        "broker stopped with SIGTERM (exit 0)",
+        "kill -9 mesh-2",
+        "same addresses after failover",
+        "mesh-4 joined",
+        "SIGTERM mesh-3: it drained",
+        "stopped with SIGTERM (exit 0)",
         "demo passed",
     ):
         assert expected in out, f"{expected!r} missing from the demo output:\n{out}"

@@ -104,9 +104,16 @@ async def test_kill_9_every_service_comes_back_with_the_same_address(mesh3):
         in_flight = asyncio.create_task(asker.request(probe.address, b"slow", timeout=30))
         await probe.recv(timeout=IO_TIMEOUT)  # it reached the probe; nobody answers
 
+        # ...and so does one sent from A to a service on C that never answers: A knew the
+        # request went to C alone, so it answers NO_ROUTE when C goes, not at the deadline.
+        towards = asyncio.create_task(probe.request(silent.address, b"slow too", timeout=30))
+        await silent.recv(timeout=IO_TIMEOUT)
+
         c.process.kill()  # kill -9
         with pytest.raises(meshbus.ConnectionLost, match=r"lost the link to broker"):
             await asyncio.wait_for(in_flight, IO_TIMEOUT)
+        with pytest.raises(meshbus.NoRoute, match="left the mesh"):
+            await asyncio.wait_for(towards, IO_TIMEOUT)
         await reach_all(probe, addresses)
         assert [s.address for s in fleet.services] == addresses
         assert all(conn.failovers == 1 for conn in fleet.conns[:3])

@@ -85,3 +85,15 @@ def test_drain_spreads_connectors_evenly() -> None:
     assert abs(final["a:1"] - final["b:1"]) <= 1
     assert "x:1" not in moves
     assert spread_moves(3, [B("me", "m:1", 3)], exclude="me") == []
+
+
+def test_drain_spreads_by_load_not_by_a_boosted_capacity() -> None:
+    # After a crash one broker takes 60 for a while, the other 50: still an even spread.
+    brokers = [B("me", "m:1", 3), B("a", "a:1", 3, capacity=60), B("b", "b:1", 2)]
+    moves = spread_moves(3, brokers, exclude="me")
+    assert sorted(moves) == ["a:1", "b:1", "b:1"]
+
+
+def test_drain_respects_capacity_while_any_broker_has_room() -> None:
+    brokers = [B("me", "m:1", 4), B("a", "a:1", 1, capacity=2), B("b", "b:1", 5)]
+    assert spread_moves(4, brokers, exclude="me") == ["a:1", "b:1", "b:1", "b:1"]

@@ -202,3 +202,16 @@ def test_heap_stays_bounded_when_the_same_key_is_replaced() -> None:
     assert len(t) == 1
     assert len(t._heap) <= 3 * len(t) + COMPACT_SLACK + 1
     assert keys(t.expire(1e9)) == [(R1, 1)]
+
+
+def test_drop_via_removes_what_only_that_link_could_answer() -> None:
+    table: PendingTable[str] = PendingTable()
+    table.add(b"r1", 1, "req", 10.0, b"d", via="peer-b")
+    table.add(b"r1", 2, "req", 10.0, b"d", via="peer-c")
+    table.add(b"r2", 1, "req", 10.0, b"d")  # a local or multicast request: no single via
+    gone = table.drop_via("peer-b")
+    assert [(e.requester, e.msg_id, e.link) for e in gone] == [(b"r1", 1, "req")]
+    assert len(table) == 2
+    assert table.resolve(b"r1", 1) is None
+    assert table.drop_via("peer-b") == []
+    assert table.expire(10.0)[0].msg_id in (1, 2)  # the rest still expire as usual

@@ -75,18 +75,19 @@ def redirect_target(brokers: Iterable[Candidate], exclude: str) -> str:
 
 def spread_moves(count: int, brokers: Iterable[Candidate], exclude: str) -> list[str]:
     """Addresses for ``count`` connectors leaving ``exclude`` (a drain): each goes to the
-    broker with the most room left at that point, so they spread evenly."""
-    load = {
-        b.address: (b.connectors - b.capacity, b.name)
-        for b in brokers
-        if b.name != exclude and b.ready and not b.draining
-    }
+    least loaded broker at that point that still has room (to the least loaded one when
+    none has), so they spread evenly. Load, not room: a capacity raised for a while
+    after a crash must not pull every connector to one broker."""
+    targets = [b for b in brokers if b.name != exclude and b.ready and not b.draining]
+    load = {b.address: b.connectors for b in targets}
+    capacity = {b.address: b.capacity for b in targets}
+    name = {b.address: b.name for b in targets}
     moves: list[str] = []
     for _ in range(count):
         if not load:
             break
-        address = min(load, key=load.__getitem__)
+        with_room = [a for a in load if load[a] < capacity[a]] or list(load)
+        address = min(with_room, key=lambda a: (load[a], name[a]))
         moves.append(address)
-        used, name = load[address]
-        load[address] = (used + 1, name)
+        load[address] += 1
     return moves

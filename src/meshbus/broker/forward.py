@@ -162,7 +162,7 @@ def route_connector_frame(
         return None
     if flags & _REQUEST:
         broker.stats.requests += 1
-        broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst)
+        broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst, _via(found))
     return None
 
 
@@ -252,7 +252,12 @@ def forward(link: Link, decision: Decision, pos: int) -> None:
     for target in targets:
         broker.deliver(target, frame)
     broker.stats.requests += 1
-    broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst)
+    broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst, _via(targets))
+
+
+def _via(targets: tuple[Link, ...]) -> Link | None:
+    """The peer a request went to, when it is the only one that can answer it."""
+    return targets[0] if len(targets) == 1 and targets[0].is_peer else None
 
 
 # -- control frames -------------------------------------------------------

@@ -486,6 +486,9 @@ class Mesh:
         del self.peers[link.name]
         self.stats.peers_lost += 1
         self.broker.sync.peer_lost(link)
+        reason_text = f"broker {link.name}, which had it, left the mesh while the request was out"
+        for entry in self.broker.pending.drop_via(link):
+            self.broker.tell_requester(entry, ControlType.NO_ROUTE, reason_text)
         state = self.known.pop(link.name, None)
         # A peer we said goodbye to, or that announced its drain, is leaving, whatever
         # way its link ends.

@@ -41,20 +41,30 @@ class PendingEntry(Generic[L]):
 
 class PendingTable(Generic[L]):
     def __init__(self) -> None:
-        # key -> (link, deadline, dst, seq): a plain tuple, the cheapest thing to build on
-        # every request; PendingEntry objects are made only for the few that expire.
-        self._entries: dict[Key, tuple[L, float, bytes, int]] = {}
+        # key -> (link, deadline, dst, seq, via): a plain tuple, the cheapest thing to build
+        # on every request; PendingEntry objects are made only for the few that fail.
+        self._entries: dict[Key, tuple[L, float, bytes, int, L | None]] = {}
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, requester: bytes, msg_id: int, link: L, deadline: float, dst: bytes) -> None:
-        """Record a request. A second request with the same key replaces the first."""
+    def add(
+        self,
+        requester: bytes,
+        msg_id: int,
+        link: L,
+        deadline: float,
+        dst: bytes,
+        via: L | None = None,
+    ) -> None:
+        """Record a request that came in on ``link``; ``via`` is the one link it went out
+        on when that is all that can answer it (a peer broker: see ``drop_via``). A second
+        request with the same key replaces the first."""
         key = (requester, msg_id)
         seq = self._seq = self._seq + 1
-        self._entries[key] = (link, deadline, dst, seq)
+        self._entries[key] = (link, deadline, dst, seq, via)
         heapq.heappush(self._heap, (deadline, seq, key))
         if len(self._heap) > COMPACT_SLACK + 3 * len(self._entries):
             self._compact()
@@ -73,9 +83,18 @@ class PendingTable(Generic[L]):
             entry = self._entries.get(key)
             if entry is not None and entry[3] == seq:
                 del self._entries[key]
-                link, deadline, dst, _ = entry
+                link, deadline, dst, _, _ = entry
                 expired.append(PendingEntry(key[0], key[1], link, deadline, dst, seq))
         return expired
+
+    def drop_via(self, via: L) -> list[PendingEntry[L]]:
+        """Remove and return the requests that went out on ``via`` alone: the peer broker
+        behind it is gone, so no response can come, and the requesters can be told now
+        rather than at their deadlines."""
+        gone = [(k, e) for k, e in self._entries.items() if e[4] == via]
+        for key, _ in gone:
+            del self._entries[key]
+        return [PendingEntry(k[0], k[1], e[0], e[1], e[2], e[3]) for k, e in gone]
 
     def next_deadline(self) -> float | None:
         """The earliest deadline in the heap (possibly of a resolved entry), or None."""

@@ -23,9 +23,9 @@ from meshbus.address import describe_address
 from meshbus.broker.balance import redirect_target
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.forward import stamp_run
-from meshbus.broker.link import CloseReason, Link, LinkState
+from meshbus.broker.link import CloseReason, Link
 from meshbus.broker.mesh import Mesh
-from meshbus.broker.pending import PendingTable
+from meshbus.broker.pending import PendingEntry, PendingTable
 from meshbus.broker.process import ready_line
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sync import RouteSync
@@ -268,15 +268,20 @@ class Broker:
             await asyncio.sleep(interval)
             for entry in self.pending.expire(self.clock()):
                 self.stats.timeouts += 1
-                if entry.link.state is LinkState.OPEN:
-                    entry.link.send(
-                        encode_control(
-                            ControlType.TIMEOUT,
-                            DeliveryFailure(
-                                msg_id=entry.msg_id, src=entry.requester, dst=entry.dst
-                            ),
-                        )
-                    )
+                self.tell_requester(entry, ControlType.TIMEOUT)
+
+    def tell_requester(
+        self, entry: PendingEntry[Link], outcome: ControlType, reason: str = ""
+    ) -> None:
+        """TIMEOUT or NO_ROUTE for a pending request, to the link it came in on."""
+        entry.link.send(
+            encode_control(
+                outcome,
+                DeliveryFailure(
+                    msg_id=entry.msg_id, src=entry.requester, dst=entry.dst, reason=reason
+                ),
+            )
+        )
 
     # -- introspection ----------------------------------------------------------
 
