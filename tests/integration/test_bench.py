@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 
-BENCH = [sys.executable, "-m", "meshbus", "bench"]
+from tests.integration.bench_helpers import BENCH, run_bench
+
+COMMANDS = ("unicast", "request", "tables", "cross", "fanout", "failover", "join", "routes")
 
 
-def run_bench(*args: str) -> str:
-    done = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=120, check=False)
+def test_help_lists_every_command() -> None:
+    done = subprocess.run(
+        [*BENCH, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    listed = done.stdout.split("Commands:", 1)[1]
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    assert names == set(COMMANDS), listed
 
 
 @pytest.mark.parametrize("destinations", ["1", "3"])

@@ -1,4 +1,5 @@
-"""The `meshbus bench` commands.
+"""The `meshbus bench` group: the single-server commands (unicast, request, tables) here,
+the multi-server ones in ``traffic``, ``membership`` and ``routes``.
 
 Each run starts fresh connections on servers that live for the whole command;
 with --vs-nats the meshbus and nats-server runs alternate, so both see the same
@@ -7,77 +8,50 @@ machine noise, and the ratio is taken between the medians of the runs.
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-from collections.abc import Callable
-from typing import Any, TypeVar
+import importlib
+from contextlib import AbstractContextManager
 
 import click
 
-from meshbus.bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
+from meshbus.bench.report import new_table, print_tables
+from meshbus.bench.runs import alternate, count_option, last_line, runs_options, size_option
+from meshbus.bench.servers import Server, meshbus_broker, nats_server
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _alternate(
-    vs_nats: bool,
-    runs: int,
-    title: str,
-    columns: tuple[str, ...],
-    measure: Callable[[Server], tuple[float, tuple[str, ...]]],
-) -> dict[str, float]:
-    """Run ``measure`` ``runs`` times per system, meshbus and nats-server alternating,
-    print the per-run table on stderr and return the median figure per system.
-
-    ``measure`` returns the figure to take the median of and the table cells of the run.
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in ("run", "system", *columns):
-        table.add_column(column, justify="right")
-    figures: dict[str, list[float]] = {}
-    with contextlib.ExitStack() as stack:
-        try:
-            servers = [stack.enter_context(meshbus_broker())]
-            if vs_nats:
-                servers.append(stack.enter_context(nats_server()))
-        except BenchSetupError as exc:
-            raise click.ClickException(str(exc)) from exc
-        for run in range(1, runs + 1):
-            for server in servers:
-                figure, cells = measure(server)
-                figures.setdefault(server.kind, []).append(figure)
-                table.add_row(str(run), server.kind, *cells)
-    Console(stderr=True).print(table)
-    return {kind: statistics.median(values) for kind, values in figures.items()}
+# The commands on more than one server, by name: the module that defines each. They are
+# imported when looked up, so that every other `meshbus` command starts without them.
+_ELSEWHERE = {
+    "cross": "meshbus.bench.traffic",
+    "fanout": "meshbus.bench.traffic",
+    "failover": "meshbus.bench.membership",
+    "join": "meshbus.bench.membership",
+    "routes": "meshbus.bench.routes",
+}
 
 
-def _last_line(medians: dict[str, float], suffix: str, digits: int) -> str:
-    """`meshbus<suffix>=<v> [nats<suffix>=<v> ratio=<meshbus/nats>]`, machine-readable."""
-    line = f"meshbus{suffix}={medians['meshbus']:.{digits}f}"
-    if "nats" in medians:
-        ratio = medians["meshbus"] / medians["nats"]
-        line += f" nats{suffix}={medians['nats']:.{digits}f} ratio={ratio:.3f}"
-    return line
+class _BenchGroup(click.Group):
+    """The commands defined here, and those of ``_ELSEWHERE``, imported on demand."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *_ELSEWHERE])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _ELSEWHERE:
+            command = getattr(importlib.import_module(_ELSEWHERE[cmd_name]), cmd_name)
+            assert isinstance(command, click.Command)
+            return command
+        return super().get_command(ctx, cmd_name)
 
 
-def _runs_options(command: F) -> F:
-    """--runs and --vs-nats, the same for every benchmark."""
-    command = click.option(
-        "--vs-nats", is_flag=True, help="Also measure nats-server (Debian package)."
-    )(command)
-    return click.option(
-        "--runs",
-        type=click.IntRange(1),
-        default=3,
-        show_default=True,
-        help="Runs per system, meshbus and nats-server alternating; medians are reported.",
-    )(command)
+def _servers(vs_nats: bool) -> list[AbstractContextManager[Server]]:
+    """A meshbus broker and, with ``vs_nats``, a nats-server, to be started by
+    ``runs.alternate``."""
+    servers: list[AbstractContextManager[Server]] = [meshbus_broker()]
+    if vs_nats:
+        servers.append(nats_server())
+    return servers
 
 
-@click.group()
+@click.group(cls=_BenchGroup)
 def bench() -> None:
     """Measure meshbus, optionally against nats-server in the same run (--vs-nats).
 
@@ -86,21 +60,9 @@ def bench() -> None:
 
 
 @bench.command()
-@click.option(
-    "--size",
-    type=click.IntRange(0, 1_000_000),
-    default=16,
-    show_default=True,
-    help="Payload bytes per message.",
-)
-@click.option(
-    "--count",
-    type=click.IntRange(1),
-    default=1_000_000,
-    show_default=True,
-    help="Messages per run.",
-)
-@_runs_options
+@size_option
+@count_option(1_000_000)
+@runs_options
 @click.option(
     "--destinations",
     type=click.IntRange(1, 9999),
@@ -129,14 +91,14 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
             f"{result.seconds:.3f}",
         )
 
-    medians = _alternate(
-        vs_nats,
+    medians = alternate(
+        _servers(vs_nats),
         runs,
         f"unicast: {count:,} x {size} B, {destinations} destination(s)",
         ("msgs/s", "MiB/s", "seconds"),
         measure,
     )
-    click.echo(_last_line(medians, "", 0))
+    click.echo(last_line(medians, "", 0))
 
 
 @bench.command()
@@ -161,7 +123,7 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
     show_default=True,
     help="Payload bytes per request and response.",
 )
-@_runs_options
+@runs_options
 def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -> None:
     """Request/response through one server: p50/p99 latency and requests per second.
 
@@ -183,14 +145,14 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
             f"{result.requests_per_s:,.0f}",
         )
 
-    medians = _alternate(
-        vs_nats,
+    medians = alternate(
+        _servers(vs_nats),
         runs,
         f"request/response: {count:,} x {size} B, concurrency {concurrency}",
         ("p50 µs", "p99 µs", "req/s"),
         measure,
     )
-    click.echo(_last_line(medians, "_p50_us", 1))
+    click.echo(last_line(medians, "_p50_us", 1))
 
 
 @bench.command()
@@ -220,18 +182,16 @@ def tables(services: int, links: int, ops: int) -> None:
 
     Last line: `route_unicast_ns=<ns> route_multicast_ns=<ns> pending_ns=<ns>`.
     """
-    from rich.console import Console
-    from rich.table import Table
-
     from meshbus.bench.tables import measure_tables
 
     results = measure_tables(services, links, ops)
-    table = Table(title=f"tables: {services:,} services on {links} links, {ops:,} ops")
-    for column in ("operation", "ns/op", "ops/s"):
-        table.add_column(column, justify="right")
+    table = new_table(
+        f"tables: {services:,} services on {links} links, {ops:,} ops",
+        ("operation", "ns/op", "ops/s"),
+    )
     for r in results:
         table.add_row(r.name, f"{r.ns_per_op:.0f}", f"{r.ops / r.seconds:,.0f}")
-    Console(stderr=True).print(table)
+    print_tables(table)
     unicast, multicast, pending = (r.ns_per_op for r in results)
     click.echo(
         f"route_unicast_ns={unicast:.0f} route_multicast_ns={multicast:.0f} "

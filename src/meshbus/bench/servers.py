@@ -8,12 +8,17 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 from meshbus.broker.process import broker_command, child_env, parse_ready_line
 from meshbus.util import parse_hostport
+
+# Reading a stopped nats-server's log to its end takes no time; this only bounds a bug.
+_DRAIN_TIMEOUT = 5.0
 
 
 class BenchSetupError(Exception):
@@ -23,12 +28,12 @@ class BenchSetupError(Exception):
 @dataclass
 class Server:
     kind: str
-    process: subprocess.Popen[bytes]
     host: str
     port: int
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after 10 s; reaped on return."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -42,16 +47,17 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def meshbus_broker(*extra: str) -> Iterator[Server]:
     """A `meshbus broker` subprocess on a free loopback port, stopped on exit."""
     process = subprocess.Popen(broker_command(*extra), stdout=subprocess.PIPE, env=child_env())
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline().decode()
-        ready = parse_ready_line(line)
-        if ready is None:
-            raise BenchSetupError(f"meshbus broker did not start: {line!r}")
-        host, port = parse_hostport(ready[1])
-        yield Server("meshbus", process, host, port)
-    finally:
-        _stop(process)
+    with process:  # closes its stdout once it has stopped
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            ready = parse_ready_line(line)
+            if ready is None:
+                raise BenchSetupError(f"meshbus broker did not start: {line!r}")
+            host, port = parse_hostport(ready[1])
+            yield Server("meshbus", host, port)
+        finally:
+            stop_process(process)
 
 
 def find_nats_server() -> str:
@@ -74,32 +80,37 @@ def nats_server() -> Iterator[Server]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+    assert process.stderr is not None
+    log = process.stderr
+    drain: threading.Thread | None = None
     try:
-        assert process.stderr is not None
         deadline = time.monotonic() + 10
         seen = []
         while time.monotonic() < deadline:
-            line = process.stderr.readline().decode()
+            line = log.readline().decode()
             if not line:
                 break
             seen.append(line)
             match = re.search(r"Listening for client connections on (\S+):(\d+)", line)
             if match:
                 # Keep draining its log so a chatty server never blocks on a full pipe.
-                _drain_in_background(process)
-                yield Server("nats", process, match.group(1), int(match.group(2)))
+                drain = threading.Thread(
+                    target=_drain, args=(log,), name="nats-server log", daemon=True
+                )
+                drain.start()
+                yield Server("nats", match.group(1), int(match.group(2)))
                 return
         raise BenchSetupError("nats-server did not start: " + "".join(seen[-5:]))
     finally:
-        _stop(process)
+        stop_process(process)
+        # Its log ends with it. Close the pipe once the drain has read to that end: closing
+        # it under a read would wait for that read (and break it).
+        if drain is not None:
+            drain.join(_DRAIN_TIMEOUT)
+        if drain is None or not drain.is_alive():
+            log.close()
 
 
-def _drain_in_background(process: subprocess.Popen[bytes]) -> None:
-    import threading
-
-    def drain() -> None:
-        assert process.stderr is not None
-        for _ in process.stderr:
-            pass
-
-    threading.Thread(target=drain, daemon=True).start()
+def _drain(log: IO[bytes]) -> None:
+    for _ in log:
+        pass

@@ -59,7 +59,8 @@ def _read_until(sock: socket.socket, marker: bytes) -> bytes:
 class MeshbusWire:
     name = "meshbus"
 
-    def _open(self, host: str, port: int, *addresses: Unicast) -> socket.socket:
+    def _open(self, host: str, port: int, *addresses: Unicast, extra: bytes = b"") -> socket.socket:
+        """HELLO, REGISTER ``addresses``, then ``extra`` frames; returns once all are answered."""
         sock = _connect(host, port)
         sock.sendall(
             encode_control(ControlType.HELLO, Hello(name="bench"), 1)
@@ -69,6 +70,7 @@ class MeshbusWire:
                 )
                 for i, a in enumerate(addresses)
             )
+            + extra
             + encode_control(ControlType.PING, Empty(), 1000)
         )
         decoder = FrameDecoder()

@@ -8,6 +8,7 @@ broker on port 0 and read the real address from it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import sys
@@ -46,19 +47,27 @@ def child_env() -> dict[str, str]:
 async def spawn_broker(
     *args: str, timeout: float = 20.0
 ) -> tuple[asyncio.subprocess.Process, str, str]:
-    """Start a broker and wait for its ready line: (process, NAME, HOST:PORT)."""
+    """Start a broker and wait for its ready line: (process, NAME, HOST:PORT).
+
+    If it does not come up, or the wait ends any other way (cancelled, Ctrl-C), the
+    child is killed and reaped before the exception goes on: no broker outlives a
+    failed call."""
     process = await asyncio.create_subprocess_exec(
         *broker_command(*args), stdout=asyncio.subprocess.PIPE, env=child_env()
     )
-    assert process.stdout is not None
     try:
-        line = (await asyncio.wait_for(process.stdout.readline(), timeout)).decode()
-    except TimeoutError:
-        line = ""
-    ready = parse_ready_line(line)
-    if ready is None:
+        assert process.stdout is not None
+        try:
+            line = (await asyncio.wait_for(process.stdout.readline(), timeout)).decode()
+        except TimeoutError:
+            line = ""
+        ready = parse_ready_line(line)
+        if ready is None:
+            raise BrokerStartError(f"the broker did not print its ready line (got {line!r})")
+    except BaseException:
         if process.returncode is None:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
         await process.wait()
-        raise BrokerStartError(f"the broker did not print its ready line (got {line!r})")
+        raise
     return process, ready[0], ready[1]

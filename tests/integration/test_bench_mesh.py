@@ -1,0 +1,68 @@
+"""The mesh-operation benchmarks end to end, with tiny meshes: real broker processes,
+figures that parse and make sense, and no broker left running afterwards.
+
+Plain ``def`` tests: each command runs its own uvloop event loop (``uvloop.run``), which
+cannot start inside a running one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from meshbus.bench.membership import failover, join
+from meshbus.bench.routes import routes
+from tests.integration.bench_helpers import last_line, run_bench
+
+Run = Callable[..., str]  # (command, *args) -> its last line
+
+
+def in_subprocess(command: click.Command, *args: str) -> str:
+    """``command`` as `python -m meshbus bench NAME ARGS`."""
+    assert command.name is not None
+    return run_bench(command.name, *args)
+
+
+# Each command in process (warnings are errors there) and as `meshbus bench NAME`.
+both_ways = pytest.mark.parametrize("run", [last_line, in_subprocess], ids=["cli", "subprocess"])
+
+
+@both_ways
+def test_failover_last_line(run: Run) -> None:
+    line = run(failover, "--runs", "1", "--connectors", "6", "--services-per-connector", "3")
+    match = re.fullmatch(r"failover_ms_median=(\d+\.\d) failover_ms_max=(\d+\.\d)", line)
+    assert match, line
+    median, most = float(match[1]), float(match[2])
+    assert 0 < median <= most < 30_000
+
+
+@both_ways
+def test_join_last_line(run: Run) -> None:
+    line = run(join, "--runs", "1", "--connectors", "6", "--services-per-connector", "2")
+    match = re.fullmatch(r"join_ms_median=(\d+\.\d) spread=(\d+)", line)
+    assert match, line
+    assert 0 < float(match[1]) < 60_000
+    assert int(match[2]) <= 1
+
+
+@both_ways
+def test_routes_last_line(run: Run) -> None:
+    line = run(routes, "--services", "600", "--connectors-per-broker", "2", "--changes", "2")
+    match = re.fullmatch(
+        r"join_table_ms=(\d+\.\d) change_ms=(\d+\.\d\d) register_per_s=(\d+)", line
+    )
+    assert match, line
+    join_table_ms, change_ms, per_s = float(match[1]), float(match[2]), int(match[3])
+    assert 0 < join_table_ms < 30_000
+    assert 0 <= change_ms < 5_000
+    assert per_s > 0
+
+
+def test_bad_argument_exits_2() -> None:
+    result = CliRunner().invoke(failover, ["--connectors", "1"])
+    assert result.exit_code == 2
+    assert "--connectors" in result.output
