@@ -313,15 +313,12 @@ class _StopFlag:
 def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], console: Any) -> None:
     """Drain the brokers one at a time, the last first, so connectors always have a
     broker to move to; kill any that does not stop in time. No child is left behind."""
+    from meshbus.broker.process import stop_process
+
     for process, name, _ in reversed(brokers):
         if process.poll() is None:
             with console.status(f"draining {name}"):
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                stop_process(process, timeout=30)
             console.print(f"{name} stopped (exit {process.returncode})")
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import meshbus
 from meshbus.bench.brokers import Brokers
-from meshbus.bench.servers import BenchSetupError, Server, find_nats_server, stop_process
-from meshbus.broker.process import BrokerStartError
+from meshbus.bench.servers import BenchSetupError, Server, find_nats_server
+from meshbus.broker.process import BrokerStartError, stop_process
 from meshbus.util import parse_hostport
 
 _FORM_TIMEOUT = 15.0

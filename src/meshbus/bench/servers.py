@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -14,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from meshbus.broker.process import broker_command, child_env, parse_ready_line
+from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
 from meshbus.util import parse_hostport
 
 # Reading a stopped nats-server's log to its end takes no time; this only bounds a bug.
@@ -30,17 +29,6 @@ class Server:
     kind: str
     host: str
     port: int
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after 10 s; reaped on return."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
+import subprocess
 import sys
 
 _READY = re.compile(r"meshbus broker (\S+) listening on (\S+:\d+)$")
@@ -28,6 +30,18 @@ def parse_ready_line(line: str) -> tuple[str, str] | None:
     """(NAME, HOST:PORT) from a ready line, or None if ``line`` is not one."""
     match = _READY.match(line.strip())
     return (match[1], match[2]) if match else None
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM (a broker drains, then exits), then SIGKILL if it has not exited after
+    ``timeout`` seconds; reaped on return."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def broker_argv(*args: str) -> list[str]:
