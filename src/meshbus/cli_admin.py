@@ -221,7 +221,7 @@ def mesh() -> None:
     help="Connectors per broker.",
 )
 def up(count: int, host: str, base_port: int, data_dir: str | None, max_connectors: int) -> None:
-    """Start COUNT brokers as one mesh, in the foreground; Ctrl-C drains and stops them.
+    """Start N brokers (-n) as one mesh, in the foreground; Ctrl-C drains and stops them.
 
     The first broker starts the mesh and the others join it through the first.
     Prints each broker's name and address; connect with

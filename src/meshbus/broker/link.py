@@ -118,7 +118,7 @@ class Link(asyncio.BufferedProtocol):
         self.tag_out = bytes(4)
         self.heard = False  # any bytes since the last heartbeat check
         self.misses = 0  # heartbeat intervals in a row without a frame
-        self.moving = False  # a connector told to MOVE, not yet gone
+        self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
         self._blocked = False  # reading stopped until a pending REGISTER is decided
         self._eof = False  # our direction ended (half_close): nothing more may be written
         self.transport: asyncio.Transport | None = None

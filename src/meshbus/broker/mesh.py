@@ -59,6 +59,8 @@ ROUTES_CHUNK = 10_000
 # A broker that could not be dialled is not dialled again from gossip for this long.
 _DIAL_COOLDOWN = 2.0
 _DIAL_TIMEOUT = 5.0
+# A connector told to MOVE that is still here after this long did not make it.
+_MOVE_TIMEOUT = 10.0
 # After BYE, how long a stopping broker waits for its peers to close their side.
 _BYE_TIMEOUT = 1.0
 _GRACEFUL = frozenset(
@@ -390,7 +392,7 @@ class Mesh:
         if self.draining:
             return
         count = excess(body.counts, link.name, self.name)
-        movable = [c for c in self.broker.connectors if not c.moving]
+        movable = [c for c in self.broker.connectors if not self._moving(c)]
         # The newest connectors move: the ones that have been here least.
         for connector in sorted(movable, key=lambda c: -c.link_id)[:count]:
             self.move(connector, link.listen, f"rebalance: {link.name} joined")
@@ -460,11 +462,17 @@ class Mesh:
 
     def connector_left(self) -> None:
         self.lists_changed()
-        if not any(c.moving for c in self.broker.connectors):
+        if not any(self._moving(c) for c in self.broker.connectors):
             self._all_moved.set()
 
+    def _moving(self, connector: Link) -> bool:
+        """Told to MOVE and not gone yet. A move that has not happened within
+        _MOVE_TIMEOUT failed (the target refused it, say): the connector stays here and
+        may be moved again."""
+        return connector.move_sent > 0 and self.broker.clock() - connector.move_sent < _MOVE_TIMEOUT
+
     def move(self, connector: Link, address: str, reason: str) -> None:
-        connector.moving = True
+        connector.move_sent = self.broker.clock()
         self.stats.moves_sent += 1
         connector.send(encode_control(ControlType.MOVE, Move(address=address, reason=reason)))
 
