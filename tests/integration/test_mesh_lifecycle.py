@@ -22,6 +22,7 @@ from integration_helpers import (
 )
 
 import meshbus
+from meshbus.protocol import ControlType
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 
 
@@ -248,6 +249,44 @@ async def test_drain_command_moves_connectors_and_stops_the_broker(mesh3):
         await conn.close()
 
 
+async def test_a_draining_broker_redirects_new_connectors_and_closes_stragglers_after_grace(
+    mesh3,
+):
+    """A connector that ignores MOVE keeps its broker draining until the grace period
+    ends; meanwhile a new connector is redirected elsewhere; then the broker closes
+    the straggler and exits 0."""
+    from integration_helpers import RawLink
+
+    a, b, c = mesh3
+    b.process.kill()  # with B gone, A is the only broker a redirect can name
+    await b.process.wait()
+    straggler = await RawLink.open(c.address)
+    try:
+        await straggler.hello("straggler")
+        await straggler.register("straggler", 1)
+        drain = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "meshbus",
+            "drain",
+            "--broker",
+            c.address,
+            "--grace",
+            "3",
+            "--no-wait",
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert await asyncio.wait_for(drain.wait(), 10) == 0
+        async with await meshbus.connect(c.address, server="latecomer") as late:
+            assert late.broker_name == a.name, "a draining broker takes no connector"
+        assert c.process.returncode is None, "still draining, within its grace period"
+        frames = await straggler.read_until_closed(timeout=10)
+        assert any(getattr(f, "type", None) == ControlType.MOVE for f in frames)
+        assert await asyncio.wait_for(c.process.wait(), 10) == 0
+    finally:
+        await straggler.close()
+
+
 # -- join and rebalancing ---------------------------------------------------------------------
 
 
@@ -271,6 +310,8 @@ async def test_joining_broker_takes_its_share_within_one(mesh3):
             await wait_until(balanced, "the spread to be within one", timeout=15)
             counts = await connector_counts(brokers)
             assert counts[newcomer.name] == 7
+            # The brokers keep their connectors' lists current: everyone knows the newcomer.
+            assert all(newcomer.address in conn.brokers for conn in fleet.conns)
             # Every service is still reachable, from every broker.
             for broker in brokers:
                 probe_conn = await meshbus.connect(broker.address, server="p", failover=False)
