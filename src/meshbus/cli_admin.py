@@ -357,7 +357,7 @@ async def _drain(broker_address: str, grace: float, wait: bool) -> None:
 
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=DEFAULT_SERVER, failover=False) as conn:
+    async with await meshbus.connect(broker_address, server=DEFAULT_SERVER, operator=True) as conn:
         name = conn.broker_name
         await conn.drain_broker(grace)
     click.echo(f"broker {name} at {broker_address} is draining", err=True)
@@ -394,7 +394,9 @@ def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
     --json prints one object with at least: name, connectors, services
     (registered through this broker), routes (entries in its routing table),
     peers (names of the brokers it is linked to) and capacity.
-    The command's own connection is one of the links listed.
+    The command's own link is an operator's link: listed among the links (role
+    operator), but not counted as a connector, and never redirected -- a full or
+    draining broker shows its own state.
     """
     data = run(_stat(broker_address, server, not brief))
     assert data is not None
@@ -411,7 +413,7 @@ def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
 async def _stat(broker_address: str, server: str, detail: bool) -> dict[str, Any]:
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=server, failover=False) as conn:
+    async with await meshbus.connect(broker_address, server=server, operator=True) as conn:
         return await conn.stat(detail=detail)
 
 

@@ -295,7 +295,7 @@ async def launch_broker(*args: str, listen: str = "127.0.0.1:0") -> LaunchedBrok
 
 
 async def stat(broker: Any, detail: bool = True) -> dict[str, Any]:
-    async with await meshbus.connect(broker.address, server="stat", failover=False) as conn:
+    async with await meshbus.connect(broker.address, server="stat", operator=True) as conn:
         return await conn.stat(detail=detail)
 
 

@@ -75,8 +75,8 @@ class Fleet:
 
 
 async def connector_counts(brokers: list[BrokerProcess]) -> dict[str, int]:
-    """Connectors per broker, not counting the stat command's own."""
-    return {b.name: (await stat(b, detail=False))["connectors"] - 1 for b in brokers}
+    """Connectors per broker (stat's own link is an operator's, not counted)."""
+    return {b.name: (await stat(b, detail=False))["connectors"] for b in brokers}
 
 
 # -- crash ------------------------------------------------------------------------------------
@@ -340,6 +340,13 @@ async def test_a_full_broker_redirects_to_one_with_room():
         # Both full: a fifth is refused with a clear error.
         with pytest.raises(meshbus.ConnectionLost, match="full"):
             await meshbus.connect(a.address, server="cap5")
+        # An operator still reaches the full broker itself, and is not counted.
+        data = await stat(a, detail=False)
+        assert (data["name"], data["connectors"]) == (a.name, 2)
+        assert [link["role"] for link in data["links"]].count("operator") == 1
+        async with await meshbus.connect(a.address, server="op", operator=True) as op:
+            with pytest.raises(meshbus.RegistrationError, match="operator"):
+                await op.register()
     finally:
         for conn in conns:
             await conn.close()

@@ -31,6 +31,7 @@ from meshbus.protocol.control import (
     OP_REMOVE,
     ROLE_BROKER,
     ROLE_CONNECTOR,
+    ROLE_OPERATOR,
     AddressBody,
     Body,
     Drain,
@@ -106,9 +107,11 @@ class ControlHandler:
             if refused is not None:
                 link.fail(ErrorCode(refused.code), refused.message, CloseReason.REFUSED)
             return None, None
-        if body.role != ROLE_CONNECTOR:
+        if body.role not in (ROLE_CONNECTOR, ROLE_OPERATOR):
             raise FrameError(ErrorCode.PROTOCOL_ERROR, f"unknown HELLO role {body.role!r}")
-        refusal = broker.refusal()
+        link.operator = body.role == ROLE_OPERATOR
+        # An operator asks about *this* broker, full, joining or draining as it may be.
+        refusal = "" if link.operator else broker.refusal()
         if refusal:
             link.fail(ErrorCode.REDIRECT, refusal, CloseReason.REFUSED, redirect=broker.redirect())
             return None, None
@@ -118,7 +121,8 @@ class ControlHandler:
         link.name = body.name
         link.session = body.session
         link.state = LinkState.OPEN
-        broker.connector_opened(link)
+        if not link.operator:
+            broker.connector_opened(link)
         return ControlType.WELCOME, Welcome(
             broker=broker.config.name,
             slot=broker.routing.slot,
@@ -128,6 +132,11 @@ class ControlHandler:
 
     def _register(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Register)
+        if link.operator:
+            raise Refused(
+                ErrorCode.UNSUPPORTED_CONTROL,
+                "an operator's link (meshbus stat, drain) cannot register services",
+            )
         routing = self.broker.routing
         try:
             if body.instance == 0:

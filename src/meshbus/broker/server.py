@@ -295,6 +295,7 @@ class Broker:
                 "id": link.link_id,
                 "peer": link.peer,
                 "name": link.name,
+                "role": "operator" if link.operator else "connector",
                 "state": link.state.value,
                 "services": sorted(describe_address(a) for a in routing.owned_by(link))
                 if detail

@@ -99,6 +99,7 @@ async def connect(
     failover: bool = True,
     failover_timeout: float = 10.0,
     keepalive: float = 1.0,
+    operator: bool = False,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list) and complete the handshake.
@@ -109,6 +110,11 @@ async def connect(
     to another broker when its broker dies, for up to ``failover_timeout``
     seconds; ``keepalive`` is how long a silent link may stay silent before the
     connector pings it (three intervals without an answer count as a dead broker).
+
+    ``operator=True`` opens an operator's link to exactly that broker (what
+    ``meshbus stat`` and ``meshbus drain`` use): it is not a connector -- never
+    refused or redirected when the broker is full, joining or draining, not counted,
+    never moved -- it cannot register services, and it does not fail over.
     """
     if server is None:
         server = socket.gethostname().split(".")[0]
@@ -120,8 +126,9 @@ async def connect(
         max_frame,
         max_inbox,
         addresses,
-        failover_timeout if failover else 0.0,
+        failover_timeout if failover and not operator else 0.0,
         keepalive,
+        operator,
     )
     try:
         async with asyncio.timeout(timeout):
@@ -163,8 +170,10 @@ class Connector:
         brokers: list[str],
         failover_timeout: float,
         keepalive: float,
+        operator: bool = False,
     ) -> None:
         self.server = server
+        self.operator = operator
         self.name = name
         self.max_frame = max_frame
         self.max_inbox = max_inbox

@@ -37,6 +37,8 @@ from meshbus.client.link import BrokerLink
 from meshbus.errors import ConnectionLost, RemoteProtocolError
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
+    ROLE_CONNECTOR,
+    ROLE_OPERATOR,
     BrokerInfo,
     Bye,
     Empty,
@@ -164,7 +166,12 @@ class LinkKeeper:
             raise ConnectionLost(
                 f"could not connect to broker {address}: {why} (is a broker running there?)"
             ) from exc
-        hello = Hello(name=conn.name, max_frame=conn.max_frame, session=conn.session)
+        hello = Hello(
+            role=ROLE_OPERATOR if conn.operator else ROLE_CONNECTOR,
+            name=conn.name,
+            max_frame=conn.max_frame,
+            session=conn.session,
+        )
         try:
             frame = await conn._control(ControlType.HELLO, hello, link=link)
         except ConnectionLost:

@@ -20,6 +20,9 @@ class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 ROLE_CONNECTOR = "connector"
 ROLE_BROKER = "broker"
+# An operator's link (meshbus stat, drain): no connector -- never refused or redirected,
+# not counted, never moved -- and it may not register services.
+ROLE_OPERATOR = "operator"
 
 
 class Hello(Body):
