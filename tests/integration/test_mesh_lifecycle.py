@@ -134,6 +134,30 @@ async def test_kill_9_every_service_comes_back_with_the_same_address(mesh3):
         await fleet.close()
 
 
+async def test_a_dead_broker_is_never_offered_again(mesh3):
+    """Gossip from a peer that has not noticed a crash yet must not bring the dead broker
+    back into anyone's list: connectors would be redirected or moved to it."""
+    a, b, c = mesh3
+    conn = await meshbus.connect(a.address, server="lists")
+    try:
+        c.process.kill()
+        await c.process.wait()
+        newcomer = await start_broker("--seed", b.address)  # makes everyone gossip
+        try:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 1.5
+            while loop.time() < until:
+                for broker in (a, b, newcomer):
+                    names = {m["name"] for m in (await stat(broker, detail=False))["mesh"]}
+                    assert c.name not in names, f"{broker.name} offers the dead {c.name}"
+                assert c.address not in conn.brokers
+                await asyncio.sleep(0.05)
+        finally:
+            await stop_all([newcomer])
+    finally:
+        await conn.close()
+
+
 async def test_a_stopped_broker_is_detected_by_heartbeats():
     """SIGSTOP leaves sockets open: only heartbeats can tell. Peers drop it within about
     a second and a half; its connectors fail over (their own keepalive)."""

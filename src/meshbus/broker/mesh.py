@@ -129,8 +129,14 @@ class Mesh:
         )
 
     def brokers(self) -> list[BrokerInfo]:
-        """Every broker of the mesh this one knows, itself first."""
-        return [self.self_state(), *self.known.values()]
+        """This broker and the brokers it is linked to, itself first: first-hand knowledge,
+        and all it gossips, offers to connectors, redirects to or moves connectors to.
+
+        ``known`` also holds brokers only heard of through gossip: candidates to dial,
+        never targets. Gossip can be stale -- a peer that has not yet noticed a crash
+        still lists the dead broker -- and a target that is gone would cost a connector
+        its redirect or move."""
+        return [self.self_state(), *(self.known[n] for n in self.peers if n in self.known)]
 
     # -- start: a new mesh, or a join through seeds ------------------------------------
 
@@ -232,6 +238,9 @@ class Mesh:
                 return await opened
         except (OSError, TimeoutError, ValueError) as exc:
             self._dial_failed[address] = loop.time()
+            for name, info in list(self.known.items()):
+                if info.address == address and name not in self.peers:
+                    del self.known[name]  # heard of, but not there
             log.info("could not link to a broker", extra={"address": address, "error": str(exc)})
             return False
         finally:
@@ -543,7 +552,7 @@ class Mesh:
         self._send_all(ControlType.DRAINING, Empty())
         self.lists_changed()
         connectors = sorted(self.broker.connectors, key=lambda c: c.link_id)
-        targets = spread_moves(len(connectors), self.known.values(), exclude=self.name)
+        targets = spread_moves(len(connectors), self.brokers(), exclude=self.name)
         for connector, address in zip(connectors, targets, strict=False):
             self.move(connector, address, f"broker {self.name} is draining")
         if not targets:

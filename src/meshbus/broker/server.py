@@ -207,7 +207,7 @@ class Broker:
         return ""
 
     def redirect(self) -> str:
-        return redirect_target(self.mesh.known.values(), exclude=self.config.name)
+        return redirect_target(self.mesh.brokers(), exclude=self.config.name)
 
     # -- output ----------------------------------------------------------------
 
