@@ -223,6 +223,28 @@ async def test_timeout_and_no_route_across_brokers(mesh3, conns3):
         await requester.request(silent.address, b"gone", timeout=IO_TIMEOUT)
 
 
+async def test_a_change_is_known_mesh_wide_when_it_is_answered(mesh3, conns3):
+    """No waiting for propagation: once join() or register() has returned, a message
+    sent through any other broker sees the change (the broker answers only after every
+    peer confirmed it)."""
+    sender = await conns3[0].register()
+    for round_ in range(30):
+        member = await conns3[1 + round_ % 2].register()
+        topic = meshbus.Multicast(f"fresh.{round_}")
+        await member.join(topic)
+        await sender.send(topic, b"right away")
+        await assert_next_is(member, b"right away")
+        pool = meshbus.Anycast(f"pool.{round_}")
+        await member.join(pool)
+        await sender.send(pool, b"one of you")
+        await assert_next_is(member, b"one of you")
+        answering = await conns3[1 + round_ % 2].register(instance=200 + round_)
+        answer = asyncio.create_task(answering.recv(timeout=IO_TIMEOUT))
+        with pytest.raises(meshbus.Timeout):  # routed, not NoRoute: nobody replies
+            await sender.request(answering.address, b"there?", timeout=0.05)
+        assert (await answer).payload == b"there?"
+
+
 # -- uniqueness ------------------------------------------------------------------------------
 
 

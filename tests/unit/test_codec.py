@@ -53,6 +53,7 @@ from meshbus.protocol.control import (
     Move,
     Ready,
     Register,
+    Routed,
     Routes,
     StatRequest,
     Stats,
@@ -286,6 +287,8 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.DRAINING: Empty(),
     ControlType.MOVE: Move(address="127.0.0.1:7401", reason="rebalance"),
     ControlType.DRAIN: Drain(grace=2.5),
+    ControlType.ROUTED: Routed(seq=42),
+    ControlType.SYNCED: Empty(),
 }
 
 
@@ -324,7 +327,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 26, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 28, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

@@ -89,7 +89,30 @@ class ControlHandler:
         except Refused as exc:
             answer_type, answer = ControlType.ERROR, Error(code=exc.code, message=str(exc))
         if answer_type is not None:
-            self.broker.reply(link, answer_type, answer, correlation)
+            assert answer is not None
+            changed = ctype in _CHANGES and answer_type is not ControlType.ERROR
+            self._answer(link, answer_type, answer, correlation, changed)
+
+    def _answer(
+        self, link: Link, type_: ControlType, body: Body, correlation: int, changed: bool
+    ) -> None:
+        """Answer now -- before any frame routed by the change, so the connector knows the
+        address or membership first -- and, for a connector that asked, send SYNCED with
+        the same correlation once every peer has applied the change (meshbus.broker.sync)."""
+        broker = self.broker
+        broker.reply(link, type_, body, correlation)
+        if not changed or not link.wants_synced:
+            return
+        if not broker.mesh.peers:
+            broker.reply(link, ControlType.SYNCED, Empty(), correlation)
+            return
+
+        def synced() -> None:
+            if link.state is LinkState.OPEN:
+                broker.reply(link, ControlType.SYNCED, Empty(), correlation)
+                broker.flush_outbox()
+
+        broker.sync.after_confirmed(synced)
 
     def _hello(self, link: Link, body: Body) -> Answer:
         assert isinstance(body, Hello)
@@ -120,6 +143,7 @@ class ControlHandler:
         link.max_frame = max(MIN_MAX_FRAME, min(body.max_frame, broker.config.max_frame))
         link.name = body.name
         link.session = body.session
+        link.wants_synced = body.synced
         link.state = LinkState.OPEN
         if not link.operator:
             broker.connector_opened(link)
@@ -198,7 +222,7 @@ class ControlHandler:
             return
         if granted and (owner is None or self._may_take(link, raw)):
             self._take(link, raw)
-            self.broker.reply(link, ControlType.REGISTERED, AddressBody(address=raw), correlation)
+            self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
         else:
             exc = _in_use(wanted)
             self.broker.reply(
@@ -290,6 +314,11 @@ def _in_use(wanted: Unicast) -> Refused:
 
 
 _KNOWN = frozenset(int(t) for t in ControlType)
+# Requests that change the routing table: a connector that asked gets SYNCED after them.
+_CHANGES = frozenset(
+    int(t)
+    for t in (ControlType.REGISTER, ControlType.UNREGISTER, ControlType.JOIN, ControlType.LEAVE)
+)
 
 _HANDLERS = {
     ControlType.HELLO: ControlHandler._hello,

@@ -110,6 +110,7 @@ class Link(asyncio.BufferedProtocol):
         self.name = ""  # the connector's name, or the peer broker's
         self.session = b""  # a connector's session (see meshbus.broker.routing)
         self.operator = False  # an operator's link (stat, drain): not a connector
+        self.wants_synced = False  # a connector that asked for SYNCED after each change
         # Peer links only: the peer's advertised address and slot; the id we gave it
         # (expected at offset 40 of its frames) and the id it gave us (stamped on ours).
         self.is_peer = False

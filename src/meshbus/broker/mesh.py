@@ -612,4 +612,5 @@ _SYNC_HANDLERS = {
     int(ControlType.OK): RouteSync.on_answer,
     int(ControlType.ERROR): RouteSync.on_answer,
     int(ControlType.NO_ROUTE): RouteSync.on_delivery_failure,
+    int(ControlType.ROUTED): RouteSync.on_routed,
 }

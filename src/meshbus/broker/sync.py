@@ -14,12 +14,21 @@
 * **Uniqueness by claims** (meshbus.broker.claims): fixed addresses, addresses a
   connector takes along, and a joiner's dynamic-id slot are granted by every
   peer before they are used; fresh dynamic ids need no round trip.
+* **A change is confirmed once the mesh knows it.** Operations are numbered; a
+  peer confirms each ROUTES frame (ROUTED) once applied; after answering the
+  register, join, leave or unregister that made a change, the broker sends its
+  connector SYNCED once every peer linked at the time has confirmed it
+  (``after_confirmed``), and the connector's call returns then. So when ``join``
+  returns, a message sent through any broker reaches the new member. A peer that
+  is lost stops counting; one that links later gets the change in its snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +46,7 @@ from meshbus.protocol.control import (
     DeliveryFailure,
     Empty,
     Error,
+    Routed,
     RouteOp,
     Routes,
 )
@@ -82,6 +92,10 @@ class RouteSync:
         self._flush_scheduled = False
         self._rounds: dict[int, _ClaimRound] = {}
         self._next_correlation = 1
+        self._announced = 0  # sequence number of the last operation announced
+        self._confirmed: dict[Link, int] = {}  # per peer: the last one it applied
+        # (sequence number, peers that must confirm it, what to do then), in order.
+        self._waiting: deque[tuple[int, frozenset[Link], Callable[[], None]]] = deque()
 
     @property
     def _peers(self) -> dict[str, Link]:
@@ -93,6 +107,7 @@ class RouteSync:
         """Tell every peer about a change of a local service; sent at the end of this loop turn."""
         if not self._peers:
             return
+        self._announced += 1
         self._ops.append((op, address, extra))
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -105,12 +120,39 @@ class RouteSync:
             return
         peers = list(self._peers.values())
         self.stats.route_ops_out += len(ops) * len(peers)
+        first = self._announced - len(ops) + 1  # the sequence number of ops[0]
         for start in range(0, len(ops), ROUTES_CHUNK):
+            chunk = ops[start : start + ROUTES_CHUNK]
             frame = encode_control(
-                ControlType.ROUTES, Routes(ops=ops[start : start + ROUTES_CHUNK])
+                ControlType.ROUTES, Routes(ops=chunk, seq=first + start + len(chunk) - 1)
             )
             for link in peers:
                 link.send(frame)
+
+    def after_confirmed(self, then: Callable[[], None]) -> None:
+        """Call ``then`` once every peer linked now has applied every operation announced
+        so far (at once when there is no peer)."""
+        peers = frozenset(self._peers.values())
+        if not peers:
+            then()
+            return
+        self._waiting.append((self._announced, peers, then))
+
+    def on_routed(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Routed)
+        self._confirmed[link] = max(body.seq, self._confirmed.get(link, 0))
+        self._release()
+
+    def _release(self) -> None:
+        """Run the waiters whose peers have all confirmed (or are gone), oldest first:
+        sequence numbers and confirmations both only grow, so the oldest goes first."""
+        live = set(self._peers.values())
+        while self._waiting:
+            seq, peers, then = self._waiting[0]
+            if any(p in live and self._confirmed.get(p, 0) < seq for p in peers):
+                return
+            self._waiting.popleft()
+            then()
 
     def send_snapshot(self, link: Link) -> None:
         """This broker's local services and memberships, to a peer that just linked up.
@@ -139,6 +181,8 @@ class RouteSync:
                 log.warning(
                     "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
                 )
+        if body.seq:
+            self.broker.reply(link, ControlType.ROUTED, Routed(seq=body.seq))
         if body.complete:
             self.broker.mesh.snapshot_received(link)
 
@@ -290,8 +334,11 @@ class RouteSync:
     # -- a peer is gone ---------------------------------------------------------------------
 
     def peer_lost(self, link: Link) -> None:
-        """A broker that is gone holds nothing: its reservations end, its vote is a grant."""
+        """A broker that is gone holds nothing: its reservations end, its vote is a grant,
+        and no answer waits for its confirmation any more."""
         self.claims.drop_holder(link.name)
+        self._confirmed.pop(link, None)
+        self._release()
         for correlation, claim in list(self._rounds.items()):
             if claim.waiting.get(link.name) == correlation:
                 del self._rounds[correlation]

@@ -183,6 +183,8 @@ class Connector:
         self._next_correlation = 1
         self._next_msg_id = 1
         self._control_waiters: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
+        # SYNCED after the answer to a change: the change is known mesh-wide.
+        self._synced_waiters: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
         self._requests: dict[tuple[bytes, int], tuple[asyncio.Future[Message], BrokerLink]] = {}
         self._services: dict[bytes, Service] = {}
         self._members: dict[bytes, list[Service]] = {}
@@ -267,20 +269,32 @@ class Connector:
         """A register, unregister, join or leave, and ``apply`` to its answer: never
         interleaved with copying the services to a new broker (failover, move).
 
-        One whose broker dies before it answers is made again on the new broker: each
-        of them is safe to repeat there (a service the old broker registered but never
-        confirmed is not in ``services``, so the copy did not bring it along)."""
+        It returns once the broker says every broker of the mesh knows the change
+        (SYNCED), so a message sent through any broker afterwards sees it. One whose
+        broker dies before it answers is made again on the new broker: each of them is
+        safe to repeat there (a service the old broker registered but never confirmed
+        is not in ``services``, so the copy did not bring it along)."""
         keeper = self._keeper
         while True:
             link = await keeper.usable()
+            synced: asyncio.Future[ControlFrame] = asyncio.get_running_loop().create_future()
             try:
                 async with keeper.gate.change():
                     # A failover may have begun while we waited: wait it out.
                     if keeper.link is link and keeper.connected.is_set():
-                        return apply(await self._control(type_, body, subject, link=link))
+                        result = apply(
+                            await self._control(type_, body, subject, link=link, synced=synced)
+                        )
+                        try:
+                            await synced
+                        except ConnectionLost:
+                            pass  # done here; the failover copies it to the next broker
+                        return result
             except ConnectionLost:
                 if self._closed:
                     raise
+            finally:
+                synced.cancel()
 
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:
         """The broker's view: itself, its links, the mesh, services, groups and counters.
@@ -399,16 +413,21 @@ class Connector:
         subject: str = "",
         *,
         link: BrokerLink | None = None,
+        synced: asyncio.Future[ControlFrame] | None = None,
     ) -> ControlFrame:
         """Send a control request and wait for its answer; ERROR answers become exceptions.
 
-        Without ``link`` it goes to the current broker (waiting out a failover)."""
+        Without ``link`` it goes to the current broker (waiting out a failover). With
+        ``synced``, that future gets the SYNCED frame that follows a change's answer."""
         if link is None:
             link = await self._keeper.usable()
         correlation = self._next_correlation
         self._next_correlation = correlation % 0xFFFFFFFF + 1
         future: asyncio.Future[ControlFrame] = asyncio.get_running_loop().create_future()
         self._control_waiters[correlation] = (future, link)
+        if synced is not None:
+            self._synced_waiters[correlation] = (synced, link)
+            synced.add_done_callback(lambda _: self._synced_waiters.pop(correlation, None))
         if link.closed:
             future.set_exception(ConnectionLost(f"the link to {link.address} is closed"))
         else:
@@ -418,6 +437,8 @@ class Connector:
         finally:
             self._control_waiters.pop(correlation, None)
         if answer.type == ControlType.ERROR:
+            if synced is not None:
+                synced.cancel()  # no change, so no SYNCED
             assert isinstance(answer.body, Error)
             raise _error_from(answer.body, type_, subject)
         return answer
@@ -511,6 +532,11 @@ class Connector:
             assert isinstance(body, DeliveryFailure)
             self._on_delivery_failure(ctype, body)
             return
+        if ctype == ControlType.SYNCED:
+            synced = self._synced_waiters.get(frame.correlation)
+            if synced is not None and not synced[0].done():
+                synced[0].set_result(frame)
+            return
         waiting = self._control_waiters.get(frame.correlation) if frame.correlation else None
         if waiting is not None:
             if not waiting[0].done():
@@ -564,6 +590,7 @@ class Connector:
         """Fail what waits for an answer that can only come over ``link``."""
         waiting: list[tuple[asyncio.Future[Any], BrokerLink]] = [
             *self._control_waiters.values(),
+            *self._synced_waiters.values(),
             *self._requests.values(),
         ]
         for future, via in waiting:
@@ -577,6 +604,7 @@ class Connector:
         self._keeper.connected.set()  # wake senders waiting out a failover: they raise now
         futures: list[asyncio.Future[Any]] = [
             *(f for f, _ in self._control_waiters.values()),
+            *(f for f, _ in self._synced_waiters.values()),
             *(f for f, _ in self._requests.values()),
         ]
         for future in futures:

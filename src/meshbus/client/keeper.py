@@ -171,6 +171,7 @@ class LinkKeeper:
             name=conn.name,
             max_frame=conn.max_frame,
             session=conn.session,
+            synced=True,
         )
         try:
             frame = await conn._control(ControlType.HELLO, hello, link=link)

@@ -44,6 +44,8 @@ class Hello(Body):
     listen: str = ""
     slot: int = 0
     tag: int = 0
+    # A connector that wants SYNCED after the answer to each change it makes.
+    synced: bool = False
 
 
 class BrokerInfo(Body):
@@ -93,7 +95,7 @@ class Membership(Body):
 
 
 class Empty(Body):
-    """OK, PING, PONG, DRAINING."""
+    """OK, PING, PONG, DRAINING, SYNCED."""
 
 
 class StatRequest(Body):
@@ -146,11 +148,20 @@ RouteOp = tuple[int, bytes, bytes]
 
 class Routes(Body):
     """ROUTES: route operations. ``snapshot`` marks the peer's full local state sent at
-    link-up, in chunks; ``complete`` marks its last chunk."""
+    link-up, in chunks; ``complete`` marks its last chunk. ``seq`` (not on snapshots)
+    numbers the last operation of the frame: the receiver answers ROUTED with it once
+    they are applied."""
 
     ops: list[RouteOp] = msgspec.field(default_factory=list)
     snapshot: bool = False
     complete: bool = False
+    seq: int = 0
+
+
+class Routed(Body):
+    """ROUTED: every route operation up to ``seq`` from the receiver is applied here."""
+
+    seq: int
 
 
 class Claim(Body):
@@ -218,6 +229,8 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.DRAINING: Empty,
     ControlType.MOVE: Move,
     ControlType.DRAIN: Drain,
+    ControlType.ROUTED: Routed,
+    ControlType.SYNCED: Empty,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

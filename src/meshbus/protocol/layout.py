@@ -94,6 +94,8 @@ class ControlType(IntEnum):
     DRAINING = 23  # broker <-> broker
     MOVE = 24  # broker -> connector
     DRAIN = 25  # connector (an operator) -> broker; answered with OK
+    ROUTED = 26  # broker <-> broker: the ROUTES up to this sequence number are applied
+    SYNCED = 27  # broker -> connector: the change answered with this correlation is mesh-wide
 
 
 class ErrorCode(IntEnum):
