@@ -352,7 +352,8 @@ class Mesh:
         log.warning("unexpected control frame from a peer", extra={"type": describe(ctype)})
 
     def snapshot_received(self, link: Link) -> None:
-        """A peer's whole table has arrived: a joining broker waits for every peer's."""
+        """A peer's whole table has arrived (or the peer is gone): a joining broker waits
+        for every peer's."""
         if link in self._snapshot_pending:
             self._snapshot_pending.discard(link)
             if not self._snapshot_pending:
@@ -494,10 +495,7 @@ class Mesh:
         waiter = self._dial_waiters.pop(link, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(False)
-        if self._snapshot_pending and link in self._snapshot_pending:
-            self._snapshot_pending.discard(link)
-            if not self._snapshot_pending:
-                self._snapshots_done.set()
+        self.snapshot_received(link)
         if not link.is_peer or self.peers.get(link.name) is not link:
             return  # never opened, or a duplicate that lost
         del self.peers[link.name]

@@ -341,7 +341,7 @@ class Connector:
         lost = ConnectionLost(
             f"lost the link to broker {link.broker_name or link.address}: {reason}"
         )
-        self._fail_in_flight(link, lost)
+        self._fail_in_flight(lost, link)
         if not self._closed and not self._keeper.lost(link, lost):
             self._shutdown(self._lost or lost)
 
@@ -586,15 +586,16 @@ class Connector:
 
     # -- ending ---------------------------------------------------------------------
 
-    def _fail_in_flight(self, link: BrokerLink, error: MeshbusError) -> None:
-        """Fail what waits for an answer that can only come over ``link``."""
+    def _fail_in_flight(self, error: MeshbusError, link: BrokerLink | None = None) -> None:
+        """Fail what waits for an answer (a control answer, a SYNCED, a response) that
+        can only come over ``link``; over any link when it is None."""
         waiting: list[tuple[asyncio.Future[Any], BrokerLink]] = [
             *self._control_waiters.values(),
             *self._synced_waiters.values(),
             *self._requests.values(),
         ]
         for future, via in waiting:
-            if via is link and not future.done():
+            if (link is None or via is link) and not future.done():
                 future.set_exception(error)
 
     def _shutdown(self, error: MeshbusError) -> None:
@@ -602,14 +603,7 @@ class Connector:
         if isinstance(error, ConnectionLost):
             self._lost = error
         self._keeper.connected.set()  # wake senders waiting out a failover: they raise now
-        futures: list[asyncio.Future[Any]] = [
-            *(f for f, _ in self._control_waiters.values()),
-            *(f for f, _ in self._synced_waiters.values()),
-            *(f for f, _ in self._requests.values()),
-        ]
-        for future in futures:
-            if not future.done():
-                future.set_exception(error)
+        self._fail_in_flight(error)
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
