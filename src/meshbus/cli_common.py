@@ -62,7 +62,7 @@ def _check_server_name(text: str) -> str:
 
 
 def _check_brokers(text: str) -> str:
-    from meshbus.client.connector import broker_list
+    from meshbus.client.connecting import broker_list
 
     broker_list(text)
     return text

@@ -23,12 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
-from meshbus.broker.claims import slot_key
 from meshbus.broker.link import CloseReason, Link, LinkState
 from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import describe, encode_control
@@ -180,7 +178,8 @@ class Mesh:
             s.address for s in self.known.values() if s.name not in self.peers and not s.draining
         ]
         await asyncio.gather(*(self.dial(address) for address in others))
-        self.broker.routing.slot = await self._claim_slot()
+        known_slots = {s.slot for s in self.known.values()}
+        self.broker.routing.slot = await self.broker.sync.claim_slot(known_slots, self.name)
         try:
             await asyncio.wait_for(self._snapshots_done.wait(), max(0.1, deadline - loop.time()))
         except TimeoutError:
@@ -190,19 +189,6 @@ class Mesh:
         self._send_all(ControlType.READY, Ready(counts=counts))
         self.lists_changed()
         log.info("joined the mesh", extra={"broker": self.name, "peers": sorted(self.peers)})
-
-    async def _claim_slot(self) -> int:
-        """A dynamic-id slot no other broker of the mesh has, granted by every peer."""
-        attempt = 0
-        while True:
-            used = {s.slot for s in self.known.values()} | self.broker.sync.claims.reserved_slots()
-            free = [s for s in range(1, 0x10000) if s not in used]
-            # After a lost race, pick further away: the winner may be taking the next one.
-            slot = free[min(len(free) - 1, random.randrange(attempt * 4 + 1))]
-            if await self.broker.sync.claim(slot_key(slot), self.name.encode(), None):
-                return slot
-            attempt += 1
-            await asyncio.sleep(random.uniform(0.0, 0.05))
 
     # -- dialling and handshakes ---------------------------------------------------------
 

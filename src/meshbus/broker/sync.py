@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
-from meshbus.broker.claims import ClaimTable, is_slot_key
+from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
 from meshbus.broker.routing import RoutingError
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
@@ -272,6 +273,19 @@ class RouteSync:
             )
         self._settle(claim)
         return future
+
+    async def claim_slot(self, known: set[int], me: str) -> int:
+        """A dynamic-id slot that no broker in ``known`` has, granted by every peer."""
+        attempt = 0
+        while True:
+            used = known | self.claims.reserved_slots()
+            free = [s for s in range(1, 0x10000) if s not in used]
+            # After a lost race, pick further away: the winner may be taking the next one.
+            slot = free[min(len(free) - 1, random.randrange(attempt * 4 + 1))]
+            if await self.claim(slot_key(slot), me.encode(), None):
+                return slot
+            attempt += 1
+            await asyncio.sleep(random.uniform(0.0, 0.05))
 
     def on_answer(self, link: Link, correlation: int, body: Body) -> None:
         """OK or ERROR: the answer to one of our CLAIMs."""

@@ -1,6 +1,7 @@
 """The client side: connector, services, messages."""
 
-from meshbus.client.connector import Connector, Undeliverable, connect
+from meshbus.client.connecting import connect
+from meshbus.client.connector import Connector, Undeliverable
 from meshbus.client.service import Message, Service
 
 __all__ = ["Connector", "Message", "Service", "Undeliverable", "connect"]

@@ -1,0 +1,86 @@
+"""Connecting to the mesh: ``meshbus.connect`` and the broker address lists it takes.
+
+``connect`` turns addresses and options into a handshaken ``Connector``; what the
+connector does from then on is in meshbus.client.connector, and how it stays
+linked (failover, redirects, moves) in meshbus.client.keeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+
+from meshbus.address import Unicast
+from meshbus.client.connector import Connector
+from meshbus.errors import ConnectionLost
+from meshbus.protocol.layout import DEFAULT_MAX_FRAME
+from meshbus.util import parse_hostport
+
+
+def broker_list(brokers: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``; ValueError names a bad entry."""
+    items = brokers.split(",") if isinstance(brokers, str) else list(brokers)
+    addresses = [item.strip() for item in items if item.strip()]
+    if not addresses:
+        raise ValueError("no broker address given; expected HOST:PORT[,HOST:PORT...]")
+    for address in addresses:
+        parse_hostport(address)
+    return addresses
+
+
+async def connect(
+    broker: str | Sequence[str] = "127.0.0.1:7400",
+    *,
+    server: str | None = None,
+    name: str = "",
+    max_frame: int = DEFAULT_MAX_FRAME,
+    max_inbox: int = 65536,
+    timeout: float = 5.0,
+    failover: bool = True,
+    failover_timeout: float = 10.0,
+    keepalive: float = 1.0,
+    operator: bool = False,
+) -> Connector:
+    """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
+    by commas, or a list) and complete the handshake.
+
+    ``server`` is the server name of this process's unicast addresses (at most
+    11 bytes); it defaults to the host name when that fits. ``timeout`` bounds
+    connecting (over every address given). With ``failover`` the connector moves
+    to another broker when its broker dies, for up to ``failover_timeout``
+    seconds; ``keepalive`` is how long a silent link may stay silent before the
+    connector pings it (three intervals without an answer count as a dead broker).
+
+    ``operator=True`` opens an operator's link to exactly that broker (what
+    ``meshbus stat`` and ``meshbus drain`` use): it is not a connector -- never
+    refused or redirected when the broker is full, joining or draining, not counted,
+    never moved -- it cannot register services, and it does not fail over.
+    """
+    if server is None:
+        server = socket.gethostname().split(".")[0]
+    Unicast(server, 1)  # a bad server name fails here, before any I/O
+    addresses = broker_list(broker)
+    connector = Connector(
+        server,
+        name or server,
+        max_frame,
+        max_inbox,
+        addresses,
+        failover_timeout if failover and not operator else 0.0,
+        keepalive,
+        operator,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            link = await connector._keeper.open_any(addresses, random_order=False)
+    except TimeoutError:
+        connector._abort()
+        raise ConnectionLost(
+            f"could not connect to broker {', '.join(addresses)} within {timeout} s"
+        ) from None
+    except ConnectionLost:
+        connector._abort()
+        raise
+    connector._keeper.activate(link)
+    return connector
