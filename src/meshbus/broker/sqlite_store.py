@@ -1,0 +1,375 @@
+"""The durable stream store: SQLite in WAL mode, one transaction per append batch.
+
+Durability is the ``fsync`` policy. "normal" (synchronous=NORMAL) does not fsync on
+commit: the commit is in the WAL file in the OS page cache, so it survives the
+broker being killed (kill -9, OOM killer, a crash) but the last commits can be lost
+in an OS crash or power cut; fsync happens only at checkpoints. "always"
+(synchronous=FULL) fsyncs the WAL on every commit, so an acknowledged publish
+survives power loss too, at the price of one fsync per batch. Batching is what
+makes "always" affordable: the broker's group commit pays one fsync for every
+publish of an event-loop turn.
+
+On disk is everything needed to carry on after a crash: stream configs and
+counters, messages, publish ids with their seq and time, consumers with their
+position and drop count, and every pending delivery with its count and deadline.
+In memory is the mirror from ``store.MirroredStore`` (counters, live publish ids,
+pending deliveries), loaded from the database at open, so the hot paths ask
+SQLite nothing: an append is one executemany of the new rows plus an UPDATE of the
+stream's counters. Message bodies are read from disk only. If a transaction fails,
+it is rolled back and the mirror is reloaded, so the database stays the truth.
+
+Messages live in one rowid table whose key packs (stream id, seq) into one
+integer, ``stream_id << 40 | seq``: appends go to the end of a stream's key range,
+reads and retention are range scans, and unlike a WITHOUT ROWID table a payload
+of a few KiB still fits in the row's page instead of spilling to overflow pages.
+That allows 2**23 streams of 2**40 (10**12) messages each.
+
+Not safe for two stores writing one file at a time (each trusts its own mirror):
+the broker must hold a lock on its data directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from meshbus.broker.store import (
+    ADDRESS_LEN,
+    Appended,
+    ConsumerConfig,
+    ConsumerInfo,
+    ConsumerState,
+    Delivery,
+    MirroredStore,
+    NewMessage,
+    StoredMessage,
+    StoreError,
+    StreamConfig,
+    StreamInfo,
+    StreamState,
+    fit_bytes,
+)
+
+SCHEMA_VERSION = 1
+SEQ_BITS = 40
+SEQ_MASK = (1 << SEQ_BITS) - 1
+_SYNCHRONOUS = {"normal": "NORMAL", "always": "FULL"}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS streams (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, captures BLOB NOT NULL,
+    max_msgs INTEGER NOT NULL, max_bytes INTEGER NOT NULL, max_age REAL NOT NULL,
+    dedupe_window REAL NOT NULL,
+    first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, bytes INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS messages (
+    key INTEGER PRIMARY KEY, stored_at REAL NOT NULL, src BLOB NOT NULL, dst BLOB NOT NULL,
+    grp BLOB NOT NULL, priority INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS publish_ids (
+    stream_id INTEGER NOT NULL, publish_id BLOB NOT NULL, seq INTEGER NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (stream_id, publish_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS consumers (
+    id INTEGER PRIMARY KEY, stream_id INTEGER NOT NULL, name TEXT NOT NULL,
+    ack_wait REAL NOT NULL, max_deliver INTEGER NOT NULL, start_seq INTEGER NOT NULL,
+    next_seq INTEGER NOT NULL, dropped INTEGER NOT NULL, UNIQUE (stream_id, name));
+CREATE TABLE IF NOT EXISTS pending (
+    consumer_id INTEGER NOT NULL, seq INTEGER NOT NULL, delivery INTEGER NOT NULL,
+    deadline REAL NOT NULL, PRIMARY KEY (consumer_id, seq)) WITHOUT ROWID;
+"""
+
+_INSERT_MESSAGE = "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?, ?)"
+_SELECT_MESSAGES = (
+    "SELECT key, stored_at, src, dst, grp, priority, payload FROM messages"
+    " WHERE key >= ? AND key <= ? ORDER BY key LIMIT ?"
+)
+_UPDATE_COUNTERS = "UPDATE streams SET first_seq = ?, last_seq = ?, bytes = ? WHERE id = ?"
+_PUT_PENDING = "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)"
+_DELETE_PENDING = "DELETE FROM pending WHERE consumer_id = ? AND seq = ?"
+
+
+def _key(stream_id: int, seq: int) -> int:
+    return stream_id << SEQ_BITS | seq
+
+
+class SqliteStreamStore(MirroredStore):
+    def __init__(self, path: str | os.PathLike[str], fsync: str = "normal") -> None:
+        if fsync not in _SYNCHRONOUS:
+            raise ValueError(f"fsync must be 'normal' or 'always', not {fsync!r}")
+        super().__init__()
+        self.path = os.fspath(path)
+        # Autocommit mode (isolation_level=None): transactions are the explicit ones in _tx.
+        # check_same_thread=False lets the broker move the store to a worker thread (for
+        # fsync="always"), as long as one thread at a time uses it.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._open(_SYNCHRONOUS[fsync])
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self, synchronous: str) -> None:
+        db = self._db
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            raise StoreError(
+                f"{self.path}: SQLite could not switch to WAL mode (got {mode!r}); "
+                "put the stream store on a local file system"
+            )
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise StoreError(
+                f"{self.path}: stream store schema version {version} is not {SCHEMA_VERSION}; "
+                "it was written by another meshbus version"
+            )
+        with self._tx():
+            for statement in filter(None, (part.strip() for part in _SCHEMA.split(";"))):
+                db.execute(statement)  # not executescript: that commits first
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._load()
+
+    def _load(self) -> None:
+        """(Re)build the mirror from the database, the truth."""
+        db = self._db
+        self._streams = {}
+        by_id: dict[int, StreamState] = {}
+        for row in db.execute(
+            "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
+            " first_seq, last_seq, bytes FROM streams"
+        ):
+            sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, size = row
+            captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
+            config = StreamConfig(name, captures, max_msgs, max_bytes, max_age, window)
+            st = StreamState(config, first, last, size, key=sid)
+            if st.count:
+                at = db.execute("SELECT stored_at FROM messages WHERE key = ?", (_key(sid, first),))
+                st.first_at = at.fetchone()[0]
+            self._streams[name] = by_id[sid] = st
+        for sid, publish_id, seq, at in db.execute(
+            "SELECT stream_id, publish_id, seq, at FROM publish_ids ORDER BY at"
+        ):
+            by_id[sid].ids.remember(publish_id, seq, at)
+        by_cid: dict[int, ConsumerState] = {}
+        for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped in db.execute(
+            "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped"
+            " FROM consumers"
+        ):
+            cs = ConsumerState(
+                ConsumerConfig(name, ack_wait, max_deliver, start), next_seq, dropped
+            )
+            cs.key = cid
+            by_id[sid].consumers[name] = by_cid[cid] = cs
+        for cid, seq, count, deadline in db.execute(
+            "SELECT consumer_id, seq, delivery, deadline FROM pending ORDER BY consumer_id, seq"
+        ):
+            cs = by_cid[cid]
+            cs.pending[seq] = (count, deadline)
+            cs.earliest = min(cs.earliest, deadline)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction; on any failure roll back and reload the mirror, which the
+        caller may already have changed."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            self._load()
+            raise
+
+    # -- streams ------------------------------------------------------------------
+
+    def add_stream(self, config: StreamConfig) -> StreamInfo:
+        existing = self._existing_stream(config)
+        if existing is not None:
+            return existing
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO streams VALUES (NULL, ?, ?, ?, ?, ?, ?, 1, 0, 0)",
+                (config.name, b"".join(config.captures), config.max_msgs, config.max_bytes,
+                 config.max_age, config.dedupe_window),
+            )  # fmt: skip
+            sid = cur.lastrowid
+            if sid is None or sid >= 1 << (63 - SEQ_BITS):  # cannot pack into a message key
+                raise StoreError(f"{self.path}: no stream id left for {config.name!r}")
+            self._streams[config.name] = StreamState(config, key=sid)
+        return self.info(config.name)
+
+    def delete_stream(self, name: str) -> None:
+        st = self._stream(name)
+        sid = st.key
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM messages WHERE key >= ? AND key <= ?",
+                (_key(sid, 0), _key(sid, SEQ_MASK)),
+            )
+            db.execute("DELETE FROM publish_ids WHERE stream_id = ?", (sid,))
+            db.execute(
+                "DELETE FROM pending WHERE consumer_id IN"
+                " (SELECT id FROM consumers WHERE stream_id = ?)",
+                (sid,),
+            )
+            db.execute("DELETE FROM consumers WHERE stream_id = ?", (sid,))
+            db.execute("DELETE FROM streams WHERE id = ?", (sid,))
+            del self._streams[name]
+
+    def append_batch(self, name: str, messages: Sequence[NewMessage], now: float) -> list[Appended]:
+        st = self._stream(name)
+        sid = st.key
+        with self._tx() as db:
+            results, stored, fresh = self._append(st, messages, now)
+            if stored:
+                db.executemany(
+                    _INSERT_MESSAGE,
+                    [
+                        (sid << SEQ_BITS | seq, now, m.src, m.dst, m.group, m.priority, m.payload)
+                        for seq, m in stored
+                    ],
+                )
+                if fresh:
+                    db.executemany(
+                        "INSERT OR REPLACE INTO publish_ids VALUES (?, ?, ?, ?)",
+                        [(sid, publish_id, seq, now) for publish_id, seq in fresh],
+                    )
+                self._trim(db, st, now)
+                db.execute(_UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, sid))
+        return results
+
+    def _trim(self, db: sqlite3.Connection, st: StreamState, now: float) -> int:
+        """Apply retention inside the caller's transaction; returns messages removed."""
+        if not self._needs_cut(st, now):
+            return 0
+        sid = st.key
+        cursor = db.execute(
+            "SELECT key, stored_at, length(payload) FROM messages"
+            " WHERE key >= ? AND key <= ? ORDER BY key",
+            (_key(sid, st.first_seq), _key(sid, st.last_seq)),
+        )
+        try:
+            old_first = self._cut(st, now, ((k & SEQ_MASK, at, n) for k, at, n in cursor))
+        finally:
+            cursor.close()  # _cut stops early; a half-read statement must not outlive it
+        db.execute(
+            "DELETE FROM messages WHERE key >= ? AND key < ?",
+            (_key(sid, old_first), _key(sid, st.first_seq)),
+        )
+        db.executemany(
+            "DELETE FROM pending WHERE consumer_id = ? AND seq < ?",
+            [(cs.key, st.first_seq) for cs in st.consumers.values()],
+        )
+        return st.first_seq - old_first
+
+    def read(
+        self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
+    ) -> list[StoredMessage]:
+        st = self._stream(name)
+        start = max(from_seq, st.first_seq)
+        if max_count <= 0 or start > st.last_seq:
+            return []
+        return fit_bytes(self._select(st, start, st.last_seq, max_count), max_bytes)
+
+    def _select(
+        self, st: StreamState, first: int, last: int, limit: int
+    ) -> Iterator[StoredMessage]:
+        sid, name = st.key, st.config.name
+        for key, at, src, dst, group, priority, payload in self._db.execute(
+            _SELECT_MESSAGES, (_key(sid, first), _key(sid, last), limit)
+        ):
+            yield StoredMessage(name, key & SEQ_MASK, at, src, dst, group, priority, payload)
+
+    def expire(self, now: float) -> int:
+        removed = 0
+        with self._tx() as db:
+            for st in self._streams.values():
+                gone = st.ids.expire(now)
+                if gone:
+                    db.executemany(
+                        "DELETE FROM publish_ids WHERE stream_id = ? AND publish_id = ?",
+                        [(st.key, publish_id) for publish_id in gone],
+                    )
+                trimmed = self._trim(db, st, now)
+                if trimmed:
+                    db.execute(_UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, st.key))
+                removed += trimmed
+        return removed
+
+    # -- consumers ----------------------------------------------------------------
+
+    def add_consumer(self, stream: str, config: ConsumerConfig) -> ConsumerInfo:
+        existing = self._existing_consumer(stream, config)
+        if existing is not None:
+            return existing
+        st = self._stream(stream)
+        cs = self._new_consumer(st, config)
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, 0)",
+                (st.key, config.name, config.ack_wait, config.max_deliver, config.start_seq,
+                 cs.next_seq),
+            )  # fmt: skip
+            assert cur.lastrowid is not None
+            cs.key = cur.lastrowid
+            st.consumers[config.name] = cs
+        return self.consumer_info(stream, config.name)
+
+    def delete_consumer(self, stream: str, name: str) -> None:
+        st, cs = self._consumer(stream, name)
+        with self._tx() as db:
+            db.execute("DELETE FROM pending WHERE consumer_id = ?", (cs.key,))
+            db.execute("DELETE FROM consumers WHERE id = ?", (cs.key,))
+            del st.consumers[name]
+
+    def consumer_next(self, stream: str, name: str, max_count: int, now: float) -> list[Delivery]:
+        st, cs = self._consumer(stream, name)
+        with self._tx() as db:
+            plan = self._plan_next(st, cs, max_count, now)
+            if plan.given_up:
+                db.executemany(_DELETE_PENDING, [(cs.key, seq) for seq in plan.given_up])
+            deadline = plan.deadline
+            db.executemany(
+                _PUT_PENDING,
+                [(cs.key, seq, count, deadline) for seq, count in plan.redeliver]
+                + [(cs.key, seq, 1, deadline) for seq in plan.new],
+            )
+            if plan.given_up or plan.new:
+                db.execute(
+                    "UPDATE consumers SET next_seq = ?, dropped = ? WHERE id = ?",
+                    (cs.next_seq, cs.dropped, cs.key),
+                )
+        out = [
+            Delivery(msg, count)
+            for (_, count), msg in zip(
+                plan.redeliver, self._bodies(st, plan.redeliver), strict=True
+            )
+        ]
+        if plan.new:
+            out += [
+                Delivery(msg, 1)
+                for msg in self._select(st, plan.new[0], plan.new[-1], len(plan.new))
+            ]
+        return out
+
+    def _bodies(self, st: StreamState, seqs: list[tuple[int, int]]) -> list[StoredMessage]:
+        """Redelivered messages: usually a run of neighbours, so fetch the span at once."""
+        if not seqs:
+            return []
+        first, last = seqs[0][0], seqs[-1][0]
+        if last - first < 4 * len(seqs):
+            by_seq = {m.seq: m for m in self._select(st, first, last, last - first + 1)}
+            return [by_seq[seq] for seq, _ in seqs]
+        return [next(self._select(st, seq, seq, 1)) for seq, _ in seqs]
+
+    def consumer_ack(self, stream: str, name: str, seqs: Sequence[int]) -> int:
+        _, cs = self._consumer(stream, name)
+        with self._tx() as db:
+            acked = self._ack(cs, seqs)
+            if acked:
+                db.executemany(_DELETE_PENDING, [(cs.key, seq) for seq in acked])
+        return len(acked)
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,447 @@
+"""The stream store: the same tests run against the memory and the SQLite store."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshbus.broker.sqlite_store import SqliteStreamStore
+from meshbus.broker.store import (
+    Appended,
+    ConsumerConfig,
+    ConsumerExists,
+    ConsumerNotFound,
+    MemoryStreamStore,
+    NewMessage,
+    StoreError,
+    StreamConfig,
+    StreamExists,
+    StreamNotFound,
+    StreamStore,
+)
+
+SRC = bytes(range(16))
+DST = bytes(range(16, 32))
+OTHER = bytes(range(32, 48))
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StreamStore]:
+    s: StreamStore = (
+        MemoryStreamStore() if request.param == "memory" else SqliteStreamStore(tmp_path / "s.db")
+    )
+    yield s
+    s.close()
+
+
+def cfg(name: str = "orders", **kw: object) -> StreamConfig:
+    return StreamConfig(name, (DST,), **kw)  # type: ignore[arg-type]
+
+
+def msg(payload: bytes = b"x", publish_id: bytes = b"", **kw: object) -> NewMessage:
+    return NewMessage(SRC, DST, payload, publish_id=publish_id, **kw)  # type: ignore[arg-type]
+
+
+def fill(s: StreamStore, n: int, now: float = 0.0, name: str = "orders", size: int = 1) -> None:
+    s.append_batch(name, [msg(bytes([i % 256]) * size) for i in range(n)], now)
+
+
+def seqs(s: StreamStore, from_seq: int = 0, name: str = "orders") -> list[int]:
+    return [m.seq for m in s.read(name, from_seq, 1000)]
+
+
+# -- streams ----------------------------------------------------------------------------
+
+
+def test_add_stream_is_idempotent_and_refuses_a_different_config(store: StreamStore) -> None:
+    info = store.add_stream(cfg(max_msgs=10))
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (1, 0, 0, 0)
+    assert info.consumers == ()
+    fill(store, 3)
+    again = store.add_stream(cfg(max_msgs=10))
+    assert again.last_seq == 3  # the same stream, not a new one
+    with pytest.raises(StreamExists, match="different configuration"):
+        store.add_stream(cfg(max_msgs=11))
+    store.add_stream(cfg("alpha"))
+    assert [c.name for c in store.streams()] == ["alpha", "orders"]
+    assert store.streams()[1] == cfg(max_msgs=10)
+
+
+@pytest.mark.parametrize("name", ["", "a" * 65, "has space", "slash/", "ümlaut", "a\n"])
+def test_bad_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid stream name"):
+        cfg(name)
+    with pytest.raises(ValueError, match="invalid consumer name"):
+        ConsumerConfig(name)
+
+
+def test_config_validation() -> None:
+    assert cfg("A-z_0.9" + "x" * 57).name.startswith("A-z")  # 64 characters are allowed
+    with pytest.raises(ValueError, match="16-byte address"):
+        StreamConfig("s", (b"short",))
+    with pytest.raises(ValueError, match="max_msgs must be 0 or more"):
+        cfg(max_msgs=-1)
+    with pytest.raises(ValueError, match="ack_wait"):
+        ConsumerConfig("c", ack_wait=0)
+    with pytest.raises(ValueError, match="max_deliver"):
+        ConsumerConfig("c", max_deliver=-1)
+
+
+def test_unknown_stream(store: StreamStore) -> None:
+    with pytest.raises(StreamNotFound, match=r"meshbus stream add nope --capture"):
+        store.info("nope")
+    for call in (
+        lambda: store.append_batch("nope", [msg()], 0.0),
+        lambda: store.read("nope", 1, 1),
+        lambda: store.delete_stream("nope"),
+        lambda: store.add_consumer("nope", ConsumerConfig("c")),
+        lambda: store.consumer_next("nope", "c", 1, 0.0),
+    ):
+        with pytest.raises(StreamNotFound):
+            call()
+
+
+def test_append_numbers_from_one(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.add_stream(cfg("other"))
+    assert store.append_batch("orders", [msg(b"a"), msg(b"b")], 1.0) == [
+        Appended(1, False),
+        Appended(2, False),
+    ]
+    assert store.append_batch("orders", [], 2.0) == []
+    assert store.append_batch("orders", [msg(b"c")], 3.0) == [Appended(3, False)]
+    assert store.append_batch("other", [msg(b"z")], 3.0) == [Appended(1, False)]
+    got = store.read("orders", 1, 10)
+    assert [(m.stream, m.seq, m.payload, m.stored_at) for m in got] == [
+        ("orders", 1, b"a", 1.0),
+        ("orders", 2, b"b", 1.0),
+        ("orders", 3, b"c", 3.0),
+    ]
+    m = store.append_batch("other", [NewMessage(OTHER, DST, b"p", b"grp", 7)], 4.0)[0]
+    (stored,) = store.read("other", m.seq, 1)
+    assert (stored.src, stored.dst, stored.group, stored.priority) == (OTHER, DST, b"grp", 7)
+
+
+def test_read_ranges(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    fill(store, 10, size=10)
+    assert seqs(store, 4)[:3] == [4, 5, 6]
+    assert [m.seq for m in store.read("orders", 4, 2)] == [4, 5]
+    assert store.read("orders", 11, 5) == []
+    assert store.read("orders", 1, 0) == []
+    assert [m.seq for m in store.read("orders", 1, 10, max_bytes=35)] == [1, 2, 3]
+    assert [m.seq for m in store.read("orders", 1, 10, max_bytes=30)] == [1, 2, 3]
+    assert [m.seq for m in store.read("orders", 1, 10, max_bytes=5)] == [1]  # at least one
+    store.add_stream(cfg("small", max_msgs=3))
+    fill(store, 10, name="small")
+    assert seqs(store, 0, "small") == [8, 9, 10]  # below first_seq starts at first_seq
+    assert [m.seq for m in store.read("small", 2, 2)] == [8, 9]
+
+
+def test_info_counts_messages_and_payload_bytes(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.append_batch("orders", [msg(b"abc"), msg(b""), msg(b"hello")], 0.0)
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (1, 3, 3, 8)
+    assert info.config == cfg()
+
+
+def test_delete_stream(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    fill(store, 3)
+    store.add_consumer("orders", ConsumerConfig("c"))
+    store.delete_stream("orders")
+    with pytest.raises(StreamNotFound):
+        store.info("orders")
+    assert store.streams() == []
+    store.add_stream(cfg())  # a new stream of the same name starts afresh
+    assert store.info("orders").last_seq == 0
+    assert store.read("orders", 0, 10) == []
+    assert store.info("orders").consumers == ()
+
+
+# -- retention --------------------------------------------------------------------------
+
+
+def test_max_msgs_removes_oldest(store: StreamStore) -> None:
+    store.add_stream(cfg(max_msgs=3))
+    fill(store, 2, size=2)
+    fill(store, 3, size=2)
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (3, 5, 3, 6)
+    assert seqs(store) == [3, 4, 5]
+
+
+def test_max_bytes_removes_oldest(store: StreamStore) -> None:
+    store.add_stream(cfg(max_bytes=25))
+    fill(store, 4, size=10)
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (3, 4, 2, 20)
+    store.append_batch("orders", [msg(b"y" * 30)], 1.0)  # too big to keep at all
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (6, 5, 0, 0)
+    assert store.read("orders", 0, 10) == []
+
+
+def test_max_age_on_expire_and_on_append(store: StreamStore) -> None:
+    store.add_stream(cfg(max_age=10.0))
+    store.add_stream(cfg("forever"))
+    fill(store, 2, now=100.0)
+    fill(store, 3, now=105.0)
+    fill(store, 1, now=100.0, name="forever")
+    assert store.expire(109.9) == 0
+    assert store.expire(110.0) == 2
+    assert seqs(store) == [3, 4, 5]
+    assert store.info("forever").messages == 1
+    fill(store, 1, now=115.0)  # the append itself drops what has aged out
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages) == (6, 6, 1)
+    assert store.expire(200.0) == 1
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (7, 6, 0, 0)
+    assert store.append_batch("orders", [msg()], 201.0) == [Appended(7, False)]
+
+
+# -- dedupe -----------------------------------------------------------------------------
+
+
+def test_dedupe_within_window(store: StreamStore) -> None:
+    store.add_stream(cfg(dedupe_window=60.0))
+    assert store.append_batch("orders", [msg(b"a", b"id1"), msg(b"b", b"id2")], 0.0) == [
+        Appended(1, False),
+        Appended(2, False),
+    ]
+    assert store.append_batch("orders", [msg(b"c", b"id2"), msg(b"d"), msg(b"e")], 59.0) == [
+        Appended(2, True),
+        Appended(3, False),
+        Appended(4, False),  # messages without an id are never duplicates
+    ]
+    assert [m.payload for m in store.read("orders", 0, 10)] == [b"a", b"b", b"d", b"e"]
+    assert store.info("orders").bytes == 4
+
+
+def test_dedupe_within_one_batch(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    got = store.append_batch("orders", [msg(b"a", b"k"), msg(b"b"), msg(b"c", b"k")], 0.0)
+    assert got == [Appended(1, False), Appended(2, False), Appended(1, True)]
+    assert store.info("orders").last_seq == 2
+
+
+def test_dedupe_forgotten_after_window(store: StreamStore) -> None:
+    store.add_stream(cfg(dedupe_window=60.0))
+    store.add_stream(cfg("none", dedupe_window=0.0))
+    store.append_batch("orders", [msg(b"a", b"k1"), msg(b"b", b"k2")], 0.0)
+    # past the window an id is new again, whether or not expire() ran in between
+    assert store.append_batch("orders", [msg(b"c", b"k1")], 60.0) == [Appended(3, False)]
+    assert store.append_batch("orders", [msg(b"c", b"k1")], 61.0) == [Appended(3, True)]
+    store.expire(60.0)
+    assert store.append_batch("orders", [msg(b"d", b"k2")], 61.0) == [Appended(4, False)]
+    got = store.append_batch("none", [msg(b"a", b"k"), msg(b"a", b"k")], 0.0)
+    assert got == [Appended(1, False), Appended(2, False)]
+
+
+def test_dedupe_outlives_the_message(store: StreamStore) -> None:
+    store.add_stream(cfg(max_msgs=1))
+    store.append_batch("orders", [msg(b"a", b"k"), msg(b"b")], 0.0)
+    assert store.append_batch("orders", [msg(b"a", b"k")], 1.0) == [Appended(1, True)]
+
+
+# -- consumers --------------------------------------------------------------------------
+
+
+def test_consumer_delivers_and_acks(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    fill(store, 5)
+    info = store.add_consumer("orders", ConsumerConfig("c"))
+    assert (info.next_seq, info.ack_floor, info.pending, info.dropped) == (1, 0, 0, 0)
+    got = store.consumer_next("orders", "c", 3, 0.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(1, 1), (2, 1), (3, 1)]
+    assert got[0].message.payload == bytes([0])
+    info = store.consumer_info("orders", "c")
+    assert (info.next_seq, info.ack_floor, info.pending) == (4, 0, 3)
+    assert store.consumer_ack("orders", "c", [2, 2, 99, 4]) == 1  # only 2 was pending
+    assert store.consumer_info("orders", "c").ack_floor == 0
+    assert store.consumer_ack("orders", "c", [1]) == 1
+    assert store.consumer_ack("orders", "c", [1]) == 0
+    info = store.consumer_info("orders", "c")
+    assert (info.ack_floor, info.pending) == (2, 1)
+    got = store.consumer_next("orders", "c", 10, 1.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(4, 1), (5, 1)]
+    assert store.consumer_next("orders", "c", 10, 2.0) == []
+    assert store.consumer_ack("orders", "c", [3, 4, 5]) == 3
+    info = store.consumer_info("orders", "c")
+    assert (info.next_seq, info.ack_floor, info.pending) == (6, 5, 0)
+    assert store.info("orders").consumers == ("c",)
+
+
+def test_add_consumer_is_idempotent(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.add_consumer("orders", ConsumerConfig("c", ack_wait=5.0))
+    fill(store, 2)
+    store.consumer_next("orders", "c", 1, 0.0)
+    info = store.add_consumer("orders", ConsumerConfig("c", ack_wait=5.0))
+    assert (info.next_seq, info.pending) == (2, 1)  # the existing consumer, position kept
+    with pytest.raises(ConsumerExists, match="different configuration"):
+        store.add_consumer("orders", ConsumerConfig("c", ack_wait=6.0))
+    assert isinstance(ConsumerExists("s", "c"), StoreError)
+
+
+def test_redelivery_after_ack_wait(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.add_consumer("orders", ConsumerConfig("c", ack_wait=10.0))
+    fill(store, 3)
+    store.consumer_next("orders", "c", 3, 0.0)
+    store.consumer_ack("orders", "c", [2])
+    assert store.consumer_next("orders", "c", 10, 9.9) == []
+    fill(store, 1, now=10.0)
+    got = store.consumer_next("orders", "c", 10, 10.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(1, 2), (3, 2), (4, 1)]
+    assert store.consumer_next("orders", "c", 10, 19.9) == []
+    got = store.consumer_next("orders", "c", 1, 20.0)  # max_count holds back the rest
+    assert [(d.message.seq, d.delivery) for d in got] == [(1, 3)]
+    got = store.consumer_next("orders", "c", 10, 20.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(3, 3), (4, 2)]
+    assert store.consumer_info("orders", "c").pending == 3
+
+
+def test_max_deliver_gives_up(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.add_consumer("orders", ConsumerConfig("c", ack_wait=1.0, max_deliver=2))
+    fill(store, 2)
+    assert len(store.consumer_next("orders", "c", 10, 0.0)) == 2
+    store.consumer_ack("orders", "c", [2])
+    got = store.consumer_next("orders", "c", 10, 1.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(1, 2)]
+    assert store.consumer_next("orders", "c", 10, 2.0) == []
+    info = store.consumer_info("orders", "c")
+    assert (info.pending, info.dropped, info.ack_floor, info.next_seq) == (0, 1, 2, 3)
+    assert store.consumer_ack("orders", "c", [1]) == 0  # given up: no longer pending
+
+
+def test_start_seq(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    fill(store, 5)
+    store.add_consumer("orders", ConsumerConfig("late", start_seq=4))
+    store.add_consumer("orders", ConsumerConfig("ahead", start_seq=8))
+    info = store.consumer_info("orders", "late")
+    assert (info.next_seq, info.ack_floor) == (4, 3)
+    got = store.consumer_next("orders", "late", 10, 0.0)
+    assert [d.message.seq for d in got] == [4, 5]
+    assert store.consumer_next("orders", "ahead", 10, 0.0) == []
+    fill(store, 3)
+    assert [d.message.seq for d in store.consumer_next("orders", "ahead", 10, 0.0)] == [8]
+
+
+def test_retention_skips_for_consumers(store: StreamStore) -> None:
+    store.add_stream(cfg(max_msgs=3))
+    store.add_consumer("orders", ConsumerConfig("c", ack_wait=1.0))
+    fill(store, 2)
+    assert len(store.consumer_next("orders", "c", 2, 0.0)) == 2
+    fill(store, 5)  # holds 5..7 now; the pending 1 and 2 are gone
+    info = store.consumer_info("orders", "c")
+    assert (info.next_seq, info.ack_floor, info.pending) == (5, 4, 0)
+    got = store.consumer_next("orders", "c", 10, 5.0)
+    assert [(d.message.seq, d.delivery) for d in got] == [(5, 1), (6, 1), (7, 1)]
+    assert store.consumer_ack("orders", "c", [1, 2]) == 0
+
+
+def test_unknown_consumer(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.add_consumer("orders", ConsumerConfig("c"))
+    with pytest.raises(ConsumerNotFound, match="no consumer named 'x' on stream 'orders'"):
+        store.consumer_info("orders", "x")
+    for call in (
+        lambda: store.consumer_next("orders", "x", 1, 0.0),
+        lambda: store.consumer_ack("orders", "x", [1]),
+        lambda: store.delete_consumer("orders", "x"),
+    ):
+        with pytest.raises(ConsumerNotFound):
+            call()
+    store.delete_consumer("orders", "c")
+    with pytest.raises(ConsumerNotFound):
+        store.consumer_info("orders", "c")
+    assert store.info("orders").consumers == ()
+
+
+# -- SQLite only ------------------------------------------------------------------------
+
+
+def test_sqlite_reopen_after_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "crash.db"
+    dead = SqliteStreamStore(path)
+    dead.add_stream(cfg(max_msgs=100))
+    dead.add_stream(cfg("other", max_age=5.0))
+    dead.append_batch("orders", [msg(b"a", b"id-a"), msg(b"b"), msg(b"c")], 10.0)
+    dead.append_batch("other", [msg(b"o")], 10.0)
+    dead.add_consumer("orders", ConsumerConfig("c", ack_wait=30.0, max_deliver=3))
+    dead.consumer_next("orders", "c", 2, 10.0)
+    dead.consumer_ack("orders", "c", [2])
+    dead.consumer_next("orders", "c", 2, 40.0)  # seq 1 redelivered, then 3 delivered
+    # no close(): the second store sees only what the first committed
+    alive = SqliteStreamStore(path)
+    try:
+        assert [c.name for c in alive.streams()] == ["orders", "other"]
+        assert alive.streams()[0] == cfg(max_msgs=100)
+        info = alive.info("orders")
+        assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (1, 3, 3, 3)
+        assert alive.append_batch("orders", [msg(b"a", b"id-a"), msg(b"d")], 20.0) == [
+            Appended(1, True),
+            Appended(4, False),
+        ]
+        c = alive.consumer_info("orders", "c")
+        assert (c.next_seq, c.ack_floor, c.pending, c.dropped) == (4, 0, 2, 0)
+        got = alive.consumer_next("orders", "c", 10, 70.0)
+        assert [(d.message.seq, d.delivery, d.message.payload) for d in got] == [
+            (1, 3, b"a"),
+            (3, 2, b"c"),
+            (4, 1, b"d"),
+        ]
+        assert alive.expire(15.0) == 1  # other's max_age counts from the stored time
+        assert alive.info("other").first_seq == 2
+    finally:
+        alive.close()
+        dead.close()
+
+
+def test_sqlite_pragmas(tmp_path: Path) -> None:
+    for fsync, synchronous in (("normal", 1), ("always", 2)):
+        s = SqliteStreamStore(tmp_path / f"{fsync}.db", fsync=fsync)
+        s.close()
+        db = sqlite3.connect(tmp_path / f"{fsync}.db")
+        try:
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        finally:
+            db.close()
+        s = SqliteStreamStore(tmp_path / f"{fsync}.db", fsync=fsync)
+        try:
+            assert s._db.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+            assert s._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        finally:
+            s.close()
+    with pytest.raises(ValueError, match="fsync must be 'normal' or 'always'"):
+        SqliteStreamStore(tmp_path / "x.db", fsync="sometimes")
+
+
+def test_sqlite_refuses_another_schema_version(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "old.db")
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        SqliteStreamStore(tmp_path / "old.db")
+
+
+def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
+    s = SqliteStreamStore(tmp_path / "s.db")
+    try:
+        s.add_stream(cfg())
+        s.append_batch("orders", [msg(b"a", b"k")], 0.0)
+        bad = NewMessage(SRC, DST, b"c", priority=[1])  # type: ignore[arg-type]
+        with pytest.raises(sqlite3.Error):  # the row cannot be bound: the batch rolls back
+            s.append_batch("orders", [msg(b"b", b"j"), bad], 1.0)
+        assert s.info("orders").last_seq == 1  # the mirror was reloaded from the database
+        assert s.append_batch("orders", [msg(b"b", b"j")], 2.0) == [Appended(2, False)]
+    finally:
+        s.close()
