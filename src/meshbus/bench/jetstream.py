@@ -1,0 +1,287 @@
+"""NATS JetStream as the peer of meshbus durable streams: acked appends, then range reads.
+
+``jetstream_append`` measures how fast one producer link gets messages *stored*: every
+publish carries a reply inbox, so the server answers each with a PubAck once the message is
+in the file store, and at most ``window`` publishes are unacknowledged at a time.
+``jetstream_fetch`` measures how fast one reader link pulls those messages back in batches.
+
+It is a fair peer because both sides do the same work the same way: a file-backed, single
+replica stream with default limits; one pipelined link per role, driven from the same kind
+of asyncio loop as the meshbus bench; and the raw text protocol spoken directly (no client
+library), so the driver adds no more than it does for meshbus. nats-server's defaults do
+not fsync each write (it syncs every 2 minutes), so neither do we ask it to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from meshbus.bench.servers import _DRAIN_TIMEOUT, BenchSetupError, Server, _drain, find_nats_server
+from meshbus.broker.process import stop_process
+
+STREAM = "BENCH"
+SUBJECT = "bench.append"
+# Bounds one wait on the server; only reached when it is broken or a check is about to fail.
+_IO_TIMEOUT = 10.0
+_START_TIMEOUT = 10.0
+
+
+class JetStreamError(Exception):
+    """The server refused a request, or what it stored or delivered is not what was sent."""
+
+
+@contextlib.contextmanager
+def jetstream_server(store_dir: str) -> Iterator[Server]:
+    """A `nats-server -js` subprocess storing in ``store_dir``, on a random loopback port."""
+    process = subprocess.Popen(
+        [find_nats_server(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", "-1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    log = process.stderr
+    drain: threading.Thread | None = None
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT
+        seen: list[str] = []
+        jetstream = False
+        while time.monotonic() < deadline:
+            line = log.readline().decode()
+            if not line:
+                break  # it exited: a bad store dir is fatal ("[FTL] Can't start JetStream")
+            seen.append(line)
+            # Printed once JetStream has its store; a server without it never prints this.
+            jetstream = jetstream or "Store Directory:" in line
+            match = re.search(r"Listening for client connections on (\S+):(\d+)", line)
+            if match and jetstream:
+                drain = threading.Thread(
+                    target=_drain, args=(log,), name="nats-server log", daemon=True
+                )
+                drain.start()
+                yield Server("nats-jetstream", match.group(1), int(match.group(2)))
+                return
+            if match:
+                break
+        raise BenchSetupError("nats-server did not start with JetStream: " + "".join(seen[-5:]))
+    finally:
+        stop_process(process)
+        if drain is not None:
+            drain.join(_DRAIN_TIMEOUT)
+        if drain is None or not drain.is_alive():
+            log.close()
+
+
+class _Msg(msgspec.Struct):
+    subject: bytes
+    reply: bytes
+    status: bytes  # b"" for a plain MSG; "404"/"408"/"503"... from an HMSG status line
+    payload: bytes
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    error: _ApiError | None = None
+
+
+_decode_ack = msgspec.json.Decoder(_PubAck).decode
+
+
+def _check_ack(payload: bytes, expected_seq: int) -> None:
+    ack = _decode_ack(payload)
+    if ack.error is not None:
+        raise JetStreamError(f"publish {expected_seq} refused: {ack.error.description}")
+    # One link's publishes are stored in the order sent, so the acks count up by one.
+    if ack.stream != STREAM or ack.seq != expected_seq:
+        raise JetStreamError(f"ack {expected_seq} is for {ack.stream} seq {ack.seq}")
+
+
+class _Link:
+    """One client connection; parses whole read chunks so the driver stays cheap per message."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.inbox = b"_INBOX." + secrets.token_hex(8).encode()
+        self._buf = bytearray()
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Link:
+        reader, writer = await asyncio.open_connection(host, port)
+        link = cls(reader, writer)
+        try:
+            async with asyncio.timeout(_IO_TIMEOUT):
+                info = msgspec.json.decode((await reader.readline()).removeprefix(b"INFO "))
+            if not info.get("jetstream"):
+                raise JetStreamError(f"{host}:{port} does not have JetStream enabled")
+            writer.write(
+                b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"no_responders":true}'
+                b"\r\nSUB %s.> 1\r\n" % link.inbox
+            )
+            await link.request("$JS.API.INFO", b"")  # a round trip: CONNECT and SUB are in
+        except BaseException:
+            writer.close()
+            raise
+        return link
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def publish(self, subject: bytes, reply: bytes, payload: bytes) -> None:
+        self.writer.write(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload))
+
+    async def read(self) -> list[_Msg]:
+        """At least one message, more if they arrived together."""
+        while True:
+            async with asyncio.timeout(_IO_TIMEOUT):
+                chunk = await self.reader.read(1 << 18)
+            if not chunk:
+                raise ConnectionError("nats-server closed the link")
+            msgs = self._parse(chunk)
+            if msgs:
+                return msgs
+
+    def _parse(self, chunk: bytes) -> list[_Msg]:
+        buf = self._buf
+        buf += chunk
+        out: list[_Msg] = []
+        pos = 0
+        while (eol := buf.find(b"\r\n", pos)) >= 0:
+            # split(), not split(b" "): 2.9 writes "MSG <subj> <sid>  <size>" with no reply.
+            args = bytes(buf[pos:eol]).split()
+            op = args[0].upper() if args else b""
+            if op in (b"MSG", b"HMSG"):
+                end = eol + 2 + int(args[-1])
+                if len(buf) < end + 2:
+                    break  # the rest of the body is still on its way
+                body = bytes(buf[eol + 2 : end])
+                status, has_reply = b"", len(args) == 5
+                if op == b"HMSG":
+                    head_size, has_reply = int(args[-2]), len(args) == 6
+                    first = body[: body.find(b"\r\n")].split()
+                    status, body = (first[1] if len(first) > 1 else b""), body[head_size:]
+                out.append(_Msg(args[1], args[3] if has_reply else b"", status, body))
+                pos = end + 2
+                continue
+            if op == b"PING":
+                self.writer.write(b"PONG\r\n")  # unanswered, the server drops the link
+            elif op == b"-ERR":
+                raise JetStreamError(f"nats-server: {bytes(buf[pos:eol]).decode()}")
+            pos = eol + 2  # INFO, PONG, +OK
+        del buf[:pos]
+        return out
+
+    async def request(self, subject: str, body: bytes) -> dict[str, Any]:
+        """A JetStream API call; only for set-up, when nothing else is in flight."""
+        reply = self.inbox + b".api"
+        self.publish(subject.encode(), reply, body)
+        while True:
+            for msg in await self.read():
+                if msg.subject != reply:
+                    raise JetStreamError(f"unexpected message on {msg.subject!r} during set-up")
+                if msg.status:
+                    raise JetStreamError(f"{subject}: status {msg.status.decode()}")
+                answer: dict[str, Any] = msgspec.json.decode(msg.payload)
+                if "error" in answer:
+                    raise JetStreamError(f"{subject}: {answer['error']}")
+                return answer
+
+
+async def jetstream_append(host: str, port: int, count: int, size: int, window: int = 256) -> float:
+    """Store ``count`` messages of ``size`` bytes in a new stream; acknowledged messages/s."""
+    if count < 1 or window < 1:
+        raise ValueError("count and window must be at least 1")
+    link = await _Link.open(host, port)
+    try:
+        config = {"name": STREAM, "subjects": [SUBJECT], "storage": "file"}
+        created = await link.request(f"$JS.API.STREAM.CREATE.{STREAM}", msgspec.json.encode(config))
+        # Creating an existing stream with the same config succeeds and keeps its messages.
+        if created["state"]["messages"]:
+            raise JetStreamError(f"stream {STREAM} already holds messages; start from a new store")
+        ack_subject = link.inbox + b".ack"
+        # Every ack goes to one subject: acks come back in publish order, so the n-th ack must
+        # carry seq n, and one pre-encoded publish serves for all.
+        one = b"PUB %s %s %d\r\n%s\r\n" % (SUBJECT.encode(), ack_subject, size, b"x" * size)
+        start = time.perf_counter()
+        sent = min(window, count)
+        link.writer.write(one * sent)
+        acked = 0
+        while acked < count:
+            for msg in await link.read():
+                if msg.subject != ack_subject or msg.status:
+                    raise JetStreamError(f"not a PubAck: {msg}")
+                acked += 1
+                _check_ack(msg.payload, acked)
+            more = min(count - sent, window - (sent - acked))
+            if more > 0:
+                link.writer.write(one * more)
+                sent += more
+            await link.writer.drain()
+        elapsed = time.perf_counter() - start
+        state = (await link.request(f"$JS.API.STREAM.INFO.{STREAM}", b""))["state"]
+        if state["last_seq"] != count or state["messages"] != count:
+            raise JetStreamError(f"stream holds {state} after {count} acked publishes")
+        return count / elapsed
+    finally:
+        link.close()
+
+
+async def jetstream_fetch(host: str, port: int, count: int, batch: int = 100) -> float:
+    """Read the ``count`` messages of the appended stream back in order; messages/s."""
+    if count < 1 or batch < 1:
+        raise ValueError("count and batch must be at least 1")
+    link = await _Link.open(host, port)
+    # A fresh durable each call, so the same stream can be read back by several runs.
+    name = "fetch-" + secrets.token_hex(4)
+    try:
+        # AckPolicy none: the server just advances the consumer's cursor along the stream
+        # sequence, like reading a sequence range from a given position. Explicit acks would
+        # add an ack message per read plus per-message pending state and redelivery timers,
+        # work a range read does not do; that would measure acking, not reading.
+        config = {"durable_name": name, "name": name, "ack_policy": "none", "deliver_policy": "all"}
+        request = {"stream_name": STREAM, "config": config}
+        await link.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.{name}", msgspec.json.encode(request))
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{name}".encode()
+        reply = link.inbox + b".fetch"
+        got = 0
+        start = time.perf_counter()
+        # One pull request in flight, each for a whole batch, as a client's fetch() loop does.
+        # no_wait: a short stream answers at once with a 404/408 status instead of idling.
+        while got < count:
+            wanted = min(batch, count - got)
+            link.publish(next_subject, reply, b'{"batch":%d,"no_wait":true}' % wanted)
+            end = got + wanted
+            while got < end:
+                for msg in await link.read():
+                    if msg.status:
+                        raise JetStreamError(
+                            f"fetch stopped at {got}: status {msg.status.decode()}"
+                        )
+                    # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>
+                    # .<timestamp>.<pending>: the order check needs no payload of its own.
+                    tokens = msg.reply.split(b".")
+                    got += 1
+                    if len(tokens) != 9 or int(tokens[5]) != got:
+                        raise JetStreamError(f"message {got} arrived as {msg.reply!r}")
+        elapsed = time.perf_counter() - start
+        if int(tokens[8]) != 0:
+            raise JetStreamError(f"{tokens[8].decode()} messages left after {count}")
+        await link.request(f"$JS.API.CONSUMER.DELETE.{STREAM}.{name}", b"")
+        return count / elapsed
+    finally:
+        link.close()
