@@ -108,7 +108,31 @@ if TYPE_CHECKING:
     "--data-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Directory for the broker's durable data (created if missing).",
+    help="Directory for the broker's durable data, its streams (created if missing); "
+    "without it, streams live in memory and end with the broker.",
+)
+@click.option(
+    "--fsync",
+    type=click.Choice(["normal", "always"]),
+    default="normal",
+    show_default=True,
+    help="Streams: 'normal' keeps every acknowledged message when the broker is killed "
+    "(kill -9); 'always' also through an OS crash or power loss, at a throughput cost.",
+)
+@click.option(
+    "--group-expiry",
+    type=click.FloatRange(0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Message groups: idle seconds before a group's binding to a member is dropped.",
+)
+@click.option(
+    "--group-grace",
+    type=click.FloatRange(0),
+    default=2.0,
+    show_default=True,
+    help="Message groups: seconds a member may be unreachable (failing over) before "
+    "its groups move to another member.",
 )
 @click.option(
     "--max-frame",
@@ -137,6 +161,9 @@ def broker(
     drain_grace: float,
     join_timeout: float,
     data_dir: str | None,
+    fsync: str,
+    group_expiry: float,
+    group_grace: float,
     max_frame: int,
     max_pending_bytes: int,
 ) -> None:
@@ -171,6 +198,9 @@ def broker(
         drain_grace=drain_grace,
         join_timeout=join_timeout,
         data_dir=data_dir or "",
+        fsync=fsync,
+        group_expiry=group_expiry,
+        group_grace=group_grace,
     )
     try:
         uvloop.run(serve(config))

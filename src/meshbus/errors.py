@@ -6,12 +6,17 @@
     │   └── RemoteProtocolError       the broker told us we broke them (.code)
     ├── ConnectionError_              base of link-state errors
     │   ├── NotConnected              used after close(), or before connect()
+    │   ├── AlreadyConnected          a fixed address this connector already serves
     │   └── ConnectionLost            the broker or the network broke the link
     ├── RequestError                  a request got no response
     │   ├── Timeout                   the deadline passed (.timeout)
     │   └── NoRoute                   nobody serves that address (.address)
+    ├── DeliveryFailed                a reliable send was never acknowledged (.address, .msg_id)
+    ├── NoQueue                       next_message() on a service that has listeners
+    ├── StreamError                   a stream request was refused (.code)
     └── RegistrationError             register/join/leave refused (.code)
-        └── AddressInUse              a fixed address is taken (.address)
+        ├── AddressInUse              a fixed address is taken (.address)
+        └── JoinFailed                a join or leave was refused
 
 "You closed it" (``NotConnected``) and "it broke" (``ConnectionLost``) are
 different errors on purpose: the first is a bug in the caller, the second is
@@ -57,6 +62,10 @@ class NotConnected(ConnectionError_):
     """The connector is closed (you closed it) or was never connected."""
 
 
+class AlreadyConnected(ConnectionError_):
+    """This connector already serves that fixed address (Postina's AlreadyConnected)."""
+
+
 class ConnectionLost(ConnectionError_):
     """The link to the broker broke (the broker or the network closed it)."""
 
@@ -95,3 +104,28 @@ class AddressInUse(RegistrationError):
     def __init__(self, message: str, address: str, code: int = 0) -> None:
         super().__init__(message, code)
         self.address = address
+
+
+class JoinFailed(RegistrationError):
+    """The broker refused a join or leave of a group."""
+
+
+class DeliveryFailed(MeshbusError):
+    """A reliable send got no acknowledgement after every attempt of its RetryPolicy."""
+
+    def __init__(self, message: str, address: str, msg_id: int) -> None:
+        super().__init__(message)
+        self.address = address
+        self.msg_id = msg_id
+
+
+class NoQueue(MeshbusError):
+    """``next_message()`` on a service whose messages go to listeners (``add_listener``)."""
+
+
+class StreamError(MeshbusError):
+    """A stream request was refused: no such stream or consumer, a bad config, storage."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code

@@ -47,16 +47,26 @@ from meshbus.protocol.control import (
     Drain,
     Empty,
     Error,
+    GroupBind,
+    GroupBound,
+    GroupEnd,
+    Groups,
     Hello,
+    Left,
     Load,
+    MemberList,
     Membership,
+    MembersRequest,
     Move,
     Ready,
     Register,
+    Relayed,
     Routed,
     Routes,
     StatRequest,
     Stats,
+    StreamReply,
+    StreamRequest,
     Welcome,
 )
 from meshbus.protocol.layout import (
@@ -230,7 +240,7 @@ def test_frame_of_exactly_max_frame_is_accepted() -> None:
 
 @pytest.mark.parametrize("flags", range(256))
 def test_check_data_flags(flags: int) -> None:
-    valid = flags & ~0x0F == 0 and flags & 0x03 != 0x03
+    valid = flags & ~0x7F == 0 and flags & 0x03 != 0x03
     if valid:
         check_data_flags(flags)
     else:
@@ -239,7 +249,7 @@ def test_check_data_flags(flags: int) -> None:
         assert info.value.code is ErrorCode.PROTOCOL_ERROR
 
 
-@pytest.mark.parametrize("flags", [0x10, 0x20, 0x80, 0xFF, 0x03, 0x07])
+@pytest.mark.parametrize("flags", [0x80, 0x90, 0xFF, 0x03, 0x07])
 def test_decoder_rejects_bad_flags(flags: int) -> None:
     # The encoder does not check flags; the decoder must.
     raw = encode_data(DST, SRC, b"", flags=flags)
@@ -289,6 +299,17 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.DRAIN: Drain(grace=2.5),
     ControlType.ROUTED: Routed(seq=42),
     ControlType.SYNCED: Empty(),
+    ControlType.MEMBERS: MembersRequest(group=b"\x02" + bytes(15), pick=True),
+    ControlType.MEMBER_LIST: MemberList(members=[b"\x01" + bytes(14) + b"\x01"]),
+    ControlType.GROUP_BIND: GroupBind(group=b"\x03" + bytes(15), key=b"order-17", expiry=60.0),
+    ControlType.GROUP_BOUND: GroupBound(member=b"\x01" + bytes(15), reassigned=True),
+    ControlType.GROUP_END: GroupEnd(group=b"\x03" + bytes(15), key=b"order-17"),
+    ControlType.GROUPS: Groups(ops=[(b"\x03" + bytes(15), b"g", b"\x01" + bytes(15), 300.0)]),
+    ControlType.STREAM: StreamRequest(op="fetch", stream="results", from_seq=5),
+    ControlType.STREAM_REPLY: StreamReply(messages=[(1, 2.5, b"s", b"d", b"", 0, b"p", 1)]),
+    ControlType.RELAYED: Relayed(type=31, body=b"\x80"),
+    ControlType.WATCH: Empty(),
+    ControlType.LEFT: Left(addresses=[b"\x01" + bytes(15)]),
 }
 
 
@@ -327,7 +348,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 28, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 39, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

@@ -69,6 +69,7 @@ class ControlHandler:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self._correlation = 0  # of the request being handled
+        self._ctype = 0
 
     def handle(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
         handler = _HANDLERS.get(ControlType(ctype)) if ctype in _KNOWN else None
@@ -84,6 +85,7 @@ class ControlHandler:
             )
             return
         self._correlation = correlation
+        self._ctype = ctype
         try:
             answer_type, answer = handler(self, link, body)
         except Refused as exc:
@@ -249,6 +251,7 @@ class ControlHandler:
         self._check_owned(link, body.address, "unregister")
         self.broker.routing.remove_service(body.address, link)
         self.broker.sync.announce(OP_REMOVE, body.address)
+        self.broker.guarantees.services_left([body.address])
         return ControlType.OK, Empty()
 
     def _join(self, link: Link, body: Body) -> Answer:
@@ -277,6 +280,12 @@ class ControlHandler:
         assert isinstance(body, Drain)
         self.broker.request_drain(body.grace or None, requested_by=link)
         return ControlType.OK, Empty()
+
+    def _guarantee(self, link: Link, body: Body) -> Answer:
+        """MEMBERS, GROUP_BIND, GROUP_END, WATCH, STREAM: answered (perhaps through another
+        broker) by meshbus.broker.guarantees and meshbus.broker.streams."""
+        self.broker.on_guarantee(link, self._ctype, self._correlation, body)
+        return None, None
 
     def _bye(self, link: Link, body: Body) -> Answer:
         link.close(CloseReason.CLIENT_BYE)
@@ -330,4 +339,9 @@ _HANDLERS = {
     ControlType.PING: ControlHandler._ping,
     ControlType.BYE: ControlHandler._bye,
     ControlType.DRAIN: ControlHandler._drain,
+    ControlType.MEMBERS: ControlHandler._guarantee,
+    ControlType.GROUP_BIND: ControlHandler._guarantee,
+    ControlType.GROUP_END: ControlHandler._guarantee,
+    ControlType.WATCH: ControlHandler._guarantee,
+    ControlType.STREAM: ControlHandler._guarantee,
 }

@@ -149,6 +149,7 @@ class Mesh:
 
     def _became_ready(self) -> None:
         self.ready = True
+        self.broker.streams.restore()
         # Connectors get the list in WELCOME from now on; only changes are pushed.
         self._pushed = self._connector_addresses()
 
@@ -305,6 +306,7 @@ class Mesh:
         state.address = listen
         state.slot = slot
         self.broker.sync.send_snapshot(link)
+        self.broker.guarantees.send_groups(link)
         self.peers[name] = link
         link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self.brokers())))
         link.send(encode_control(ControlType.LOAD, self._load()))
@@ -329,6 +331,9 @@ class Mesh:
                 link.fail(ErrorCode.PROTOCOL_ERROR, "expected WELCOME", CloseReason.PROTOCOL_ERROR)
             return
         if body is not None:
+            if ctype in _GUARANTEES:
+                self.broker.on_guarantee(link, ctype, correlation, body)
+                return
             if (handler := _MESH_HANDLERS.get(ctype)) is not None:
                 handler(self, link, correlation, body)
                 return
@@ -356,6 +361,7 @@ class Mesh:
         state.ready = body.ready
         state.draining = body.draining
         state.slot = link.slot = body.slot
+        self.broker.streams.peer_streams(link, body.streams)
         if changed:
             self.lists_changed()
 
@@ -446,7 +452,12 @@ class Mesh:
             slot=s.slot,
             ready=s.ready,
             draining=s.draining,
+            streams=self.broker.streams.names(),
         )
+
+    def load_changed(self) -> None:
+        """Tell the peers now (the streams this broker hosts changed)."""
+        self._send_all(ControlType.LOAD, self._load())
 
     def _send_all(self, type_: ControlType, body: Body) -> None:
         if self.peers:
@@ -487,6 +498,8 @@ class Mesh:
         del self.peers[link.name]
         self.stats.peers_lost += 1
         self.broker.sync.peer_lost(link)
+        self.broker.guarantees.peer_lost(link)
+        self.broker.streams.peer_lost(link)
         reason_text = f"broker {link.name}, which had it, left the mesh while the request was out"
         for entry in self.broker.pending.drop_via(link):
             self.broker.tell_requester(entry, ControlType.NO_ROUTE, reason_text)
@@ -524,6 +537,8 @@ class Mesh:
                             CloseReason.HEARTBEAT_TIMEOUT,
                         )
             self._send_all(ControlType.LOAD, self._load())
+            self.broker.guarantees.groups.expire(self.broker.clock())
+            self.broker.streams.expire()
 
     # -- drain and stop -------------------------------------------------------------------------
 
@@ -589,6 +604,17 @@ _MESH_HANDLERS = {
     int(ControlType.PING): Mesh._on_ping,
     int(ControlType.PONG): Mesh._ignore,
 }
+# Requests a peer relays for its connectors, and the guarantees' own broker-to-broker frames.
+_GUARANTEES = frozenset(
+    int(t)
+    for t in (
+        ControlType.GROUP_BIND,
+        ControlType.GROUP_END,
+        ControlType.GROUPS,
+        ControlType.RELAYED,
+        ControlType.STREAM,
+    )
+)
 _SYNC_HANDLERS = {
     int(ControlType.ROUTES): RouteSync.on_routes,
     int(ControlType.CLAIM): RouteSync.on_claim,

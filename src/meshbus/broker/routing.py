@@ -295,6 +295,18 @@ class RoutingTable(Generic[L]):
         for group, g in self._groups.items():
             yield group, tuple(g.members)
 
+    def members(self, group: bytes) -> list[bytes]:
+        """Every member of ``group`` in the mesh."""
+        g = self._groups.get(group)
+        return [] if g is None else list(g.members)
+
+    def is_remote_member(self, member: bytes) -> bool:
+        link = self._owner.get(member)
+        return link is None or self._is_remote(link)
+
+    def pick(self, choices: list[bytes]) -> bytes:
+        return choices[self._rng.randrange(len(choices))]
+
     def groups_of(self, member: bytes) -> frozenset[bytes]:
         return frozenset(self._joined.get(member, ()))
 

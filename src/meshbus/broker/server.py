@@ -23,11 +23,13 @@ from meshbus.address import describe_address
 from meshbus.broker.balance import redirect_target
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.forward import stamp_run
+from meshbus.broker.guarantees import Guarantees
 from meshbus.broker.link import CloseReason, Link
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.pending import PendingEntry, PendingTable
 from meshbus.broker.process import ready_line
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.streams import Streams
 from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Bye, DeliveryFailure
@@ -61,6 +63,13 @@ class BrokerConfig:
     drain_grace: float = 10.0
     join_timeout: float = 30.0
     data_dir: str = ""
+    # Message groups: idle seconds before a binding goes (the seed's 5 minutes), and how
+    # long a member may be missing (failing over) before its groups move.
+    group_expiry: float = 300.0
+    group_grace: float = 2.0
+    # Streams under data_dir: "normal" survives the broker being killed (kill -9),
+    # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
+    fsync: str = "normal"
 
 
 @dataclass
@@ -92,6 +101,7 @@ class Broker:
         self.control = ControlHandler(self)
         self.mesh = Mesh(self)
         self.sync = RouteSync(self)
+        self.guarantees = Guarantees(self)
         self.links: dict[int, Link] = {}
         self.connectors: set[Link] = set()  # open connector links
         # Frames routed during one read, per destination link; written at the end of the read.
@@ -106,6 +116,7 @@ class Broker:
         self.drain_requested = asyncio.Event()
         self._drain_grace: float | None = None
         self._drain_requester: Link | None = None
+        self.streams = Streams(self)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -156,6 +167,22 @@ class Broker:
                 pass
         if self._server is not None:
             await self._server.wait_closed()
+        self.streams.close()
+
+    def on_guarantee(self, link: Link, ctype: int, correlation: int, body: Any) -> None:
+        """A request for meshbus.broker.guarantees or .streams, from a connector or relayed
+        by a peer, or their broker-to-broker frames."""
+        g = self.guarantees
+        handlers = {
+            ControlType.MEMBERS: g.on_members,
+            ControlType.GROUP_BIND: g.on_bind,
+            ControlType.GROUP_END: g.on_end,
+            ControlType.GROUPS: g.on_groups,
+            ControlType.RELAYED: g.on_relayed,
+            ControlType.WATCH: g.on_watch,
+            ControlType.STREAM: self.streams.on_request,
+        }
+        handlers[ControlType(ctype)](link, correlation, body)
 
     def next_link_id(self) -> int:
         link_id = self._next_link_id
@@ -180,6 +207,8 @@ class Broker:
         self.stats.closed_msgs_in += link.msgs_in
         self.stats.closed_msgs_out += link.msgs_out
         gone = self.routing.remove_link(link)
+        self.guarantees.services_left(gone)
+        self.guarantees.watchers.discard(link)
         self.pending.drop_link(link)
         self.outbox.pop(link, None)
         if link in self.connectors:
@@ -343,6 +372,8 @@ class Broker:
             ],
             "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
             "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
+            "streams": self.streams.snapshot(),
+            "groups_bound": len(self.guarantees.groups),
             "counters": {
                 "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),
                 "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in self.links.values()),

@@ -206,6 +206,7 @@ class RouteSync:
             return  # about an address that has moved on since: stale
         elif op == OP_REMOVE:
             routing.remove_service(address, link)
+            self.broker.guarantees.services_left([address])
         elif op in (OP_JOIN, OP_LEAVE):
             if len(extra) != 16 or extra[0] not in (CAST_MULTICAST, CAST_ANYCAST):
                 raise RoutingError("JOIN or LEAVE of an address that is not a group")

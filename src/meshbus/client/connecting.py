@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from meshbus.address import Unicast
 from meshbus.client.connector import Connector
+from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import ConnectionLost
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
 from meshbus.util import parse_hostport
@@ -41,6 +42,7 @@ async def connect(
     failover_timeout: float = 10.0,
     keepalive: float = 1.0,
     operator: bool = False,
+    reliable: ReliableConfig | None = None,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list) and complete the handshake.
@@ -56,6 +58,8 @@ async def connect(
     ``meshbus stat`` and ``meshbus drain`` use): it is not a connector -- never
     refused or redirected when the broker is full, joining or draining, not counted,
     never moved -- it cannot register services, and it does not fail over.
+
+    ``reliable`` tunes reliable sends and message groups (``meshbus.ReliableConfig``).
     """
     if server is None:
         server = socket.gethostname().split(".")[0]
@@ -70,6 +74,7 @@ async def connect(
         failover_timeout if failover and not operator else 0.0,
         keepalive,
         operator,
+        reliable or ReliableConfig(),
     )
     try:
         async with asyncio.timeout(timeout):

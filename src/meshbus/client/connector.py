@@ -21,17 +21,19 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from meshbus.address import Address, describe_address
 from meshbus.client.keeper import LinkKeeper
 from meshbus.client.link import BrokerLink
-from meshbus.client.service import Message, Service
+from meshbus.client.reliable import Reliable, ReliableConfig
+from meshbus.client.service import BROADCAST, Message, Service
 from meshbus.errors import (
     AddressInUse,
     ConnectionLost,
+    DeliveryFailed,
     MeshbusError,
     NoRoute,
     NotConnected,
@@ -50,11 +52,13 @@ from meshbus.protocol.control import (
     Drain,
     Empty,
     Error,
+    Left,
     Move,
     Register,
     StatRequest,
     Stats,
 )
+from meshbus.protocol.ext import Ext, split
 from meshbus.protocol.layout import (
     FATAL_ERRORS,
     ControlType,
@@ -68,6 +72,9 @@ T = TypeVar("T")
 
 _RESPONSE = int(DataFlags.RESPONSE)
 _ECHO = int(DataFlags.ECHO)
+_ACK = int(DataFlags.ACK)
+_EXT = int(DataFlags.EXT)
+_RELIABLE = int(DataFlags.RELIABLE)
 _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
 # How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
@@ -100,6 +107,7 @@ class Connector:
         failover_timeout: float,
         keepalive: float,
         operator: bool = False,
+        reliable: ReliableConfig | None = None,
     ) -> None:
         self.server = server
         self.operator = operator
@@ -123,6 +131,9 @@ class Connector:
         self._lost: MeshbusError | None = None
         self._rng = random.Random()
         self._undeliverable_handlers: list[Callable[[Undeliverable], None]] = []
+        self._left_handlers: list[Callable[[list[str]], None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reliable = Reliable(self, reliable or ReliableConfig())
 
     async def __aenter__(self) -> Connector:
         return self
@@ -250,6 +261,33 @@ class Connector:
         is the value ``send`` returned."""
         self._undeliverable_handlers.append(handler)
 
+    def on_delivery_failed(self, handler: Callable[[DeliveryFailed], None]) -> None:
+        """Call ``handler`` for each reliable send (``send(..., reliable=True)``) given up
+        after every attempt; ``send_reliable`` raises the same ``DeliveryFailed`` instead."""
+        self._reliable.failed_handlers.append(handler)
+
+    def on_suspected_dead(self, handler: Callable[[str], None]) -> None:
+        """Call ``handler`` with an address once reliable sends to it have failed
+        ``ReliableConfig.suspicion`` times in a row; any message from it clears that."""
+        self._reliable.dead_handlers.append(handler)
+
+    async def on_service_left(self, handler: Callable[[list[str]], None]) -> None:
+        """Call ``handler`` with the addresses of services that left the mesh: unregistered,
+        or their connector died without a goodbye (a failover leaves and comes back)."""
+        if not self._left_handlers:
+            await self._control(ControlType.WATCH, Empty())
+        self._left_handlers.append(handler)
+
+    @property
+    def unacked(self) -> int:
+        """Reliable messages sent and not acknowledged yet."""
+        return len(self._reliable._pending)
+
+    async def wait_acked(self, timeout: float | None = None) -> None:
+        """Wait until every reliable message sent so far is acknowledged or given up."""
+        async with asyncio.timeout(timeout):
+            await self._reliable.idle()
+
     async def close(self) -> None:
         """Say goodbye and close the link. Pending requests fail with ``NotConnected``."""
         if self._closed:
@@ -285,12 +323,42 @@ class Connector:
     async def _send_data(
         self, src: bytes, dst: bytes, payload: bytes, flags: int, *, response_for: int = 0
     ) -> int:
+        msg_id = self._new_msg_id()
+        await self._write_data(dst, src, payload, flags, msg_id, response_for)
+        return msg_id
+
+    def _new_msg_id(self) -> int:
+        msg_id = self._next_msg_id
+        self._next_msg_id += 1
+        return msg_id
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _send_control(self, type_: ControlType, body: Body) -> None:
+        """A control frame whose answer nobody waits for."""
+        link = self._keeper.link
+        if link is not None and not link.closed and self._keeper.connected.is_set():
+            link.write(encode_control(type_, body))
+
+    async def _write_data(
+        self,
+        dst: bytes,
+        src: bytes,
+        payload: bytes,
+        flags: int,
+        msg_id: int,
+        response_for: int = 0,
+    ) -> None:
         keeper = self._keeper
         link = keeper.link
         if link is None or not keeper.connected.is_set() or self._closed:
             link = await keeper.usable()
-        msg_id = self._next_msg_id
-        self._next_msg_id += 1
         frame = encode_data(
             dst,
             src,
@@ -303,12 +371,10 @@ class Connector:
         link.write(frame)
         if link.write_paused:
             await self._drain()
-        return msg_id
 
     async def _request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
         link = await self._keeper.usable()
-        msg_id = self._next_msg_id
-        self._next_msg_id += 1
+        msg_id = self._new_msg_id()
         frame = encode_data(
             dst.to_bytes(),
             src,
@@ -433,9 +499,26 @@ class Connector:
             else:
                 self.dropped += 1
             return
+        reliable = self._reliable
+        if flags & _ACK:
+            reliable.on_ack(frame)
+            return
+        reliable.suspicion.heard(frame.src)
+        ext: Ext | None = None
+        if flags & _EXT:
+            try:
+                ext, frame.payload = split(frame.payload)
+            except ProtocolError as exc:
+                # Another service's bytes, not the broker's: drop the message, keep the link.
+                log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
+                self.dropped += 1
+                return
         cast = frame.dst[0]
+        members: list[Service] | tuple[Service, ...]
         if cast in (_CAST_MULTICAST, _CAST_ANYCAST):
             members = self._members.get(frame.dst, ())
+            if frame.dst == BROADCAST:
+                members = list(self._services.values())
             if not flags & _ECHO:
                 members = [m for m in members if m._raw != frame.src]
             if not members:
@@ -443,16 +526,26 @@ class Connector:
                 return
             if cast == _CAST_ANYCAST:
                 members = [self._rng.choice(members)]
-            for member in members:
+        else:
+            service = self._services.get(frame.dst)
+            if service is None:
+                self.dropped += 1
+                return
+            members = (service,)
+        for member in members:
+            if flags & _RELIABLE and not reliable.accept(member, frame):
+                continue
+            if ext is None:
                 member._deliver(
                     Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
                 )
-            return
-        service = self._services.get(frame.dst)
-        if service is None:
-            self.dropped += 1
-            return
-        service._deliver(Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, service))
+            elif ext.command:
+                self._spawn(member._obey(ext.command, frame.payload), "subscribe-other")
+            elif ext.group:
+                for (to, done, done_ext), reassigned in reliable.in_order(member, frame, ext):
+                    to._deliver(Message.of(done, to, done_ext, reassigned))
+            else:
+                member._deliver(Message.of(frame, member, ext, False))
 
     def _on_control(self, link: BrokerLink, frame: ControlFrame) -> None:
         ctype = frame.type
@@ -489,6 +582,11 @@ class Connector:
         elif ctype == ControlType.BYE:
             assert isinstance(body, Bye)
             link.error = f"the broker said goodbye: {body.reason}"
+        elif ctype == ControlType.LEFT:
+            assert isinstance(body, Left)
+            left = [describe_address(address) for address in body.addresses]
+            for handler in self._left_handlers:
+                handler(left)
 
     def _on_delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
         dst = describe_address(body.dst)
@@ -504,6 +602,8 @@ class Connector:
             return
         if ctype != ControlType.NO_ROUTE:
             return  # a TIMEOUT for a request this side already gave up on
+        if self._reliable.no_route(body.msg_id):
+            return  # tried again by the resend timer
         report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
         if not self._undeliverable_handlers:
             log.warning(
@@ -537,6 +637,9 @@ class Connector:
             if not waiter.done():
                 waiter.set_exception(error)
         self._drain_waiters.clear()
+        self._reliable.shutdown(error)
+        for task in self._tasks:
+            task.cancel()
         for service in self._services.values():
             service._close()
 

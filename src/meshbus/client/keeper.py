@@ -245,6 +245,7 @@ class LinkKeeper:
                     continue
                 self.failovers += 1
                 self.activate(link)
+                self.connector._reliable.resend_all()
                 log.info("failed over", extra={"broker": link.broker_name})
                 return
         self.connector._shutdown(
@@ -319,6 +320,8 @@ class LinkKeeper:
                 )
                 for group in service.groups
             )
+        if conn._left_handlers:
+            joins.append(conn._control(ControlType.WATCH, Empty(), link=link))
         for answer in await asyncio.gather(*joins, return_exceptions=True):
             if isinstance(answer, ConnectionLost):
                 raise answer

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from meshbus.address import Address
-from meshbus.errors import MeshbusError, NotConnected, Timeout
+from meshbus.address import Address, Multicast
+from meshbus.errors import (
+    JoinFailed,
+    MeshbusError,
+    NoQueue,
+    NotConnected,
+    RegistrationError,
+    Timeout,
+)
+from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import AddressBody, Membership
+from meshbus.protocol.ext import Ext, wrap
 from meshbus.protocol.layout import ControlType, DataFlags
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
 
 AddressLike = Address | str
+log = logging.getLogger("meshbus.client")
 
 _FLAG_REQUEST = int(DataFlags.REQUEST)
 
@@ -30,10 +41,29 @@ def as_address(value: AddressLike) -> Address:
     raise TypeError(f"expected an Address or its text form, not {type(value).__name__}")
 
 
-class Message:
-    """A message as a service receives it."""
+_NO_EXT = Ext()
+# The multicast address every service can be reached at through ``broadcast``.
+BROADCAST = Multicast("$all").to_bytes()
 
-    __slots__ = ("_dst", "_service", "_src", "flags", "msg_id", "payload")
+
+class Message:
+    """A message as a service receives it.
+
+    ``priority`` is the sender's; ``group`` and ``final`` are set on the messages of a
+    message group, and ``group_reassigned`` on the first one a member receives of a group
+    that was held by another member before (that member died or left): the receiver
+    should recover the group's state before it handles the message."""
+
+    __slots__ = (
+        "_dst",
+        "_ext",
+        "_service",
+        "_src",
+        "flags",
+        "group_reassigned",
+        "msg_id",
+        "payload",
+    )
 
     def __init__(
         self,
@@ -43,13 +73,37 @@ class Message:
         msg_id: int,
         flags: int,
         service: Service | None,
+        ext: Ext = _NO_EXT,
+        group_reassigned: bool = False,
     ) -> None:
         self._src = src
-        self._dst = dst
+        self._dst = ext.origin or dst
         self.payload = payload
         self.msg_id = msg_id
         self.flags = flags
         self._service = service
+        self._ext = ext
+        self.group_reassigned = group_reassigned
+
+    @classmethod
+    def of(cls, frame: DataFrame, service: Service, ext: Ext, reassigned: bool) -> Message:
+        return cls(
+            frame.src, frame.dst, frame.payload, frame.msg_id, frame.flags, service, ext, reassigned
+        )
+
+    @property
+    def priority(self) -> int:
+        return self._ext.priority
+
+    @property
+    def group(self) -> str | None:
+        """The message group's id, or None for a message outside any group."""
+        return self._ext.group.decode() if self._ext.group else None
+
+    @property
+    def final(self) -> bool:
+        """The last message of its group."""
+        return self._ext.final
 
     @property
     def src(self) -> Address:
@@ -96,6 +150,7 @@ class Service:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._groups: set[Address] = set()
         self._closed = False
+        self._listeners: list[Callable[[Message], object]] = []
 
     def __repr__(self) -> str:
         return f"<Service {self.address}>"
@@ -108,17 +163,151 @@ class Service:
     # -- sending --------------------------------------------------------------
 
     async def send(
-        self, dst: AddressLike, payload: bytes, *, echo: bool = False, notify: bool = False
+        self,
+        dst: AddressLike,
+        payload: bytes,
+        *,
+        echo: bool = False,
+        notify: bool = False,
+        reliable: bool = False,
+        group: str | bytes | None = None,
+        final: bool = False,
+        priority: int = 0,
+        publish_id: bytes = b"",
     ) -> int:
-        """Send ``payload`` to ``dst`` (at most once); returns the message id.
+        """Send ``payload`` to ``dst``; returns the message id.
 
+        A plain send is at most once. ``reliable=True``: exactly once to the application --
+        kept until the receiving connector acknowledges it and resent on timeout (see
+        ``ReliableConfig``); ``send`` returns once it is sent, and a send that is finally
+        given up goes to ``Connector.on_delivery_failed``. Use ``send_reliable`` to wait for
+        the acknowledgement instead. To a multicast address each member gets it once; to an
+        anycast address exactly one member does.
+
+        ``group`` (to an anycast address): a message group -- every message with this id
+        goes to the same member, in the order sent, reliably; ``final=True`` on the last
+        one ends the group. ``priority`` is carried to the receiver (``Message.priority``).
+        ``publish_id``: a stream stores a message with this id once per dedupe window.
         ``echo``: a group send also reaches this service if it is a member.
-        ``notify``: if the broker cannot deliver it, it says so, and the connector calls
-        its ``on_undeliverable`` handlers; by default such a send is dropped and counted."""
+        ``notify``: if the broker cannot deliver a plain send, it says so, and the connector
+        calls its ``on_undeliverable`` handlers; by default such a send is dropped and
+        counted."""
+        raw = as_address(dst).to_bytes()
+        if reliable or group is not None:
+            return await self._conn._reliable.send(
+                self._raw,
+                raw,
+                payload,
+                echo=echo,
+                group=group.encode() if isinstance(group, str) else (group or b""),
+                final=final,
+                priority=priority,
+                publish_id=publish_id,
+                wait=False,
+            )
+        if final:
+            raise ValueError("final=True ends a message group; give the group too")
         flags = (DataFlags.ECHO if echo else 0) | (DataFlags.NOTIFY_DROP if notify else 0)
-        return await self._conn._send_data(
-            self._raw, as_address(dst).to_bytes(), payload, int(flags)
+        if priority or publish_id:
+            flags |= DataFlags.EXT
+            payload = wrap(Ext(priority=priority, publish_id=publish_id), payload)
+        return await self._conn._send_data(self._raw, raw, payload, int(flags))
+
+    async def send_reliable(
+        self,
+        dst: AddressLike,
+        payload: bytes,
+        *,
+        group: str | None = None,
+        final: bool = False,
+        priority: int = 0,
+        publish_id: bytes = b"",
+        echo: bool = False,
+    ) -> int:
+        """A reliable send that returns once it is acknowledged (by every member, for a
+        multicast address); raises ``meshbus.DeliveryFailed`` when it is given up."""
+        return await self._conn._reliable.send(
+            self._raw,
+            as_address(dst).to_bytes(),
+            payload,
+            echo=echo,
+            group=group.encode() if group else b"",
+            final=final,
+            priority=priority,
+            publish_id=publish_id,
+            wait=True,
         )
+
+    # -- the Postina verbs (ARCHITECTURE.md section 7) -----------------------------------
+
+    async def publish(
+        self, topic: str, payload: bytes, *, priority: int = 0, reliable: bool = False
+    ) -> int:
+        """Send to every subscriber of ``topic`` (the multicast address of that name)."""
+        return await self.send(Multicast(topic), payload, priority=priority, reliable=reliable)
+
+    async def subscribe(self, topics: str | Iterable[str]) -> None:
+        """Receive what is published to ``topics`` (one name or several)."""
+        for topic in [topics] if isinstance(topics, str) else topics:
+            await self._membership(self.join, topic)
+
+    async def unsubscribe(self, topics: str | Iterable[str]) -> None:
+        for topic in [topics] if isinstance(topics, str) else topics:
+            await self._membership(self.leave, topic)
+
+    @staticmethod
+    async def _membership(change: Callable[[Multicast], Awaitable[None]], topic: str) -> None:
+        try:
+            await change(Multicast(topic))
+        except RegistrationError as exc:
+            raise JoinFailed(str(exc), exc.code) from exc
+
+    async def subscribe_other(self, topic: str, address: AddressLike) -> None:
+        """Make the service at ``address`` subscribe to ``topic`` (interest management by a
+        master service). Returns once its connector has the request; reliable."""
+        await self._command("subscribe", topic, address)
+
+    async def unsubscribe_other(self, topic: str, address: AddressLike) -> None:
+        await self._command("unsubscribe", topic, address)
+
+    async def _command(self, command: str, topic: str, address: AddressLike) -> None:
+        Multicast(topic)  # a bad topic fails here
+        await self._conn._reliable.send(
+            self._raw,
+            as_address(address).to_bytes(),
+            topic.encode(),
+            echo=False,
+            group=b"",
+            final=False,
+            priority=0,
+            publish_id=b"",
+            wait=True,
+            command=command,
+        )
+
+    async def _obey(self, command: str, topic: bytes) -> None:
+        try:
+            if command == "subscribe":
+                await self.join(Multicast(topic.decode()))
+            elif command == "unsubscribe":
+                await self.leave(Multicast(topic.decode()))
+        except (MeshbusError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("could not obey", extra={"command": command, "error": str(exc)})
+
+    async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
+        """Send to every service on the bus (at most once, like ``publish``)."""
+        return await self.send(Address.from_bytes(BROADCAST), payload, priority=priority)
+
+    def add_listener(self, listener: Callable[[Message], object]) -> None:
+        """Call ``listener`` with each message (a coroutine function is run as a task).
+        From then on the queue is off: ``next_message``/``recv`` raise ``NoQueue``."""
+        self._listeners.append(listener)
+        while self._inbox:
+            self._dispatch(self._inbox.popleft())
+
+    async def next_message(self, timeout: float | None = None) -> Message:
+        """The next message from the queue (Postina's name for ``recv``)."""
+        return await self.recv(timeout)
 
     async def request(self, dst: AddressLike, payload: bytes, *, timeout: float = 5.0) -> Message:
         """Send a request and wait for its response.
@@ -142,6 +331,11 @@ class Service:
         """The next message; ``meshbus.Timeout`` if none arrives within ``timeout`` seconds.
 
         Several tasks may wait on one service; each message goes to one of them."""
+        if self._listeners:
+            raise NoQueue(
+                f"{self.address} hands its messages to listeners (add_listener), "
+                "so it has no queue to take them from"
+            )
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not self._inbox:
@@ -189,10 +383,22 @@ class Service:
         self._conn._check_usable()
 
     def _deliver(self, message: Message) -> None:
+        if self._listeners:
+            self._dispatch(message)
+            return
         self._inbox.append(message)
         self._wake_one()
         if len(self._inbox) == self._max_inbox:
             self._conn._inbox_full(self)
+
+    def _dispatch(self, message: Message) -> None:
+        for listener in self._listeners:
+            try:
+                result = listener(message)
+                if asyncio.iscoroutine(result):
+                    self._conn._spawn(result, "listener")
+            except Exception:
+                log.exception("a message listener failed", extra={"service": str(self.address)})
 
     def _wake_one(self) -> None:
         while self._waiters:

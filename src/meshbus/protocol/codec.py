@@ -182,6 +182,15 @@ def encode_control(
     return header + raw
 
 
+def encode_control_raw(type_: int, raw: bytes, correlation: int = 0) -> bytes:
+    """A control frame around an already encoded body (one relayed from a peer)."""
+    total = CONTROL_HEADER_SIZE + len(raw)
+    header = CONTROL_HEADER.pack(
+        total - LENGTH_SIZE, KIND_CONTROL, PROTOCOL_VERSION, type_, correlation
+    )
+    return header + raw
+
+
 def decode_frame(frame: bytes | bytearray | memoryview) -> Frame:
     """Decode exactly one complete frame (as delimited by ``frame_extent``)."""
     kind = frame[4]

@@ -181,6 +181,7 @@ class Load(Body):
     slot: int = 0
     ready: bool = False
     draining: bool = False
+    streams: list[str] = msgspec.field(default_factory=list)  # the streams it hosts
 
 
 class Ready(Body):
@@ -201,6 +202,96 @@ class Drain(Body):
     """DRAIN: ask the broker to drain; ``grace`` 0 uses its configured grace period."""
 
     grace: float = 0.0
+
+
+class MembersRequest(Body):
+    """MEMBERS: the unicast members of ``group``, mesh-wide. With ``pick``, the one member
+    an anycast send would reach now (a local one first), for a reliable anycast send."""
+
+    group: bytes
+    pick: bool = False
+
+
+class MemberList(Body):
+    members: list[bytes] = msgspec.field(default_factory=list)
+
+
+class GroupBind(Body):
+    """GROUP_BIND: which member of anycast ``group`` holds message group ``key``; binds
+    it if nobody does. ``failed``: the member the sender could not reach (it may have
+    died); ``expiry``: idle seconds before the binding is dropped (0: the broker's)."""
+
+    group: bytes
+    key: bytes
+    failed: bytes = b""
+    expiry: float = 0.0
+
+
+class GroupBound(Body):
+    member: bytes
+    reassigned: bool = False  # the group was bound to another member before
+
+
+class GroupEnd(Body):
+    """GROUP_END: message group ``key`` of ``group`` is over; its binding goes."""
+
+    group: bytes
+    key: bytes
+
+
+# (anycast group, group key, member -- b"" to unbind --, idle expiry in seconds)
+GroupOp = tuple[bytes, bytes, bytes, float]
+
+
+class Groups(Body):
+    """GROUPS: group bindings made or dropped by the sender (its home groups)."""
+
+    ops: list[GroupOp] = msgspec.field(default_factory=list)
+
+
+class Relayed(Body):
+    """RELAYED: the answer (a control frame of ``type`` with body bytes ``body``) to a
+    request this broker relayed on behalf of one of its connectors."""
+
+    type: int
+    body: bytes = b""
+
+
+class Left(Body):
+    """LEFT: services that left the mesh (unregistered, or their connector died)."""
+
+    addresses: list[bytes] = msgspec.field(default_factory=list)
+
+
+class StreamRequest(Body):
+    """STREAM: ``op`` is one of add, delete, info, list, fetch, consumer_add,
+    consumer_delete, consumer_info, next, ack; each uses the fields it needs."""
+
+    op: str
+    stream: str = ""
+    captures: list[bytes] = msgspec.field(default_factory=list)
+    max_msgs: int = 0
+    max_bytes: int = 0
+    max_age: float = 0.0
+    dedupe_window: float = 120.0
+    from_seq: int = 1
+    max_count: int = 100
+    consumer: str = ""
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    start_seq: int = 0
+    seqs: list[int] = msgspec.field(default_factory=list)
+
+
+# seq, stored_at, src, dst, group, priority, payload, delivery count
+StoredRow = tuple[int, float, bytes, bytes, bytes, int, bytes, int]
+
+
+class StreamReply(Body):
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    streams: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    messages: list[StoredRow] = msgspec.field(default_factory=list)
+    acked: int = 0
 
 
 BODY_TYPES: dict[ControlType, type[Body]] = {
@@ -231,6 +322,17 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.DRAIN: Drain,
     ControlType.ROUTED: Routed,
     ControlType.SYNCED: Empty,
+    ControlType.MEMBERS: MembersRequest,
+    ControlType.MEMBER_LIST: MemberList,
+    ControlType.GROUP_BIND: GroupBind,
+    ControlType.GROUP_BOUND: GroupBound,
+    ControlType.GROUP_END: GroupEnd,
+    ControlType.GROUPS: Groups,
+    ControlType.STREAM: StreamRequest,
+    ControlType.STREAM_REPLY: StreamReply,
+    ControlType.RELAYED: Relayed,
+    ControlType.WATCH: Empty,
+    ControlType.LEFT: Left,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

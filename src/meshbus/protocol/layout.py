@@ -59,10 +59,22 @@ class DataFlags(IntFlag):
     RESPONSE = 0x02  # response_for names the request this answers
     ECHO = 0x04  # a group send is also delivered to the sender if it is a member
     NOTIFY_DROP = 0x08  # tell the sender with NO_ROUTE when a plain send finds no route
+    # The payload starts with an extension block (protocol/ext.py): group, sequence,
+    # priority, the original group address of a resent copy. Connectors read it; a broker
+    # only when it stores the frame in a stream.
+    EXT = 0x10
+    RELIABLE = 0x20  # the receiving connector acknowledges it and drops duplicates
+    ACK = 0x40  # acknowledges the RELIABLE frame ``response_for`` sent by ``dst``
 
 
 KNOWN_DATA_FLAGS = int(
-    DataFlags.REQUEST | DataFlags.RESPONSE | DataFlags.ECHO | DataFlags.NOTIFY_DROP
+    DataFlags.REQUEST
+    | DataFlags.RESPONSE
+    | DataFlags.ECHO
+    | DataFlags.NOTIFY_DROP
+    | DataFlags.EXT
+    | DataFlags.RELIABLE
+    | DataFlags.ACK
 )
 
 
@@ -96,6 +108,17 @@ class ControlType(IntEnum):
     DRAIN = 25  # connector (an operator) -> broker; answered with OK
     ROUTED = 26  # broker <-> broker: the ROUTES up to this sequence number are applied
     SYNCED = 27  # broker -> connector: the change answered with this correlation is mesh-wide
+    MEMBERS = 28  # connector -> broker: the members of a group; answered with MEMBER_LIST
+    MEMBER_LIST = 29
+    GROUP_BIND = 30  # connector -> broker -> the group's home broker; answered with GROUP_BOUND
+    GROUP_BOUND = 31
+    GROUP_END = 32  # connector -> broker -> home: a message group ended (final message acked)
+    GROUPS = 33  # broker <-> broker: group bindings (replicated to every broker)
+    STREAM = 34  # connector -> broker (-> the stream's host): a stream request
+    STREAM_REPLY = 35
+    RELAYED = 36  # broker -> broker: the answer to a request relayed from the other broker
+    WATCH = 37  # connector -> broker: tell me when services leave (LEFT)
+    LEFT = 38  # broker -> connector: these services left the mesh
 
 
 class ErrorCode(IntEnum):
@@ -118,6 +141,9 @@ class ErrorCode(IntEnum):
     REDIRECT = 15  # this broker takes no connector now (full, joining, draining); see redirect
     DUPLICATE_LINK = 16  # a second link between the same two brokers; the other one stays
     NAME_IN_USE = 17  # a broker of that name is already in the mesh
+    NO_STREAM = 18  # no such stream (or consumer) in the mesh
+    STREAM_ERROR = 19  # a stream request was refused (bad config, storage error)
+    UNAVAILABLE = 20  # the broker that would answer is not reachable now; try again
 
 
 # Errors after which the sender of the offending frame is disconnected.

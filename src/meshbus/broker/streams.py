@@ -1,0 +1,377 @@
+"""Durable streams on a broker: capture, group commit, acks, and the STREAM requests.
+
+A stream hosted here is a *member* of each group it captures, with an address
+of its own, like any service: the routing table and its mesh-wide sync bring
+every message sent to a captured address to this broker, one copy per broker,
+with no code of their own. The member's link is a ``StreamSink``: the broker's
+hot path queues frames for it like for any link, and at the end of the read the
+sink gets them as one block of bytes.
+
+Group commit: what the sinks receive during one turn of the event loop is
+appended in one ``append_batch`` per stream (one transaction), and only then
+are the reliable frames among them acknowledged -- an ack means *stored*. A
+reliable frame is stored once: it is its own publish id (source, message id)
+unless it carries one (``publish_id`` in the extension block).
+
+STREAM requests name a stream; one hosted by another broker is relayed there
+(the brokers tell each other the streams they host in their LOAD heartbeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from meshbus.address import describe_address
+from meshbus.broker.link import Link, LinkState
+from meshbus.broker.sqlite_store import SqliteStreamStore
+from meshbus.broker.store import (
+    ConsumerConfig,
+    MemoryStreamStore,
+    NewMessage,
+    StoredMessage,
+    StoreError,
+    StreamConfig,
+    StreamInfo,
+    StreamNotFound,
+    StreamStore,
+)
+from meshbus.errors import ProtocolError
+from meshbus.protocol.codec import encode_data
+from meshbus.protocol.control import (
+    OP_ADD,
+    OP_JOIN,
+    OP_REMOVE,
+    Body,
+    StoredRow,
+    StreamReply,
+    StreamRequest,
+)
+from meshbus.protocol.ext import split
+from meshbus.protocol.layout import DATA_HEADER, ControlType, DataFlags, ErrorCode
+
+if TYPE_CHECKING:
+    from meshbus.broker.server import Broker
+
+log = logging.getLogger("meshbus.broker")
+
+_EXT = int(DataFlags.EXT)
+_RELIABLE = int(DataFlags.RELIABLE)
+_ACK = int(DataFlags.ACK)
+_unpack_header = DATA_HEADER.unpack_from
+_STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
+# Room left in a fetch answer for everything but the payloads.
+_ROW_OVERHEAD = 96
+
+
+class StreamSink(Link):
+    """The link a stream's member is attached to: what is routed to it is stored."""
+
+    def __init__(self, broker: Broker, store: Callable[[bytes], None]) -> None:
+        super().__init__(broker, broker.next_link_id())
+        self.state = LinkState.OPEN
+        self.name = "streams"
+        self.max_frame = 1 << 40  # stores any frame a connector may send
+        self._store = store
+
+    def send(self, data: bytes | bytearray) -> None:
+        self._store(bytes(data))
+
+
+class Streams:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        data_dir = broker.config.data_dir
+        self.store: StreamStore
+        if data_dir:
+            os.makedirs(data_dir, exist_ok=True)
+            path = os.path.join(data_dir, "streams.db")
+            self.store = SqliteStreamStore(path, fsync=broker.config.fsync)
+        else:
+            self.store = MemoryStreamStore()
+        self.sink = StreamSink(broker, self._captured)
+        self.members: dict[str, bytes] = {}  # stream -> its member address
+        self._by_member: dict[bytes, str] = {}
+        self._by_group: dict[bytes, list[str]] = defaultdict(list)
+        self._batch: dict[str, list[tuple[NewMessage, bytes, int]]] = {}
+        self.elsewhere: dict[str, Link] = {}  # streams hosted by peers
+        self.stored = 0
+        self.dropped = 0
+
+    def names(self) -> list[str]:
+        return list(self.members)
+
+    # -- hosting -----------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """The streams in the store start capturing again (the broker is ready: it has
+        a slot for their member addresses)."""
+        for config in self.store.streams():
+            self._host(config)
+
+    def _host(self, config: StreamConfig) -> None:
+        if config.name in self.members:
+            return
+        routing = self.broker.routing
+        member = routing.allocate_dynamic(_STREAM_SERVER, self.sink)
+        self.broker.sync.announce(OP_ADD, member)
+        self.members[config.name] = member
+        self._by_member[member] = config.name
+        for group in config.captures:
+            routing.join(member, group)
+            self.broker.sync.announce(OP_JOIN, member, group)
+            self._by_group[group].append(config.name)
+        self.broker.mesh.load_changed()
+
+    def _unhost(self, name: str) -> None:
+        member = self.members.pop(name, None)
+        if member is None:
+            return
+        del self._by_member[member]
+        for streams in self._by_group.values():
+            if name in streams:
+                streams.remove(name)
+        self.broker.routing.remove_service(member, self.sink)
+        self.broker.sync.announce(OP_REMOVE, member)
+        self.broker.mesh.load_changed()
+
+    def peer_streams(self, peer: Link, names: list[str]) -> None:
+        for name, link in list(self.elsewhere.items()):
+            if link is peer and name not in names:
+                del self.elsewhere[name]
+        for name in names:
+            self.elsewhere[name] = peer
+
+    def peer_lost(self, peer: Link) -> None:
+        for name, link in list(self.elsewhere.items()):
+            if link is peer:
+                del self.elsewhere[name]
+
+    # -- capturing ---------------------------------------------------------------------
+
+    def _captured(self, data: bytes) -> None:
+        """Frames routed to the sink during one read: queued for this turn's commit."""
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self._commit)
+        pos = 0
+        end = len(data)
+        while pos < end:
+            (length, _, _, flags, _, dst, src, _, msg_id, _, _) = _unpack_header(data, pos)
+            frame_end = pos + 4 + length
+            payload = data[pos + DATA_HEADER.size : frame_end]
+            pos = frame_end
+            group = priority = publish = None
+            origin = dst
+            if flags & _EXT:
+                try:
+                    ext, payload = split(payload)
+                except ProtocolError:
+                    self.dropped += 1
+                    continue
+                origin = ext.origin or dst
+                group, priority, publish = ext.group, ext.priority, ext.publish_id
+            if not publish and flags & _RELIABLE:
+                publish = src + msg_id.to_bytes(8, "big")
+            names = (
+                [self._by_member[dst]] if dst in self._by_member else self._by_group.get(dst, [])
+            )
+            message = NewMessage(
+                src=src,
+                dst=origin,
+                payload=payload,
+                group=group or b"",
+                priority=priority or 0,
+                publish_id=publish or b"",
+            )
+            ack = msg_id if flags & _RELIABLE else 0
+            for name in names:
+                self._batch.setdefault(name, []).append((message, src, ack))
+
+    def _commit(self) -> None:
+        batch, self._batch = self._batch, {}
+        broker = self.broker
+        now = time.time()
+        for name, entries in batch.items():
+            try:
+                self.store.append_batch(name, [m for m, _, _ in entries], now)
+            except StoreError as exc:
+                # Not acknowledged, so reliable senders try again; plain sends are lost.
+                log.error("could not store", extra={"stream": name, "error": str(exc)})
+                self.dropped += len(entries)
+                continue
+            self.stored += len(entries)
+            member = self.members.get(name)
+            if member is None:
+                continue
+            for _, src, msg_id in entries:
+                if msg_id:
+                    owner = broker.routing.route_unicast(src)
+                    if owner is not None:
+                        ack = encode_data(src, member, b"", flags=_ACK, response_for=msg_id)
+                        broker.deliver(owner, ack)
+        broker.flush_outbox()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def on_request(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, StreamRequest)
+        answer = self.broker.guarantees.answer
+        name = body.stream
+        if body.op not in ("add", "list") and name not in self.members:
+            peer = self.elsewhere.get(name)
+            if peer is not None and not link.is_peer:
+                self.broker.guarantees.relay(peer, ControlType.STREAM, body, link, correlation)
+                return
+            self._refuse(link, ErrorCode.NO_STREAM, str(StreamNotFound(name)), correlation)
+            return
+        try:
+            reply = self._handle(link, body)
+        except StoreError as exc:
+            code = ErrorCode.NO_STREAM if "no " in str(exc)[:3] else ErrorCode.STREAM_ERROR
+            self._refuse(link, code, str(exc), correlation)
+            return
+        except (ValueError, TypeError) as exc:
+            self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
+            return
+        answer(link, ControlType.STREAM_REPLY, reply, correlation)
+
+    def _refuse(self, link: Link, code: ErrorCode, message: str, correlation: int) -> None:
+        self.broker.guarantees.refuse(link, code, message, correlation)
+
+    def _handle(self, link: Link, body: StreamRequest) -> StreamReply:
+        store = self.store
+        name = body.stream
+        op = body.op
+        if op == "add":
+            if name in self.elsewhere:
+                raise ValueError(f"stream {name!r} is hosted by broker {self.elsewhere[name].name}")
+            config = StreamConfig(
+                name=name,
+                captures=tuple(body.captures),
+                max_msgs=body.max_msgs,
+                max_bytes=body.max_bytes,
+                max_age=body.max_age,
+                dedupe_window=body.dedupe_window,
+            )
+            for group in config.captures:
+                if group[0] != 2:
+                    raise ValueError(
+                        f"a stream captures multicast addresses, not {describe_address(group)}"
+                    )
+            info = store.add_stream(config)
+            self._host(config)
+            return StreamReply(info=self._info(info))
+        if op == "list":
+            here = [{"name": n, "broker": self.broker.config.name} for n in self.members]
+            there = [{"name": n, "broker": link.name} for n, link in self.elsewhere.items()]
+            return StreamReply(streams=sorted(here + there, key=lambda s: s["name"]))
+        if op == "info":
+            return StreamReply(info=self._info(store.info(name)))
+        if op == "delete":
+            self._unhost(name)
+            store.delete_stream(name)
+            return StreamReply()
+        if op == "fetch":
+            limit = max(1, link.max_frame - 4096)
+            rows = store.read(name, body.from_seq, body.max_count, limit)
+            return StreamReply(messages=_rows(rows, 1, limit))
+        if op == "consumer_add":
+            config_c = ConsumerConfig(
+                name=body.consumer,
+                ack_wait=body.ack_wait,
+                max_deliver=body.max_deliver,
+                start_seq=body.start_seq,
+            )
+            return StreamReply(info=_consumer(store.add_consumer(name, config_c)))
+        if op == "consumer_info":
+            return StreamReply(info=_consumer(store.consumer_info(name, body.consumer)))
+        if op == "consumer_delete":
+            store.delete_consumer(name, body.consumer)
+            return StreamReply()
+        if op == "next":
+            deliveries = store.consumer_next(name, body.consumer, body.max_count, time.time())
+            limit = max(1, link.max_frame - 4096)
+            rows_d = [_row(d.message, d.delivery) for d in deliveries]
+            return StreamReply(messages=_fit(rows_d, limit))
+        if op == "ack":
+            return StreamReply(acked=store.consumer_ack(name, body.consumer, body.seqs))
+        raise ValueError(f"unknown stream request {op!r}")
+
+    def _info(self, info: StreamInfo) -> dict[str, Any]:
+        config = info.config
+        return {
+            "name": config.name,
+            "broker": self.broker.config.name,
+            "captures": [describe_address(c) for c in config.captures],
+            "first_seq": info.first_seq,
+            "last_seq": info.last_seq,
+            "messages": info.messages,
+            "bytes": info.bytes,
+            "consumers": list(info.consumers),
+            "max_msgs": config.max_msgs,
+            "max_bytes": config.max_bytes,
+            "max_age": config.max_age,
+            "dedupe_window": config.dedupe_window,
+        }
+
+    def expire(self) -> None:
+        try:
+            self.store.expire(time.time())
+        except StoreError as exc:
+            log.error("stream retention failed", extra={"error": str(exc)})
+
+    def close(self) -> None:
+        self.store.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "hosted": sorted(self.members),
+            "elsewhere": {n: link.name for n, link in sorted(self.elsewhere.items())},
+            "stored": self.stored,
+            "dropped": self.dropped,
+        }
+
+
+def _row(message: StoredMessage, delivery: int) -> StoredRow:
+    return (
+        message.seq,
+        message.stored_at,
+        message.src,
+        message.dst,
+        message.group,
+        message.priority,
+        message.payload,
+        delivery,
+    )
+
+
+def _rows(messages: list[StoredMessage], delivery: int, limit: int) -> list[StoredRow]:
+    return _fit([_row(m, delivery) for m in messages], limit)
+
+
+def _fit(rows: list[StoredRow], limit: int) -> list[StoredRow]:
+    """As many rows as fit in one answer frame (at least one)."""
+    size = 0
+    for i, row in enumerate(rows):
+        size += len(row[6]) + _ROW_OVERHEAD
+        if size > limit and i:
+            return rows[:i]
+    return rows
+
+
+def _consumer(info: Any) -> dict[str, Any]:
+    return {
+        "stream": info.stream,
+        "name": info.config.name,
+        "ack_wait": info.config.ack_wait,
+        "max_deliver": info.config.max_deliver,
+        "next_seq": info.next_seq,
+        "ack_floor": info.ack_floor,
+        "pending": info.pending,
+        "dropped": info.dropped,
+    }
