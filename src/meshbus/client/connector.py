@@ -30,6 +30,7 @@ from meshbus.client.keeper import LinkKeeper
 from meshbus.client.link import BrokerLink
 from meshbus.client.reliable import Reliable, ReliableConfig
 from meshbus.client.service import BROADCAST, Message, Service
+from meshbus.client.streams import Streams
 from meshbus.errors import (
     AddressInUse,
     ConnectionLost,
@@ -40,6 +41,7 @@ from meshbus.errors import (
     ProtocolError,
     RegistrationError,
     RemoteProtocolError,
+    StreamError,
     Timeout,
 )
 from meshbus.protocol.codec import ControlFrame, DataFrame, encode_control, encode_data
@@ -134,6 +136,8 @@ class Connector:
         self._left_handlers: list[Callable[[list[str]], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._reliable = Reliable(self, reliable or ReliableConfig())
+        self.streams = Streams(self)
+        """Durable streams: ``conn.streams.add``, ``.info``, ``.fetch``, ``.consumer``."""
 
     async def __aenter__(self) -> Connector:
         return self
@@ -656,4 +660,8 @@ def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError
         return AddressInUse(body.message, subject, code)
     if code in FATAL_ERRORS:
         return RemoteProtocolError(code, body.message)
+    if request == ControlType.STREAM:
+        return StreamError(body.message, code)
+    if request == ControlType.GROUP_BIND and code == ErrorCode.UNAVAILABLE:
+        return NoRoute(body.message)
     return RegistrationError(f"{request.name.lower()} refused: {body.message}", code)

@@ -7,7 +7,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address, Multicast
 from meshbus.errors import (
@@ -297,6 +297,11 @@ class Service:
     async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
         """Send to every service on the bus (at most once, like ``publish``)."""
         return await self.send(Address.from_bytes(BROADCAST), payload, priority=priority)
+
+    async def fetch(self, stream: str, from_seq: int = 1, max_count: int = 100) -> list[Any]:
+        """Read a durable stream (``Connector.streams.fetch``): ``StreamMessage`` objects
+        with ``.seq``, ``.stored_at``, ``.src``, ``.dst`` and ``.payload``."""
+        return await self._conn.streams.fetch(stream, from_seq, max_count)
 
     def add_listener(self, listener: Callable[[Message], object]) -> None:
         """Call ``listener`` with each message (a coroutine function is run as a task).

@@ -1,0 +1,172 @@
+"""Durable streams from the client: create, inspect, fetch, and durable consumers.
+
+Every call is a STREAM request to the connector's broker, which answers it when
+it hosts the stream and relays it to the broker that does otherwise. Publishing
+to a stream is sending to an address it captures: ``send(..., reliable=True)``
+returns its acknowledgement once the message is stored (``send_reliable`` waits
+for it), and ``publish_id`` makes a retried publish stored once.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from meshbus.address import Address
+from meshbus.client.service import AddressLike, Message, as_address
+from meshbus.protocol.control import StoredRow, StreamReply, StreamRequest
+from meshbus.protocol.ext import Ext
+from meshbus.protocol.layout import ControlType
+
+if TYPE_CHECKING:
+    from meshbus.client.connector import Connector
+
+
+class StreamMessage(Message):
+    """A stored message: ``seq`` in its stream, ``stored_at`` (Unix time), and for a
+    durable consumer ``delivery`` (1 the first time, more on redelivery)."""
+
+    __slots__ = ("delivery", "seq", "stored_at", "stream")
+
+    def __init__(self, stream: str, row: StoredRow) -> None:
+        seq, stored_at, src, dst, group, priority, payload, delivery = row
+        super().__init__(src, dst, payload, 0, 0, None, Ext(group=group, priority=priority))
+        self.stream = stream
+        self.seq = seq
+        self.stored_at = stored_at
+        self.delivery = delivery
+
+    def __repr__(self) -> str:
+        return (
+            f"<stream {self.stream} #{self.seq} {self.src} -> {self.dst} {len(self.payload)} bytes>"
+        )
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    name: str
+    broker: str  # the broker that hosts it
+    captures: list[str]
+    first_seq: int
+    last_seq: int
+    messages: int
+    bytes: int
+    consumers: list[str]
+    max_msgs: int
+    max_bytes: int
+    max_age: float
+    dedupe_window: float
+
+
+class Streams:
+    """``conn.streams``: the stream requests of one connector."""
+
+    def __init__(self, connector: Connector) -> None:
+        self._conn = connector
+
+    async def _ask(self, request: StreamRequest) -> StreamReply:
+        frame = await self._conn._control(ControlType.STREAM, request, request.stream)
+        assert isinstance(frame.body, StreamReply)
+        return frame.body
+
+    async def add(
+        self,
+        name: str,
+        capture: AddressLike | Iterable[AddressLike],
+        *,
+        max_msgs: int = 0,
+        max_bytes: int = 0,
+        max_age: float = 0.0,
+        dedupe_window: float = 120.0,
+    ) -> StreamInfo:
+        """Create stream ``name`` on this connector's broker, capturing every message sent to
+        the multicast address(es) ``capture``; adding it again with the same settings is a
+        no-op. Limits of 0 mean none; the oldest messages go first."""
+        captures = [capture] if isinstance(capture, (Address, str)) else list(capture)
+        reply = await self._ask(
+            StreamRequest(
+                op="add",
+                stream=name,
+                captures=[as_address(c).to_bytes() for c in captures],
+                max_msgs=max_msgs,
+                max_bytes=max_bytes,
+                max_age=max_age,
+                dedupe_window=dedupe_window,
+            )
+        )
+        return StreamInfo(**reply.info)
+
+    async def info(self, name: str) -> StreamInfo:
+        return StreamInfo(**(await self._ask(StreamRequest(op="info", stream=name))).info)
+
+    async def list(self) -> builtins.list[dict[str, Any]]:
+        """Every stream of the mesh: ``{"name": ..., "broker": ...}``."""
+        return (await self._ask(StreamRequest(op="list"))).streams
+
+    async def delete(self, name: str) -> None:
+        await self._ask(StreamRequest(op="delete", stream=name))
+
+    async def fetch(
+        self, name: str, from_seq: int = 1, max_count: int = 100
+    ) -> list[StreamMessage]:
+        """Up to ``max_count`` messages from ``from_seq`` on, in order (fewer when they
+        would not fit in one frame); an empty list past the end."""
+        reply = await self._ask(
+            StreamRequest(op="fetch", stream=name, from_seq=from_seq, max_count=max_count)
+        )
+        return [StreamMessage(name, row) for row in reply.messages]
+
+    async def consumer(
+        self,
+        stream: str,
+        name: str,
+        *,
+        ack_wait: float = 30.0,
+        max_deliver: int = 5,
+        start_seq: int = 0,
+    ) -> Consumer:
+        """A durable consumer (created, or the existing one of that name): a cursor the
+        stream's broker keeps, with acks and redelivery, so it resumes where it stopped."""
+        await self._ask(
+            StreamRequest(
+                op="consumer_add",
+                stream=stream,
+                consumer=name,
+                ack_wait=ack_wait,
+                max_deliver=max_deliver,
+                start_seq=start_seq,
+            )
+        )
+        return Consumer(self, stream, name)
+
+
+class Consumer:
+    """Take messages with ``next``, acknowledge them with ``ack``; one not acknowledged
+    within ``ack_wait`` comes again, up to ``max_deliver`` times."""
+
+    def __init__(self, streams: Streams, stream: str, name: str) -> None:
+        self._streams = streams
+        self.stream = stream
+        self.name = name
+
+    async def next(self, max_count: int = 100) -> list[StreamMessage]:
+        reply = await self._streams._ask(
+            StreamRequest(op="next", stream=self.stream, consumer=self.name, max_count=max_count)
+        )
+        return [StreamMessage(self.stream, row) for row in reply.messages]
+
+    async def ack(self, messages: Sequence[StreamMessage | int]) -> int:
+        """Acknowledge messages (or their seqs); returns how many were waiting for it."""
+        seqs = [m if isinstance(m, int) else m.seq for m in messages]
+        reply = await self._streams._ask(
+            StreamRequest(op="ack", stream=self.stream, consumer=self.name, seqs=seqs)
+        )
+        return reply.acked
+
+    async def info(self) -> dict[str, Any]:
+        reply = await self._streams._ask(
+            StreamRequest(op="consumer_info", stream=self.stream, consumer=self.name)
+        )
+        return reply.info
