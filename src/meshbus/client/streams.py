@@ -110,7 +110,7 @@ class Streams:
 
     async def fetch(
         self, name: str, from_seq: int = 1, max_count: int = 100
-    ) -> list[StreamMessage]:
+    ) -> builtins.list[StreamMessage]:
         """Up to ``max_count`` messages from ``from_seq`` on, in order (fewer when they
         would not fit in one frame); an empty list past the end."""
         reply = await self._ask(
