@@ -25,6 +25,9 @@ _ELSEWHERE = {
     "failover": "meshbus.bench.membership",
     "join": "meshbus.bench.membership",
     "routes": "meshbus.bench.routes",
+    "reliable": "meshbus.bench.reliable",
+    "chaos": "meshbus.bench.chaos",
+    "stream": "meshbus.bench.streams",
 }
 
 

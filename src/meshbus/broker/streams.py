@@ -42,7 +42,6 @@ from meshbus.broker.store import (
     StreamStore,
 )
 from meshbus.errors import ProtocolError
-from meshbus.protocol.codec import encode_data
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -52,7 +51,7 @@ from meshbus.protocol.control import (
     StreamReply,
     StreamRequest,
 )
-from meshbus.protocol.ext import split
+from meshbus.protocol.ext import ack_frames, split
 from meshbus.protocol.layout import DATA_HEADER, ControlType, DataFlags, ErrorCode
 
 if TYPE_CHECKING:
@@ -62,7 +61,6 @@ log = logging.getLogger("meshbus.broker")
 
 _EXT = int(DataFlags.EXT)
 _RELIABLE = int(DataFlags.RELIABLE)
-_ACK = int(DataFlags.ACK)
 _unpack_header = DATA_HEADER.unpack_from
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
@@ -208,13 +206,21 @@ class Streams:
             member = self.members.get(name)
             if member is None:
                 continue
+            acks: dict[tuple[bytes, bytes], list[int]] = {}
             for _, src, msg_id in entries:
                 if msg_id:
-                    owner = broker.routing.route_unicast(src)
-                    if owner is not None:
-                        ack = encode_data(src, member, b"", flags=_ACK, response_for=msg_id)
-                        broker.deliver(owner, ack)
+                    acks.setdefault((member, src), []).append(msg_id)
+            self._send_acks(acks)
         broker.flush_outbox()
+
+    def _send_acks(self, acks: dict[tuple[bytes, bytes], list[int]]) -> None:
+        """One ACK frame per sender for what this commit stored (meshbus.protocol.ext)."""
+        routing = self.broker.routing
+        for (member, src), ids in acks.items():
+            owner = routing.route_unicast(src)
+            if owner is not None:
+                for frame in ack_frames(member, src, ids):
+                    self.broker.deliver(owner, frame)
 
     # -- requests ----------------------------------------------------------------------
 

@@ -41,10 +41,10 @@ import msgspec
 
 from meshbus.address import describe_address
 from meshbus.client.delivery import GroupOrder, Outbox, RetryPolicy, SeenWindow, Suspicion
-from meshbus.errors import DeliveryFailed, NoRoute
-from meshbus.protocol.codec import DataFrame, encode_data
+from meshbus.errors import DeliveryFailed, NoRoute, ProtocolError
+from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import GroupBind, GroupBound, GroupEnd, MemberList, MembersRequest
-from meshbus.protocol.ext import Ext, wrap
+from meshbus.protocol.ext import Ext, ack_frames, unpack_acks, wrap
 from meshbus.protocol.layout import ControlType, DataFlags
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ log = logging.getLogger("meshbus.client")
 _RELIABLE = int(DataFlags.RELIABLE | DataFlags.NOTIFY_DROP)
 _EXT = int(DataFlags.EXT)
 _ECHO = int(DataFlags.ECHO)
-_ACK = int(DataFlags.ACK)
 _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
 # The finest the resend timer ticks; an ack timeout is at least this late.
@@ -141,7 +140,7 @@ class Reliable:
         self._idle = asyncio.Event()
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
-        self._acks: list[bytes] = []
+        self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
 
     # -- sending ---------------------------------------------------------------------
 
@@ -380,31 +379,36 @@ class Reliable:
 
     def on_ack(self, frame: DataFrame) -> None:
         self.suspicion.heard(frame.src)
-        msg_id = frame.response_for
-        if self.outbox.ack(msg_id, frame.src):
-            pending = self._pending.pop(msg_id, None)
-            if pending is not None:
-                if pending.future is not None and not pending.future.done():
-                    pending.future.set_result(None)
-                self._settled(msg_id, pending)
+        try:
+            msg_ids = unpack_acks(frame.payload)
+        except ProtocolError as exc:
+            log.warning("dropped a bad ACK", extra={"error": str(exc)})
+            return
+        acker = frame.src
+        for msg_id in msg_ids:
+            if self.outbox.ack(msg_id, acker):
+                pending = self._pending.pop(msg_id, None)
+                if pending is not None:
+                    if pending.future is not None and not pending.future.done():
+                        pending.future.set_result(None)
+                    self._settled(msg_id, pending)
 
     def accept(self, service: Service, frame: DataFrame) -> bool:
         """Acknowledge a reliable frame for ``service``; True when it is new to it."""
-        self._acks.append(
-            encode_data(frame.src, service._raw, b"", flags=_ACK, response_for=frame.msg_id)
-        )
-        if len(self._acks) == 1:
+        if not self._acks:
             asyncio.get_running_loop().call_soon(self._flush_acks)
+        self._acks.setdefault((service._raw, frame.src), []).append(frame.msg_id)
         if self.seen.add((service._raw, frame.src, frame.msg_id)):
             return True
         self.duplicates += 1
         return False
 
     def _flush_acks(self) -> None:
-        acks, self._acks = self._acks, []
+        acks, self._acks = self._acks, {}
         link = self.conn._keeper.link
-        if link is not None and not link.closed and acks:
-            link.write(b"".join(acks))
+        if link is None or link.closed:
+            return  # the senders resend; the duplicates are acked then
+        link.write(b"".join(f for (a, s), ids in acks.items() for f in ack_frames(a, s, ids)))
 
     def in_order(
         self, service: Service, frame: DataFrame, ext: Ext

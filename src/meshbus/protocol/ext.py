@@ -11,9 +11,13 @@ frame, and connectors when they deliver it.
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 
 from meshbus.errors import ProtocolError
+from meshbus.protocol.codec import encode_data
+from meshbus.protocol.layout import DataFlags
 
 _LENGTH = 2
 
@@ -39,6 +43,33 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Ext).decode
+
+
+# An ACK frame's payload: the acknowledged message ids, u64 each. One frame acknowledges
+# every reliable frame one receiver got from one sender in one read: an ack per message
+# would cost the sender's broker as much routing as the messages themselves.
+ACKS_PER_FRAME = 8192
+
+
+def ack_frames(acker: bytes, sender: bytes, msg_ids: list[int]) -> list[bytes]:
+    """The ACK frames from ``acker`` to ``sender`` for ``msg_ids``."""
+    return [
+        encode_data(
+            sender,
+            acker,
+            struct.pack(f">{len(chunk)}Q", *chunk),
+            flags=DataFlags.ACK,
+        )
+        for chunk in (
+            msg_ids[i : i + ACKS_PER_FRAME] for i in range(0, len(msg_ids), ACKS_PER_FRAME)
+        )
+    ]
+
+
+def unpack_acks(payload: bytes) -> tuple[int, ...]:
+    if len(payload) % 8:
+        raise ProtocolError(f"ACK payload of {len(payload)} bytes is not a list of u64 ids")
+    return struct.unpack(f">{len(payload) // 8}Q", payload)
 
 
 def wrap(ext: Ext, payload: bytes | bytearray | memoryview) -> bytes:
