@@ -11,17 +11,25 @@ The public surface is what ``__all__`` lists; every other module is private.
 
 from meshbus.address import Address, Anycast, Multicast, Unicast
 from meshbus.client import Connector, Message, Service, Undeliverable, connect
+from meshbus.client.delivery import RetryPolicy
+from meshbus.client.reliable import ReliableConfig
+from meshbus.client.streams import Consumer, StreamInfo, StreamMessage
 from meshbus.errors import (
     AddressInUse,
+    AlreadyConnected,
     ConnectionLost,
+    DeliveryFailed,
     FrameTooLarge,
+    JoinFailed,
     MeshbusError,
+    NoQueue,
     NoRoute,
     NotConnected,
     ProtocolError,
     RegistrationError,
     RemoteProtocolError,
     RequestError,
+    StreamError,
     Timeout,
 )
 
@@ -30,20 +38,30 @@ __version__ = "0.1.0"
 __all__ = [
     "Address",
     "AddressInUse",
+    "AlreadyConnected",
     "Anycast",
     "ConnectionLost",
     "Connector",
+    "Consumer",
+    "DeliveryFailed",
     "FrameTooLarge",
+    "JoinFailed",
     "MeshbusError",
     "Message",
     "Multicast",
+    "NoQueue",
     "NoRoute",
     "NotConnected",
     "ProtocolError",
     "RegistrationError",
+    "ReliableConfig",
     "RemoteProtocolError",
     "RequestError",
+    "RetryPolicy",
     "Service",
+    "StreamError",
+    "StreamInfo",
+    "StreamMessage",
     "Timeout",
     "Undeliverable",
     "Unicast",

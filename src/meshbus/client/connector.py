@@ -33,6 +33,7 @@ from meshbus.client.service import BROADCAST, Message, Service
 from meshbus.client.streams import Streams
 from meshbus.errors import (
     AddressInUse,
+    AlreadyConnected,
     ConnectionLost,
     DeliveryFailed,
     MeshbusError,
@@ -189,6 +190,8 @@ class Connector:
                 f"fixed instance ids are 1..65535, got {instance}; omit it for a dynamic id"
             )
         subject = f"{self.server}:{instance}" if instance else ""
+        if instance and Address.parse(subject).to_bytes() in self._services:
+            raise AlreadyConnected(f"this connector already serves {subject}")
 
         def registered(frame: ControlFrame) -> Service:
             assert isinstance(frame.body, AddressBody)
@@ -537,6 +540,11 @@ class Connector:
                 return
             members = (service,)
         for member in members:
+            if ext is not None and ext.group and not member._member_of(ext.origin):
+                # It left the anycast group: unacknowledged, so the sender asks the group's
+                # home again, which moves the group to a member.
+                self.dropped += 1
+                continue
             if flags & _RELIABLE and not reliable.accept(member, frame):
                 continue
             if ext is None:

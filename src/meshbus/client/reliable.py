@@ -60,6 +60,9 @@ _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
 # The finest the resend timer ticks; an ack timeout is at least this late.
 _TICK = 0.01
+# How long a multicast's member list is reused: a member that joined since is not waited
+# for (it still gets the message if it joined before the broker routed it).
+_MEMBERS_TTL = 1.0
 
 
 @dataclass(eq=False)
@@ -140,6 +143,7 @@ class Reliable:
         self._idle = asyncio.Event()
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
+        self._member_cache: dict[bytes, tuple[float, list[bytes]]] = {}
         self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
 
     # -- sending ---------------------------------------------------------------------
@@ -220,10 +224,19 @@ class Reliable:
         return wrap(ext, pending.payload) if ext is not None else pending.payload
 
     async def _members(self, group: bytes, *, pick: bool) -> list[bytes]:
+        """The members of ``group`` (cached for ``_MEMBERS_TTL``: a reliable multicast
+        needs them for every message), or the one member an anycast send goes to."""
+        now = self.conn._now()
+        if not pick:
+            cached = self._member_cache.get(group)
+            if cached is not None and now - cached[0] < _MEMBERS_TTL:
+                return cached[1]
         frame = await self.conn._control(
             ControlType.MEMBERS, MembersRequest(group=group, pick=pick)
         )
         assert isinstance(frame.body, MemberList)
+        if not pick:
+            self._member_cache[group] = (now, frame.body.members)
         return frame.body.members
 
     async def _bound(self, key: tuple[bytes, bytes, bytes], failed: bytes) -> _GroupSend:
@@ -283,7 +296,9 @@ class Reliable:
                 continue
             if pending.group is not None and pending.group not in rebound:
                 state = self._groups.get(pending.group)
-                if state is not None and state.unreachable:
+                # No ack in time: the member may be gone. The home keeps the group where
+                # it is unless the member has left the anycast group for good.
+                if state is not None:
                     rebound.add(pending.group)
                     try:
                         await self._bound(pending.group, state.member)

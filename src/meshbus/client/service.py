@@ -458,6 +458,9 @@ class Service:
             lambda _: self._conn._forget(self),
         )
 
+    def _member_of(self, group: bytes) -> bool:
+        return any(g.to_bytes() == group for g in self._groups)
+
     def _close(self) -> None:
         self._closed = True
         self._wake()

@@ -1,0 +1,417 @@
+"""`meshbus bench chaos`: reliable sends and message groups while the mesh is shaken.
+
+A mesh of 3 broker processes (each with its own --data-dir), one sender and one
+receiver connector on each, every connector given the whole broker list so it can
+fail over. The senders send COUNT reliable unicast messages, each to a receiver on
+another broker, and GROUPS message groups of GROUP-SIZE messages to an anycast
+address every receiver is a member of (the last one final); the groups run
+interleaved with the unicast traffic from start to end, so every group lives through
+every event. While the traffic runs:
+
+* at 20% of the sends, broker A is killed (kill -9) and restarted on its port and
+  data dir, joining through C;
+* at 45%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
+* at 70%, a 4th broker D joins through C, and the mesh rebalances onto it.
+
+The senders pause at each of those marks until its event has begun, so the events
+always fall inside the traffic however fast it runs. Then every sender waits for all
+its sends to be acknowledged, and the receivers are drained.
+
+Every payload carries (id, sender, group, seq), and the receiving application counts:
+lost -- ids sent (``send`` returned) never received; duplicated -- ids received more
+than once; out_of_order -- group messages received below a seq already received from
+that (sender, group). A send that raised is not counted as sent: the application was
+told; such errors are shown in the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import click
+
+import meshbus
+from meshbus.bench.brokers import Broker, Brokers
+from meshbus.bench.harness import CheckFailed, close_all, run_on_brokers
+from meshbus.bench.report import new_table, print_tables
+
+_PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (_NO_GROUP for unicast), seq
+_NO_GROUP = 0xFFFF
+_POOL = meshbus.Anycast("chaos")
+_CONNECTORS_PER_KIND = 3  # senders, and receivers: one of each per founding broker
+# The share of the sends at which each event begins: kill, drain, join.
+_MARKS = (0.20, 0.45, 0.70)
+# Give-up bounds: far above anything healthy, they only turn a hang into a clear result.
+_STEP_LIMIT = 30.0  # a broker starting, forming the mesh, draining
+_ACK_LIMIT = 120.0  # every send acknowledged (or given up: ~15 s after its first attempt)
+_QUIET = 3.0  # no new message for this long, after the acks: the receivers are drained
+_PROGRESS_EVERY = 2.0
+
+Send = tuple[int, meshbus.Address, int, int, bool]  # id, unicast dst, group, seq, final
+
+
+@dataclass
+class Mark:
+    """A share of the sends at which an event begins; the senders wait there until it has."""
+
+    at: int
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    begun: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Traffic:
+    """The senders' shared state: how far they are, and the marks they wait at."""
+
+    total: int
+    sent_ids: bytearray = field(init=False)
+    attempted: int = 0
+    sent: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    given_up: int = 0
+    marks: list[Mark] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sent_ids = bytearray(self.total)
+        self.marks = [Mark(int(self.total * share)) for share in _MARKS]
+
+    async def admit(self) -> None:
+        """Wait while the senders stand at a mark whose event has not begun."""
+        for mark in self.marks:
+            if self.attempted < mark.at:
+                return
+            if not mark.begun.is_set():
+                mark.reached.set()
+                await mark.begun.wait()
+
+
+class Tally:
+    """The receiving application: per id how often it arrived, per group the order."""
+
+    def __init__(self, total: int) -> None:
+        self.counts = bytearray(total)
+        self.received = 0  # distinct ids
+        self.last_at = time.perf_counter()
+        self.out_of_order = 0
+        self._last_seq: dict[tuple[int, int], int] = {}
+        self._holder: dict[tuple[int, int], str] = {}
+        self.switches = 0  # a group's next message came to another member
+        self.unflagged = 0  # ... without group_reassigned set on it
+
+    def listener(self, member: str) -> Callable[[meshbus.Message], None]:
+        def on_message(message: meshbus.Message) -> None:
+            msg_id, sender, group, seq = _PAYLOAD.unpack_from(message.payload)
+            seen = self.counts[msg_id]
+            self.counts[msg_id] = min(seen + 1, 255)
+            self.last_at = time.perf_counter()
+            if seen:
+                return  # a duplicate: counted once, in duplicated, not in the order
+            self.received += 1
+            if group == _NO_GROUP:
+                return
+            key = (sender, group)
+            if seq < self._last_seq.get(key, 0):
+                self.out_of_order += 1
+            else:
+                self._last_seq[key] = seq
+            held = self._holder.get(key)
+            if held is not None and held != member:
+                self.switches += 1
+                self.unflagged += not message.group_reassigned
+            self._holder[key] = member
+
+        return on_message
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.rows: list[tuple[float, str, str]] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.began
+
+    def add(self, event: str, detail: str = "") -> None:
+        self.rows.append((self.now(), event, detail))
+        click.echo(f"chaos t={self.now():6.1f} s  {event} {detail}".rstrip(), err=True)
+
+
+def _plans(
+    count: int, groups: int, group_size: int, receivers: list[meshbus.Address]
+) -> list[list[Send]]:
+    """Per sender, its sends in order: unicast to the receivers on other brokers in turn,
+    and the group messages of its groups round robin, spread evenly among them."""
+    plans = []
+    n = _CONNECTORS_PER_KIND
+    for s in range(n):
+        unicast = [
+            (msg_id, receivers[(s + 1 + k % (n - 1)) % n], _NO_GROUP, 0, False)
+            for k, msg_id in enumerate(range(s, count, n))
+        ]
+        own = range(s, groups, n)
+        grouped = [
+            (count + g * group_size + seq - 1, receivers[0], g, seq, seq == group_size)
+            for seq in range(1, group_size + 1)
+            for g in own
+        ]
+        # Merged by position in its own list, so group messages run from start to end.
+        keyed = [((k + 1) / len(unicast), item) for k, item in enumerate(unicast)]
+        keyed += [((k + 1) / len(grouped), item) for k, item in enumerate(grouped)]
+        plans.append([item for _, item in sorted(keyed, key=lambda pair: pair[0])])
+    return plans
+
+
+async def _send_all(
+    index: int, service: meshbus.Service, plan: list[Send], traffic: Traffic
+) -> None:
+    pack = _PAYLOAD.pack
+    for msg_id, dst, group, seq, final in plan:
+        await traffic.admit()
+        traffic.attempted += 1
+        payload = pack(msg_id, index, group, seq)
+        try:
+            if group == _NO_GROUP:
+                await service.send(dst, payload, reliable=True)
+            else:
+                await service.send(_POOL, payload, group=f"g{group}", final=final)
+        except meshbus.MeshbusError as exc:
+            # Not retried: the application was told, so it is not a silent loss.
+            traffic.errors[type(exc).__name__] += 1
+            continue
+        traffic.sent_ids[msg_id] = 1
+        traffic.sent += 1
+
+
+async def _start(brokers: Brokers, data_dir: str, *args: str) -> Broker:
+    return await asyncio.wait_for(brokers.start("--data-dir", data_dir, *args), _STEP_LIMIT)
+
+
+async def _formed(mesh: list[Broker]) -> None:
+    """Until every broker links to every other and all are ready (operator links: they
+    are not connectors, so they neither count nor move)."""
+    deadline = time.monotonic() + _STEP_LIMIT
+    for broker in mesh:
+        async with await meshbus.connect(broker.address, server="chaos", operator=True) as op:
+            while True:
+                stat = await op.stat(detail=False)
+                states = stat["mesh"]
+                if (
+                    len(stat["peer_links"]) == len(mesh) - 1
+                    and len(states) == len(mesh)
+                    and all(b["ready"] and not b["draining"] for b in states)
+                ):
+                    break
+                if time.monotonic() > deadline:
+                    raise CheckFailed(f"no full mesh of {len(mesh)} brokers in {_STEP_LIMIT:.0f} s")
+                await asyncio.sleep(0.05)
+
+
+async def _shake(
+    brokers: Brokers, dirs: dict[str, str], mesh: list[Broker], traffic: Traffic, timeline: Timeline
+) -> None:
+    """The events, each once the senders reach its mark (they wait there until it begins)."""
+    a, b, c = mesh
+    await traffic.marks[0].reached.wait()
+    a.process.kill()
+    await a.process.wait()
+    timeline.add("kill -9", a.name)
+    traffic.marks[0].begun.set()
+    again = await _start(brokers, dirs["a"], "--listen", a.address, "--seed", c.address)
+    timeline.add("restarted", f"{again.name} at {again.address}, ready in {again.start_ms:.0f} ms")
+
+    await traffic.marks[1].reached.wait()
+    b.process.send_signal(signal.SIGTERM)
+    timeline.add("SIGTERM (drain)", b.name)
+    traffic.marks[1].begun.set()
+    try:
+        code = await asyncio.wait_for(b.process.wait(), _STEP_LIMIT)
+    except TimeoutError:
+        raise CheckFailed(f"{b.name} did not exit within {_STEP_LIMIT:.0f} s of SIGTERM") from None
+    timeline.add("drained, exited", f"{b.name}, exit code {code}")
+
+    await traffic.marks[2].reached.wait()
+    timeline.add("join", "a 4th broker, seed " + c.name)
+    traffic.marks[2].begun.set()
+    joined = await _start(brokers, dirs["d"], "--seed", c.address)
+    timeline.add("joined", f"{joined.name}, ready in {joined.start_ms:.0f} ms")
+    await _rebalanced([again, c, joined], timeline)
+
+
+async def _rebalanced(live: list[Broker], timeline: Timeline) -> None:
+    """Until the connectors are within one of even over the ``live`` brokers; a mesh that
+    does not get there is reported, not failed: the counts still say what was delivered."""
+    deadline = time.monotonic() + _STEP_LIMIT
+    ops = [await meshbus.connect(b.address, server="chaos", operator=True) for b in live]
+    try:
+        while True:
+            counts = [int((await op.stat(detail=False))["connectors"]) for op in ops]
+            spread = "/".join(map(str, counts))
+            if sum(counts) == 2 * _CONNECTORS_PER_KIND and max(counts) - min(counts) <= 1:
+                timeline.add("rebalanced", f"connectors per broker {spread}")
+                return
+            if time.monotonic() > deadline:
+                timeline.add("not rebalanced", f"after {_STEP_LIMIT:.0f} s: {spread}")
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        await close_all(ops)
+
+
+async def _progress(
+    traffic: Traffic, tally: Tally, senders: list[meshbus.Connector], timeline: Timeline
+) -> None:
+    while True:
+        await asyncio.sleep(_PROGRESS_EVERY)
+        unacked = sum(conn.unacked for conn in senders)
+        click.echo(
+            f"chaos t={timeline.now():6.1f} s  sent {traffic.sent:,}/{traffic.total:,}  "
+            f"received {tally.received:,}  unacked {unacked:,}",
+            err=True,
+        )
+
+
+@dataclass
+class Outcome:
+    timeline: Timeline
+    traffic: Traffic
+    tally: Tally
+    failovers: int
+    moves: int
+    landed: Counter[str]
+
+
+async def _run(brokers: Brokers, workdir: str, count: int, groups: int, group_size: int) -> Outcome:
+    dirs = {name: os.path.join(workdir, name) for name in "abcd"}
+    first = await _start(brokers, dirs["a"])
+    rest = await asyncio.gather(*(_start(brokers, dirs[n], "--seed", first.address) for n in "bc"))
+    mesh = [first, *rest]
+    await _formed(mesh)
+    addresses = [broker.address for broker in mesh]
+    conns: list[meshbus.Connector] = []
+    try:
+        for kind in ("chsend", "chrecv"):
+            for i in range(_CONNECTORS_PER_KIND):
+                # Its own broker first (connect tries them in order), then the others.
+                order = addresses[i:] + addresses[:i]
+                conns.append(await meshbus.connect(order, server=f"{kind}{i}"))
+        senders, receivers = conns[:_CONNECTORS_PER_KIND], conns[_CONNECTORS_PER_KIND:]
+        total = count + groups * group_size
+        traffic, tally = Traffic(total), Tally(total)
+        members = []
+        for i, conn in enumerate(receivers):
+            service = await conn.register()
+            await service.join(_POOL)
+            service.add_listener(tally.listener(f"receiver {i}"))
+            members.append(service.address)
+        sending = [await conn.register() for conn in senders]
+
+        def given_up(_: Exception) -> None:
+            traffic.given_up += 1
+
+        for conn in senders:
+            conn.on_delivery_failed(given_up)
+        plans = _plans(count, groups, group_size, members)
+        timeline = Timeline()
+        timeline.add("traffic", f"{count:,} unicast + {groups} groups x {group_size}")
+        progress = asyncio.create_task(_progress(traffic, tally, senders, timeline))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(_shake(brokers, dirs, mesh, traffic, timeline))
+                for i, (service, plan) in enumerate(zip(sending, plans, strict=True)):
+                    tasks.create_task(_send_all(i, service, plan, traffic))
+            timeline.add("all sent", f"{traffic.sent:,} sent")
+            try:
+                await asyncio.gather(*(conn.wait_acked(_ACK_LIMIT) for conn in senders))
+                timeline.add("all acknowledged")
+            except TimeoutError:
+                left = sum(conn.unacked for conn in senders)
+                timeline.add(
+                    "ack wait gave up", f"{left:,} unacknowledged after {_ACK_LIMIT:.0f} s"
+                )
+            while tally.received < traffic.sent:
+                quiet = _QUIET - (time.perf_counter() - tally.last_at)
+                if quiet <= 0:
+                    break
+                await asyncio.sleep(min(quiet, 0.05))
+            timeline.add("receivers drained", f"{tally.received:,} distinct ids received")
+        finally:
+            progress.cancel()
+        return Outcome(
+            timeline,
+            traffic,
+            tally,
+            failovers=sum(conn.failovers for conn in conns),
+            moves=sum(conn.moves for conn in conns),
+            landed=Counter(conn.broker_name for conn in conns),
+        )
+    finally:
+        await close_all(conns)
+
+
+@click.command()
+@click.option(
+    "--count",
+    type=click.IntRange(_CONNECTORS_PER_KIND * 10),
+    default=100_000,
+    show_default=True,
+    help="Reliable unicast messages, over all senders.",
+)
+@click.option(
+    "--groups",
+    type=click.IntRange(0, _NO_GROUP - 1),
+    default=50,
+    show_default=True,
+    help="Message groups, to an anycast address with a member on every broker.",
+)
+@click.option(
+    "--group-size",
+    type=click.IntRange(1),
+    default=20,
+    show_default=True,
+    help="Messages per group, the last one final.",
+)
+def chaos(count: int, groups: int, group_size: int) -> None:
+    """Reliable traffic through a 3-broker mesh while one broker is killed and restarted,
+    one drains and a 4th joins: count lost, duplicated and out-of-order messages.
+
+    Progress goes to stderr as it runs, then a table of events and counts. The counts
+    are the result, so the command exits 0 whatever they are (non-zero only when the
+    mesh cannot be set up).
+
+    Last line: `lost=<n> duplicated=<n> out_of_order=<n>`.
+    """
+    with tempfile.TemporaryDirectory(prefix="meshbus-chaos-") as workdir:
+        outcome = run_on_brokers(lambda brokers: _run(brokers, workdir, count, groups, group_size))
+    traffic, tally = outcome.traffic, outcome.tally
+    counts = tally.counts
+    sent_ids = traffic.sent_ids
+    lost = sum(1 for i, was_sent in enumerate(sent_ids) if was_sent and not counts[i])
+    duplicated = sum(1 for seen in counts if seen > 1)
+    events = new_table(
+        f"chaos: {count:,} unicast + {groups} groups x {group_size}", ("t s", "event", "detail")
+    )
+    for at, event, detail in outcome.timeline.rows:
+        events.add_row(f"{at:.1f}", event, detail)
+    events.add_section()
+    landed = ", ".join(f"{name or '-'}: {n}" for name, n in sorted(outcome.landed.items()))
+    errors = ", ".join(f"{name}: {n}" for name, n in traffic.errors.items()) or "none"
+    for event, detail in (
+        ("sent", f"{traffic.sent:,} of {traffic.total:,}; send errors: {errors}"),
+        ("given up", f"{traffic.given_up:,} (on_delivery_failed)"),
+        ("failovers", str(outcome.failovers)),
+        ("moves", str(outcome.moves)),
+        ("connectors at the end", landed),
+        ("group member switches", f"{tally.switches} ({tally.unflagged} without group_reassigned)"),
+        ("lost / duplicated / out of order", f"{lost} / {duplicated} / {tally.out_of_order}"),
+    ):
+        events.add_row("", event, detail)
+    print_tables(events)
+    click.echo(f"lost={lost} duplicated={duplicated} out_of_order={tally.out_of_order}")

@@ -1,0 +1,227 @@
+"""`meshbus bench stream`: durable stream appends and reads, against NATS JetStream.
+
+Append: one publisher sends ``--count`` messages reliably to a multicast address a
+stream captures, each ``send(..., reliable=True)`` right after the previous one, then
+waits until all are acknowledged (``wait_acked``); a broker acknowledges a message once
+its group commit has stored it. The figure is acknowledged messages per second, the
+publisher on the stream's own broker. JetStream does the same with at most 256
+publishes in flight (``jetstream_append``).
+
+Fetch: a second link reads the stream back from seq 1 with ``streams.fetch`` in
+requests of ``--batch`` messages; an answer holds fewer when they would not fit in one
+frame (1 MiB by default), and the next request starts after the last seq received.
+
+Durability: the main figures use the default, ``--fsync normal``: SQLite in WAL mode
+without an fsync per commit, so an acknowledged message survives the broker being
+killed but not an OS crash or power cut -- like nats-server, which by default syncs
+its files every two minutes. ``append_always`` is the same append with ``--fsync
+always``, one fsync per group commit, which also survives power loss; what that costs
+is the difference to ``append`` (it depends on the disk: a local SSD pays far less than
+a network volume).
+
+Every run starts its servers afresh, each with a new store in a temporary directory,
+in the order meshbus (fsync normal), nats-server -js, meshbus (fsync always); the
+figures are the medians over ``--runs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+
+import click
+
+from meshbus.bench.report import key_values, new_table, print_tables
+from meshbus.bench.runs import count_option
+from meshbus.bench.servers import BenchSetupError, Server
+
+STREAM = "bench"
+CAPTURE = "multicast:bench.stream"
+_ACK_TIMEOUT = 600.0  # bounds wait_acked: only reached when acks stopped coming
+_NATS_WINDOW = 256  # JetStream publishes in flight (the bench.jetstream default)
+
+
+class StreamBenchError(Exception):
+    """What the broker stored or returned is not what was sent."""
+
+
+# -- meshbus ----------------------------------------------------------------------------------
+
+
+async def meshbus_append(host: str, port: int, count: int, size: int) -> float:
+    """Create the stream on the broker at host:port and append ``count`` messages of ``size``
+    bytes through reliable sends; acknowledged messages per second."""
+    import meshbus
+    from meshbus.errors import DeliveryFailed
+
+    failed: list[DeliveryFailed] = []
+    async with await meshbus.connect(f"{host}:{port}", server="benchpub") as conn:
+        conn.on_delivery_failed(failed.append)
+        await conn.streams.add(STREAM, CAPTURE)
+        publisher = await conn.register()
+        payload = b"x" * size
+        send = publisher.send
+        start = time.perf_counter()
+        for _ in range(count):
+            if not await send(CAPTURE, payload, reliable=True):
+                raise StreamBenchError(f"the broker does not know that {STREAM} captures {CAPTURE}")
+        await conn.wait_acked(_ACK_TIMEOUT)
+        elapsed = time.perf_counter() - start
+        if failed:
+            raise StreamBenchError(f"{len(failed)} publishes were never acknowledged")
+        info = await conn.streams.info(STREAM)
+    if info.messages != count or info.last_seq != count or info.bytes != count * size:
+        raise StreamBenchError(f"the stream holds {info} after {count} acknowledged publishes")
+    return count / elapsed
+
+
+async def meshbus_fetch(host: str, port: int, count: int, size: int, batch: int) -> float:
+    """Read the ``count`` messages of the appended stream back in order; messages/s."""
+    import meshbus
+
+    async with await meshbus.connect(f"{host}:{port}", server="benchread") as conn:
+        fetch = conn.streams.fetch
+        got = 0
+        start = time.perf_counter()
+        while got < count:
+            page = await fetch(STREAM, got + 1, min(batch, count - got))
+            if not page:
+                raise StreamBenchError(f"fetch stopped after {got} of {count} messages")
+            # Gap-free from seq 1: the i-th message read must carry seq i.
+            if page[0].seq != got + 1 or page[-1].seq != got + len(page):
+                raise StreamBenchError(f"after seq {got} came seqs {page[0].seq}..{page[-1].seq}")
+            if len(page[-1].payload) != size:
+                raise StreamBenchError(f"message {page[-1].seq} has {len(page[-1].payload)} bytes")
+            got += len(page)
+        elapsed = time.perf_counter() - start
+    return count / elapsed
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _meshbus(fsync: str) -> Iterator[Server]:
+    from meshbus.bench.servers import meshbus_broker
+
+    with (
+        tempfile.TemporaryDirectory(prefix="meshbus-bench-stream-") as data_dir,
+        meshbus_broker("--data-dir", data_dir, "--fsync", fsync) as server,
+    ):
+        yield server
+
+
+@contextlib.contextmanager
+def _nats() -> Iterator[Server]:
+    from meshbus.bench.jetstream import jetstream_server
+
+    with (
+        tempfile.TemporaryDirectory(prefix="meshbus-bench-jetstream-") as store_dir,
+        jetstream_server(store_dir) as server,
+    ):
+        yield server
+
+
+def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
+    """One run of every measurement, each on servers of its own: msgs/s by figure name."""
+    import uvloop
+
+    from meshbus.bench.jetstream import jetstream_append, jetstream_fetch
+
+    figures: dict[str, float] = {}
+    with _meshbus("normal") as server:
+        figures["append"] = uvloop.run(meshbus_append(server.host, server.port, count, size))
+        figures["fetch"] = uvloop.run(meshbus_fetch(server.host, server.port, count, size, batch))
+    with _nats() as server:
+        figures["nats_append"] = uvloop.run(
+            jetstream_append(server.host, server.port, count, size, _NATS_WINDOW)
+        )
+        figures["nats_fetch"] = uvloop.run(jetstream_fetch(server.host, server.port, count, batch))
+    with _meshbus("always") as server:
+        figures["append_always"] = uvloop.run(meshbus_append(server.host, server.port, count, size))
+    return figures
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+@click.command()
+@count_option(100_000, "Messages appended (and read back) per run and system.")
+@click.option(
+    "--size",
+    type=click.IntRange(0, 900_000),
+    default=100,
+    show_default=True,
+    help="Payload bytes per message.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Messages asked for per fetch request (meshbus answers with fewer when they "
+    "would not fit in one 1 MiB frame; JetStream pulls this many).",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Runs; each starts fresh servers and stores. Medians are reported.",
+)
+def stream(count: int, size: int, batch: int, runs: int) -> None:
+    """Durable streams: acknowledged appends and fetches per second, meshbus against
+    nats-server -js (both file-backed, no fsync per write); then meshbus appends with
+    --fsync always (an fsync per group commit: survives power loss).
+
+    Needs nats-server (Debian package). Last line:
+    `append=<msgs/s> nats_append=<msgs/s> append_ratio=<meshbus/nats> fetch=<msgs/s>
+    nats_fetch=<msgs/s> fetch_ratio=<meshbus/nats> append_always=<msgs/s>`.
+    """
+    from meshbus.bench.jetstream import JetStreamError
+    from meshbus.errors import MeshbusError
+
+    table = new_table(
+        f"stream: {count:,} x {size} B, fetch batch {batch}",
+        ("run", "system", "append msgs/s", "fetch msgs/s"),
+    )
+    per_run: dict[str, list[float]] = {}
+    try:
+        for run in range(1, runs + 1):
+            figures = _run_once(count, size, batch)
+            for key, value in figures.items():
+                per_run.setdefault(key, []).append(value)
+            rows = [
+                ("meshbus (fsync normal)", figures["append"], f"{figures['fetch']:,.0f}"),
+                ("nats-server -js", figures["nats_append"], f"{figures['nats_fetch']:,.0f}"),
+                ("meshbus (fsync always)", figures["append_always"], "-"),
+            ]
+            for system, appended, fetched in rows:
+                table.add_row(str(run), system, f"{appended:,.0f}", fetched)
+    except (BenchSetupError, JetStreamError, StreamBenchError, MeshbusError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    medians = {key: statistics.median(values) for key, values in per_run.items()}
+    append, fetch = medians["append"], medians["fetch"]
+    table.add_section()
+    table.add_row(
+        "median", "meshbus / nats", f"{append / medians['nats_append']:.3f}",
+        f"{fetch / medians['nats_fetch']:.3f}",
+    )  # fmt: skip
+    table.add_row(
+        "median", "fsync always / normal", f"{medians['append_always'] / append:.3f}", "-"
+    )
+    print_tables(table)
+    click.echo(
+        key_values(
+            append=f"{append:.0f}",
+            nats_append=f"{medians['nats_append']:.0f}",
+            append_ratio=f"{append / medians['nats_append']:.3f}",
+            fetch=f"{fetch:.0f}",
+            nats_fetch=f"{medians['nats_fetch']:.0f}",
+            fetch_ratio=f"{fetch / medians['nats_fetch']:.3f}",
+            append_always=f"{medians['append_always']:.0f}",
+        )
+    )
