@@ -365,8 +365,9 @@ def _add_commands() -> None:
     """The operator's commands and the benchmarks live in modules of their own."""
     from meshbus.bench.cli import bench
     from meshbus.cli_admin import broker, drain, mesh, stat
+    from meshbus.cli_stream import stream
 
-    for command in (broker, mesh, drain, stat, bench):
+    for command in (broker, mesh, drain, stat, bench, stream):
         main.add_command(command)
 
 

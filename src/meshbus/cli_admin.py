@@ -178,6 +178,7 @@ def broker(
 
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh import JoinFailed
+    from meshbus.broker.streams import DataDirLocked
 
     host, port = parse_hostport(listen)
     if data_dir:
@@ -206,7 +207,7 @@ def broker(
         uvloop.run(serve(config))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
-    except JoinFailed as exc:
+    except (JoinFailed, DataDirLocked) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

@@ -175,10 +175,13 @@ class SqliteStreamStore(MirroredStore):
         try:
             yield self._db
             self._db.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
             self._load()
+            if isinstance(exc, sqlite3.Error):
+                # A full disk, a broken file: the caller's StoreError, with what SQLite said.
+                raise StoreError(f"stream storage failed: {exc}") from exc
             raise
 
     # -- streams ------------------------------------------------------------------

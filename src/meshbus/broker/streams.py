@@ -20,12 +20,13 @@ STREAM requests name a stream; one hosted by another broker is relayed there
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from meshbus.address import describe_address
 from meshbus.broker.link import Link, LinkState
@@ -81,13 +82,19 @@ class StreamSink(Link):
         self._store(bytes(data))
 
 
+class DataDirLocked(Exception):
+    """Another broker uses this --data-dir: two stores on one file would both write it."""
+
+
 class Streams:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         data_dir = broker.config.data_dir
         self.store: StreamStore
+        self._lock: IO[bytes] | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
+            self._lock = _lock(data_dir)
             path = os.path.join(data_dir, "streams.db")
             self.store = SqliteStreamStore(path, fsync=broker.config.fsync)
         else:
@@ -244,7 +251,17 @@ class Streams:
         except (ValueError, TypeError) as exc:
             self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
             return
-        answer(link, ControlType.STREAM_REPLY, reply, correlation)
+        if body.op != "add" or not self.broker.mesh.peers:
+            answer(link, ControlType.STREAM_REPLY, reply, correlation)
+            return
+
+        def captured_mesh_wide() -> None:
+            # Like a JOIN's SYNCED: a send through any broker after this reaches the stream.
+            if link.state is LinkState.OPEN:
+                answer(link, ControlType.STREAM_REPLY, reply, correlation)
+                self.broker.flush_outbox()
+
+        self.broker.sync.after_confirmed(captured_mesh_wide)
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, correlation: int) -> None:
         self.broker.guarantees.refuse(link, code, message, correlation)
@@ -333,6 +350,8 @@ class Streams:
 
     def close(self) -> None:
         self.store.close()
+        if self._lock is not None:
+            self._lock.close()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -341,6 +360,21 @@ class Streams:
             "stored": self.stored,
             "dropped": self.dropped,
         }
+
+
+def _lock(data_dir: str) -> IO[bytes]:
+    """Hold ``DATA_DIR/LOCK`` for the broker's lifetime (the OS drops it when the process
+    dies, also on kill -9)."""
+    lock = open(os.path.join(data_dir, "LOCK"), "ab")  # noqa: SIM115 -- held until close()
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise DataDirLocked(
+            f"data directory {data_dir} is in use by another broker; "
+            "give each broker its own --data-dir"
+        ) from None
+    return lock
 
 
 def _row(message: StoredMessage, delivery: int) -> StoredRow:

@@ -235,7 +235,8 @@ class Reliable:
             ControlType.MEMBERS, MembersRequest(group=group, pick=pick)
         )
         assert isinstance(frame.body, MemberList)
-        if not pick:
+        if not pick and frame.body.members:
+            # An empty list is asked again: a stream or member may be added any moment.
             self._member_cache[group] = (now, frame.body.members)
         return frame.body.members
 
