@@ -13,8 +13,9 @@ every event. While the traffic runs:
 * at 45%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
 * at 70%, a 4th broker D joins through C, and the mesh rebalances onto it.
 
-The senders pause at each of those marks until its event has begun, so the events
-always fall inside the traffic however fast it runs. Then every sender waits for all
+The senders pause at each of those marks until its event has begun (for the join: until
+D is ready, so the rest of the traffic meets the rebalance), so the events always fall
+inside the traffic however fast it runs. Then every sender waits for all
 its sends to be acknowledged, and the receivers are drained.
 
 Every payload carries (id, sender, group, seq), and the receiving application counts:
@@ -33,7 +34,7 @@ import struct
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import click
@@ -43,8 +44,8 @@ from meshbus.bench.brokers import Broker, Brokers
 from meshbus.bench.harness import CheckFailed, close_all, run_on_brokers
 from meshbus.bench.report import new_table, print_tables
 
-_PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (_NO_GROUP for unicast), seq
-_NO_GROUP = 0xFFFF
+PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), seq
+NO_GROUP = 0xFFFF
 _POOL = meshbus.Anycast("chaos")
 _CONNECTORS_PER_KIND = 3  # senders, and receivers: one of each per founding broker
 # The share of the sends at which each event begins: kill, drain, join.
@@ -108,14 +109,14 @@ class Tally:
 
     def listener(self, member: str) -> Callable[[meshbus.Message], None]:
         def on_message(message: meshbus.Message) -> None:
-            msg_id, sender, group, seq = _PAYLOAD.unpack_from(message.payload)
+            msg_id, sender, group, seq = PAYLOAD.unpack_from(message.payload)
             seen = self.counts[msg_id]
             self.counts[msg_id] = min(seen + 1, 255)
             self.last_at = time.perf_counter()
             if seen:
                 return  # a duplicate: counted once, in duplicated, not in the order
             self.received += 1
-            if group == _NO_GROUP:
+            if group == NO_GROUP:
                 return
             key = (sender, group)
             if seq < self._last_seq.get(key, 0):
@@ -144,8 +145,8 @@ class Timeline:
         click.echo(f"chaos t={self.now():6.1f} s  {event} {detail}".rstrip(), err=True)
 
 
-def _plans(
-    count: int, groups: int, group_size: int, receivers: list[meshbus.Address]
+def plan_sends(
+    count: int, groups: int, group_size: int, receivers: Sequence[meshbus.Address]
 ) -> list[list[Send]]:
     """Per sender, its sends in order: unicast to the receivers on other brokers in turn,
     and the group messages of its groups round robin, spread evenly among them."""
@@ -153,7 +154,7 @@ def _plans(
     n = _CONNECTORS_PER_KIND
     for s in range(n):
         unicast = [
-            (msg_id, receivers[(s + 1 + k % (n - 1)) % n], _NO_GROUP, 0, False)
+            (msg_id, receivers[(s + 1 + k % (n - 1)) % n], NO_GROUP, 0, False)
             for k, msg_id in enumerate(range(s, count, n))
         ]
         own = range(s, groups, n)
@@ -172,13 +173,13 @@ def _plans(
 async def _send_all(
     index: int, service: meshbus.Service, plan: list[Send], traffic: Traffic
 ) -> None:
-    pack = _PAYLOAD.pack
+    pack = PAYLOAD.pack
     for msg_id, dst, group, seq, final in plan:
         await traffic.admit()
         traffic.attempted += 1
         payload = pack(msg_id, index, group, seq)
         try:
-            if group == _NO_GROUP:
+            if group == NO_GROUP:
                 await service.send(dst, payload, reliable=True)
             else:
                 await service.send(_POOL, payload, group=f"g{group}", final=final)
@@ -233,15 +234,17 @@ async def _shake(
     traffic.marks[1].begun.set()
     try:
         code = await asyncio.wait_for(b.process.wait(), _STEP_LIMIT)
+        timeline.add("drained, exited", f"{b.name}, exit code {code}")
     except TimeoutError:
-        raise CheckFailed(f"{b.name} did not exit within {_STEP_LIMIT:.0f} s of SIGTERM") from None
-    timeline.add("drained, exited", f"{b.name}, exit code {code}")
+        # What the mesh did, not a failed setup: reported, and the traffic goes on.
+        timeline.add("still running", f"{b.name}, {_STEP_LIMIT:.0f} s after SIGTERM")
 
     await traffic.marks[2].reached.wait()
     timeline.add("join", "a 4th broker, seed " + c.name)
-    traffic.marks[2].begun.set()
     joined = await _start(brokers, dirs["d"], "--seed", c.address)
     timeline.add("joined", f"{joined.name}, ready in {joined.start_ms:.0f} ms")
+    # Only now: the rest of the traffic runs while connectors move onto the newcomer.
+    traffic.marks[2].begun.set()
     await _rebalanced([again, c, joined], timeline)
 
 
@@ -318,16 +321,30 @@ async def _run(brokers: Brokers, workdir: str, count: int, groups: int, group_si
 
         for conn in senders:
             conn.on_delivery_failed(given_up)
-        plans = _plans(count, groups, group_size, members)
+        plans = plan_sends(count, groups, group_size, members)
         timeline = Timeline()
         timeline.add("traffic", f"{count:,} unicast + {groups} groups x {group_size}")
         progress = asyncio.create_task(_progress(traffic, tally, senders, timeline))
         try:
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(_shake(brokers, dirs, mesh, traffic, timeline))
-                for i, (service, plan) in enumerate(zip(sending, plans, strict=True)):
-                    tasks.create_task(_send_all(i, service, plan, traffic))
-            timeline.add("all sent", f"{traffic.sent:,} sent")
+            # gather rather than a TaskGroup: a failed step (a broker that did not start)
+            # comes out as itself, which run_on_brokers turns into a click error.
+            async def send_everything() -> None:
+                pairs = enumerate(zip(sending, plans, strict=True))
+                await asyncio.gather(
+                    *(_send_all(i, svc, plan, traffic) for i, (svc, plan) in pairs)
+                )
+                timeline.add("all sent", f"{traffic.sent:,} sent")
+
+            tasks = [
+                asyncio.create_task(_shake(brokers, dirs, mesh, traffic, timeline)),
+                asyncio.create_task(send_everything()),
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             try:
                 await asyncio.gather(*(conn.wait_acked(_ACK_LIMIT) for conn in senders))
                 timeline.add("all acknowledged")
@@ -366,7 +383,7 @@ async def _run(brokers: Brokers, workdir: str, count: int, groups: int, group_si
 )
 @click.option(
     "--groups",
-    type=click.IntRange(0, _NO_GROUP - 1),
+    type=click.IntRange(0, NO_GROUP - 1),
     default=50,
     show_default=True,
     help="Message groups, to an anycast address with a member on every broker.",

@@ -24,7 +24,7 @@ import hashlib
 import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshbus.protocol.control import GroupOp
 
@@ -38,6 +38,9 @@ class Binding:
     expiry: float
     missing_since: float = 0.0  # when the home first found the member gone (0: present)
     moved: bool = False  # bound to another member before
+    # The services sending to the group, known at its home: the group ends when the last
+    # of them sent its final message. A replica does not know them.
+    senders: set[bytes] = field(default_factory=set)
 
 
 def home_of(key: bytes, brokers: Iterable[str]) -> str:
@@ -92,7 +95,10 @@ class GroupTable:
         moved = binding is not None
         if moved:
             self.reassigned += 1
-        return self.put(key, member, expiry or self.default_expiry, now, moved=moved)
+        senders = binding.senders if binding is not None else set()
+        bound = self.put(key, member, expiry or self.default_expiry, now, moved=moved)
+        bound.senders = senders
+        return bound
 
     def put(
         self, key: GroupKey, member: bytes, expiry: float, now: float, *, moved: bool = False
@@ -106,6 +112,16 @@ class GroupTable:
         self._bindings[key] = binding
         self._held[member] += 1
         return binding
+
+    def end(self, key: GroupKey, sender: bytes) -> bool:
+        """``sender`` ended the group; True when that was its last sender (dropped now). A
+        sender the home does not know (the home changed since it bound) leaves the binding
+        to its idle expiry, rather than cut off senders the home does not know either."""
+        binding = self._bindings.get(key)
+        if binding is None or sender not in binding.senders:
+            return False
+        binding.senders.discard(sender)
+        return not binding.senders and self.drop(key)
 
     def drop(self, key: GroupKey) -> bool:
         binding = self._bindings.pop(key, None)

@@ -128,6 +128,8 @@ class Guarantees:
         members = routing.members(body.group)
         key = (body.group, body.key)
         binding = self.groups.bind(key, members, body.failed, body.expiry, self.broker.clock())
+        if binding is not None and body.sender:
+            binding.senders.add(body.sender)
         if binding is None:
             self.refuse(
                 link,
@@ -146,7 +148,7 @@ class Guarantees:
         home = None if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             home.send(encode_control(ControlType.GROUP_END, body))
-        elif self.groups.drop((body.group, body.key)):
+        elif self.groups.end((body.group, body.key), body.sender):
             self._replicate([(body.group, body.key, b"", 0.0)])
         if correlation:
             self.answer(link, ControlType.OK, Empty(), correlation)

@@ -136,6 +136,7 @@ class Connector:
         self._undeliverable_handlers: list[Callable[[Undeliverable], None]] = []
         self._left_handlers: list[Callable[[list[str]], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._broadcast_member: Service | None = None
         self._reliable = Reliable(self, reliable or ReliableConfig())
         self.streams = Streams(self)
         """Durable streams: ``conn.streams.add``, ``.info``, ``.fetch``, ``.consumer``."""
@@ -199,12 +200,26 @@ class Connector:
             self._services[frame.body.address] = service
             return service
 
-        return await self._change(
+        service = await self._change(
             ControlType.REGISTER,
             Register(server=self.server, instance=instance or 0),
             registered,
             subject,
         )
+        await self._reach_broadcasts()
+        return service
+
+    async def _reach_broadcasts(self) -> None:
+        """One service of the connector is a member of the broadcast group, so the mesh
+        sends the connector one copy of each broadcast, which it hands to every service."""
+        if self._broadcast_member is not None or not self._services:
+            return
+        member = self._broadcast_member = next(iter(self._services.values()))
+        try:
+            await member.join(Address.from_bytes(BROADCAST))
+        except MeshbusError:
+            self._broadcast_member = None
+            raise
 
     async def _change(
         self,
@@ -474,6 +489,9 @@ class Connector:
         self._services.pop(service._raw, None)
         self._inbox_drained(service)
         service._close()
+        if service is self._broadcast_member and not self._closed:
+            self._broadcast_member = None
+            self._spawn(self._reach_broadcasts(), "broadcast-member")
 
     def _inbox_full(self, service: Service) -> None:
         self._full_inboxes.add(service)
@@ -524,9 +542,9 @@ class Connector:
         members: list[Service] | tuple[Service, ...]
         if cast in (_CAST_MULTICAST, _CAST_ANYCAST):
             members = self._members.get(frame.dst, ())
-            if frame.dst == BROADCAST:
-                members = list(self._services.values())
-            if not flags & _ECHO:
+            if frame.dst == BROADCAST:  # sent with ECHO: other services here get it too
+                members = [s for s in self._services.values() if s._raw != frame.src]
+            elif not flags & _ECHO:
                 members = [m for m in members if m._raw != frame.src]
             if not members:
                 self.dropped += 1

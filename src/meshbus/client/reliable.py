@@ -253,10 +253,12 @@ class Reliable:
             and now - state.bound_at < self.group_expiry / 2
         ):
             return state
-        _, anycast, group = key
+        src, anycast, group = key
         frame = await self.conn._control(
             ControlType.GROUP_BIND,
-            GroupBind(group=anycast, key=group, failed=failed, expiry=self.group_expiry),
+            GroupBind(
+                group=anycast, key=group, failed=failed, expiry=self.group_expiry, sender=src
+            ),
         )
         assert isinstance(frame.body, GroupBound)
         member = frame.body.member
@@ -353,11 +355,12 @@ class Reliable:
             msg_id,
         )
         if pending.future is not None and not pending.future.done():
-            pending.future.set_exception(error)
+            pending.future.set_exception(error)  # send_reliable raises it, instead of handlers
         elif not self.failed_handlers:
             log.warning("reliable send failed", extra={"error": str(error)})
-        for handler in self.failed_handlers:
-            handler(error)
+        else:
+            for handler in self.failed_handlers:
+                handler(error)
         if pending.dst[0] not in (_CAST_MULTICAST, _CAST_ANYCAST) and self.suspicion.failed(
             pending.dst
         ):
@@ -379,7 +382,9 @@ class Reliable:
         if state.final_sent and not state.outstanding:
             del self._groups[pending.group]
             _, anycast, group = pending.group
-            self.conn._send_control(ControlType.GROUP_END, GroupEnd(group=anycast, key=group))
+            src = pending.group[0]
+            end = GroupEnd(group=anycast, key=group, sender=src)
+            self.conn._send_control(ControlType.GROUP_END, end)
 
     def no_route(self, msg_id: int) -> bool:
         """The broker could not deliver a reliable frame now; the resend timer tries

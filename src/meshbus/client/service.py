@@ -158,7 +158,7 @@ class Service:
     @property
     def groups(self) -> frozenset[Address]:
         """The multicast and anycast groups this service is a member of."""
-        return frozenset(self._groups)
+        return frozenset(g for g in self._groups if g.to_bytes() != BROADCAST)
 
     # -- sending --------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class Service:
 
     async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
         """Send to every service on the bus (at most once, like ``publish``)."""
-        return await self.send(Address.from_bytes(BROADCAST), payload, priority=priority)
+        return await self.send(Address.from_bytes(BROADCAST), payload, priority=priority, echo=True)
 
     async def fetch(self, stream: str, from_seq: int = 1, max_count: int = 100) -> list[Any]:
         """Read a durable stream (``Connector.streams.fetch``): ``StreamMessage`` objects

@@ -225,6 +225,7 @@ class GroupBind(Body):
     key: bytes
     failed: bytes = b""
     expiry: float = 0.0
+    sender: bytes = b""  # the service sending: the group ends when all its senders ended it
 
 
 class GroupBound(Body):
@@ -233,10 +234,12 @@ class GroupBound(Body):
 
 
 class GroupEnd(Body):
-    """GROUP_END: message group ``key`` of ``group`` is over; its binding goes."""
+    """GROUP_END: ``sender`` sent the final message of group ``key`` of ``group``; the
+    binding goes once every sender that bound the group has ended it."""
 
     group: bytes
     key: bytes
+    sender: bytes = b""
 
 
 # (anycast group, group key, member -- b"" to unbind --, idle expiry in seconds)
