@@ -6,7 +6,6 @@
     │   └── RemoteProtocolError       the broker told us we broke them (.code)
     ├── ConnectionError_              base of link-state errors
     │   ├── NotConnected              used after close(), or before connect()
-    │   ├── AlreadyConnected          a fixed address this connector already serves
     │   └── ConnectionLost            the broker or the network broke the link
     ├── RequestError                  a request got no response
     │   ├── Timeout                   the deadline passed (.timeout)
@@ -16,6 +15,7 @@
     ├── StreamError                   a stream request was refused (.code)
     └── RegistrationError             register/join/leave refused (.code)
         ├── AddressInUse              a fixed address is taken (.address)
+        │   └── AlreadyConnected      ... by this connector itself
         └── JoinFailed                a join or leave was refused
 
 "You closed it" (``NotConnected``) and "it broke" (``ConnectionLost``) are
@@ -62,10 +62,6 @@ class NotConnected(ConnectionError_):
     """The connector is closed (you closed it) or was never connected."""
 
 
-class AlreadyConnected(ConnectionError_):
-    """This connector already serves that fixed address (Postina's AlreadyConnected)."""
-
-
 class ConnectionLost(ConnectionError_):
     """The link to the broker broke (the broker or the network closed it)."""
 
@@ -104,6 +100,13 @@ class AddressInUse(RegistrationError):
     def __init__(self, message: str, address: str, code: int = 0) -> None:
         super().__init__(message, code)
         self.address = address
+
+
+class AlreadyConnected(AddressInUse):
+    """This connector already serves that fixed address (Postina's AlreadyConnected)."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message, address)
 
 
 class JoinFailed(RegistrationError):

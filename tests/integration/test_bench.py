@@ -9,7 +9,19 @@ import pytest
 
 from tests.integration.bench_helpers import BENCH, run_bench
 
-COMMANDS = ("unicast", "request", "tables", "cross", "fanout", "failover", "join", "routes")
+COMMANDS = (
+    "unicast",
+    "request",
+    "tables",
+    "cross",
+    "fanout",
+    "failover",
+    "join",
+    "routes",
+    "reliable",
+    "chaos",
+    "stream",
+)
 
 
 def test_help_lists_every_command() -> None:

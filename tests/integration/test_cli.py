@@ -262,7 +262,11 @@ async def test_stat_json_and_table(broker: Broker) -> None:
         data = json.loads(result.out)
         assert data["name"] == broker.name
         assert data["address"] == broker.address
-        assert data["groups"] == {"multicast:chat.lobby": [str(player.address)]}
+        # The connector's first service is also in the broadcast group.
+        assert data["groups"] == {
+            "multicast:chat.lobby": [str(player.address)],
+            "multicast:$all": [str(player.address)],
+        }
         assert {str(player.address), str(fixed.address)} <= set(data["service_addresses"])
         names = {link["name"] for link in data["links"]}
         assert {"game01", "cli"} <= names

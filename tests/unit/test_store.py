@@ -439,7 +439,7 @@ def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
         s.add_stream(cfg())
         s.append_batch("orders", [msg(b"a", b"k")], 0.0)
         bad = NewMessage(SRC, DST, b"c", priority=[1])  # type: ignore[arg-type]
-        with pytest.raises(sqlite3.Error):  # the row cannot be bound: the batch rolls back
+        with pytest.raises(StoreError):  # the row cannot be bound: the batch rolls back
             s.append_batch("orders", [msg(b"b", b"j"), bad], 1.0)
         assert s.info("orders").last_seq == 1  # the mirror was reloaded from the database
         assert s.append_batch("orders", [msg(b"b", b"j")], 2.0) == [Appended(2, False)]

@@ -192,7 +192,9 @@ class Connector:
             )
         subject = f"{self.server}:{instance}" if instance else ""
         if instance and Address.parse(subject).to_bytes() in self._services:
-            raise AlreadyConnected(f"this connector already serves {subject}")
+            raise AlreadyConnected(
+                f"address {subject} is already registered by this connector", subject
+            )
 
         def registered(frame: ControlFrame) -> Service:
             assert isinstance(frame.body, AddressBody)
@@ -491,7 +493,13 @@ class Connector:
         service._close()
         if service is self._broadcast_member and not self._closed:
             self._broadcast_member = None
-            self._spawn(self._reach_broadcasts(), "broadcast-member")
+            self._spawn(self._rejoin_broadcasts(), "broadcast-member")
+
+    async def _rejoin_broadcasts(self) -> None:
+        try:
+            await self._reach_broadcasts()
+        except MeshbusError as exc:  # that service went too; the next register tries again
+            log.debug("no broadcast member", extra={"error": str(exc)})
 
     def _inbox_full(self, service: Service) -> None:
         self._full_inboxes.add(service)
