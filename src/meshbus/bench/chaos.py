@@ -133,6 +133,8 @@ class Tally:
 
 
 class Timeline:
+    """The events, timed from the start of the traffic, echoed on stderr as they happen."""
+
     def __init__(self) -> None:
         self.began = time.perf_counter()
         self.rows: list[tuple[float, str, str]] = []

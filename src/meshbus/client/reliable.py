@@ -41,7 +41,7 @@ import msgspec
 
 from meshbus.address import describe_address
 from meshbus.client.delivery import GroupOrder, Outbox, RetryPolicy, SeenWindow, Suspicion
-from meshbus.errors import DeliveryFailed, NoRoute, ProtocolError
+from meshbus.errors import DeliveryFailed, MeshbusError, NoRoute, ProtocolError
 from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import GroupBind, GroupBound, GroupEnd, MemberList, MembersRequest
 from meshbus.protocol.ext import Ext, ack_frames, unpack_acks, wrap
@@ -144,6 +144,8 @@ class Reliable:
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
         self._member_cache: dict[bytes, tuple[float, list[bytes]]] = {}
+        self._resend_queue: dict[int, None] = {}  # an ordered set
+        self._resending = False
         self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
 
     # -- sending ---------------------------------------------------------------------
@@ -286,29 +288,48 @@ class Reliable:
         for msg_id in given_up:
             self._give_up(msg_id)
         if resend:
-            self.conn._spawn(self._resend(resend), "resend")
+            self._queue_resend(resend)
         self._arm()
 
-    async def _resend(self, msg_ids: list[int]) -> None:
-        """Send these again, in order: group ones to the member holding the group now,
-        multicast ones as one copy to each member that has not acked."""
-        rebound: set[tuple[bytes, bytes, bytes]] = set()
-        for msg_id in msg_ids:
-            pending = self._pending.get(msg_id)
-            if pending is None:
-                continue
-            if pending.group is not None and pending.group not in rebound:
-                state = self._groups.get(pending.group)
-                # No ack in time: the member may be gone. The home keeps the group where
-                # it is unless the member has left the anycast group for good.
-                if state is not None:
-                    rebound.add(pending.group)
-                    try:
-                        await self._bound(pending.group, state.member)
-                    except Exception as exc:  # the home is failing over: next round
-                        log.debug("group rebind failed", extra={"error": str(exc)})
-                        continue
-            await self._send_again(msg_id, pending)
+    def _queue_resend(self, msg_ids: list[int]) -> None:
+        """One resend pass at a time: ids that fall due meanwhile join the queue, so a slow
+        pass is never run twice over the same messages."""
+        self._resend_queue.update(dict.fromkeys(msg_ids))
+        if not self._resending:
+            self._resending = True
+            self.conn._spawn(self._resend(), "resend")
+
+    async def _resend(self) -> None:
+        """Send the queued ids again, in order: group ones to the member holding the group
+        now (asked of the homes first, all groups at once, so no send waits behind another
+        group's question), multicast ones as one copy to each member that has not acked."""
+        try:
+            while self._resend_queue:
+                msg_ids = sorted(self._resend_queue)
+                self._resend_queue.clear()
+                groups = {
+                    p.group
+                    for i in msg_ids
+                    if (p := self._pending.get(i)) is not None and p.group is not None
+                }
+                # No ack in time: the member may be gone. The home keeps the group where it
+                # is unless the member has left the anycast group for good.
+                await asyncio.gather(*(self._rebind(key) for key in groups))
+                for msg_id in msg_ids:
+                    pending = self._pending.get(msg_id)
+                    if pending is not None:
+                        await self._send_again(msg_id, pending)
+        finally:
+            self._resending = False
+
+    async def _rebind(self, key: tuple[bytes, bytes, bytes]) -> None:
+        state = self._groups.get(key)
+        if state is None:
+            return
+        try:
+            await self._bound(key, state.member)
+        except MeshbusError as exc:  # the home is failing over: the next pass asks again
+            log.debug("group rebind failed", extra={"error": str(exc)})
 
     async def _send_again(self, msg_id: int, pending: _Pending) -> None:
         conn = self.conn
@@ -340,7 +361,7 @@ class Reliable:
         """After a failover: everything unacknowledged goes out again now, in send order."""
         ids = self.outbox.ids()
         if ids:
-            self.conn._spawn(self._resend(ids), "resend-after-failover")
+            self._queue_resend(ids)
 
     def _give_up(self, msg_id: int) -> None:
         pending = self._pending.pop(msg_id, None)
