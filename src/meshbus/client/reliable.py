@@ -265,6 +265,12 @@ class Reliable:
         assert isinstance(frame.body, GroupBound)
         member = frame.body.member
         state = self._groups.get(key)
+        if state is None and failed:
+            # The group ended while we asked again: our question re-bound it at the home;
+            # end it there too, or a later sender of the group could be split from us.
+            end = GroupEnd(group=anycast, key=group, sender=src)
+            self.conn._send_control(ControlType.GROUP_END, end)
+            return _GroupSend(member, now)
         if state is None:
             state = self._groups[key] = _GroupSend(member, now)
         else:
