@@ -16,24 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import secrets
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 
-from meshbus.bench.servers import _DRAIN_TIMEOUT, BenchSetupError, Server, _drain, find_nats_server
-from meshbus.broker.process import stop_process
+from meshbus.bench.servers import Server, nats_server
 
 STREAM = "BENCH"
 SUBJECT = "bench.append"
 # Bounds one wait on the server; only reached when it is broken or a check is about to fail.
 _IO_TIMEOUT = 10.0
-_START_TIMEOUT = 10.0
 
 
 class JetStreamError(Exception):
@@ -43,42 +38,11 @@ class JetStreamError(Exception):
 @contextlib.contextmanager
 def jetstream_server(store_dir: str) -> Iterator[Server]:
     """A `nats-server -js` subprocess storing in ``store_dir``, on a random loopback port."""
-    process = subprocess.Popen(
-        [find_nats_server(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", "-1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    log = process.stderr
-    drain: threading.Thread | None = None
-    try:
-        deadline = time.monotonic() + _START_TIMEOUT
-        seen: list[str] = []
-        jetstream = False
-        while time.monotonic() < deadline:
-            line = log.readline().decode()
-            if not line:
-                break  # it exited: a bad store dir is fatal ("[FTL] Can't start JetStream")
-            seen.append(line)
-            # Printed once JetStream has its store; a server without it never prints this.
-            jetstream = jetstream or "Store Directory:" in line
-            match = re.search(r"Listening for client connections on (\S+):(\d+)", line)
-            if match and jetstream:
-                drain = threading.Thread(
-                    target=_drain, args=(log,), name="nats-server log", daemon=True
-                )
-                drain.start()
-                yield Server("nats-jetstream", match.group(1), int(match.group(2)))
-                return
-            if match:
-                break
-        raise BenchSetupError("nats-server did not start with JetStream: " + "".join(seen[-5:]))
-    finally:
-        stop_process(process)
-        if drain is not None:
-            drain.join(_DRAIN_TIMEOUT)
-        if drain is None or not drain.is_alive():
-            log.close()
+    # "Store Directory:" is printed once JetStream has its store; without it, no JetStream.
+    with nats_server(
+        "-js", "-sd", store_dir, kind="nats-jetstream", after="Store Directory:"
+    ) as server:
+        yield server
 
 
 class _Msg(msgspec.Struct):

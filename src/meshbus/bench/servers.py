@@ -61,10 +61,13 @@ def find_nats_server() -> str:
 
 
 @contextlib.contextmanager
-def nats_server() -> Iterator[Server]:
-    """A `nats-server` subprocess on a random loopback port (-p -1), stopped on exit."""
+def nats_server(*extra: str, kind: str = "nats", after: str = "") -> Iterator[Server]:
+    """A `nats-server` subprocess on a random loopback port (-p -1), stopped on exit.
+
+    ``extra``: more arguments; ``after``: a log line part that must come before the
+    listen line (what a feature prints once it is up), or the start fails."""
     process = subprocess.Popen(
-        [find_nats_server(), "-a", "127.0.0.1", "-p", "-1"],
+        [find_nats_server(), *extra, "-a", "127.0.0.1", "-p", "-1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -74,21 +77,25 @@ def nats_server() -> Iterator[Server]:
     try:
         deadline = time.monotonic() + 10
         seen = []
+        ready = not after
         while time.monotonic() < deadline:
             line = log.readline().decode()
             if not line:
-                break
+                break  # it exited (e.g. "[FTL] Can't start JetStream")
             seen.append(line)
+            ready = ready or after in line
             match = re.search(r"Listening for client connections on (\S+):(\d+)", line)
+            if match and not ready:
+                break
             if match:
                 # Keep draining its log so a chatty server never blocks on a full pipe.
                 drain = threading.Thread(
                     target=_drain, args=(log,), name="nats-server log", daemon=True
                 )
                 drain.start()
-                yield Server("nats", match.group(1), int(match.group(2)))
+                yield Server(kind, match.group(1), int(match.group(2)))
                 return
-        raise BenchSetupError("nats-server did not start: " + "".join(seen[-5:]))
+        raise BenchSetupError(f"nats-server {' '.join(extra)} did not start: " + "".join(seen[-5:]))
     finally:
         stop_process(process)
         # Its log ends with it. Close the pipe once the drain has read to that end: closing
