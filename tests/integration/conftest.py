@@ -331,13 +331,70 @@ async def wait_members(brokers: list[Any], group: meshbus.Address, count: int) -
     await wait_until(everywhere, f"{count} members of {group} in every routing table")
 
 
+# -- receiving in the background -------------------------------------------------------------
+
+# The marker ``Collector.settle`` waits for.
+END = b"end"
+# How long every reliable message of a test may take to be acknowledged, failovers included.
+ACK_TIMEOUT = 30.0
+
+
+class Collector:
+    """Receives a service's messages in the background, in arrival order."""
+
+    def __init__(self, service: meshbus.Service) -> None:
+        self.service = service
+        self.messages: list[meshbus.Message] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for msg in self.service:
+                self.messages.append(msg)
+        except meshbus.ConnectionLost:
+            pass  # its broker was killed and it does not fail over: it has what it got
+
+    @property
+    def payloads(self) -> list[bytes]:
+        return [m.payload for m in self.messages]
+
+    def of_group(self, group: str) -> list[meshbus.Message]:
+        return [m for m in self.messages if m.group == group]
+
+    async def wait_for(self, count: int, timeout: float = ACK_TIMEOUT) -> None:
+        async def enough() -> bool:
+            return len(self.messages) >= count
+
+        await wait_until(enough, f"{count} messages at {self.service.address}", timeout)
+
+    async def settle(self, sender: meshbus.Service) -> list[bytes]:
+        """Everything received before an END marker that ``sender`` sends reliably now
+        (after its own messages were acknowledged): nothing can trickle in behind it. The
+        marker itself is taken out again."""
+        await sender.send_reliable(self.service.address, END)
+
+        async def ended() -> bool:
+            return bool(self.messages) and self.messages[-1].payload == END
+
+        await wait_until(ended, f"the end marker at {self.service.address}")
+        assert [m.payload for m in self.messages].count(END) == 1, "the marker came twice"
+        self.messages.pop()
+        return self.payloads
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
 # Test modules import these helpers as ``from integration_helpers import ...``: both
 # tests/conftest.py and this file are named "conftest", so "from conftest import" would
 # depend on which of them pytest loaded last.
 sys.modules.setdefault("integration_helpers", sys.modules[__name__])
 
 __all__ = [
+    "ACK_TIMEOUT",
+    "END",
     "IO_TIMEOUT",
+    "Collector",
     "DataFrame",
     "LaunchedBroker",
     "Pair",

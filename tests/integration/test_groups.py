@@ -8,47 +8,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from integration_helpers import stat, wait_members, wait_routes, wait_until
+from integration_helpers import (
+    ACK_TIMEOUT,
+    Collector,
+    stat,
+    wait_members,
+    wait_routes,
+    wait_until,
+)
 
 import meshbus
 from tests.conftest import BrokerProcess, start_mesh, stop_all
 
-END = b"end"
-ACK_TIMEOUT = 30.0
 # A member gone this long loses its groups; short, so reassignment tests are quick.
 GRACE = "0.3"
 
 
-class Inbox:
-    """Every message of a group member, in arrival order (received in the background)."""
-
-    def __init__(self, service: meshbus.Service) -> None:
-        self.service = service
-        self.messages: list[meshbus.Message] = []
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        try:
-            async for msg in self.service:
-                self.messages.append(msg)
-        except meshbus.ConnectionLost:
-            pass  # its broker was killed and it does not fail over: it has what it got
-
-    def of_group(self, group: str) -> list[meshbus.Message]:
-        return [m for m in self.messages if m.group == group]
-
-    async def settle(self, sender: meshbus.Service) -> None:
-        """Until a marker ``sender`` sends now arrives: what came before it is all there."""
-        await sender.send_reliable(self.service.address, END)
-
-        async def ended() -> bool:
-            return bool(self.messages) and self.messages[-1].payload == END
-
-        await wait_until(ended, f"the end marker at {self.service.address}")
-        self.messages.pop()
-
-
-async def total(inboxes: list[Inbox], count: int) -> None:
+async def total(inboxes: list[Collector], count: int) -> None:
     async def enough() -> bool:
         return sum(len(i.messages) for i in inboxes) >= count
 
@@ -67,7 +43,7 @@ async def no_groups_bound(brokers: list[BrokerProcess]) -> None:
 
 async def members_on(
     brokers: list[BrokerProcess], pool: meshbus.Anycast, prefix: str
-) -> tuple[list[meshbus.Connector], list[Inbox]]:
+) -> tuple[list[meshbus.Connector], list[Collector]]:
     """One member of ``pool`` per broker, each on its own connector (no failover)."""
     conns = [
         await meshbus.connect(b.address, server=f"{prefix}{i}", failover=False)
@@ -77,7 +53,7 @@ async def members_on(
     for conn in conns:
         member = await conn.register()
         await member.join(pool)
-        inboxes.append(Inbox(member))
+        inboxes.append(Collector(member))
     await wait_members(brokers, pool, len(conns))
     return conns, inboxes
 

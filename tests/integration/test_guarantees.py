@@ -14,58 +14,21 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from integration_helpers import IO_TIMEOUT, stat, wait_members, wait_routes, wait_until
+from integration_helpers import (
+    ACK_TIMEOUT,
+    IO_TIMEOUT,
+    Collector,
+    stat,
+    wait_members,
+    wait_routes,
+    wait_until,
+)
 
 import meshbus
 from meshbus.client.delivery import RetryPolicy
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import DeliveryFailed
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
-
-END = b"end"
-# How long every reliable message of a stream may take to be acknowledged, failovers included.
-ACK_TIMEOUT = 30.0
-
-
-class Collector:
-    """Receives a service's messages in the background, in arrival order."""
-
-    def __init__(self, service: meshbus.Service) -> None:
-        self.service = service
-        self.messages: list[meshbus.Message] = []
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        try:
-            async for msg in self.service:
-                self.messages.append(msg)
-        except meshbus.ConnectionLost:
-            pass  # its broker was killed and it does not fail over: it has what it got
-
-    @property
-    def payloads(self) -> list[bytes]:
-        return [m.payload for m in self.messages if m.payload != END]
-
-    async def wait_for(self, count: int, timeout: float = ACK_TIMEOUT) -> None:
-        async def enough() -> bool:
-            return len(self.payloads) >= count
-
-        await wait_until(enough, f"{count} messages at {self.service.address}", timeout)
-
-    async def settle(self, sender: meshbus.Service) -> list[bytes]:
-        """Everything received before an END marker that ``sender`` sends reliably now
-        (after its stream was acknowledged): nothing can trickle in behind it."""
-        await sender.send_reliable(self.service.address, END)
-
-        async def ended() -> bool:
-            return bool(self.messages) and self.messages[-1].payload == END
-
-        await wait_until(ended, f"the end marker at {self.service.address}")
-        assert [m.payload for m in self.messages].count(END) == 1, "the marker came twice"
-        return self.payloads
-
-    def stop(self) -> None:
-        self.task.cancel()
 
 
 def numbered(count: int, prefix: bytes = b"") -> list[bytes]:
