@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,16 @@ class Broker:
         self._drain_grace: float | None = None
         self._drain_requester: Link | None = None
         self.streams = Streams(self)
+        g = self.guarantees
+        self._guarantee_handlers: dict[int, Callable[[Link, int, Any], None]] = {
+            ControlType.MEMBERS: g.on_members,
+            ControlType.GROUP_BIND: g.on_bind,
+            ControlType.GROUP_END: g.on_end,
+            ControlType.GROUPS: g.on_groups,
+            ControlType.RELAYED: g.on_relayed,
+            ControlType.WATCH: g.on_watch,
+            ControlType.STREAM: self.streams.on_request,
+        }
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -172,17 +183,7 @@ class Broker:
     def on_guarantee(self, link: Link, ctype: int, correlation: int, body: Any) -> None:
         """A request for meshbus.broker.guarantees or .streams, from a connector or relayed
         by a peer, or their broker-to-broker frames."""
-        g = self.guarantees
-        handlers = {
-            ControlType.MEMBERS: g.on_members,
-            ControlType.GROUP_BIND: g.on_bind,
-            ControlType.GROUP_END: g.on_end,
-            ControlType.GROUPS: g.on_groups,
-            ControlType.RELAYED: g.on_relayed,
-            ControlType.WATCH: g.on_watch,
-            ControlType.STREAM: self.streams.on_request,
-        }
-        handlers[ControlType(ctype)](link, correlation, body)
+        self._guarantee_handlers[ctype](link, correlation, body)
 
     def next_link_id(self) -> int:
         link_id = self._next_link_id

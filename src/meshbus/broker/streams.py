@@ -33,6 +33,7 @@ from meshbus.broker.link import Link, LinkState
 from meshbus.broker.sqlite_store import SqliteStreamStore
 from meshbus.broker.store import (
     ConsumerConfig,
+    ConsumerNotFound,
     MemoryStreamStore,
     NewMessage,
     StoredMessage,
@@ -245,7 +246,8 @@ class Streams:
         try:
             reply = self._handle(link, body)
         except StoreError as exc:
-            code = ErrorCode.NO_STREAM if "no " in str(exc)[:3] else ErrorCode.STREAM_ERROR
+            missing = isinstance(exc, (StreamNotFound, ConsumerNotFound))
+            code = ErrorCode.NO_STREAM if missing else ErrorCode.STREAM_ERROR
             self._refuse(link, code, str(exc), correlation)
             return
         except (ValueError, TypeError) as exc:
