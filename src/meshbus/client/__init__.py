@@ -1,7 +1,8 @@
 """The client side: connector, services, messages."""
 
 from meshbus.client.connecting import connect
-from meshbus.client.connector import Connector, Undeliverable
+from meshbus.client.connector import Connector
+from meshbus.client.inbound import Undeliverable
 from meshbus.client.service import Message, Service
 
 __all__ = ["Connector", "Message", "Service", "Undeliverable", "connect"]

@@ -3,7 +3,9 @@
 The connector fans group messages out to its local members (the broker sends
 one copy per link): every member of a multicast group gets one copy, one random
 member of an anycast group gets it, and the sender is skipped unless it asked
-for ``echo``.
+for ``echo``. That and the rest of what arrives from the broker is handled in
+meshbus.client.inbound; reliable sends and message groups in
+meshbus.client.reliable.
 
 Failover, redirects, moves and keepalive -- keeping the connector linked to
 one broker of the mesh -- are in meshbus.client.keeper.
@@ -22,10 +24,10 @@ import logging
 import os
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from meshbus.address import Address, describe_address
+from meshbus.address import Address
+from meshbus.client.inbound import Undeliverable
 from meshbus.client.keeper import LinkKeeper
 from meshbus.client.link import BrokerLink
 from meshbus.client.reliable import Reliable, ReliableConfig
@@ -45,23 +47,18 @@ from meshbus.errors import (
     StreamError,
     Timeout,
 )
-from meshbus.protocol.codec import ControlFrame, DataFrame, encode_control, encode_data
+from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
 from meshbus.protocol.control import (
     AddressBody,
     Body,
-    Brokers,
     Bye,
-    DeliveryFailure,
     Drain,
     Empty,
     Error,
-    Left,
-    Move,
     Register,
     StatRequest,
     Stats,
 )
-from meshbus.protocol.ext import Ext, split
 from meshbus.protocol.layout import (
     FATAL_ERRORS,
     ControlType,
@@ -73,25 +70,8 @@ log = logging.getLogger("meshbus.client")
 
 T = TypeVar("T")
 
-_RESPONSE = int(DataFlags.RESPONSE)
-_ECHO = int(DataFlags.ECHO)
-_ACK = int(DataFlags.ACK)
-_EXT = int(DataFlags.EXT)
-_RELIABLE = int(DataFlags.RELIABLE)
-_CAST_MULTICAST = 2
-_CAST_ANYCAST = 3
 # How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
 _LOCAL_TIMEOUT_GRACE = 1.0
-
-
-@dataclass(frozen=True)
-class Undeliverable:
-    """A ``send(..., notify=True)`` the broker could not deliver (see ``on_undeliverable``)."""
-
-    src: str
-    dst: str
-    msg_id: int
-    reason: str
 
 
 class Connector:
@@ -520,136 +500,6 @@ class Connector:
         log.warning("broker broke the protocol", extra={"error": str(exc)})
         link.error = f"the broker sent an invalid frame: {exc}"
         link.abort()
-
-    def _on_data(self, frame: DataFrame) -> None:
-        flags = frame.flags
-        if flags & _RESPONSE:
-            waiting = self._requests.get((frame.dst, frame.response_for))
-            if waiting is not None and not waiting[0].done():
-                waiting[0].set_result(
-                    Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, None)
-                )
-            else:
-                self.dropped += 1
-            return
-        reliable = self._reliable
-        if flags & _ACK:
-            reliable.on_ack(frame)
-            return
-        reliable.suspicion.heard(frame.src)
-        ext: Ext | None = None
-        if flags & _EXT:
-            try:
-                ext, frame.payload = split(frame.payload)
-            except ProtocolError as exc:
-                # Another service's bytes, not the broker's: drop the message, keep the link.
-                log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
-                self.dropped += 1
-                return
-        cast = frame.dst[0]
-        members: list[Service] | tuple[Service, ...]
-        if cast in (_CAST_MULTICAST, _CAST_ANYCAST):
-            members = self._members.get(frame.dst, ())
-            if frame.dst == BROADCAST:  # sent with ECHO: other services here get it too
-                members = [s for s in self._services.values() if s._raw != frame.src]
-            elif not flags & _ECHO:
-                members = [m for m in members if m._raw != frame.src]
-            if not members:
-                self.dropped += 1
-                return
-            if cast == _CAST_ANYCAST:
-                members = [self._rng.choice(members)]
-        else:
-            service = self._services.get(frame.dst)
-            if service is None:
-                self.dropped += 1
-                return
-            members = (service,)
-        for member in members:
-            if ext is not None and ext.group and not member._member_of(ext.origin):
-                # It left the anycast group: unacknowledged, so the sender asks the group's
-                # home again, which moves the group to a member.
-                self.dropped += 1
-                continue
-            if flags & _RELIABLE and not reliable.accept(member, frame):
-                continue
-            if ext is None:
-                member._deliver(
-                    Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
-                )
-            elif ext.command:
-                self._spawn(member._obey(ext.command, frame.payload), "subscribe-other")
-            elif ext.group:
-                for (to, done, done_ext), reassigned in reliable.in_order(member, frame, ext):
-                    to._deliver(Message.of(done, to, done_ext, reassigned))
-            else:
-                member._deliver(Message.of(frame, member, ext, False))
-
-    def _on_control(self, link: BrokerLink, frame: ControlFrame) -> None:
-        ctype = frame.type
-        body = frame.body
-        if ctype in (ControlType.TIMEOUT, ControlType.NO_ROUTE):
-            assert isinstance(body, DeliveryFailure)
-            self._on_delivery_failure(ctype, body)
-            return
-        if ctype == ControlType.SYNCED:
-            synced = self._synced_waiters.get(frame.correlation)
-            if synced is not None and not synced[0].done():
-                synced[0].set_result(frame)
-            return
-        waiting = self._control_waiters.get(frame.correlation) if frame.correlation else None
-        if waiting is not None:
-            if not waiting[0].done():
-                waiting[0].set_result(frame)
-            return
-        if ctype == ControlType.BROKERS:
-            assert isinstance(body, Brokers)
-            if link is self._keeper.link:
-                self._keeper.set_brokers(body.brokers)
-        elif ctype == ControlType.MOVE:
-            assert isinstance(body, Move)
-            if link is self._keeper.link:
-                self._keeper.move(body.address, body.reason)
-        elif ctype == ControlType.ERROR:
-            assert isinstance(body, Error)
-            link.error = body.message
-            link.error_code = body.code
-            link.redirect = body.redirect
-            if body.code != ErrorCode.REDIRECT:
-                log.warning("broker error", extra={"code": body.code, "error": body.message})
-        elif ctype == ControlType.BYE:
-            assert isinstance(body, Bye)
-            link.error = f"the broker said goodbye: {body.reason}"
-        elif ctype == ControlType.LEFT:
-            assert isinstance(body, Left)
-            left = [describe_address(address) for address in body.addresses]
-            for handler in self._left_handlers:
-                handler(left)
-
-    def _on_delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
-        dst = describe_address(body.dst)
-        reason = body.reason or f"no service is registered at or member of {dst}"
-        waiting = self._requests.get((body.src, body.msg_id))
-        if waiting is not None:
-            future = waiting[0]
-            if not future.done():
-                if ctype == ControlType.TIMEOUT:
-                    future.set_exception(Timeout(f"no response from {dst} before the deadline"))
-                else:
-                    future.set_exception(NoRoute(f"no route to {dst}: {reason}", dst))
-            return
-        if ctype != ControlType.NO_ROUTE:
-            return  # a TIMEOUT for a request this side already gave up on
-        if self._reliable.no_route(body.msg_id):
-            return  # tried again by the resend timer
-        report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
-        if not self._undeliverable_handlers:
-            log.warning(
-                "undeliverable message",
-                extra={"src": report.src, "dst": report.dst, "reason": reason},
-            )
-        for handler in self._undeliverable_handlers:
-            handler(report)
 
     # -- ending ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, cast
 
+from meshbus.client.inbound import on_control, on_data
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import DataFrame, FrameDecoder
 
@@ -79,9 +80,9 @@ class BrokerLink(asyncio.Protocol):
         try:
             while not connector._full_inboxes and (frame := decoder.next_frame()) is not None:
                 if isinstance(frame, DataFrame):
-                    connector._on_data(frame)
+                    on_data(connector, frame)
                 else:
-                    connector._on_control(self, frame)
+                    on_control(connector, self, frame)
         except ProtocolError as exc:
             connector._protocol_error(self, exc)
 
