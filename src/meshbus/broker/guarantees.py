@@ -46,6 +46,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshbus.broker")
 
+# Requests a peer relays for its connectors, and the guarantees' own broker-to-broker frames.
+PEER_FRAMES = frozenset(
+    int(t)
+    for t in (
+        ControlType.GROUP_BIND,
+        ControlType.GROUP_END,
+        ControlType.GROUPS,
+        ControlType.RELAYED,
+        ControlType.STREAM,
+    )
+)
+
 
 class Guarantees:
     def __init__(self, broker: Broker) -> None:
@@ -85,16 +97,17 @@ class Guarantees:
 
     def peer_lost(self, peer: Link) -> None:
         """Requests relayed to a broker that is gone get an answer now: try again."""
-        for ours, (origin, corr, via) in list(self._relayed.items()):
-            if via is peer:
-                del self._relayed[ours]
-                self.refuse(
-                    origin,
-                    ErrorCode.UNAVAILABLE,
-                    f"broker {peer.name} left the mesh before it answered; try again",
-                    corr,
-                )
-        self.broker.flush_outbox()
+        lost = [ours for ours, (_, _, via) in self._relayed.items() if via is peer]
+        for ours in lost:
+            origin, corr, _ = self._relayed.pop(ours)
+            self.refuse(
+                origin,
+                ErrorCode.UNAVAILABLE,
+                f"broker {peer.name} left the mesh before it answered; try again",
+                corr,
+            )
+        if lost:
+            self.broker.flush_outbox()
 
     # -- members ------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
+from meshbus.broker.guarantees import PEER_FRAMES
 from meshbus.broker.link import CloseReason, Link, LinkState
 from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import describe, encode_control
@@ -331,7 +332,7 @@ class Mesh:
                 link.fail(ErrorCode.PROTOCOL_ERROR, "expected WELCOME", CloseReason.PROTOCOL_ERROR)
             return
         if body is not None:
-            if ctype in _GUARANTEES:
+            if ctype in PEER_FRAMES:
                 self.broker.on_guarantee(link, ctype, correlation, body)
                 return
             if (handler := _MESH_HANDLERS.get(ctype)) is not None:
@@ -498,8 +499,6 @@ class Mesh:
         del self.peers[link.name]
         self.stats.peers_lost += 1
         self.broker.sync.peer_lost(link)
-        self.broker.guarantees.peer_lost(link)
-        self.broker.streams.peer_lost(link)
         reason_text = f"broker {link.name}, which had it, left the mesh while the request was out"
         for entry in self.broker.pending.drop_via(link):
             self.broker.tell_requester(entry, ControlType.NO_ROUTE, reason_text)
@@ -604,17 +603,6 @@ _MESH_HANDLERS = {
     int(ControlType.PING): Mesh._on_ping,
     int(ControlType.PONG): Mesh._ignore,
 }
-# Requests a peer relays for its connectors, and the guarantees' own broker-to-broker frames.
-_GUARANTEES = frozenset(
-    int(t)
-    for t in (
-        ControlType.GROUP_BIND,
-        ControlType.GROUP_END,
-        ControlType.GROUPS,
-        ControlType.RELAYED,
-        ControlType.STREAM,
-    )
-)
 _SYNC_HANDLERS = {
     int(ControlType.ROUTES): RouteSync.on_routes,
     int(ControlType.CLAIM): RouteSync.on_claim,

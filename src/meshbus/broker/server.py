@@ -218,6 +218,9 @@ class Broker:
                 self.sync.announce(OP_REMOVE, address)
             self.mesh.connector_left()
         self.mesh.peer_lost(link, reason)
+        # Relayed requests waiting on a peer get their answer; its streams are gone.
+        self.guarantees.peer_lost(link)
+        self.streams.peer_lost(link)
         log.debug(
             "link closed",
             extra={"link": link.link_id, "reason": reason.value, "services": len(gone)},
