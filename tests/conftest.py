@@ -54,6 +54,16 @@ async def stop_all(brokers: list[BrokerProcess]) -> list[int]:
 
 
 @pytest.fixture
+async def mesh2() -> AsyncIterator[list[BrokerProcess]]:
+    """Two brokers in one mesh, streams in memory; both must drain and exit 0."""
+    brokers = await start_mesh(2)
+    try:
+        yield brokers
+    finally:
+        assert await stop_all(brokers) == [0, 0]
+
+
+@pytest.fixture
 async def mesh3() -> AsyncIterator[list[BrokerProcess]]:
     """Three brokers in one mesh."""
     brokers = await start_mesh(3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from integration_helpers import (
@@ -28,7 +28,7 @@ import meshbus
 from meshbus.client.delivery import RetryPolicy
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import DeliveryFailed
-from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
+from tests.conftest import BrokerProcess, start_broker, stop_all
 
 
 def numbered(count: int, prefix: bytes = b"") -> list[bytes]:
@@ -59,15 +59,6 @@ def assert_exactly_once(got: list[bytes], expected: list[bytes]) -> None:
     missing = set(expected) - set(got)
     assert not missing, f"{len(missing)} lost, e.g. {sorted(missing)[:5]}"
     assert sorted(got) == sorted(expected)
-
-
-@pytest.fixture
-async def mesh2() -> AsyncIterator[list[BrokerProcess]]:
-    brokers = await start_mesh(2)
-    try:
-        yield brokers
-    finally:
-        await stop_all(brokers)
 
 
 # -- unicast ----------------------------------------------------------------------------------

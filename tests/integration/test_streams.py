@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,8 @@ import meshbus
 from meshbus import Multicast
 from meshbus.client.streams import StreamMessage
 from meshbus.errors import DeliveryFailed, StreamError
-from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
+from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.conftest import spawn_broker
-
-
-@pytest.fixture
-async def mesh2() -> AsyncIterator[list[BrokerProcess]]:
-    """Two brokers in one mesh, streams in memory."""
-    brokers = await start_mesh(2)
-    try:
-        yield brokers
-    finally:
-        assert await stop_all(brokers) == [0, 0]
 
 
 async def fetch_all(conn: meshbus.Connector, stream: str) -> list[StreamMessage]:
