@@ -304,7 +304,7 @@ class Streams:
         if op == "fetch":
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)
-            return StreamReply(messages=_rows(rows, 1, limit))
+            return StreamReply(messages=_fit([_row(m, 1) for m in rows], limit))
         if op == "consumer_add":
             config_c = ConsumerConfig(
                 name=body.consumer,
@@ -390,10 +390,6 @@ def _row(message: StoredMessage, delivery: int) -> StoredRow:
         message.payload,
         delivery,
     )
-
-
-def _rows(messages: list[StoredMessage], delivery: int, limit: int) -> list[StoredRow]:
-    return _fit([_row(m, delivery) for m in messages], limit)
 
 
 def _fit(rows: list[StoredRow], limit: int) -> list[StoredRow]:

@@ -90,7 +90,6 @@ class _Pending:
     ext: Ext | None
     group: tuple[bytes, bytes, bytes] | None = None  # (src, anycast, group key)
     seq: int = 0
-    unreachable: bool = False
     future: asyncio.Future[None] | None = None
 
 
