@@ -81,6 +81,7 @@ class GroupTable:
             if binding.member in members:
                 binding.missing_since = 0.0
                 binding.updated = now
+                binding.expiry = expiry or self.default_expiry  # also revives an ended one
                 return binding
             if binding.missing_since == 0.0:
                 binding.missing_since = now
@@ -113,15 +114,19 @@ class GroupTable:
         self._held[member] += 1
         return binding
 
-    def end(self, key: GroupKey, sender: bytes) -> bool:
-        """``sender`` ended the group; True when that was its last sender (dropped now). A
+    def end(self, key: GroupKey, sender: bytes, now: float) -> None:
+        """``sender`` ended the group. After its last sender, the binding lingers for the
+        grace and then expires: a sender whose first message of the group comes a moment
+        after another's final (it bound the group later) still finds the same member. A
         sender the home does not know (the home changed since it bound) leaves the binding
         to its idle expiry, rather than cut off senders the home does not know either."""
         binding = self._bindings.get(key)
         if binding is None or sender not in binding.senders:
-            return False
+            return
         binding.senders.discard(sender)
-        return not binding.senders and self.drop(key)
+        if not binding.senders:
+            binding.updated = now
+            binding.expiry = self.grace
 
     def drop(self, key: GroupKey) -> bool:
         binding = self._bindings.pop(key, None)

@@ -161,8 +161,8 @@ class Guarantees:
         home = None if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             home.send(encode_control(ControlType.GROUP_END, body))
-        elif self.groups.end((body.group, body.key), body.sender):
-            self._replicate([(body.group, body.key, b"", 0.0)])
+        else:
+            self.groups.end((body.group, body.key), body.sender, self.broker.clock())
         if correlation:
             self.answer(link, ControlType.OK, Empty(), correlation)
 
@@ -181,6 +181,13 @@ class Guarantees:
                 self.groups.put((anycast, group), member, expiry, now)
             else:
                 self.groups.drop((anycast, group))
+
+    def expire(self) -> None:
+        """The seed's deletion process, on every broker; what it drops, it drops everywhere
+        (a binding its home let linger after the group's end is still held by the peers)."""
+        dropped = self.groups.expire(self.broker.clock())
+        if dropped:
+            self._replicate([(anycast, group, b"", 0.0) for anycast, group in dropped])
 
     def send_groups(self, peer: Link) -> None:
         """Every binding, to a peer that just linked up."""

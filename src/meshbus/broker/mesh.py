@@ -536,7 +536,7 @@ class Mesh:
                             CloseReason.HEARTBEAT_TIMEOUT,
                         )
             self._send_all(ControlType.LOAD, self._load())
-            self.broker.guarantees.groups.expire(self.broker.clock())
+            self.broker.guarantees.expire()
             self.broker.streams.expire()
 
     # -- drain and stop -------------------------------------------------------------------------
