@@ -304,6 +304,36 @@ async def test_reliable_multicast_and_anycast_across_three_brokers(
             await conn.close()
 
 
+async def test_a_publish_id_is_delivered_once_across_senders(mesh2: list[BrokerProcess]) -> None:
+    """A retried job resends from a new connector with new message ids: the receiving
+    services (each member of a multicast) drop the repeats by publish id, reliable or not."""
+    a, b = mesh2
+    first = await meshbus.connect(a.address, server="job-try1", failover=False)
+    retry = await meshbus.connect(a.address, server="job-try2", failover=False)
+    receiver_conn = await meshbus.connect(b.address, server="board", failover=False)
+    try:
+        members = [await receiver_conn.register() for _ in range(2)]
+        for member in members:
+            await member.join(meshbus.Multicast("board"))
+        await wait_members(mesh2, meshbus.Multicast("board"), 2)
+        collectors = [Collector(member) for member in members]
+        try1, try2 = await first.register(), await retry.register()
+        rows = numbered(50, b"row")
+        for i, row in enumerate(rows[:30]):  # the first attempt dies after 30 rows
+            await try1.send("multicast:board", row, reliable=True, publish_id=b"job1/%d" % i)
+        for i, row in enumerate(rows):  # the retry sends them all again, half of them plain
+            await try2.send("multicast:board", row, reliable=i % 2 == 0, publish_id=b"job1/%d" % i)
+        await first.wait_acked(ACK_TIMEOUT)
+        await retry.wait_acked(ACK_TIMEOUT)
+        for collector in collectors:
+            got = await collector.settle(try2)
+            assert_exactly_once(got, rows)
+        assert receiver_conn._reliable.duplicates == 2 * 30
+    finally:
+        for conn in (first, retry, receiver_conn):
+            await conn.close()
+
+
 # -- giving up --------------------------------------------------------------------------------
 
 

@@ -100,6 +100,12 @@ def on_data(conn: Connector, frame: DataFrame) -> None:
             continue
         if flags & _RELIABLE and not reliable.accept(member, frame):
             continue
+        if (
+            ext is not None
+            and ext.publish_id
+            and not reliable.first_publish(member, ext.publish_id)
+        ):
+            continue
         if ext is None:
             member._deliver(
                 Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)

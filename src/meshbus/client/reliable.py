@@ -98,7 +98,8 @@ class ReliableConfig:
     """How a connector sends reliably (``meshbus.connect(..., reliable=...)``).
 
     ``retry``: ack timeout, backoff and attempts. ``dedupe_window``: how many
-    (service, source, message id) triples the receiver remembers. ``max_unacked``: a
+    (service, source, message id) triples the receiver remembers, and as many
+    (service, publish id) pairs. ``max_unacked``: a
     reliable send waits while this many are unacknowledged (backpressure instead of
     unbounded memory). ``group_expiry``: idle seconds before a message group's
     binding is dropped (the seed's 5 minutes). ``suspicion``: given-up sends to one
@@ -125,6 +126,9 @@ class Reliable:
         self.policy = policy = config.retry
         self.outbox = Outbox(policy)
         self.seen: SeenWindow[tuple[bytes, bytes, int]] = SeenWindow(config.dedupe_window)
+        # A publish id names a message across senders: a retried job (a Spark
+        # micro-batch) resends from a new connector with new message ids.
+        self.published: SeenWindow[tuple[bytes, bytes]] = SeenWindow(config.dedupe_window)
         self.order: GroupOrder[tuple[Service, DataFrame, Ext]] = GroupOrder(
             idle_timeout=config.group_expiry
         )
@@ -446,6 +450,13 @@ class Reliable:
             asyncio.get_running_loop().call_soon(self._flush_acks)
         self._acks.setdefault((service._raw, frame.src), []).append(frame.msg_id)
         if self.seen.add((service._raw, frame.src, frame.msg_id)):
+            return True
+        self.duplicates += 1
+        return False
+
+    def first_publish(self, service: Service, publish_id: bytes) -> bool:
+        """True unless ``service`` already got a message with this publish id."""
+        if self.published.add((service._raw, publish_id)):
             return True
         self.duplicates += 1
         return False

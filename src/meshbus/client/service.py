@@ -187,7 +187,8 @@ class Service:
         ``group`` (to an anycast address): a message group -- every message with this id
         goes to the same member, in the order sent, reliably; ``final=True`` on the last
         one ends the group. ``priority`` is carried to the receiver (``Message.priority``).
-        ``publish_id``: a stream stores a message with this id once per dedupe window.
+        ``publish_id``: a name for the message across senders and retries -- a stream
+        stores it, and each receiving service delivers it, once per dedupe window.
         ``echo``: a group send also reaches this service if it is a member.
         ``notify``: if the broker cannot deliver a plain send, it says so, and the connector
         calls its ``on_undeliverable`` handlers; by default such a send is dropped and
