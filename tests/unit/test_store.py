@@ -7,7 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from meshbus.broker import sqlite_store
 from meshbus.broker.sqlite_store import SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
@@ -438,10 +441,82 @@ def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
     try:
         s.add_stream(cfg())
         s.append_batch("orders", [msg(b"a", b"k")], 0.0)
-        bad = NewMessage(SRC, DST, b"c", priority=[1])  # type: ignore[arg-type]
-        with pytest.raises(StoreError):  # the row cannot be bound: the batch rolls back
-            s.append_batch("orders", [msg(b"b", b"j"), bad], 1.0)
+        # The disk refuses the write (a trigger stands in for a full disk): the batch
+        # rolls back, and the mirror, which had already counted it, is reloaded.
+        other = sqlite3.connect(tmp_path / "s.db")
+        other.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON blocks"
+            " BEGIN SELECT RAISE(ABORT, 'no room'); END"
+        )
+        other.commit()
+        with pytest.raises(StoreError, match="no room"):
+            s.append_batch("orders", [msg(b"b", b"j"), msg(b"c")], 1.0)
+        other.execute("DROP TRIGGER refuse")
+        other.commit()
+        other.close()
         assert s.info("orders").last_seq == 1  # the mirror was reloaded from the database
         assert s.append_batch("orders", [msg(b"b", b"j")], 2.0) == [Appended(2, False)]
     finally:
         s.close()
+
+
+# -- the SQLite store's blocks ------------------------------------------------------------
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(
+        st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=12),
+        min_size=1,
+        max_size=8,
+    ),
+    max_msgs=st.integers(0, 25),
+    reads=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 30)), max_size=6),
+)
+def test_sqlite_blocks_read_trim_and_reopen_like_the_memory_store(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    batches: list[list[tuple[int, int]]],
+    max_msgs: int,
+    reads: list[tuple[int, int]],
+) -> None:
+    """Batches split into blocks of at most 3 messages / 50 bytes; retention cuts blocks in
+    the middle; reads start and end anywhere; publish ids repeat across batches. After
+    every batch and after a reopen, the SQLite store answers what the memory store does --
+    but for publish ids: after a reopen it knows those of the messages it still holds."""
+    monkeypatch.setattr(sqlite_store, "BLOCK_MESSAGES", 3)
+    monkeypatch.setattr(sqlite_store, "BLOCK_BYTES", 50)
+    path = tmp_path_factory.mktemp("blocks") / "s.db"
+    oracle, disk = MemoryStreamStore(), SqliteStreamStore(path)
+    stored_as: dict[bytes, int] = {}
+    try:
+        for s in (oracle, disk):
+            s.add_stream(cfg(max_msgs=max_msgs))
+        for now, batch in enumerate(batches):
+            messages = [msg(b"p" * size, b"id%d" % pid if pid else b"") for size, pid in batch]
+            appended = disk.append_batch("orders", messages, now)
+            assert appended == oracle.append_batch("orders", messages, now)
+            for m, result in zip(messages, appended, strict=True):
+                if m.publish_id and not result.duplicate:
+                    stored_as[m.publish_id] = result.seq
+            assert disk.info("orders") == oracle.info("orders")
+        disk.close()
+        disk = SqliteStreamStore(path)
+        info = disk.info("orders")
+        assert info == oracle.info("orders")
+        for from_seq, count in reads:
+            assert disk.read("orders", from_seq, count) == oracle.read("orders", from_seq, count)
+        expected, next_seq = [], info.last_seq + 1
+        for pid in range(1, 7):
+            seq = stored_as.get(b"id%d" % pid, 0)
+            if seq >= info.first_seq:
+                expected.append(Appended(seq, True))
+            else:
+                expected.append(Appended(next_seq, False))
+                next_seq += 1
+        again = [msg(b"again", b"id%d" % pid) for pid in range(1, 7)]
+        assert disk.append_batch("orders", again, len(batches)) == expected
+    finally:
+        disk.close()

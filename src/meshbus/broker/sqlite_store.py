@@ -14,15 +14,24 @@ counters, messages, publish ids with their seq and time, consumers with their
 position and drop count, and every pending delivery with its count and deadline.
 In memory is the mirror from ``store.MirroredStore`` (counters, live publish ids,
 pending deliveries), loaded from the database at open, so the hot paths ask
-SQLite nothing: an append is one executemany of the new rows plus an UPDATE of the
-stream's counters. Message bodies are read from disk only. If a transaction fails,
-it is rolled back and the mirror is reloaded, so the database stays the truth.
+SQLite nothing: an append is one INSERT of a block plus an UPDATE of the stream's
+counters. Message bodies are read from disk only. If a transaction fails, it is
+rolled back and the mirror is reloaded, so the database stays the truth.
 
-Messages live in one rowid table whose key packs (stream id, seq) into one
-integer, ``stream_id << 40 | seq``: appends go to the end of a stream's key range,
-reads and retention are range scans, and unlike a WITHOUT ROWID table a payload
-of a few KiB still fits in the row's page instead of spilling to overflow pages.
-That allows 2**23 streams of 2**40 (10**12) messages each.
+Messages are stored in blocks, as Kafka's segments and JetStream's message blocks
+are: one row per append batch (split at ``BLOCK_MESSAGES`` messages or
+``BLOCK_BYTES`` payload bytes), its messages one msgpack array encoded in C. A row
+per message cost more than everything else an append does (SQLite's per-row work,
+plus a second table for publish ids); a block makes the store's cost per batch.
+Publish ids need no table of their own: each message keeps its id in the block,
+and opening the store reads back the blocks younger than the dedupe window. (So
+after a restart it knows the ids of the messages it still holds: those retention
+removed are forgotten with them, as in JetStream.) A block's key packs (stream id,
+its first seq) into one integer, ``stream_id << 40 | seq``: appends go to the end
+of a stream's key range, and reads and retention are range scans. That allows
+2**23 streams of 2**40 (10**12) messages each. Retention removes whole blocks; a
+block cut in the middle stays until its last message goes, its head hidden by the
+stream's ``first_seq``.
 
 Not safe for two stores writing one file at a time (each trusts its own mirror):
 the broker must hold a lock on its data directory.
@@ -34,6 +43,8 @@ import os
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+import msgspec
 
 from meshbus.broker.store import (
     ADDRESS_LEN,
@@ -52,7 +63,7 @@ from meshbus.broker.store import (
     fit_bytes,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 _SYNCHRONOUS = {"normal": "NORMAL", "always": "FULL"}
@@ -63,12 +74,9 @@ CREATE TABLE IF NOT EXISTS streams (
     max_msgs INTEGER NOT NULL, max_bytes INTEGER NOT NULL, max_age REAL NOT NULL,
     dedupe_window REAL NOT NULL,
     first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, bytes INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS messages (
-    key INTEGER PRIMARY KEY, stored_at REAL NOT NULL, src BLOB NOT NULL, dst BLOB NOT NULL,
-    grp BLOB NOT NULL, priority INTEGER NOT NULL, payload BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS publish_ids (
-    stream_id INTEGER NOT NULL, publish_id BLOB NOT NULL, seq INTEGER NOT NULL,
-    at REAL NOT NULL, PRIMARY KEY (stream_id, publish_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks (
+    key INTEGER PRIMARY KEY, last_seq INTEGER NOT NULL, stored_at REAL NOT NULL,
+    messages BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS consumers (
     id INTEGER PRIMARY KEY, stream_id INTEGER NOT NULL, name TEXT NOT NULL,
     ack_wait REAL NOT NULL, max_deliver INTEGER NOT NULL, start_seq INTEGER NOT NULL,
@@ -78,11 +86,19 @@ CREATE TABLE IF NOT EXISTS pending (
     deadline REAL NOT NULL, PRIMARY KEY (consumer_id, seq)) WITHOUT ROWID;
 """
 
-_INSERT_MESSAGE = "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?, ?)"
-_SELECT_MESSAGES = (
-    "SELECT key, stored_at, src, dst, grp, priority, payload FROM messages"
-    " WHERE key >= ? AND key <= ? ORDER BY key LIMIT ?"
+# A block holds at most this many messages or payload bytes (but always one message):
+# reading one message decodes its whole block.
+BLOCK_MESSAGES = 4096
+BLOCK_BYTES = 1 << 20
+_INSERT_BLOCK = "INSERT INTO blocks VALUES (?, ?, ?, ?)"
+# The blocks holding seqs from ?2 to ?3 of a stream whose keys start at ?1: the last
+# block starting at or before ?2, and the ones after it.
+_SELECT_BLOCKS = (
+    "SELECT key, stored_at, messages FROM blocks WHERE key >= coalesce("
+    "(SELECT max(key) FROM blocks WHERE key >= ?1 AND key <= ?2), ?1) AND key <= ?3 ORDER BY key"
 )
+_encode_block = msgspec.msgpack.Encoder().encode
+_decode_block = msgspec.msgpack.Decoder(list[NewMessage]).decode
 _UPDATE_COUNTERS = "UPDATE streams SET first_seq = ?, last_seq = ?, bytes = ? WHERE id = ?"
 _PUT_PENDING = "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)"
 _DELETE_PENDING = "DELETE FROM pending WHERE consumer_id = ? AND seq = ?"
@@ -143,13 +159,9 @@ class SqliteStreamStore(MirroredStore):
             config = StreamConfig(name, captures, max_msgs, max_bytes, max_age, window)
             st = StreamState(config, first, last, size, key=sid)
             if st.count:
-                at = db.execute("SELECT stored_at FROM messages WHERE key = ?", (_key(sid, first),))
-                st.first_at = at.fetchone()[0]
+                st.first_at = next(self._blocks(st, first, first))[1]
+            self._load_publish_ids(st)
             self._streams[name] = by_id[sid] = st
-        for sid, publish_id, seq, at in db.execute(
-            "SELECT stream_id, publish_id, seq, at FROM publish_ids ORDER BY at"
-        ):
-            by_id[sid].ids.remember(publish_id, seq, at)
         by_cid: dict[int, ConsumerState] = {}
         for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped in db.execute(
             "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped"
@@ -166,6 +178,43 @@ class SqliteStreamStore(MirroredStore):
             cs = by_cid[cid]
             cs.pending[seq] = (count, deadline)
             cs.earliest = min(cs.earliest, deadline)
+
+    def _load_publish_ids(self, st: StreamState) -> None:
+        """The publish ids of the blocks within the dedupe window of the newest one (the
+        store has no clock: the caller's ``now`` decides which of these are still alive)."""
+        window = st.config.dedupe_window
+        if window <= 0:
+            return
+        young: list[tuple[int, float, bytes]] = []
+        for key, at, block in self._db.execute(
+            "SELECT key, stored_at, messages FROM blocks WHERE key >= ? AND key <= ?"
+            " ORDER BY key DESC",
+            (_key(st.key, 0), _key(st.key, SEQ_MASK)),
+        ):
+            if young and at < young[0][1] - window:
+                break
+            young.append((key, at, block))
+        for key, at, block in reversed(young):
+            first = key & SEQ_MASK
+            fresh = {
+                m.publish_id: seq
+                for seq, m in enumerate(_decode_block(block), first)
+                if m.publish_id and seq >= st.first_seq
+            }
+            if fresh:
+                st.ids.remember(fresh, at)
+
+    def _blocks(
+        self, st: StreamState, first: int, last: int
+    ) -> Iterator[tuple[int, float, list[NewMessage]]]:
+        """(first seq, stored_at, messages) of the blocks that hold ``first..last``."""
+        sid = st.key
+        cursor = self._db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
+        try:
+            for key, at, block in cursor:
+                yield key & SEQ_MASK, at, _decode_block(block)
+        finally:
+            cursor.close()  # a reader may stop early; a half-read statement must not linger
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -207,10 +256,9 @@ class SqliteStreamStore(MirroredStore):
         sid = st.key
         with self._tx() as db:
             db.execute(
-                "DELETE FROM messages WHERE key >= ? AND key <= ?",
+                "DELETE FROM blocks WHERE key >= ? AND key <= ?",
                 (_key(sid, 0), _key(sid, SEQ_MASK)),
             )
-            db.execute("DELETE FROM publish_ids WHERE stream_id = ?", (sid,))
             db.execute(
                 "DELETE FROM pending WHERE consumer_id IN"
                 " (SELECT id FROM consumers WHERE stream_id = ?)",
@@ -224,20 +272,16 @@ class SqliteStreamStore(MirroredStore):
         st = self._stream(name)
         sid = st.key
         with self._tx() as db:
-            results, stored, fresh = self._append(st, messages, now)
+            first = st.last_seq + 1
+            results, stored = self._append(st, messages, now)
             if stored:
                 db.executemany(
-                    _INSERT_MESSAGE,
+                    _INSERT_BLOCK,
                     [
-                        (sid << SEQ_BITS | seq, now, m.src, m.dst, m.group, m.priority, m.payload)
-                        for seq, m in stored
+                        (_key(sid, seq), seq + len(block) - 1, now, _encode_block(block))
+                        for seq, block in _split(first, stored)
                     ],
                 )
-                if fresh:
-                    db.executemany(
-                        "INSERT OR REPLACE INTO publish_ids VALUES (?, ?, ?, ?)",
-                        [(sid, publish_id, seq, now) for publish_id, seq in fresh],
-                    )
                 self._trim(db, st, now)
                 db.execute(_UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, sid))
         return results
@@ -246,19 +290,17 @@ class SqliteStreamStore(MirroredStore):
         """Apply retention inside the caller's transaction; returns messages removed."""
         if not self._needs_cut(st, now):
             return 0
-        sid = st.key
-        cursor = db.execute(
-            "SELECT key, stored_at, length(payload) FROM messages"
-            " WHERE key >= ? AND key <= ? ORDER BY key",
-            (_key(sid, st.first_seq), _key(sid, st.last_seq)),
+        sid, old_first = st.key, st.first_seq
+        rows = (
+            (seq, at, len(m.payload))
+            for first, at, block in self._blocks(st, old_first, st.last_seq)
+            for seq, m in enumerate(block, first)
+            if seq >= old_first
         )
-        try:
-            old_first = self._cut(st, now, ((k & SEQ_MASK, at, n) for k, at, n in cursor))
-        finally:
-            cursor.close()  # _cut stops early; a half-read statement must not outlive it
+        self._cut(st, now, rows)
         db.execute(
-            "DELETE FROM messages WHERE key >= ? AND key < ?",
-            (_key(sid, old_first), _key(sid, st.first_seq)),
+            "DELETE FROM blocks WHERE key >= ? AND key < ? AND last_seq < ?",
+            (_key(sid, 0), _key(sid, st.first_seq), st.first_seq),
         )
         db.executemany(
             "DELETE FROM pending WHERE consumer_id = ? AND seq < ?",
@@ -278,22 +320,19 @@ class SqliteStreamStore(MirroredStore):
     def _select(
         self, st: StreamState, first: int, last: int, limit: int
     ) -> Iterator[StoredMessage]:
-        sid, name = st.key, st.config.name
-        for key, at, src, dst, group, priority, payload in self._db.execute(
-            _SELECT_MESSAGES, (_key(sid, first), _key(sid, last), limit)
-        ):
-            yield StoredMessage(name, key & SEQ_MASK, at, src, dst, group, priority, payload)
+        name = st.config.name
+        last = min(last, first + limit - 1)
+        for block_first, at, block in self._blocks(st, first, last):
+            start = max(first - block_first, 0)
+            end = last - block_first + 1
+            for seq, m in enumerate(block[start:end], block_first + start):
+                yield StoredMessage(name, seq, at, m.src, m.dst, m.group, m.priority, m.payload)
 
     def expire(self, now: float) -> int:
         removed = 0
         with self._tx() as db:
             for st in self._streams.values():
-                gone = st.ids.expire(now)
-                if gone:
-                    db.executemany(
-                        "DELETE FROM publish_ids WHERE stream_id = ? AND publish_id = ?",
-                        [(st.key, publish_id) for publish_id in gone],
-                    )
+                st.ids.expire(now)
                 trimmed = self._trim(db, st, now)
                 if trimmed:
                     db.execute(_UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, st.key))
@@ -376,3 +415,17 @@ class SqliteStreamStore(MirroredStore):
 
     def close(self) -> None:
         self._db.close()
+
+
+def _split(first: int, messages: list[NewMessage]) -> Iterator[tuple[int, list[NewMessage]]]:
+    """(first seq, messages) of the blocks a batch is stored in."""
+    if len(messages) <= BLOCK_MESSAGES and sum(len(m.payload) for m in messages) <= BLOCK_BYTES:
+        yield first, messages  # the usual batch: one block
+        return
+    start = size = 0
+    for i, m in enumerate(messages):
+        if i > start and (i - start == BLOCK_MESSAGES or size + len(m.payload) > BLOCK_BYTES):
+            yield first + start, messages[start:i]
+            start, size = i, 0
+        size += len(m.payload)
+    yield first + start, messages[start:]

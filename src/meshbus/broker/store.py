@@ -29,9 +29,10 @@ import abc
 import math
 import re
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
+from typing import NamedTuple
 
 ADDRESS_LEN = 16
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -116,9 +117,10 @@ class StreamConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class NewMessage:
-    """Not validated here: it is built per publish from a frame the broker has checked."""
+class NewMessage(NamedTuple):
+    """Not validated here: it is built per publish from a frame the broker has checked.
+    A tuple, not a dataclass: the broker builds one per captured frame, and the SQLite
+    store encodes a batch of them as one msgpack array."""
 
     src: bytes
     dst: bytes
@@ -128,8 +130,7 @@ class NewMessage:
     publish_id: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
+class StoredMessage(NamedTuple):
     stream: str
     seq: int
     stored_at: float
@@ -140,8 +141,7 @@ class StoredMessage:
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Appended:
+class Appended(NamedTuple):
     seq: int
     duplicate: bool
 
@@ -239,37 +239,39 @@ class StreamStore(abc.ABC):
 
 
 class PublishIds:
-    """Publish ids of one stream: a dict to look up, a queue in arrival order to forget.
+    """Publish ids of one stream: a dict id -> seq to look up, and a queue of the batches
+    in arrival order to forget them by.
 
-    An id older than the window is dead even before ``expire`` forgets it, so answers
-    never depend on how often the broker calls ``expire``. The queue makes forgetting
-    cost only what is forgotten; a clock stepping backwards merely delays it.
+    ``seen`` forgets what is older than the window first, so answers never depend on
+    how often the broker calls ``expire``. Forgetting costs only what is forgotten, and
+    remembering a batch is one ``dict.update``; a clock stepping backwards merely
+    delays forgetting.
     """
 
     def __init__(self, window: float) -> None:
         self.window = window
-        self.ids: dict[bytes, tuple[int, float]] = {}
-        self._order: deque[tuple[float, bytes]] = deque()
+        self.ids: dict[bytes, int] = {}
+        self._order: deque[tuple[float, dict[bytes, int]]] = deque()
 
-    def seen(self, publish_id: bytes, now: float) -> int | None:
-        entry = self.ids.get(publish_id)
-        if entry is not None and now - entry[1] < self.window:
-            return entry[0]
-        return None
+    def seen(self, now: float) -> Callable[[bytes], int | None]:
+        """The lookup for a batch arriving at ``now``: the seq an id was stored as."""
+        self.expire(now)
+        return self.ids.get
 
-    def remember(self, publish_id: bytes, seq: int, at: float) -> None:
-        self.ids[publish_id] = (seq, at)
-        self._order.append((at, publish_id))
+    def remember(self, fresh: dict[bytes, int], at: float) -> None:
+        """Remember a batch's publish id -> seq, all stored at ``at``."""
+        self.ids.update(fresh)
+        self._order.append((at, fresh))
 
-    def expire(self, now: float) -> list[bytes]:
-        gone: list[bytes] = []
+    def expire(self, now: float) -> int:
+        gone = 0
         order, ids = self._order, self.ids
         while order and now - order[0][0] >= self.window:
-            at, publish_id = order.popleft()
-            entry = ids.get(publish_id)
-            if entry is not None and entry[1] == at:  # else remembered again since
-                del ids[publish_id]
-                gone.append(publish_id)
+            _, batch = order.popleft()
+            for publish_id, seq in batch.items():
+                if ids.get(publish_id) == seq:  # else remembered again since
+                    del ids[publish_id]
+                    gone += 1
         return gone
 
 
@@ -368,34 +370,36 @@ class MirroredStore(StreamStore):
     @staticmethod
     def _append(
         st: StreamState, messages: Sequence[NewMessage], now: float
-    ) -> tuple[list[Appended], list[tuple[int, NewMessage]], list[tuple[bytes, int]]]:
-        """Number the batch; return the results, what to store and the ids to remember."""
+    ) -> tuple[list[Appended], list[NewMessage]]:
+        """Number the batch; return the results and what to store, which gets the seqs
+        from the old ``last_seq + 1`` on, in order. Once per captured message: kept tight."""
         window = st.config.dedupe_window
         results: list[Appended] = []
-        stored: list[tuple[int, NewMessage]] = []
+        stored: list[NewMessage] = []
         fresh: dict[bytes, int] = {}
         seq = st.last_seq
+        seen = st.ids.seen(now)
         for msg in messages:
             publish_id = msg.publish_id
             if publish_id and window > 0:
                 original = fresh.get(publish_id)
                 if original is None:
-                    original = st.ids.seen(publish_id, now)
+                    original = seen(publish_id)
                 if original is not None:
                     results.append(Appended(original, True))
                     continue
                 fresh[publish_id] = seq + 1
             seq += 1
-            stored.append((seq, msg))
+            stored.append(msg)
             results.append(Appended(seq, False))
         if stored:
             if st.count == 0:
                 st.first_at = now
             st.last_seq = seq
-            st.bytes += sum(len(msg.payload) for _, msg in stored)
-            for publish_id, id_seq in fresh.items():
-                st.ids.remember(publish_id, id_seq, now)
-        return results, stored, list(fresh.items())
+            st.bytes += sum(len(msg.payload) for msg in stored)
+            if fresh:
+                st.ids.remember(fresh, now)
+        return results, stored
 
     @staticmethod
     def _needs_cut(st: StreamState, now: float) -> bool:
@@ -503,9 +507,10 @@ class MemoryStreamStore(MirroredStore):
 
     def append_batch(self, name: str, messages: Sequence[NewMessage], now: float) -> list[Appended]:
         st = self._stream(name)
-        results, stored, _ = self._append(st, messages, now)
+        first = st.last_seq + 1
+        results, stored = self._append(st, messages, now)
         bodies = self._bodies[name]
-        for seq, m in stored:
+        for seq, m in enumerate(stored, first):
             bodies[seq] = StoredMessage(
                 name, seq, now, m.src, m.dst, m.group, m.priority, m.payload
             )

@@ -64,6 +64,9 @@ log = logging.getLogger("meshbus.broker")
 _EXT = int(DataFlags.EXT)
 _RELIABLE = int(DataFlags.RELIABLE)
 _unpack_header = DATA_HEADER.unpack_from
+_HEADER_SIZE = DATA_HEADER.size
+# NewMessage is a NamedTuple: tuple.__new__ builds one without its Python-level __new__.
+_new_message = tuple.__new__
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
@@ -104,7 +107,8 @@ class Streams:
         self.members: dict[str, bytes] = {}  # stream -> its member address
         self._by_member: dict[bytes, str] = {}
         self._by_group: dict[bytes, list[str]] = defaultdict(list)
-        self._batch: dict[str, list[tuple[NewMessage, bytes, int]]] = {}
+        # stream -> (messages of this turn, sender -> reliable message ids to acknowledge)
+        self._batch: dict[str, tuple[list[NewMessage], dict[bytes, list[int]]]] = {}
         self.elsewhere: dict[str, Link] = {}  # streams hosted by peers
         self.stored = 0
         self.dropped = 0
@@ -161,70 +165,64 @@ class Streams:
     # -- capturing ---------------------------------------------------------------------
 
     def _captured(self, data: bytes) -> None:
-        """Frames routed to the sink during one read: queued for this turn's commit."""
-        if not self._batch:
+        """Frames routed to the sink during one read: queued for this turn's commit, with
+        the reliable ones' ids to acknowledge once it is done. Once per frame: kept tight."""
+        batch = self._batch
+        if not batch:
             asyncio.get_running_loop().call_soon(self._commit)
-        pos = 0
-        end = len(data)
+        by_member, by_group = self._by_member, self._by_group
+        pos, end = 0, len(data)
         while pos < end:
             (length, _, _, flags, _, dst, src, _, msg_id, _, _) = _unpack_header(data, pos)
             frame_end = pos + 4 + length
-            payload = data[pos + DATA_HEADER.size : frame_end]
+            payload = data[pos + _HEADER_SIZE : frame_end]
             pos = frame_end
-            group = priority = publish = None
-            origin = dst
             if flags & _EXT:
                 try:
                     ext, payload = split(payload)
                 except ProtocolError:
                     self.dropped += 1
                     continue
-                origin = ext.origin or dst
-                group, priority, publish = ext.group, ext.priority, ext.publish_id
-            if not publish and flags & _RELIABLE:
-                publish = src + msg_id.to_bytes(8, "big")
-            names = (
-                [self._by_member[dst]] if dst in self._by_member else self._by_group.get(dst, [])
-            )
-            message = NewMessage(
-                src=src,
-                dst=origin,
-                payload=payload,
-                group=group or b"",
-                priority=priority or 0,
-                publish_id=publish or b"",
-            )
-            ack = msg_id if flags & _RELIABLE else 0
-            for name in names:
-                self._batch.setdefault(name, []).append((message, src, ack))
+                publish = ext.publish_id
+                if not publish and flags & _RELIABLE:
+                    publish = src + msg_id.to_bytes(8, "big")
+                fields = (src, ext.origin or dst, payload, ext.group, ext.priority, publish)
+            elif flags & _RELIABLE:
+                # A reliable frame is its own publish id: a resend after a failover is
+                # stored once.
+                fields = (src, dst, payload, b"", 0, src + msg_id.to_bytes(8, "big"))
+            else:
+                fields = (src, dst, payload, b"", 0, b"")
+            message = _new_message(NewMessage, fields)
+            for name in (by_member[dst],) if dst in by_member else by_group.get(dst, ()):
+                entry = batch.get(name)
+                if entry is None:
+                    entry = batch[name] = ([], {})
+                entry[0].append(message)
+                if flags & _RELIABLE:
+                    entry[1].setdefault(src, []).append(msg_id)
 
     def _commit(self) -> None:
         batch, self._batch = self._batch, {}
-        broker = self.broker
         now = time.time()
-        for name, entries in batch.items():
+        for name, (messages, acks) in batch.items():
             try:
-                self.store.append_batch(name, [m for m, _, _ in entries], now)
+                self.store.append_batch(name, messages, now)
             except StoreError as exc:
                 # Not acknowledged, so reliable senders try again; plain sends are lost.
                 log.error("could not store", extra={"stream": name, "error": str(exc)})
-                self.dropped += len(entries)
+                self.dropped += len(messages)
                 continue
-            self.stored += len(entries)
+            self.stored += len(messages)
             member = self.members.get(name)
-            if member is None:
-                continue
-            acks: dict[tuple[bytes, bytes], list[int]] = {}
-            for _, src, msg_id in entries:
-                if msg_id:
-                    acks.setdefault((member, src), []).append(msg_id)
-            self._send_acks(acks)
-        broker.flush_outbox()
+            if member is not None and acks:
+                self._send_acks(member, acks)
+        self.broker.flush_outbox()
 
-    def _send_acks(self, acks: dict[tuple[bytes, bytes], list[int]]) -> None:
+    def _send_acks(self, member: bytes, acks: dict[bytes, list[int]]) -> None:
         """One ACK frame per sender for what this commit stored (meshbus.protocol.ext)."""
         routing = self.broker.routing
-        for (member, src), ids in acks.items():
+        for src, ids in acks.items():
             owner = routing.route_unicast(src)
             if owner is not None:
                 for frame in ack_frames(member, src, ids):
