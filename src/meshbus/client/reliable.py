@@ -146,7 +146,7 @@ class Reliable:
         self._idle = asyncio.Event()
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
-        self._member_cache: dict[bytes, tuple[float, list[bytes]]] = {}
+        self._member_cache: dict[bytes, tuple[float, frozenset[bytes]]] = {}
         self._resend_queue: dict[int, None] = {}  # an ordered set
         self._resending = False
         self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
@@ -182,8 +182,14 @@ class Reliable:
             state = await self._bound(key, b"")
             target = state.member
         elif cast == _CAST_MULTICAST:
-            members = await self._members(dst, pick=False)
-            targets = frozenset(m for m in members if echo or m != src)
+            now = conn._now()
+            cached = self._member_cache.get(dst)
+            if cached is not None and now - cached[0] < _MEMBERS_TTL:
+                targets = cached[1]  # the usual case, every message of a stream of them
+            else:
+                targets = frozenset(await self._members(dst, pick=False))
+            if src in targets and not echo:
+                targets = targets - {src}
             if not targets:
                 return 0  # nobody to deliver to: nothing can be lost
         elif cast == _CAST_ANYCAST:
@@ -229,20 +235,17 @@ class Reliable:
         return wrap(ext, pending.payload) if ext is not None else pending.payload
 
     async def _members(self, group: bytes, *, pick: bool) -> list[bytes]:
-        """The members of ``group`` (cached for ``_MEMBERS_TTL``: a reliable multicast
-        needs them for every message), or the one member an anycast send goes to."""
+        """The members of ``group`` -- cached by ``send`` for ``_MEMBERS_TTL``, as a
+        reliable multicast needs them for every message -- or the one member an anycast
+        send goes to."""
         now = self.conn._now()
-        if not pick:
-            cached = self._member_cache.get(group)
-            if cached is not None and now - cached[0] < _MEMBERS_TTL:
-                return cached[1]
         frame = await self.conn._control(
             ControlType.MEMBERS, MembersRequest(group=group, pick=pick)
         )
         assert isinstance(frame.body, MemberList)
         if not pick and frame.body.members:
             # An empty list is asked again: a stream or member may be added any moment.
-            self._member_cache[group] = (now, frame.body.members)
+            self._member_cache[group] = (now, frozenset(frame.body.members))
         return frame.body.members
 
     async def _bound(self, key: tuple[bytes, bytes, bytes], failed: bytes) -> _GroupSend:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections import deque
@@ -37,9 +38,12 @@ def as_address(value: AddressLike) -> Address:
     if isinstance(value, Address):
         return value
     if isinstance(value, str):
-        return Address.parse(value)
+        return _parse(value)
     raise TypeError(f"expected an Address or its text form, not {type(value).__name__}")
 
+
+# Most senders name a few addresses over and over: parse each text form once.
+_parse = functools.lru_cache(maxsize=4096)(Address.parse)
 
 _NO_EXT = Ext()
 # The multicast address every service can be reached at through ``broadcast``.
