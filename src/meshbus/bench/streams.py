@@ -7,6 +7,12 @@ its group commit has stored it. The figure is acknowledged messages per second, 
 publisher on the stream's own broker. JetStream does the same with at most 256
 publishes in flight (``jetstream_append``).
 
+Append over the wire (``append_wire``): the same acknowledged appends, driven the way
+the JetStream driver drives nats-server -- the raw protocol on one link, every frame
+encoded before the clock starts, at most ``_NATS_WINDOW`` unacknowledged -- so the
+figure is the broker's and the pair ``append_wire``/``nats_append`` compares servers
+alone. ``append`` is what an application gets through the client library.
+
 Fetch: a second link reads the stream back from seq 1 with ``streams.fetch`` in
 requests of ``--batch`` messages; an answer holds fewer when they would not fit in one
 frame (1 MiB by default), and the next request starts after the last seq received.
@@ -106,6 +112,57 @@ async def meshbus_fetch(host: str, port: int, count: int, size: int, batch: int)
     return count / elapsed
 
 
+async def meshbus_append_wire(host: str, port: int, count: int, size: int, window: int) -> float:
+    """``count`` reliable frames straight on the wire, ``window`` unacknowledged at most;
+    acknowledged messages per second. The stream is made and checked by the client."""
+    import asyncio
+
+    import meshbus
+    from meshbus.address import Address
+    from meshbus.bench.wire import PRODUCER, MeshbusWire
+    from meshbus.protocol import DataFlags, DataFrame, FrameDecoder, encode_data
+    from meshbus.protocol.ext import unpack_acks
+
+    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
+        await conn.streams.add(STREAM, CAPTURE)
+    sock = MeshbusWire().open_producer(host, port)
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        dst, src, payload = Address.parse(CAPTURE).to_bytes(), PRODUCER.to_bytes(), b"x" * size
+        frames = [
+            encode_data(dst, src, payload, msg_id=i, flags=DataFlags.RELIABLE)
+            for i in range(1, count + 1)
+        ]
+        decoder = FrameDecoder()
+        acked: set[int] = set()
+        start = time.perf_counter()
+        sent = min(window, count)
+        writer.write(b"".join(frames[:sent]))
+        while len(acked) < count:
+            data = await reader.read(1 << 16)
+            if not data:
+                raise StreamBenchError(f"the broker closed the link after {len(acked)} acks")
+            decoder.feed(data)
+            while (frame := decoder.next_frame()) is not None:
+                if isinstance(frame, DataFrame) and frame.flags & DataFlags.ACK:
+                    acked.update(unpack_acks(frame.payload))
+            more = min(count - sent, window - (sent - len(acked)))
+            if more > 0:
+                writer.write(b"".join(frames[sent : sent + more]))
+                sent += more
+        elapsed = time.perf_counter() - start
+    finally:
+        writer.close()
+    if acked != set(range(1, count + 1)):
+        raise StreamBenchError(f"{len(acked)} acks for {count} publishes, ids out of range")
+    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
+        info = await conn.streams.info(STREAM)
+    if info.messages != count or info.bytes != count * size:
+        raise StreamBenchError(f"the stream holds {info} after {count} acknowledged publishes")
+    return count / elapsed
+
+
 # -- one run -------------------------------------------------------------------------------------
 
 
@@ -141,6 +198,10 @@ def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
     with _meshbus("normal") as server:
         figures["append"] = uvloop.run(meshbus_append(server.host, server.port, count, size))
         figures["fetch"] = uvloop.run(meshbus_fetch(server.host, server.port, count, size, batch))
+    with _meshbus("normal") as server:
+        figures["append_wire"] = uvloop.run(
+            meshbus_append_wire(server.host, server.port, count, size, _NATS_WINDOW)
+        )
     with _nats() as server:
         figures["nats_append"] = uvloop.run(
             jetstream_append(server.host, server.port, count, size, _NATS_WINDOW)
@@ -183,9 +244,14 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
     nats-server -js (both file-backed, no fsync per write); then meshbus appends with
     --fsync always (an fsync per group commit: survives power loss).
 
+    `append` publishes through the client library; `append_wire` drives the broker the way
+    the JetStream driver drives nats-server (raw protocol, pre-encoded, 256 in flight), so
+    `wire_ratio` compares the servers alone.
+
     Needs nats-server (Debian package). Last line:
-    `append=<msgs/s> nats_append=<msgs/s> append_ratio=<meshbus/nats> fetch=<msgs/s>
-    nats_fetch=<msgs/s> fetch_ratio=<meshbus/nats> append_always=<msgs/s>`.
+    `append=<msgs/s> nats_append=<msgs/s> append_ratio=<meshbus/nats> append_wire=<msgs/s>
+    wire_ratio=<wire/nats> fetch=<msgs/s> nats_fetch=<msgs/s> fetch_ratio=<meshbus/nats>
+    append_always=<msgs/s>`.
     """
     from meshbus.bench.jetstream import JetStreamError
     from meshbus.errors import MeshbusError
@@ -202,6 +268,7 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
                 per_run.setdefault(key, []).append(value)
             rows = [
                 ("meshbus (fsync normal)", figures["append"], f"{figures['fetch']:,.0f}"),
+                ("meshbus (normal, wire driver)", figures["append_wire"], "-"),
                 ("nats-server -js", figures["nats_append"], f"{figures['nats_fetch']:,.0f}"),
                 ("meshbus (fsync always)", figures["append_always"], "-"),
             ]
@@ -216,6 +283,8 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
         "median", "meshbus / nats", f"{append / medians['nats_append']:.3f}",
         f"{fetch / medians['nats_fetch']:.3f}",
     )  # fmt: skip
+    wire_ratio = medians["append_wire"] / medians["nats_append"]
+    table.add_row("median", "wire driver / nats", f"{wire_ratio:.3f}", "-")
     table.add_row(
         "median", "fsync always / normal", f"{medians['append_always'] / append:.3f}", "-"
     )
@@ -225,6 +294,8 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
             append=f"{append:.0f}",
             nats_append=f"{medians['nats_append']:.0f}",
             append_ratio=f"{append / medians['nats_append']:.3f}",
+            append_wire=f"{medians['append_wire']:.0f}",
+            wire_ratio=f"{wire_ratio:.3f}",
             fetch=f"{fetch:.0f}",
             nats_fetch=f"{medians['nats_fetch']:.0f}",
             fetch_ratio=f"{fetch / medians['nats_fetch']:.3f}",
