@@ -135,6 +135,22 @@ if TYPE_CHECKING:
     "its groups move to another member.",
 )
 @click.option(
+    "--telemetry-interval",
+    type=click.FloatRange(0),
+    default=0.0,
+    show_default=True,
+    help="Seconds between the broker's telemetry records, stored in its stream "
+    "telemetry.NAME with sampled message traces in traces.NAME (for `meshbus report`); "
+    "0: no telemetry.",
+)
+@click.option(
+    "--trace-sample",
+    type=click.FloatRange(0, 1),
+    default=0.001,
+    show_default=True,
+    help="With telemetry on: the share of plain sends that connectors trace hop by hop.",
+)
+@click.option(
     "--max-frame",
     type=click.IntRange(MIN_MAX_FRAME, 2**31),
     default=DEFAULT_MAX_FRAME,
@@ -164,6 +180,8 @@ def broker(
     fsync: str,
     group_expiry: float,
     group_grace: float,
+    telemetry_interval: float,
+    trace_sample: float,
     max_frame: int,
     max_pending_bytes: int,
 ) -> None:
@@ -202,6 +220,8 @@ def broker(
         fsync=fsync,
         group_expiry=group_expiry,
         group_grace=group_grace,
+        telemetry_interval=telemetry_interval,
+        trace_sample=trace_sample,
     )
     try:
         uvloop.run(serve(config))

@@ -220,12 +220,6 @@ CASES = [
         ErrorCode.PROTOCOL_ERROR,
     ),
     Case(
-        "reserved-flag-bits",
-        "registered",
-        lambda c: data_frame(c.pair.b.address, c.own, b"x", flags=0x80),
-        ErrorCode.PROTOCOL_ERROR,
-    ),
-    Case(
         "request-and-response-flags",
         "registered",
         lambda c: data_frame(

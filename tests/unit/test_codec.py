@@ -67,6 +67,7 @@ from meshbus.protocol.control import (
     Stats,
     StreamReply,
     StreamRequest,
+    TraceReport,
     Welcome,
 )
 from meshbus.protocol.layout import (
@@ -240,7 +241,7 @@ def test_frame_of_exactly_max_frame_is_accepted() -> None:
 
 @pytest.mark.parametrize("flags", range(256))
 def test_check_data_flags(flags: int) -> None:
-    valid = flags & ~0x7F == 0 and flags & 0x03 != 0x03
+    valid = flags & 0x03 != 0x03  # every bit has a meaning; only this pair contradicts
     if valid:
         check_data_flags(flags)
     else:
@@ -249,7 +250,7 @@ def test_check_data_flags(flags: int) -> None:
         assert info.value.code is ErrorCode.PROTOCOL_ERROR
 
 
-@pytest.mark.parametrize("flags", [0x80, 0x90, 0xFF, 0x03, 0x07])
+@pytest.mark.parametrize("flags", [0x83, 0xFF, 0x03, 0x07])
 def test_decoder_rejects_bad_flags(flags: int) -> None:
     # The encoder does not check flags; the decoder must.
     raw = encode_data(DST, SRC, b"", flags=flags)
@@ -263,6 +264,10 @@ def test_flag_values() -> None:
     assert int(DataFlags.RESPONSE) == 0x02
     assert int(DataFlags.ECHO) == 0x04
     assert int(DataFlags.NOTIFY_DROP) == 0x08
+    assert int(DataFlags.EXT) == 0x10
+    assert int(DataFlags.RELIABLE) == 0x20
+    assert int(DataFlags.ACK) == 0x40
+    assert int(DataFlags.TRACE) == 0x80
 
 
 # -- control frames -------------------------------------------------------------------------
@@ -310,6 +315,7 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.RELAYED: Relayed(type=31, body=b"\x80"),
     ControlType.WATCH: Empty(),
     ControlType.LEFT: Left(addresses=[b"\x01" + bytes(15)]),
+    ControlType.TRACE: TraceReport(src=SRC, msg_id=7, dst=DST, sent_at=1.5, received_at=1.75),
 }
 
 
@@ -348,7 +354,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 39, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 40, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

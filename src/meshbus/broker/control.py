@@ -154,6 +154,7 @@ class ControlHandler:
             slot=broker.routing.slot,
             max_frame=link.max_frame,
             brokers=mesh.connector_list(),
+            trace_every=broker.telemetry.trace_every,
         )
 
     def _register(self, link: Link, body: Body) -> Answer:
@@ -344,4 +345,5 @@ _HANDLERS = {
     ControlType.GROUP_END: ControlHandler._guarantee,
     ControlType.WATCH: ControlHandler._guarantee,
     ControlType.STREAM: ControlHandler._guarantee,
+    ControlType.TRACE: ControlHandler._guarantee,
 }

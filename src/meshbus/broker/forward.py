@@ -24,7 +24,6 @@ from meshbus.protocol.codec import FrameError, check_data_flags
 from meshbus.protocol.control import DeliveryFailure
 from meshbus.protocol.layout import (
     DATA_HEADER,
-    KNOWN_DATA_FLAGS,
     OFF_HOPS,
     OFF_LINK_TAG,
     OFF_MSG_ID,
@@ -44,10 +43,12 @@ _REQUEST = int(DataFlags.REQUEST)
 _RESPONSE = int(DataFlags.RESPONSE)
 _ECHO = int(DataFlags.ECHO)
 _NOTIFY = int(DataFlags.NOTIFY_DROP)
-_PER_FRAME = _REQUEST | _RESPONSE | _NOTIFY
+_TRACE = int(DataFlags.TRACE)
+# Frames that take the general path one at a time: never a cached decision or a run.
+_PER_FRAME = _REQUEST | _RESPONSE | _NOTIFY | _TRACE
 _TELL_SENDER = _REQUEST | _NOTIFY
+_PEER_PER_FRAME = _TELL_SENDER | _TRACE
 _REQUEST_RESPONSE = _REQUEST | _RESPONSE
-_BAD_FLAGS = ~KNOWN_DATA_FLAGS
 _unpack_header = DATA_HEADER.unpack_from
 _unpack_response_for = struct.Struct(">Q").unpack_from
 _unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
@@ -94,7 +95,7 @@ def route_connector_frame(
     broker = link.broker
     routing = broker.routing
     (_, _, _, flags, hops, dst, src, _, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
-    if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
+    if flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
         check_data_flags(flags)
     if hops:
         raise FrameError(
@@ -163,6 +164,9 @@ def route_connector_frame(
     if flags & _REQUEST:
         broker.stats.requests += 1
         broker.pending.add(src, msg_id, link, broker.deadline(timeout_ms), dst, _via(found))
+    if flags & _TRACE:
+        broker.telemetry.hop("entry", src, msg_id, dst)
+        _trace_exit(link, found, src, msg_id, dst)
     return None
 
 
@@ -177,7 +181,7 @@ def route_peer_frame(
     broker = link.broker
     routing = broker.routing
     (_, _, _, flags, hops, dst, src, tag, msg_id, _, _) = _unpack_header(buf, pos)
-    if flags & _BAD_FLAGS or flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
+    if flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
         check_data_flags(flags)
     if hops != PEER_HOPS or tag != link.tag_in:
         link.msgs_in += 1
@@ -201,6 +205,8 @@ def route_peer_frame(
         one = routing.route_anycast_local(dst, src, bool(flags & _ECHO))
         if one is None or not broker.deliver(one, mv[pos : pos + total]):
             undeliverable(link, flags, msg_id, src, dst)
+        elif flags & _TRACE:
+            _trace_exit(link, (one,), src, msg_id, dst)
         return None
     else:
         raise FrameError(ErrorCode.PROTOCOL_ERROR, f"destination has unknown cast type {cast_type}")
@@ -208,11 +214,21 @@ def route_peer_frame(
         link.msgs_in += 1
         undeliverable(link, flags, msg_id, src, dst)
         return None
-    if flags & _TELL_SENDER:
-        # Delivered now; not cached, so a later stale route still reports the drop.
+    if flags & _PEER_PER_FRAME:
+        # Delivered now; not cached, so a later stale route still reports the drop and
+        # a later traced frame is recorded.
         flush_run(link, found, mv[pos : pos + total], 1, total)
+        if flags & _TRACE:
+            _trace_exit(link, found, src, msg_id, dst)
         return None
     return (total, found, PLAIN, src, dst)
+
+
+def _trace_exit(link: Link, targets: tuple[Link, ...], src: bytes, msg_id: int, dst: bytes) -> None:
+    """A traced frame leaves the mesh here when it goes to a connector's link."""
+    sink = link.broker.streams.sink
+    if any(not t.is_peer and t is not sink for t in targets):
+        link.broker.telemetry.hop("exit", src, msg_id, dst)
 
 
 def undeliverable(link: Link, flags: int, msg_id: int, src: bytes, dst: bytes) -> None:

@@ -161,6 +161,10 @@ class Link(asyncio.BufferedProtocol):
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.broker.link_opened(self)
 
+    def queued_bytes(self) -> int:
+        """Output written to this link that the socket has not taken yet."""
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if len(self._buf) - self._end < _MIN_READ:
             self._make_room()

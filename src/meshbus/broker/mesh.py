@@ -151,6 +151,7 @@ class Mesh:
     def _became_ready(self) -> None:
         self.ready = True
         self.broker.streams.restore()
+        self.broker.telemetry.start()
         # Connectors get the list in WELCOME from now on; only changes are pushed.
         self._pushed = self._connector_addresses()
 

@@ -32,6 +32,7 @@ from meshbus.broker.process import ready_line
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.streams import Streams
 from meshbus.broker.sync import RouteSync
+from meshbus.broker.telemetry import Telemetry
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Bye, DeliveryFailure
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, ControlType
@@ -71,6 +72,10 @@ class BrokerConfig:
     # Streams under data_dir: "normal" survives the broker being killed (kill -9),
     # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
     fsync: str = "normal"
+    # Telemetry (broker/telemetry.py): seconds between records, 0 for none; and the
+    # share of sends connectors trace while it is on.
+    telemetry_interval: float = 0.0
+    trace_sample: float = 0.001
 
 
 @dataclass
@@ -118,6 +123,7 @@ class Broker:
         self._drain_grace: float | None = None
         self._drain_requester: Link | None = None
         self.streams = Streams(self)
+        self.telemetry = Telemetry(self)
         g = self.guarantees
         self._guarantee_handlers: dict[int, Callable[[Link, int, Any], None]] = {
             ControlType.MEMBERS: g.on_members,
@@ -127,6 +133,7 @@ class Broker:
             ControlType.RELAYED: g.on_relayed,
             ControlType.WATCH: g.on_watch,
             ControlType.STREAM: self.streams.on_request,
+            ControlType.TRACE: self._on_trace,
         }
 
     # -- lifecycle -------------------------------------------------------------
@@ -166,6 +173,7 @@ class Broker:
         """Close every link with a BYE and stop listening."""
         if self._server is not None:
             self._server.close()
+        await self.telemetry.stop()
         await self.mesh.stop()
         for link in list(self.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
@@ -179,6 +187,11 @@ class Broker:
         if self._server is not None:
             await self._server.wait_closed()
         self.streams.close()
+
+    def _on_trace(self, link: Link, correlation: int, body: Any) -> None:
+        self.telemetry.hop(
+            "received", body.src, body.msg_id, body.dst, body.sent_at, at=body.received_at
+        )
 
     def on_guarantee(self, link: Link, ctype: int, correlation: int, body: Any) -> None:
         """A request for meshbus.broker.guarantees or .streams, from a connector or relayed

@@ -138,6 +138,11 @@ class Streams:
             self._by_group[group].append(config.name)
         self.broker.mesh.load_changed()
 
+    def host_local(self, config: StreamConfig) -> None:
+        """A stream of the broker's own (telemetry), created unless it exists."""
+        self.store.add_stream(config)
+        self._host(config)
+
     def _unhost(self, name: str) -> None:
         member = self.members.pop(name, None)
         if member is None:

@@ -102,6 +102,8 @@ class Connector:
         self._keeper = LinkKeeper(self, brokers, failover_timeout, keepalive)
         self._next_correlation = 1
         self._next_msg_id = 1
+        # The broker asks for one send in this many to be traced (its telemetry).
+        self._trace_every = self._trace_left = 0
         self._control_waiters: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
         # SYNCED after the answer to a change: the change is known mesh-wide.
         self._synced_waiters: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
@@ -330,6 +332,14 @@ class Connector:
         msg_id = self._new_msg_id()
         await self._write_data(dst, src, payload, flags, msg_id, response_for)
         return msg_id
+
+    def _trace_this(self) -> bool:
+        """Whether the next plain send is one the broker asked to trace."""
+        self._trace_left -= 1
+        if self._trace_left > 0:
+            return False
+        self._trace_left = self._trace_every
+        return True
 
     def _new_msg_id(self) -> int:
         msg_id = self._next_msg_id

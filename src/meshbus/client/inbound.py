@@ -11,6 +11,7 @@ ERROR before the broker closes the link.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,15 @@ from meshbus.address import describe_address
 from meshbus.client.service import BROADCAST, Message, Service
 from meshbus.errors import NoRoute, ProtocolError, Timeout
 from meshbus.protocol.codec import ControlFrame, DataFrame
-from meshbus.protocol.control import Brokers, Bye, DeliveryFailure, Error, Left, Move
+from meshbus.protocol.control import (
+    Brokers,
+    Bye,
+    DeliveryFailure,
+    Error,
+    Left,
+    Move,
+    TraceReport,
+)
 from meshbus.protocol.ext import Ext, split
 from meshbus.protocol.layout import ControlType, DataFlags, ErrorCode
 
@@ -33,6 +42,7 @@ _ECHO = int(DataFlags.ECHO)
 _ACK = int(DataFlags.ACK)
 _EXT = int(DataFlags.EXT)
 _RELIABLE = int(DataFlags.RELIABLE)
+_TRACE = int(DataFlags.TRACE)
 _CAST_MULTICAST = 2
 _CAST_ANYCAST = 3
 
@@ -73,6 +83,9 @@ def on_data(conn: Connector, frame: DataFrame) -> None:
             log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
             conn.dropped += 1
             return
+        if flags & _TRACE:
+            report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
+            conn._send_control(ControlType.TRACE, report)
     cast = frame.dst[0]
     members: list[Service] | tuple[Service, ...]
     if cast in (_CAST_MULTICAST, _CAST_ANYCAST):

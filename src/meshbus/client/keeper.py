@@ -187,6 +187,7 @@ class LinkKeeper:
         assert isinstance(frame.body, Welcome)
         link.broker_name = frame.body.broker
         conn.max_frame = min(conn.max_frame, frame.body.max_frame)
+        conn._trace_every = conn._trace_left = frame.body.trace_every
         self.set_brokers(frame.body.brokers)
         return link
 

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -213,10 +214,15 @@ class Service:
         if final:
             raise ValueError("final=True ends a message group; give the group too")
         flags = (DataFlags.ECHO if echo else 0) | (DataFlags.NOTIFY_DROP if notify else 0)
-        if priority or publish_id:
+        conn = self._conn
+        if conn._trace_every and conn._trace_this():
+            flags |= DataFlags.EXT | DataFlags.TRACE
+            ext = Ext(priority=priority, publish_id=publish_id, sent_at=time.time())
+            payload = wrap(ext, payload)
+        elif priority or publish_id:
             flags |= DataFlags.EXT
             payload = wrap(Ext(priority=priority, publish_id=publish_id), payload)
-        return await self._conn._send_data(self._raw, raw, payload, int(flags))
+        return await conn._send_data(self._raw, raw, payload, int(flags))
 
     async def send_reliable(
         self,

@@ -25,7 +25,6 @@ from meshbus.protocol.layout import (
     DEFAULT_MAX_FRAME,
     KIND_CONTROL,
     KIND_DATA,
-    KNOWN_DATA_FLAGS,
     LENGTH_SIZE,
     PREFIX,
     PROTOCOL_VERSION,
@@ -128,8 +127,6 @@ def _check_prefix(buf: bytes | bytearray | memoryview, pos: int, avail: int, max
 
 def check_data_flags(flags: int) -> None:
     """Reject reserved flag bits and contradictory combinations."""
-    if flags & ~KNOWN_DATA_FLAGS:
-        raise FrameError(ErrorCode.PROTOCOL_ERROR, f"reserved data flag bits set: {flags:#04x}")
     if flags & 0x03 == 0x03:
         raise FrameError(ErrorCode.PROTOCOL_ERROR, "a frame cannot be both REQUEST and RESPONSE")
 

@@ -72,6 +72,7 @@ class Welcome(Body):
     listen: str = ""
     tag: int = 0
     brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
+    trace_every: int = 0  # a connector traces one send in this many (0: none)
 
 
 class Register(Body):
@@ -266,6 +267,16 @@ class Left(Body):
     addresses: list[bytes] = msgspec.field(default_factory=list)
 
 
+class TraceReport(Body):
+    """TRACE: a connector got a traced frame (``sent_at`` from its EXT block)."""
+
+    src: bytes = b""
+    msg_id: int = 0
+    dst: bytes = b""
+    sent_at: float = 0.0
+    received_at: float = 0.0
+
+
 class StreamRequest(Body):
     """STREAM: ``op`` is one of add, delete, info, list, fetch, consumer_add,
     consumer_delete, consumer_info, next, ack; each uses the fields it needs."""
@@ -336,6 +347,7 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.RELAYED: Relayed,
     ControlType.WATCH: Empty,
     ControlType.LEFT: Left,
+    ControlType.TRACE: TraceReport,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

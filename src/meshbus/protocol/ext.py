@@ -39,6 +39,7 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     # Postina's subscribe_other/unsubscribe_other: "subscribe" or "unsubscribe" the
     # receiving service to the topic named by the payload; not delivered as a message.
     command: str = ""
+    sent_at: float = 0.0  # with the TRACE flag: when the sending connector sent it
 
 
 _encode = msgspec.msgpack.Encoder().encode

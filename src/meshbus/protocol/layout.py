@@ -65,17 +65,9 @@ class DataFlags(IntFlag):
     EXT = 0x10
     RELIABLE = 0x20  # the receiving connector acknowledges it and drops duplicates
     ACK = 0x40  # acknowledges the RELIABLE frame ``response_for`` sent by ``dst``
-
-
-KNOWN_DATA_FLAGS = int(
-    DataFlags.REQUEST
-    | DataFlags.RESPONSE
-    | DataFlags.ECHO
-    | DataFlags.NOTIFY_DROP
-    | DataFlags.EXT
-    | DataFlags.RELIABLE
-    | DataFlags.ACK
-)
+    # A sampled frame whose hops are recorded (broker/telemetry.py); its EXT block holds
+    # the time its connector sent it.
+    TRACE = 0x80
 
 
 class ControlType(IntEnum):
@@ -119,6 +111,7 @@ class ControlType(IntEnum):
     RELAYED = 36  # broker -> broker: the answer to a request relayed from the other broker
     WATCH = 37  # connector -> broker: tell me when services leave (LEFT)
     LEFT = 38  # broker -> connector: these services left the mesh
+    TRACE = 39  # connector -> broker: a traced frame arrived (no answer)
 
 
 class ErrorCode(IntEnum):

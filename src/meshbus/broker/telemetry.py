@@ -1,0 +1,182 @@
+"""A broker's telemetry: its own counters and sampled message traces, in streams.
+
+Every ``--telemetry-interval`` seconds the broker appends one JSON record to the
+stream ``telemetry.<broker>`` it hosts: per-link message and byte counts and
+queued bytes, route-table size, connectors, pending requests, and the cumulative
+counters (timeouts, drops). Counters are cumulative since the broker started, so
+a lost or late record loses no information; a restart shows as a reset.
+
+Traces: the broker tells its connectors in WELCOME to trace one send in
+``1 / --trace-sample``. A traced frame carries the TRACE flag and, in its extension
+block, the time its connector sent it. The broker records a hop when such a frame
+enters the mesh from a connector ("entry") and when it goes out to a connector's
+link ("exit"); the receiving connector reports the time it got it ("received",
+with the send time) in a TRACE control frame. The records, one per hop, go to
+``traces.<broker>`` at each interval. TRACE frames take the per-frame path, so
+untraced traffic pays one flag test; payloads stay unread. ``meshbus report``
+joins the hops by (source, message id) (docs/report.md).
+
+Both streams are ordinary streams (fetch, the Spark source, ``meshbus stream``),
+capture nothing, and keep an hour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from meshbus.address import describe_address
+from meshbus.broker.store import NewMessage, StoreError, StreamConfig
+
+if TYPE_CHECKING:
+    from meshbus.broker.server import Broker
+
+log = logging.getLogger("meshbus.broker")
+
+RETENTION = 3600.0  # seconds of telemetry and traces each broker keeps
+# Trace records waiting for the next interval; past this many they are stored at once.
+_MAX_WAITING_HOPS = 10_000
+_encode = msgspec.json.Encoder().encode
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def stream_names(broker: str) -> tuple[str, str]:
+    """The telemetry and trace streams of the broker named ``broker``."""
+    safe = _UNSAFE.sub("_", broker)[:50]
+    return f"telemetry.{safe}", f"traces.{safe}"
+
+
+class Telemetry:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        config = broker.config
+        self.interval = config.telemetry_interval
+        # What WELCOME tells connectors: trace one send in this many (0: none).
+        self.trace_every = (
+            round(1 / config.trace_sample) if self.interval > 0 and config.trace_sample else 0
+        )
+        self.hops: list[bytes] = []
+        self.records = 0
+        self._task: asyncio.Task[None] | None = None
+        self._names = ("", "")
+
+    def start(self) -> None:
+        """Host the two streams and start recording (the broker is ready)."""
+        if self.interval <= 0 or self._task is not None:
+            return
+        self._names = stream_names(self.broker.config.name)
+        streams = self.broker.streams
+        for name in self._names:
+            try:
+                streams.host_local(StreamConfig(name, (), max_age=RETENTION))
+            except StoreError as exc:  # e.g. an operator made one of that name
+                log.error("no telemetry stream", extra={"stream": name, "error": str(exc)})
+        self._task = asyncio.get_running_loop().create_task(self._every_interval())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.publish()
+
+    def publish(self) -> None:
+        """Store a telemetry record and the waiting trace hops."""
+        now = time.time()
+        self._append(self._names[0], [_encode(self.record(now))], now)
+        self.records += 1
+        self._flush_hops(now)
+
+    def _flush_hops(self, now: float) -> None:
+        hops, self.hops = self.hops, []
+        if hops:
+            self._append(self._names[1], hops, now)
+
+    def _append(self, name: str, payloads: list[bytes], now: float) -> None:
+        member = self.broker.streams.members.get(name)
+        if member is None:
+            return  # deleted by an operator: recording goes on without it
+        try:
+            self.broker.streams.store.append_batch(
+                name, [NewMessage(member, member, p) for p in payloads], now
+            )
+        except StoreError as exc:
+            log.error("could not store telemetry", extra={"stream": name, "error": str(exc)})
+
+    def record(self, now: float) -> dict[str, Any]:
+        broker = self.broker
+        stats = broker.stats
+        links = broker.links.values()
+        return {
+            "broker": broker.config.name,
+            "at": now,
+            "interval": self.interval,
+            "connectors": len(broker.connectors),
+            "services": sum(broker.routing.owned_count(link) for link in broker.connectors),
+            "routes": broker.routing.route_count,
+            "pending": len(broker.pending),
+            "counters": {
+                "msgs_in": stats.closed_msgs_in + sum(link.msgs_in for link in links),
+                "msgs_out": stats.closed_msgs_out + sum(link.msgs_out for link in links),
+                "requests": stats.requests,
+                "timeouts": stats.timeouts,
+                "late_responses": stats.late_responses,
+                "dropped_no_route": stats.dropped_no_route,
+                "dropped_too_large": stats.dropped_too_large,
+                "dropped_bad_hop": stats.dropped_bad_hop,
+            },
+            "links": [
+                {
+                    "id": link.link_id,
+                    "kind": "peer" if link.is_peer else "connector",
+                    "name": link.name,
+                    "msgs_in": link.msgs_in,
+                    "msgs_out": link.msgs_out,
+                    "bytes_in": link.bytes_in,
+                    "bytes_out": link.bytes_out,
+                    "queued": link.queued_bytes(),
+                }
+                for link in links
+                if link.is_peer or not link.operator
+            ],
+        }
+
+    def hop(
+        self,
+        hop: str,
+        src: bytes,
+        msg_id: int,
+        dst: bytes,
+        sent_at: float | None = None,
+        at: float | None = None,
+    ) -> None:
+        """Record a traced frame passing here (see the module docstring)."""
+        if not self.trace_every:
+            return
+        self.hops.append(
+            _encode(
+                {
+                    "src": describe_address(src),
+                    "msg_id": msg_id,
+                    "dst": describe_address(dst),
+                    "hop": hop,
+                    "broker": self.broker.config.name,
+                    "at": at or time.time(),
+                    "sent_at": sent_at,
+                }
+            )
+        )
+        if len(self.hops) >= _MAX_WAITING_HOPS:
+            self._flush_hops(time.time())
