@@ -1,21 +1,38 @@
-"""``python -m meshbus.demo`` runs its whole scenario and exits 0."""
+"""``python -m meshbus.demo`` runs its whole scenario and exits 0; on Ctrl-C it leaves
+no broker or Spark process behind."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import subprocess
 import sys
 
+import pytest
 
-async def test_demo_runs_and_passes() -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "meshbus.demo",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
+
+
+async def start_demo(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshbus.demo", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+
+
+def left_behind(work_dir: str) -> str:
+    """Processes whose command line names the demo's work dir (its brokers, the JVM)."""
+    found = subprocess.run(["pgrep", "-af", work_dir], capture_output=True, text=True)
+    return found.stdout.strip()
+
+
+@pytest.mark.timeout(240)
+async def test_demo_runs_and_passes(tmp_path: object) -> None:
+    report = f"{tmp_path}/report.html"
+    process = await start_demo("--play-seconds", "10", "--report", report)
     try:
-        out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), 60)
+        out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), 200)
     finally:
         if process.returncode is None:
             process.kill()
@@ -24,20 +41,42 @@ async def test_demo_runs_and_passes() -> None:
     assert process.returncode == 0, out + err
     assert "Traceback" not in err
     for expected in (
-        "broker mesh-1 listening on 127.0.0.1:",
-        "broker mesh-3 listening on 127.0.0.1:",
-        "multicast:chat.lobby",
-        "taken by lobby01:",
-        "room 1 says: who is here?",
-        "NoRoute after",
-        "Timeout after",
-        "counters",
+        "3 brokers: 127.0.0.1:",
+        "durable stream results on mesh-1",
+        "12 players logged in",
+        "Spark job: stream results",
         "kill -9 mesh-2",
-        "same addresses after failover",
-        "mesh-4 joined",
-        "SIGTERM mesh-3: it drained",
-        "stopped with SIGTERM (exit 0)",
+        "failover done in",
+        "starting mesh-4",
+        "the leaderboard matches every result",
+        "reliable match results: lost /",
+        "leaderboard top 5",
         "demo passed",
     ):
         assert expected in out, f"{expected!r} missing from the demo output:\n{out}"
-    assert "FAILED" not in out
+    assert re.search(r"reliable rewards: lost / duplicated\s*│\s*0 / 0", out), out
+    work_dir = re.search(r"work dir (\S+)", out)
+    assert work_dir, out
+    assert not left_behind(work_dir[1])
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_leaves_no_process_behind() -> None:
+    process = await start_demo("--play-seconds", "60")
+    assert process.stdout is not None
+    seen = b""
+    try:
+        while b"kill -9 mesh-2" not in seen:  # mid-way: brokers, connectors and Spark up
+            line = await asyncio.wait_for(process.stdout.readline(), 60)
+            assert line, f"the demo ended early:\n{seen.decode()}"
+            seen += line
+        process.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 130, (seen + rest + err).decode()
+    work_dir = re.search(rb"work dir (\S+)", seen)
+    assert work_dir, seen
+    assert not left_behind(work_dir[1].decode())

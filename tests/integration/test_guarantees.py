@@ -334,6 +334,36 @@ async def test_a_publish_id_is_delivered_once_across_senders(mesh2: list[BrokerP
             await conn.close()
 
 
+async def test_a_retried_group_with_publish_ids_is_delivered_whole(
+    mesh2: list[BrokerProcess],
+) -> None:
+    """The first attempt sends rows 0-2 of a group, the retry (a new connector) rows 0-5
+    with the same publish ids: the member gets rows 0-5 once each, in order -- the
+    repeats still count in the group's sequence, or rows 3-5 would wait forever."""
+    a, b = mesh2
+    first = await meshbus.connect(a.address, server="grp-try1", failover=False)
+    retry = await meshbus.connect(a.address, server="grp-try2", failover=False)
+    member_conn = await meshbus.connect(b.address, server="grp-member", failover=False)
+    try:
+        member = await member_conn.register()
+        await member.join(meshbus.Anycast("rows"))
+        await wait_members(mesh2, meshbus.Anycast("rows"), 1)
+        collector = Collector(member)
+        try1, try2 = await first.register(), await retry.register()
+        rows = numbered(6, b"row")
+        for i, row in enumerate(rows[:3]):
+            await try1.send("anycast:rows", row, group="g", publish_id=b"job/%d" % i)
+        await first.wait_acked(ACK_TIMEOUT)
+        for i, row in enumerate(rows):
+            await try2.send("anycast:rows", row, group="g", final=i == 5, publish_id=b"job/%d" % i)
+        await retry.wait_acked(ACK_TIMEOUT)
+        await collector.wait_for(6)
+        assert collector.payloads == rows
+    finally:
+        for conn in (first, retry, member_conn):
+            await conn.close()
+
+
 # -- giving up --------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import pytest
 from integration_helpers import IO_TIMEOUT, RawLink, launch_broker, spawn_broker
 
 import meshbus
+from tests.conftest import BrokerProcess
 
 READY = re.compile(r"meshbus broker (\S+) listening on 127\.0\.0\.1:(\d+)\n")
 
@@ -296,3 +297,18 @@ async def test_broker_survives_running_out_of_file_descriptors() -> None:
         assert (await conn.stat())["counters"]["links_accepted"] >= 2
     process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(process.wait(), 10) == 0
+
+
+async def test_keepalive_survives_a_blocked_event_loop(broker: BrokerProcess) -> None:
+    """A connector whose process blocked its loop for longer than 3 keepalive intervals
+    (a long synchronous call) keeps its healthy link: it pings instead of aborting."""
+    conn = await meshbus.connect(broker.address, server="sleepy", keepalive=0.1, failover=False)
+    try:
+        service = await conn.register()
+        await asyncio.sleep(0.15)
+        time.sleep(0.6)  # noqa: ASYNC251 -- the point: nothing runs, nothing is read
+        await asyncio.sleep(0.35)  # three ticks after the pause
+        await service.send(service.address, b"still there?")
+        assert (await service.recv(timeout=2)).payload == b"still there?"
+    finally:
+        await conn.close()

@@ -113,21 +113,20 @@ def on_data(conn: Connector, frame: DataFrame) -> None:
             continue
         if flags & _RELIABLE and not reliable.accept(member, frame):
             continue
-        if (
-            ext is not None
-            and ext.publish_id
-            and not reliable.first_publish(member, ext.publish_id)
-        ):
-            continue
         if ext is None:
             member._deliver(
                 Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
             )
+        elif ext.group:
+            # A group's sequence must see every frame, a repeated publish id too (a retry
+            # from a new connector numbers the group afresh): the check is on release.
+            for (to, done, done_ext), reassigned in reliable.in_order(member, frame, ext):
+                if not done_ext.publish_id or reliable.first_publish(to, done_ext.publish_id):
+                    to._deliver(Message.of(done, to, done_ext, reassigned))
+        elif ext.publish_id and not reliable.first_publish(member, ext.publish_id):
+            continue
         elif ext.command:
             conn._spawn(member._obey(ext.command, frame.payload), "subscribe-other")
-        elif ext.group:
-            for (to, done, done_ext), reassigned in reliable.in_order(member, frame, ext):
-                to._deliver(Message.of(done, to, done_ext, reassigned))
         else:
             member._deliver(Message.of(frame, member, ext, False))
 

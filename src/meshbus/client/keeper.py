@@ -332,8 +332,14 @@ class LinkKeeper:
     async def _keep_alive(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.keepalive
+        ticked = loop.time()
         while not self.connector._closed:
             await asyncio.sleep(interval)
+            # A tick far later than asked: this process's loop was blocked (a long
+            # synchronous call), so the link could not be read -- the silence is ours.
+            now = loop.time()
+            blocked = now - ticked > 2 * interval
+            ticked = now
             link = self.link
             if (
                 link is None
@@ -342,8 +348,8 @@ class LinkKeeper:
                 or self.connector._full_inboxes
             ):
                 continue
-            silent = loop.time() - link.heard_at
-            if silent > 3 * interval:
+            silent = now - link.heard_at
+            if silent > 3 * interval and not blocked:
                 link.error = f"no answer for {silent:.1f} s"
                 link.abort()
             elif silent > interval:
