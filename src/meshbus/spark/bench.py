@@ -1,0 +1,210 @@
+"""Spark over meshbus, measured: streaming reads against Parquet, and writes to the bus.
+
+``bench_spark()`` (for ``meshbus bench spark``, not wired into the CLI yet) starts a
+broker with a SQLite store in a temporary directory (or uses ``brokers``), fills a
+stream with ``rows`` messages of ``size`` bytes, and in one local Spark session
+(``local[2]`` unless one is given) measures
+
+* ``meshbus_read_rows_per_s``: ``readStream.format("meshbus")`` of the whole stream
+  into the ``noop`` sink with ``trigger(availableNow=True)``, read by ``partitions``
+  tasks;
+* ``parquet_read_rows_per_s``: the same rows and columns, copied to ``partitions``
+  Parquet files beforehand, through the same query with ``readStream.parquet``;
+* ``meshbus_write_rows_per_s``: those Parquet rows' payloads streamed with
+  ``writeStream.format("meshbus")`` to a multicast address a second stream captures;
+  a task ends once the broker has stored (and acknowledged) every row, and the
+  stream's count is checked afterwards.
+
+Every rate is rows over the wall time of ``start()`` to the end of
+``awaitTermination()``, so it includes Spark's fixed cost of a query.
+``empty_query_s`` is that cost for a meshbus read of no rows: ~1.3 s with Spark 4.3
+on two cores, nearly all of it Spark starting a Python process for the stream
+reader (a do-nothing Python source costs the same; a Parquet query ~0.3 s), so
+small runs understate the rate. A small query runs first so the JVM and the Python
+workers are warm. ``fill_rows_per_s`` is how fast one connector filled the stream
+with reliable sends, for scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import meshbus
+from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
+from meshbus.spark import register
+from meshbus.spark.reader import SCHEMA
+
+STREAM = "bench_spark"
+SINK = "bench_spark_out"
+
+
+@contextlib.contextmanager
+def _broker(brokers: str | None, data_dir: str) -> Iterator[str]:
+    if brokers is not None:
+        yield brokers
+        return
+    process = subprocess.Popen(
+        broker_command("--data-dir", data_dir), stdout=subprocess.PIPE, env=child_env()
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().decode()
+        ready = parse_ready_line(line)
+        if ready is None:
+            raise RuntimeError(f"the broker did not start: {line!r}")
+        yield ready[1]
+    finally:
+        stop_process(process)
+
+
+@contextlib.contextmanager
+def _session(spark: Any, partitions: int) -> Iterator[Any]:
+    if spark is not None:
+        yield spark
+        return
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master(f"local[{partitions}]")
+        .appName("meshbus-bench-spark")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", str(partitions))
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+async def _fill(address: str, rows: int, size: int) -> float:
+    """Create the streams and store ``rows`` messages; the seconds the sends took."""
+    async with await meshbus.connect(address, server="benchfill") as conn:
+        await conn.streams.add(STREAM, f"multicast:{STREAM}")
+        await conn.streams.add(SINK, f"multicast:{SINK}")
+        publisher = await conn.register()
+        began = time.perf_counter()
+        for i in range(rows):
+            payload = i.to_bytes(8, "big") * math.ceil(size / 8)
+            await publisher.send(f"multicast:{STREAM}", payload[:size], reliable=True)
+        await conn.wait_acked(600)
+        return time.perf_counter() - began
+
+
+async def _stored(address: str, stream: str) -> int:
+    async with await meshbus.connect(address, server="benchfill") as conn:
+        return (await conn.streams.info(stream)).messages
+
+
+def _timed(query: Any) -> float:
+    """Wall seconds from ``start()`` (already called) to the end of the query."""
+    began = time.perf_counter()
+    query.awaitTermination()
+    if query.exception() is not None:
+        raise RuntimeError(f"the benchmark query failed: {query.exception()}")
+    return time.perf_counter() - began
+
+
+def bench_spark(
+    rows: int = 200_000,
+    size: int = 100,
+    *,
+    partitions: int = 2,
+    runs: int = 1,
+    brokers: str | None = None,
+    spark: Any = None,
+) -> dict[str, float]:
+    """The figures described in the module docstring; medians over ``runs``. With
+    ``brokers`` the streams are created there (and must not exist yet); with ``spark``
+    that session is used (and left running)."""
+    tmp = tempfile.mkdtemp(prefix="meshbus-bench-spark-")
+    try:
+        with (
+            _broker(brokers, str(Path(tmp) / "broker")) as address,
+            _session(spark, partitions) as session,
+        ):
+            register(session)
+            # Spark makes a streaming sink only in the thread's active JVM session.
+            jvm_session = session._jvm.org.apache.spark.sql.SparkSession
+            jvm_session.setActiveSession(session._jsparkSession)
+            return _measure(session, address, tmp, rows, size, partitions, runs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(
+    spark: Any, address: str, tmp: str, rows: int, size: int, partitions: int, runs: int
+) -> dict[str, float]:
+    fill_seconds = asyncio.run(_fill(address, rows, size))
+    per_task = str(math.ceil(rows / partitions))
+
+    def meshbus_source(**options: Any) -> Any:
+        read = spark.readStream.format("meshbus").option("brokers", address)
+        read = read.option("stream", STREAM).option("rowsPerPartition", per_task)
+        for key, value in options.items():
+            read = read.option(key, str(value))
+        return read.load()
+
+    def run(df: Any, sink: str, **options: str) -> float:
+        write = df.writeStream.format(sink).trigger(availableNow=True)
+        write = write.option("checkpointLocation", tempfile.mkdtemp(dir=tmp))
+        for key, value in options.items():
+            write = write.option(key, value)
+        return _timed(write.start())
+
+    # The copy, and a first small query, warm up the JVM and the Python workers.
+    parquet = str(Path(tmp) / "parquet")
+    batch = spark.read.format("meshbus").option("brokers", address).option("stream", STREAM)
+    batch.load().repartition(partitions).write.parquet(parquet)
+    run(meshbus_source(startingSeq=max(1, rows - 999)), "noop")
+
+    empties, reads, parquet_reads, writes = [], [], [], []
+    for _ in range(runs):
+        empties.append(run(meshbus_source(startingOffsets="latest"), "noop"))
+        reads.append(run(meshbus_source(), "noop"))
+        parquet_reads.append(run(spark.readStream.schema(SCHEMA).parquet(parquet), "noop"))
+        before = asyncio.run(_stored(address, SINK))
+        writes.append(
+            run(
+                spark.readStream.schema(SCHEMA).parquet(parquet).select("payload"),
+                "meshbus",
+                brokers=address,
+                address=f"multicast:{SINK}",
+            )
+        )
+        stored = asyncio.run(_stored(address, SINK)) - before
+        if stored != rows:
+            raise RuntimeError(f"the write stored {stored} of {rows} rows")
+
+    empty_s, read_s, parquet_s, write_s = (
+        statistics.median(x) for x in (empties, reads, parquet_reads, writes)
+    )
+    return {
+        "rows": rows,
+        "payload_bytes": size,
+        "partitions": partitions,
+        "fill_rows_per_s": rows / fill_seconds,
+        "meshbus_read_rows_per_s": rows / read_s,
+        "parquet_read_rows_per_s": rows / parquet_s,
+        "read_vs_parquet": parquet_s / read_s,
+        "meshbus_write_rows_per_s": rows / write_s,
+        "meshbus_read_s": read_s,
+        "parquet_read_s": parquet_s,
+        "meshbus_write_s": write_s,
+        "empty_query_s": empty_s,
+    }

@@ -1,0 +1,123 @@
+"""The async client, driven from Spark's synchronous callbacks.
+
+Every Spark callback (``schema``, ``latestOffset``, ``read``, ``write``, ...) is a
+plain function, often in a fresh Python process, so each opens its own connector
+and closes it before it returns: a connection never outlives the callback that
+opened it and never crosses a pickle. A connect to a local broker costs about
+3 ms, less than Spark spends on any callback.
+
+Connectors opened here have **no keepalive** (``keepalive=0``): a reader hands a
+page of rows to Spark between two requests, and its event loop does not run while
+Spark has it, so there is nothing for a keepalive to do. Instead every request has
+a deadline of its own (``requestTimeout``), which is what stops a read from
+hanging on a broker that stopped answering.
+
+Errors keep their meshbus type (``StreamError``, ``ConnectionLost``, ``Timeout``),
+with the data source and the brokers named in front, so a Spark trace ends with a
+line that says what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from typing import NoReturn, TypeVar
+
+import meshbus
+from meshbus.client.streams import StreamInfo
+from meshbus.errors import ConnectionLost, MeshbusError, StreamError, Timeout
+from meshbus.spark.options import PREFIX, BusOptions
+
+T = TypeVar("T")
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop, as the broker and the CLI use, when it is there."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency of meshbus
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+@contextlib.contextmanager
+def runner() -> Iterator[asyncio.Runner]:
+    """An event loop to drive step by step (``runner.run(coro)``) across yields."""
+    with asyncio.Runner(loop_factory=new_loop) as run:
+        yield run
+
+
+def explain(exc: MeshbusError, bus: BusOptions, doing: str) -> MeshbusError:
+    """The same kind of error, saying which data source call met it and where (the
+    errors a user can act on; any other comes back as it is)."""
+    where = f"{PREFIX} (brokers {bus.brokers}), {doing}"
+    if isinstance(exc, StreamError):
+        return StreamError(f"{where}: {exc}", exc.code)
+    if isinstance(exc, ConnectionLost):
+        return ConnectionLost(f"{where}: {exc}")
+    if isinstance(exc, Timeout):
+        return Timeout(f"{where}: {exc}", exc.timeout)
+    return exc
+
+
+def reraise(exc: MeshbusError, bus: BusOptions, doing: str) -> NoReturn:
+    explained = explain(exc, bus, doing)
+    if explained is exc:
+        raise exc
+    raise explained from exc
+
+
+async def connect(bus: BusOptions, *, keepalive: float = 0.0) -> meshbus.Connector:
+    try:
+        return await meshbus.connect(
+            bus.brokers,
+            server=bus.server,
+            timeout=bus.connect_timeout,
+            keepalive=keepalive,
+        )
+    except MeshbusError as exc:
+        reraise(exc, bus, "connecting")
+
+
+async def ask(bus: BusOptions, request: Awaitable[T], doing: str) -> T:
+    """One request with the ``requestTimeout`` deadline."""
+    try:
+        async with asyncio.timeout(bus.request_timeout):
+            return await request
+    except TimeoutError:
+        raise Timeout(
+            f"{PREFIX} (brokers {bus.brokers}), {doing}: no answer within "
+            f"{bus.request_timeout} s (option 'requestTimeout')",
+            bus.request_timeout,
+        ) from None
+    except MeshbusError as exc:
+        reraise(exc, bus, doing)
+
+
+def call(bus: BusOptions, use: Callable[[meshbus.Connector], Awaitable[T]]) -> T:
+    """Connect, ``use`` the connector, close: for the driver's one-off requests."""
+
+    async def main() -> T:
+        conn = await connect(bus)
+        try:
+            return await use(conn)
+        finally:
+            await conn.close()
+
+    with runner() as run:
+        return run.run(main())
+
+
+def stream_info(bus: BusOptions, stream: str) -> StreamInfo:
+    """The stream's counters from its host broker (any broker relays the request);
+    ``StreamError`` if no broker of the mesh hosts it."""
+    return call(
+        bus, lambda conn: ask(bus, conn.streams.info(stream), f"looking up stream {stream!r}")
+    )
+
+
+def check_reachable(bus: BusOptions) -> None:
+    """Fails with ``ConnectionLost`` naming every broker tried when none answers."""
+    call(bus, lambda conn: ask(bus, conn.ping(), "checking the broker answers"))
