@@ -6,8 +6,9 @@ aggregation, so Spark holds the ranking in its state store), and writes every
 changed row back to ``multicast:leaderboard`` with the meshbus batch sink, where the
 lobby services get it. Spark's Python data sources take appends only, so the
 changed rows of each micro-batch ("update" mode) go out through ``foreachBatch``,
-as Kafka users do for aggregations; the write id is the batch id, so a batch Spark
-runs again after a restart is delivered once (the receivers' publish-id window).
+as Kafka users do for aggregations. Each row's publish id is (batch id, player), so
+a batch Spark runs again after a restart is delivered once (the receivers'
+publish-id window), whatever order its rows come in.
 Each row carries the send time of the newest result it counts, so a lobby can tell
 how long a result took to reach the leaderboard.
 """
@@ -83,14 +84,17 @@ def start_leaderboard(spark: Any, brokers: str, stream: str, address: str, check
     wins = parsed.groupBy(f.col("r.winner").alias("player")).agg(
         f.count("*").alias("wins"), f.max("r.sent_at").alias("last_sent_at")
     )
-    rows = wins.select(f.to_json(f.struct("player", "wins", "last_sent_at")).alias("payload"))
+    rows = wins.select(
+        "player", f.to_json(f.struct("player", "wins", "last_sent_at")).alias("payload")
+    )
 
     def publish(batch: Any, batch_id: int) -> None:
+        publish_id = f.concat(f.lit(f"leaderboard/{batch_id}/"), f.col("player"))
         (
-            batch.write.format("meshbus")
+            batch.select("payload", publish_id.alias("publish_id"))
+            .write.format("meshbus")
             .option("brokers", brokers)
             .option("address", address)
-            .option("writeId", f"leaderboard-{batch_id}")
             .mode("append")
             .save()
         )
