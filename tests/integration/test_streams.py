@@ -92,6 +92,37 @@ async def test_a_publish_id_is_stored_once(broker: BrokerProcess) -> None:
         assert (await conn.streams.info("payments")).messages == 3
 
 
+async def test_a_columnar_fetch_holds_what_fetch_does_and_fills_a_frame(
+    broker: BrokerProcess,
+) -> None:
+    """``fetch_columns`` (the Spark source's path) returns the same messages as
+    ``fetch``, a list per field, and cuts a page where the next would overfill a frame."""
+    async with await meshbus.connect(broker.address, server="bulk") as conn:
+        await conn.streams.add("bulk", "multicast:bulk")
+        publisher = await conn.register()
+        await publisher.send_reliable("multicast:bulk", b"plain")
+        await publisher.send_reliable("multicast:bulk", b"prio", priority=3)
+        for i in range(30):
+            await publisher.send("multicast:bulk", bytes([i]) * 100_000, reliable=True)
+        await conn.wait_acked(30)
+        rows = await conn.streams.fetch("bulk", 1, 2)
+        page = await conn.streams.fetch_columns("bulk", 1, 2)
+        assert page.seq == [m.seq for m in rows] == [1, 2]
+        assert page.stored_at == [m.stored_at for m in rows]
+        assert page.src == [publisher.address.to_bytes()] * 2
+        assert page.dst == [meshbus.Multicast("bulk").to_bytes()] * 2
+        assert (page.group, page.priority, page.payload) == (
+            [b"", b""],
+            [0, 3],
+            [b"plain", b"prio"],
+        )
+        big = await conn.streams.fetch_columns("bulk", 3, 1000)
+        assert 3 <= len(big.seq) < 30  # 100 kB payloads: a 1 MiB frame holds some
+        assert big.seq == list(range(3, 3 + len(big.seq)))
+        assert big.payload[0] == bytes([0]) * 100_000
+        assert (await conn.streams.fetch_columns("bulk", 99, 10)).seq == []
+
+
 async def test_durable_consumer_acks_redelivers_and_gives_up(broker: BrokerProcess) -> None:
     async with await meshbus.connect(broker.address, server="work") as conn:
         await conn.streams.add("jobs", "multicast:jobs")

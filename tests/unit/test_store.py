@@ -14,6 +14,7 @@ from meshbus.broker import sqlite_store
 from meshbus.broker.sqlite_store import SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
+    Columns,
     ConsumerConfig,
     ConsumerExists,
     ConsumerNotFound,
@@ -460,6 +461,20 @@ def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
         s.close()
 
 
+def test_read_columns_is_read_a_list_per_field(store: StreamStore) -> None:
+    store.add_stream(cfg())
+    store.append_batch("orders", [msg(b"a" * 3), NewMessage(OTHER, DST, b"bb", b"g", 4)], 5.0)
+    fill(store, 3, 6.0, size=2)
+    columns = store.read_columns("orders", 2, 3)
+    assert columns == Columns(
+        [2, 3, 4], [5.0, 6.0, 6.0], [OTHER, SRC, SRC], [DST] * 3, [b"g", b"", b""],
+        [4, 0, 0], [b"bb", b"\x00\x00", b"\x01\x01"],
+    )  # fmt: skip
+    assert store.read_columns("orders", 1, 10, max_bytes=6).seq == [1, 2]
+    assert store.read_columns("orders", 1, 10, max_bytes=1).seq == [1]  # at least one
+    assert store.read_columns("orders", 9, 10) == Columns([], [], [], [], [], [], [])
+
+
 # -- the SQLite store's blocks ------------------------------------------------------------
 
 
@@ -508,6 +523,9 @@ def test_sqlite_blocks_read_trim_and_reopen_like_the_memory_store(
         assert info == oracle.info("orders")
         for from_seq, count in reads:
             assert disk.read("orders", from_seq, count) == oracle.read("orders", from_seq, count)
+            for max_bytes in (0, 1, 7, 60):
+                expected = Columns.of(oracle.read("orders", from_seq, count, max_bytes))
+                assert disk.read_columns("orders", from_seq, count, max_bytes) == expected
         expected, next_seq = [], info.last_seq + 1
         for pid in range(1, 7):
             seq = stored_as.get(b"id%d" % pid, 0)

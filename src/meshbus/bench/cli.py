@@ -28,6 +28,7 @@ _ELSEWHERE = {
     "reliable": "meshbus.bench.reliable",
     "chaos": "meshbus.bench.chaos",
     "stream": "meshbus.bench.streams",
+    "spark": "meshbus.spark.bench",
 }
 
 

@@ -70,6 +70,9 @@ _new_message = tuple.__new__
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
+# The same in a columnar answer: seq, stored_at, src, dst, priority and the lengths,
+# with a group name of up to 32 bytes.
+_COLUMN_OVERHEAD = 128
 
 
 class StreamSink(Link):
@@ -304,6 +307,15 @@ class Streams:
             self._unhost(name)
             store.delete_stream(name)
             return StreamReply()
+        if op == "fetch" and body.columns:
+            # At most half the frame for the other fields (their worst case per message),
+            # the rest for payloads.
+            room = link.max_frame - 4096
+            count = max(1, min(body.max_count, room // (2 * _COLUMN_OVERHEAD)))
+            limit = max(1, room - count * _COLUMN_OVERHEAD)
+            return StreamReply(
+                columns=list(store.read_columns(name, body.from_seq, count, limit))
+            )
         if op == "fetch":
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address
@@ -58,6 +58,19 @@ class StreamInfo:
     max_bytes: int
     max_age: float
     dedupe_window: float
+
+
+@dataclass(frozen=True)
+class StreamColumns:
+    """Stored messages, a list per field (``Streams.fetch_columns``)."""
+
+    seq: list[int] = field(default_factory=list)
+    stored_at: list[float] = field(default_factory=list)
+    src: list[bytes] = field(default_factory=list)
+    dst: list[bytes] = field(default_factory=list)
+    group: list[bytes] = field(default_factory=list)
+    priority: list[int] = field(default_factory=list)
+    payload: list[bytes] = field(default_factory=list)
 
 
 class Streams:
@@ -117,6 +130,19 @@ class Streams:
             StreamRequest(op="fetch", stream=name, from_seq=from_seq, max_count=max_count)
         )
         return [StreamMessage(name, row) for row in reply.messages]
+
+    async def fetch_columns(
+        self, name: str, from_seq: int = 1, max_count: int = 1000
+    ) -> StreamColumns:
+        """``fetch`` for bulk readers (the Spark source): the same messages as a list per
+        field, with no object per message on either end. Addresses are 16-byte wire
+        forms (``Address.from_bytes``), a group is b"" when there is none."""
+        reply = await self._ask(
+            StreamRequest(
+                op="fetch", stream=name, from_seq=from_seq, max_count=max_count, columns=True
+            )
+        )
+        return StreamColumns(*reply.columns) if reply.columns else StreamColumns()
 
     async def consumer(
         self,

@@ -295,6 +295,7 @@ class StreamRequest(Body):
     max_deliver: int = 5
     start_seq: int = 0
     seqs: list[int] = msgspec.field(default_factory=list)
+    columns: bool = False  # fetch: answer in StreamReply.columns, not .messages
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count
@@ -306,6 +307,9 @@ class StreamReply(Body):
     streams: list[dict[str, Any]] = msgspec.field(default_factory=list)
     messages: list[StoredRow] = msgspec.field(default_factory=list)
     acked: int = 0
+    # A columnar fetch: seq, stored_at, src, dst, group, priority, payload -- a list
+    # each, which both ends build and take apart in C (a bulk reader's fast path).
+    columns: list[list[Any]] = msgspec.field(default_factory=list)
 
 
 BODY_TYPES: dict[ControlType, type[Body]] = {

@@ -1,6 +1,6 @@
 """Spark over meshbus, measured: streaming reads against Parquet, and writes to the bus.
 
-``bench_spark()`` (for ``meshbus bench spark``, not wired into the CLI yet) starts a
+``bench_spark()`` (``meshbus bench spark``, the ``spark`` command below) starts a
 broker with a SQLite store in a temporary directory (or uses ``brokers``), fills a
 stream with ``rows`` messages of ``size`` bytes, and in one local Spark session
 (``local[2]`` unless one is given) measures
@@ -40,6 +40,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import click
 
 import meshbus
 from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
@@ -208,3 +210,47 @@ def _measure(
         "meshbus_write_s": write_s,
         "empty_query_s": empty_s,
     }
+
+
+@click.command()
+@click.option(
+    "--rows",
+    type=click.IntRange(1000),
+    default=500_000,
+    show_default=True,
+    help="Rows in the stream (each read, and written back, once per run).",
+)
+@click.option(
+    "--size", type=click.IntRange(0, 100_000), default=100, show_default=True,
+    help="Payload bytes per row.",
+)  # fmt: skip
+@click.option(
+    "--runs", type=click.IntRange(1), default=3, show_default=True,
+    help="Runs in one Spark session; medians are reported.",
+)  # fmt: skip
+def spark(rows: int, size: int, runs: int) -> None:
+    """Spark on the bus: a streaming read of a meshbus stream into the noop sink against
+    the same rows read from Parquet in the same session (the physical reference), and
+    a streaming write from Spark to the bus. local[2], trigger(availableNow=True).
+
+    Needs Java and the spark extra. Last line: `read=<rows/s> parquet=<rows/s>
+    read_ratio=<meshbus/parquet> write=<rows/s> empty_query_s=<s>`.
+    """
+    from meshbus.bench.report import key_values, new_table, print_tables
+
+    figures = bench_spark(rows, size, runs=runs)
+    table = new_table(
+        f"spark: {rows:,} rows x {size} B, local[2], medians of {runs}", ("what", "value")
+    )
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.3f}" if value < 100 else f"{value:,.0f}")
+    print_tables(table)
+    click.echo(
+        key_values(
+            read=f"{figures['meshbus_read_rows_per_s']:.0f}",
+            parquet=f"{figures['parquet_read_rows_per_s']:.0f}",
+            read_ratio=f"{figures['read_vs_parquet']:.3f}",
+            write=f"{figures['meshbus_write_rows_per_s']:.0f}",
+            empty_query_s=f"{figures['empty_query_s']:.2f}",
+        )
+    )

@@ -24,6 +24,8 @@ while Spark converts.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import functools
 import itertools
 import logging
 import math
@@ -52,7 +54,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from meshbus.client.streams import StreamInfo, StreamMessage
+from meshbus.address import Address
+from meshbus.client.streams import StreamColumns, StreamInfo
 from meshbus.errors import StreamError
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
@@ -132,30 +135,41 @@ def split(options: ReadOptions, columns: tuple[str, ...], start: int, stop: int)
 # -- reading a range ------------------------------------------------------------------
 
 
-def to_batch(part: SeqRange, rows: list[StreamMessage], schema: pa.Schema) -> pa.RecordBatch:
-    """One page of messages as an Arrow batch of the wanted columns."""
+def to_batch(part: SeqRange, page: StreamColumns, count: int, schema: pa.Schema) -> pa.RecordBatch:
+    """The first ``count`` messages of a fetched page as an Arrow batch of the wanted
+    columns: each column is built from its list in one call."""
     arrays: list[pa.Array] = []
     for name in part.columns:
         kind = schema.field(name).type
         if name == "stream":
-            arrays.append(pa.array([part.options.stream] * len(rows), kind))
+            arrays.append(pa.array([part.options.stream] * count, kind))
         elif name == "seq":
-            arrays.append(pa.array([m.seq for m in rows], kind))
+            arrays.append(pa.array(page.seq[:count], kind))
         elif name == "stored_at":
-            seconds = pa.array([m.stored_at for m in rows], pa.float64())
+            seconds = pa.array(page.stored_at[:count], pa.float64())
             micros = pc.cast(pc.round(pc.multiply(seconds, 1_000_000)), pa.int64())
             arrays.append(micros.cast(kind))
-        elif name == "src":
-            arrays.append(pa.array([str(m.src) for m in rows], kind))
-        elif name == "dst":
-            arrays.append(pa.array([str(m.dst) for m in rows], kind))
+        elif name in ("src", "dst"):
+            raw = page.src if name == "src" else page.dst
+            arrays.append(pa.array([_address_text(a) for a in raw[:count]], kind))
         elif name == "group":
-            arrays.append(pa.array([m.group for m in rows], kind))
+            arrays.append(pa.array([_group_text(g) for g in page.group[:count]], kind))
         elif name == "priority":
-            arrays.append(pa.array([m.priority for m in rows], kind))
+            arrays.append(pa.array(page.priority[:count], kind))
         else:
-            arrays.append(pa.array([m.payload for m in rows], kind))
+            arrays.append(pa.array(page.payload[:count], kind))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+# A stream's messages come from few addresses and groups: their text forms, once each.
+@functools.lru_cache(maxsize=65536)
+def _address_text(raw: bytes) -> str:
+    return str(Address.from_bytes(raw))
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_text(raw: bytes) -> str | None:
+    return raw.decode("utf-8", "replace") if raw else None
 
 
 def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
@@ -171,11 +185,11 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
     with bus.runner() as run:
         conn = run.run(bus.connect(opts.bus))
 
-        def page(first: int) -> asyncio.Task[list[StreamMessage]]:
+        def page(first: int) -> asyncio.Task[StreamColumns]:
             want = min(opts.fetch_size, part.stop - first)
-            return run.get_loop().create_task(conn.streams.fetch(opts.stream, first, want))
+            return run.get_loop().create_task(conn.streams.fetch_columns(opts.stream, first, want))
 
-        pending: asyncio.Task[list[StreamMessage]] | None = None
+        pending: asyncio.Task[StreamColumns] | None = None
         try:
             pending = page(part.start)
             expected = part.start
@@ -183,24 +197,24 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
                 # The deadline runs from here, not from the request: while Spark holds a
                 # page the loop is stopped, and that time is not the broker's.
                 fetched = run.run(bus.ask(opts.bus, _wait(pending), doing))
-                rows = [m for m in fetched if m.seq < part.stop]
+                count = bisect.bisect_left(fetched.seq, part.stop)
                 pending = None
-                if not rows:
+                if not count:
                     break  # trimmed past the end of the range
-                if rows[0].seq != expected:
-                    _data_loss(opts, expected, rows[0].seq)
-                expected = rows[-1].seq + 1
+                if fetched.seq[0] != expected:
+                    _data_loss(opts, expected, fetched.seq[0])
+                expected = fetched.seq[count - 1] + 1
                 if expected < part.stop:
                     pending = page(expected)
                     run.run(_started())  # the request is written before Spark takes the page
-                yield to_batch(part, rows, schema)
+                yield to_batch(part, fetched, count, schema)
         finally:
             if pending is not None:
                 pending.cancel()
             run.run(conn.close())
 
 
-async def _wait(task: asyncio.Task[list[StreamMessage]]) -> list[StreamMessage]:
+async def _wait(task: asyncio.Task[StreamColumns]) -> StreamColumns:
     return await task
 
 
