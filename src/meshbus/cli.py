@@ -366,8 +366,9 @@ def _add_commands() -> None:
     from meshbus.bench.cli import bench
     from meshbus.cli_admin import broker, drain, mesh, stat
     from meshbus.cli_stream import stream
+    from meshbus.report.cli import report
 
-    for command in (broker, mesh, drain, stat, bench, stream):
+    for command in (broker, mesh, drain, stat, bench, stream, report):
         main.add_command(command)
 
 

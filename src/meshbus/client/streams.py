@@ -142,7 +142,10 @@ class Streams:
                 op="fetch", stream=name, from_seq=from_seq, max_count=max_count, columns=True
             )
         )
-        return StreamColumns(*reply.columns) if reply.columns else StreamColumns()
+        if reply.columns:
+            return StreamColumns(*reply.columns)
+        # A broker from before columnar fetches answers with rows: the same, transposed.
+        return StreamColumns(*map(list, zip(*(row[:7] for row in reply.messages), strict=True)))
 
     async def consumer(
         self,

@@ -1,0 +1,211 @@
+"""``meshbus report``: the brokers' telemetry and traces, through Spark, into one HTML file.
+
+Finds the streams with the client first (fast: a wrong address or a mesh without
+telemetry fails in a fraction of a second, before Spark's 6-10 s start), then
+starts a local SparkSession, reads the streams with the ``meshbus`` data source,
+and writes the report. Progress goes to stderr; Spark's own log goes to a file,
+which is kept and named when something fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from meshbus.cli_common import BROKERS, DEFAULT_BROKER, run
+from meshbus.report.job import ReportError, StreamPlan
+
+_EPILOG = """\b
+Enable telemetry on every broker to report on:
+  meshbus broker --telemetry-interval 1 ...
+Each broker then appends a record every interval to the stream
+telemetry.BROKER and sampled message traces to traces.BROKER, which
+this command reads (any broker of the mesh relays them).
+See docs/report.md."""
+
+
+class _Progress:
+    """One line per finished step on stderr, a spinner while a step runs."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+
+    @contextlib.contextmanager
+    def step(self, doing: str) -> Iterator[list[str]]:
+        """A spinner with ``doing``; the step's result line is what the body appends
+        to the yielded list (``doing`` itself by default)."""
+        done: list[str] = []
+        began = time.monotonic()
+        with self.console.status(doing + " ..."):
+            yield done
+        took = time.monotonic() - began
+        line = done[0] if done else doing
+        self.console.print(f"[green]✓[/green] {line} [dim]({took:.1f} s)[/dim]")
+
+
+def _describe(plans: list[StreamPlan]) -> str:
+    def streams(kind: str) -> str:
+        chosen = [p for p in plans if p.kind == kind]
+        records = sum(p.in_window for p in chosen)
+        label = "trace" if kind == "traces" else kind
+        return f"{len(chosen)} {label} stream{'s' * (len(chosen) != 1)} ({records:,} records)"
+
+    return f"found {streams('telemetry')} and {streams('traces')}"
+
+
+def _check_target(path: Path, option: str) -> None:
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint=option)
+    if not path.parent.is_dir():
+        raise click.BadParameter(f"directory {path.parent} does not exist", param_hint=option)
+
+
+@click.command(epilog=_EPILOG)
+@click.option(
+    "--brokers",
+    "--broker",
+    "brokers",
+    type=BROKERS,
+    default=DEFAULT_BROKER,
+    show_default=True,
+    help="The mesh to report on: HOST:PORT, or several as HOST:PORT,HOST:PORT "
+    "(the first that answers; any broker of the mesh will do).",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The HTML report to write (one self-contained file).",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the report's numbers to this JSON file.",
+)
+@click.option(
+    "--since",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Only the last SECONDS of telemetry and traces (default: all the streams hold).",
+)
+def report(brokers: str, out: Path, json_out: Path | None, since: float | None) -> None:
+    """Write an HTML report on a mesh from its brokers' telemetry and traces.
+
+    Reads the streams telemetry.* and traces.* with a local Spark job and plots
+    throughput per broker (msgs/s), latency percentiles per path (same broker,
+    cross broker) from the sampled traces, connectors per broker over time
+    (joins, drains, failovers) and drops and timeouts. Needs the spark extra
+    (pip install 'meshbus[spark]') and Java 17+.
+
+    \b
+    Exit codes: 0 written, 1 error (no broker reachable, no telemetry,
+    Spark failed), 2 bad arguments.
+    """
+    _check_target(out, "'--out'")
+    if json_out is not None:
+        _check_target(json_out, "'--json'")
+    progress = _Progress()
+    since_at = None if since is None else time.time() - since
+    from meshbus.report.job import check_spark, discover
+
+    try:
+        check_spark()
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    with progress.step(f"looking for telemetry streams through {brokers}") as done:
+        plans = run(discover(brokers, since_at))
+        assert plans is not None
+        done.append(_describe(plans))
+    if not any(p.kind == "telemetry" for p in plans):
+        raise click.ClickException(
+            f"no telemetry streams (telemetry.BROKER) in the mesh of {brokers}: start the "
+            "brokers with --telemetry-interval SECONDS (meshbus broker --telemetry-interval 1) "
+            "and let them run for a few intervals"
+        )
+    if not any(p.in_window for p in plans if p.kind == "telemetry"):
+        raise click.ClickException(
+            "the telemetry streams hold no records"
+            + (f" from the last {since:g} s" if since is not None else "")
+            + ": are the brokers running with --telemetry-interval?"
+        )
+    data = _spark_job(progress, brokers, plans, since_at)
+    _write(progress, data, out, json_out)
+
+
+def _spark_job(
+    progress: _Progress, brokers: str, plans: list[StreamPlan], since_at: float | None
+) -> dict[str, Any]:
+    from meshbus.report.job import SparkFailed, local_spark, report_data, summarize
+
+    # The JVM writes to the log for as long as it runs; a failure keeps the file.
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+        prefix="meshbus-report-spark-", suffix=".log", delete=False
+    )
+    keep_log = False
+    try:
+        with contextlib.ExitStack() as stack:
+            with progress.step("starting Spark (local[2]; takes 6-10 s)") as done:
+                spark = stack.enter_context(local_spark(log))
+                done.append(f"Spark {spark.version} started")
+            streams = sum(1 for p in plans if p.records)
+            with progress.step(f"reading {streams} stream(s) and computing") as done:
+                try:
+                    data = report_data(spark, brokers, plans, since_at=since_at)
+                except ReportError:
+                    raise
+                except Exception as exc:
+                    raise SparkFailed(f"the Spark job failed: {summarize(exc)}") from exc
+                done.append(_summary(data))
+    except SparkFailed as exc:
+        keep_log = True
+        raise click.ClickException(f"{exc} (Spark's log: {log.name})") from exc
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        log.close()
+        if not keep_log:
+            os.unlink(log.name)
+    return data
+
+
+def _summary(data: dict[str, Any]) -> str:
+    brokers = len(data["brokers"])
+    samples = sum(b["samples"] for b in data["brokers"])
+    deliveries = next((p["count"] for p in data["latency"]["percentiles"] if p["path"] == "all"), 0)
+    return (
+        f"{samples:,} telemetry samples from {brokers} broker(s), {deliveries:,} traced deliveries"
+    )
+
+
+def _write(progress: _Progress, data: dict[str, Any], out: Path, json_out: Path | None) -> None:
+    from meshbus.report.plots import plots
+    from meshbus.report.render import render_html
+
+    with progress.step("plotting") as done:
+        images = plots(data)
+        done.append(f"plotted {sum(1 for i in images.values() if i)} figure(s)")
+    page = render_html(data, images)
+    try:
+        out.write_text(page, encoding="utf-8")
+        if json_out is not None:
+            json_out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", "utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the report: {exc}") from exc
+    progress.console.print(f"[green]✓[/green] wrote {out} ({len(page) / 1024:,.0f} KiB)")
+    if json_out is not None:
+        progress.console.print(f"[green]✓[/green] wrote {json_out}")

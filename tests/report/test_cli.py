@@ -1,0 +1,242 @@
+"""``meshbus report`` end to end: real brokers, real streams, the command with its Spark
+job, and the HTML and JSON it writes.
+
+The command runs in this process (click's CliRunner, in a thread: the test's event loop
+keeps serving the bus) and uses the suite's SparkSession, which ``local_spark`` started
+exactly as the command starts its own -- a second JVM would add 20 s to the suite.
+
+Until the brokers write telemetry themselves (``meshbus broker --telemetry-interval``),
+``write_telemetry`` does it: it creates ``telemetry.<broker>`` and ``traces.<broker>`` on
+each broker and publishes records as a broker would. The expected numbers are computed
+here, in plain Python, from what the streams hold (``expected``), so switching to the
+brokers' own telemetry means replacing ``write_telemetry`` (and dropping ``KNOWN``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from pyspark.sql import SparkSession
+
+import meshbus
+from meshbus.report.cli import report
+from meshbus.report.job import _first_at
+from tests.conftest import BrokerProcess
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+
+async def report_cli(*args: str) -> Result:
+    """``meshbus report ARGS`` in a thread; no traceback, whatever the outcome."""
+    result = await asyncio.to_thread(
+        CliRunner().invoke, report, list(args), prog_name="meshbus report"
+    )
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result
+
+
+def safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+# -- the stand-in for the brokers' own telemetry ---------------------------------------------
+
+# Per broker index: msgs_in, timeouts, dropped_no_route and connectors of six samples a
+# second apart; broker 1 restarts before its fifth sample.
+SAMPLES = {
+    0: ([0, 100, 200, 300, 400, 500], [0] * 6, [0, 0, 2, 2, 5, 5], [2, 2, 3, 3, 3, 3]),
+    1: ([0, 40, 80, 120, 10, 50], [0, 0, 1, 1, 0, 2], [0] * 6, [1, 1, 0, 0, 1, 1]),
+}
+KNOWN = {  # what the synthetic records make, worked out by hand
+    "mean_msgs_in_per_s": [100.0, (40 * 3 + 10 + 40) / 5],
+    "timeouts": [0, 3],
+    "dropped_no_route": [5, 0],
+    "connectors": [3, 1],
+    "same_ms": [1, 3, 5, 7, 9, 11, 13, 15, 17, 19],
+    "cross_ms": [12, 14, 16, 18, 20, 22, 24, 26, 28, 30],
+}
+
+
+async def publish(broker: BrokerProcess, stream: str, records: list[dict[str, Any]]) -> None:
+    """``stream`` on ``broker`` with ``records`` as its JSON messages, stored when this returns."""
+    async with await meshbus.connect(broker.address, server="telem") as conn:
+        capture = f"multicast:{stream[:2]}.{broker.port}"  # group names are <= 15 bytes
+        await conn.streams.add(stream, capture)
+        publisher = await conn.register()
+        for record in records:
+            await publisher.send(capture, json.dumps(record).encode(), reliable=True)
+        await conn.wait_acked(30)
+
+
+async def write_telemetry(brokers: list[BrokerProcess]) -> None:
+    """Six telemetry samples per broker ending now, and traces of 20 messages that enter
+    the mesh at broker 0: odd ones received at broker 0 after i ms, even ones at broker 1
+    after 10 + i ms."""
+    now = time.time()
+    for index, broker in enumerate(brokers):
+        msgs_in, timeouts, no_route, connectors = SAMPLES[index]
+        records = [
+            {
+                "broker": broker.name,
+                "at": now - 6 + i,
+                "interval": 1.0,
+                "connectors": connectors[i],
+                "services": 4,
+                "routes": 9,
+                "pending": 0,
+                "counters": {
+                    "msgs_in": msgs_in[i],
+                    "msgs_out": 2 * msgs_in[i],
+                    "requests": 0,
+                    "timeouts": timeouts[i],
+                    "late_responses": 0,
+                    "dropped_no_route": no_route[i],
+                    "dropped_too_large": 0,
+                    "dropped_bad_hop": 0,
+                },
+                "links": [],
+            }
+            for i in range(6)
+        ]
+        await publish(broker, f"telemetry.{safe(broker.name)}", records)
+    hops: dict[str, list[dict[str, Any]]] = {b.name: [] for b in brokers}
+    entry = brokers[0].name
+    for i in range(1, 21):
+        sent = now - 5 + i / 10
+        receiver = brokers[0].name if i % 2 else brokers[1].name
+        received = sent + (i if i % 2 else 10 + i) / 1000
+        msg = {"src": "game01:1", "msg_id": i, "dst": "multicast:chat", "sent_at": None}
+        hops[entry].append({**msg, "hop": "entry", "broker": entry, "at": sent + 0.0001})
+        hops[receiver].append({**msg, "hop": "exit", "broker": receiver, "at": received - 0.0001})
+        hops[receiver].append(
+            {**msg, "hop": "received", "broker": receiver, "at": received, "sent_at": sent}
+        )
+    for broker in brokers:
+        await publish(broker, f"traces.{safe(broker.name)}", hops[broker.name])
+
+
+# -- the oracle: the numbers from the streams, in plain Python ---------------------------------
+
+
+async def read_records(address: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    async with await meshbus.connect(address, server="check", operator=True) as conn:
+        found = {}
+        for entry in await conn.streams.list():
+            if str(entry["name"]).startswith(prefix):
+                messages = await conn.streams.fetch(entry["name"], 1, 10_000)
+                found[entry["name"]] = [json.loads(m.payload) for m in messages]
+        return found
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    rank = fraction * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def expected(address: str) -> dict[str, Any]:
+    per_broker: dict[str, dict[str, Any]] = {}
+    for records in (await read_records(address, "telemetry.")).values():
+        records.sort(key=lambda r: r["at"])
+        totals = {"msgs_in": 0, "timeouts": 0, "dropped_no_route": 0}
+        seconds = 0.0
+        for prev, cur in itertools.pairwise(records):
+            restart = any(cur["counters"][c] < prev["counters"][c] for c in cur["counters"])
+            seconds += (
+                min(cur["interval"], cur["at"] - prev["at"])
+                if restart
+                else (cur["at"] - prev["at"])
+            )
+            for counter in totals:
+                now, before = cur["counters"][counter], prev["counters"][counter]
+                totals[counter] += now if restart else now - before
+        per_broker[records[0]["broker"]] = {
+            "mean_msgs_in_per_s": totals["msgs_in"] / seconds,
+            "timeouts": totals["timeouts"],
+            "dropped_no_route": totals["dropped_no_route"],
+            "connectors": records[-1]["connectors"],
+        }
+    hops = [h for records in (await read_records(address, "traces.")).values() for h in records]
+    entries = {(h["src"], h["msg_id"]): h["broker"] for h in hops if h["hop"] == "entry"}
+    paths: dict[str, list[float]] = {"same broker": [], "cross broker": []}
+    for hop in hops:
+        if hop["hop"] == "received" and hop["sent_at"] is not None:
+            same = entries[(hop["src"], hop["msg_id"])] == hop["broker"]
+            ms = (hop["at"] - hop["sent_at"]) * 1000
+            paths["same broker" if same else "cross broker"].append(ms)
+    return {"brokers": per_broker, "latency": paths}
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+async def test_report_end_to_end(
+    spark: SparkSession, mesh2: list[BrokerProcess], tmp_path: Path
+) -> None:
+    await write_telemetry(mesh2)
+    out, data_file = tmp_path / "report.html", tmp_path / "report.json"
+    addresses = ",".join(b.address for b in mesh2)
+    result = await report_cli(
+        "--brokers", addresses, "--out", str(out), "--json", str(data_file), "--since", "3600"
+    )
+    assert result.exit_code == 0, result.output
+    assert "found 2 telemetry streams (12 records)" in result.stderr, result.stderr
+    assert "wrote" in result.stderr
+
+    page = out.read_text()
+    assert page.count('<img src="data:image/png;base64,') == 4
+    for heading in ("Brokers", "Throughput", "Latency", "Connectors", "Drops and timeouts"):
+        assert f"<h2>{heading}</h2>" in page
+    assert page.count("<table>") >= 6
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing from elsewhere
+    assert "<script" not in page
+
+    data = json.loads(data_file.read_text())
+    want = await expected(mesh2[0].address)
+    names = [b.name for b in mesh2]
+    summary = {s["broker"]: s for s in data["throughput"]["summary"]}
+    totals = {t["broker"]: t for t in data["errors"]["totals"]}
+    brokers = {b["broker"]: b for b in data["brokers"]}
+    assert sorted(brokers) == sorted(names)
+    for index, name in enumerate(names):
+        oracle = want["brokers"][name]
+        assert summary[name]["mean_msgs_in_per_s"] == pytest.approx(oracle["mean_msgs_in_per_s"])
+        assert totals[name]["timeouts"] == oracle["timeouts"]
+        assert totals[name]["dropped_no_route"] == oracle["dropped_no_route"]
+        assert brokers[name]["connectors"] == oracle["connectors"]
+        for key in ("mean_msgs_in_per_s", "timeouts", "dropped_no_route", "connectors"):
+            assert oracle[key] == pytest.approx(KNOWN[key][index])
+    assert brokers[names[1]]["restarts"] == 1
+
+    stats = {p["path"]: p for p in data["latency"]["percentiles"]}
+    for path, values in want["latency"].items():
+        assert stats[path]["count"] == len(values)
+        for key, fraction in (("p50_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99)):
+            assert stats[path][key] == pytest.approx(percentile(values, fraction), abs=1e-3)
+        assert stats[path]["max_ms"] == pytest.approx(max(values), abs=1e-3)
+    assert sorted(want["latency"]["same broker"]) == pytest.approx(KNOWN["same_ms"], abs=1e-3)
+    assert sorted(want["latency"]["cross broker"]) == pytest.approx(KNOWN["cross_ms"], abs=1e-3)
+
+
+async def test_since_finds_the_first_message_stored_after(broker: BrokerProcess) -> None:
+    async with await meshbus.connect(broker.address, server="pub") as conn:
+        await conn.streams.add("telemetry.t", "multicast:tt")
+        publisher = await conn.register()
+        for i in range(7):
+            await publisher.send_reliable("multicast:tt", b"%d" % i)
+            await asyncio.sleep(0.02)
+        stored = {m.seq: m.stored_at for m in await conn.streams.fetch("telemetry.t", 1, 10)}
+        assert await _first_at(conn, "telemetry.t", stored[5]) == 5
+        assert await _first_at(conn, "telemetry.t", stored[5] - 0.001) == 5
+        assert await _first_at(conn, "telemetry.t", 0) == 1
+        assert await _first_at(conn, "telemetry.t", stored[7] + 1) == 8
