@@ -4,6 +4,7 @@ no broker or Spark process behind."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import re
 import signal
 import subprocess
@@ -39,7 +40,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
             await process.wait()
     out, err = out_bytes.decode(), err_bytes.decode()
     assert process.returncode == 0, out + err
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err[-4000:]
     for expected in (
         "3 brokers: 127.0.0.1:",
         "durable stream results on mesh-1",
@@ -49,6 +50,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
         "failover done in",
         "starting mesh-4",
         "the leaderboard matches every result",
+        "wrote",
         "reliable match results: lost /",
         "leaderboard top 5",
         "demo passed",
@@ -58,6 +60,9 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     work_dir = re.search(r"work dir (\S+)", out)
     assert work_dir, out
     assert not left_behind(work_dir[1])
+    page = pathlib.Path(report).read_text(encoding="utf-8")
+    assert page.count('<img src="data:image/png;base64,') == 4, page[:2000]
+    assert "mesh-1" in page
 
 
 @pytest.mark.timeout(120)

@@ -75,6 +75,9 @@ async def run(play_seconds: float, report_path: str) -> int:
         await asyncio.to_thread(query.stop)
         query = None
         await summary(world, admin, failover)
+        with console.status("writing the telemetry report (a Spark job over the brokers' streams)"):
+            await write_report(spark, mesh.addresses, report_path)
+        say(started, f"wrote [bold]{report_path}[/] (open it in a browser)")
     except* (StepFailed, meshbus.MeshbusError, AssertionError) as group:
         failed = "; ".join(map(str, group.exceptions))
     finally:
@@ -157,6 +160,24 @@ async def settle(world: mmo.World, started: float) -> None:
             check(time.monotonic() < deadline, "the leaderboard did not catch up within 60 s")
             await asyncio.sleep(0.2)
     say(started, "every reliable send acknowledged; the leaderboard matches every result")
+
+
+async def write_report(spark: Any, brokers: str, path: str) -> None:
+    """``meshbus report`` on the demo's own Spark session. The killed broker's
+    telemetry went with it (streams are not replicated): the report shows the others."""
+    from meshbus.report.job import discover, report_data
+    from meshbus.report.plots import plots
+    from meshbus.report.render import render_html
+
+    plans = await discover(brokers, None)
+
+    def render() -> None:
+        spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+        data = report_data(spark, brokers, plans)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(render_html(data, plots(data)))
+
+    await asyncio.to_thread(render)
 
 
 async def summary(world: mmo.World, admin: meshbus.Connector, failover: float) -> None:
