@@ -72,7 +72,7 @@ async def run(play_seconds: float, report_path: str) -> int:
         say(started, f"Spark job: stream results -> wins per player -> {mmo.LEADERBOARD}")
         failover = await play(world, mesh, started, play_seconds)
         await settle(world, started)
-        await asyncio.to_thread(query.stop)
+        await stop_between_batches(query)
         query = None
         await summary(world, admin, failover)
         with console.status("writing the telemetry report (a Spark job over the brokers' streams)"):
@@ -129,6 +129,16 @@ async def play(world: mmo.World, mesh: DemoMesh, started: float, seconds: float)
     on_mesh4 = [n for n, c in world.connectors.items() if c.broker_name == "mesh-4"]
     say(started, f"mesh-4 took {', '.join(on_mesh4) or 'no connector yet'}")
     return float(failover)
+
+
+async def stop_between_batches(query: Any) -> None:
+    """Stop the query while no micro-batch runs: a stop in the middle of one
+    interrupts its foreachBatch call, and py4j prints that as an error."""
+    for _ in range(500):  # at most 10 s: a batch takes well under one
+        if not query.status["isTriggerActive"]:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.to_thread(query.stop)
 
 
 async def failed_over(world: mmo.World, killed_at: float) -> float:
