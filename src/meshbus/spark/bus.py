@@ -42,11 +42,43 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+class LoopRunner:
+    """An event loop to drive step by step (``run(coro)``) across yields.
+
+    Not ``asyncio.Runner``: in a main thread (a Spark worker's) its ``run`` swaps the
+    SIGINT handler in and out on every call, and restoring it makes the signal module
+    format the finished task's repr -- with its result, a whole page of rows. That
+    was half of a read task's time."""
+
+    def __init__(self) -> None:
+        self._loop = new_loop()
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def close(self) -> None:
+        loop = self._loop
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:  # gather() of nothing would make its future on another loop
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 @contextlib.contextmanager
-def runner() -> Iterator[asyncio.Runner]:
-    """An event loop to drive step by step (``runner.run(coro)``) across yields."""
-    with asyncio.Runner(loop_factory=new_loop) as run:
+def runner() -> Iterator[LoopRunner]:
+    run = LoopRunner()
+    try:
         yield run
+    finally:
+        run.close()
 
 
 def explain(exc: MeshbusError, bus: BusOptions, doing: str) -> MeshbusError:
