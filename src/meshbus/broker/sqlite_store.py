@@ -97,9 +97,12 @@ _INSERT_BLOCK = "INSERT INTO blocks VALUES (?, ?, ?, ?)"
 # The blocks holding seqs from ?2 to ?3 of a stream whose keys start at ?1: the last
 # block starting at or before ?2, and the ones after it.
 _SELECT_BLOCKS = (
-    "SELECT key, stored_at, messages FROM blocks WHERE key >= coalesce("
+    "SELECT key, stored_at FROM blocks WHERE key >= coalesce("
     "(SELECT max(key) FROM blocks WHERE key >= ?1 AND key <= ?2), ?1) AND key <= ?3 ORDER BY key"
 )
+# Blocks decoded lately, by key (a block never changes; it is only deleted): a reader
+# going through a stream page by page decodes each block once, not once per page.
+_DECODED_BLOCKS = 16
 _encode_block = msgspec.msgpack.Encoder().encode
 _decode_block = msgspec.msgpack.Decoder(list[NewMessage]).decode
 _UPDATE_COUNTERS = "UPDATE streams SET first_seq = ?, last_seq = ?, bytes = ? WHERE id = ?"
@@ -152,6 +155,7 @@ class SqliteStreamStore(MirroredStore):
         """(Re)build the mirror from the database, the truth."""
         db = self._db
         self._streams = {}
+        self._decoded: dict[int, list[NewMessage]] = {}
         by_id: dict[int, StreamState] = {}
         for row in db.execute(
             "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
@@ -212,12 +216,21 @@ class SqliteStreamStore(MirroredStore):
     ) -> Iterator[tuple[int, float, list[NewMessage]]]:
         """(first seq, stored_at, messages) of the blocks that hold ``first..last``."""
         sid = st.key
-        cursor = self._db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
+        db, decoded = self._db, self._decoded
+        cursor = db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
         try:
-            for key, at, block in cursor:
-                yield key & SEQ_MASK, at, _decode_block(block)
+            for key, at in cursor.fetchall():
+                block = decoded.get(key)
+                if block is None:
+                    (raw,) = db.execute(
+                        "SELECT messages FROM blocks WHERE key = ?", (key,)
+                    ).fetchone()
+                    block = decoded[key] = _decode_block(raw)
+                    if len(decoded) > _DECODED_BLOCKS:
+                        del decoded[next(iter(decoded))]
+                yield key & SEQ_MASK, at, block
         finally:
-            cursor.close()  # a reader may stop early; a half-read statement must not linger
+            cursor.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -257,6 +270,7 @@ class SqliteStreamStore(MirroredStore):
     def delete_stream(self, name: str) -> None:
         st = self._stream(name)
         sid = st.key
+        self._decoded.clear()  # the stream's id may be given to a new stream
         with self._tx() as db:
             db.execute(
                 "DELETE FROM blocks WHERE key >= ? AND key <= ?",
@@ -320,9 +334,7 @@ class SqliteStreamStore(MirroredStore):
             return []
         return fit_bytes(self._select(st, start, st.last_seq, max_count), max_bytes)
 
-    def read_columns(
-        self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
-    ) -> Columns:
+    def read_columns(self, name: str, from_seq: int, max_count: int, max_bytes: int = 0) -> Columns:
         """``read`` without a Python object per message: each block's slice is
         transposed in C."""
         st = self._stream(name)
