@@ -11,6 +11,7 @@ from tests.integration.bench_helpers import BENCH, run_bench
 
 COMMANDS = (
     "unicast",
+    "spark",
     "request",
     "tables",
     "cross",

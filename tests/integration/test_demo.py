@@ -60,7 +60,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     work_dir = re.search(r"work dir (\S+)", out)
     assert work_dir, out
     assert not left_behind(work_dir[1])
-    page = pathlib.Path(report).read_text(encoding="utf-8")
+    page = await asyncio.to_thread(pathlib.Path(report).read_text, encoding="utf-8")
     assert page.count('<img src="data:image/png;base64,') == 4, page[:2000]
     assert "mesh-1" in page
 

@@ -71,23 +71,31 @@ async def test_a_batch_read_returns_exactly_the_range(
     assert await in_thread(empty) == 0
 
 
+def available_now(
+    spark: SparkSession, address: str, stream: str, sink: Batches, location: str, **options: object
+) -> None:
+    """Read ``stream`` with trigger(availableNow=True) into ``sink``, checkpointed."""
+    query = (
+        reader(spark, address, stream, **options)
+        .load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", location)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(60)
+    assert query.exception() is None
+
+
 async def test_available_now_twice_reads_only_what_came_in_between(
     spark: SparkSession, broker: BrokerProcess, tmp_path: Path
 ) -> None:
     await publish(broker.address, "scores", [b"a%d" % i for i in range(1, 26)])
     sink = Batches()
+    location = checkpoint(tmp_path)
 
     def run() -> None:
-        query = (
-            reader(spark, broker.address, "scores", maxRowsPerTrigger=10)
-            .load()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", checkpoint(tmp_path))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination(60)
-        assert query.exception() is None
+        available_now(spark, broker.address, "scores", sink, location, maxRowsPerTrigger=10)
 
     await in_thread(run)
     # maxRowsPerTrigger=10 splits the 25 rows into three micro-batches.
@@ -152,19 +160,9 @@ async def test_a_trimmed_stream_is_read_from_its_first_kept_message(
 ) -> None:
     await publish(broker.address, "recent", [b"r%d" % i for i in range(1, 13)], max_msgs=5)
     sink = Batches()
-
-    def run() -> None:
-        query = (
-            reader(spark, broker.address, "recent", startingSeq=1)
-            .load()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", checkpoint(tmp_path))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination(60)
-        assert query.exception() is None
-
-    await in_thread(run)
+    location = checkpoint(tmp_path)
+    await in_thread(
+        lambda: available_now(spark, broker.address, "recent", sink, location, startingSeq=1)
+    )
     # Seqs 1..7 were removed by max_msgs=5 before the query started: skipped.
     assert sink.rows() == [(i, b"r%d" % i) for i in range(8, 13)]
