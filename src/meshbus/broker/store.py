@@ -236,11 +236,10 @@ class StreamStore(abc.ABC):
     def read(
         self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
     ) -> list[StoredMessage]: ...
-    def read_columns(
-        self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
-    ) -> Columns:
+    def read_columns(self, name: str, from_seq: int, max_count: int, max_bytes: int = 0) -> Columns:
         """What ``read`` returns, a list per field; a store may do it faster."""
         return Columns.of(self.read(name, from_seq, max_count, max_bytes))
+
     @abc.abstractmethod
     def expire(self, now: float) -> int: ...
     @abc.abstractmethod

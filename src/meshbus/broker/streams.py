@@ -313,9 +313,7 @@ class Streams:
             room = link.max_frame - 4096
             count = max(1, min(body.max_count, room // (2 * _COLUMN_OVERHEAD)))
             limit = max(1, room - count * _COLUMN_OVERHEAD)
-            return StreamReply(
-                columns=list(store.read_columns(name, body.from_seq, count, limit))
-            )
+            return StreamReply(columns=list(store.read_columns(name, body.from_seq, count, limit)))
         if op == "fetch":
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)
