@@ -47,7 +47,7 @@ class Leaderboard:
 
     wins: dict[str, int] = field(default_factory=dict)
     updates: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (received, took)
 
     def apply(self, payload: bytes, now: float) -> None:
         row = json.loads(payload)
@@ -55,7 +55,7 @@ class Leaderboard:
         if wins > self.wins.get(player, 0):
             self.wins[player] = wins
         self.updates += 1
-        self.latencies.append(now - float(row["last_sent_at"]))
+        self.latencies.append((now, now - float(row["last_sent_at"])))
 
     def top(self, n: int = 5) -> list[tuple[str, int]]:
         return sorted(self.wins.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
