@@ -109,9 +109,10 @@ async def test_a_columnar_fetch_holds_what_fetch_does_and_fills_a_frame(
         page = await conn.streams.fetch_columns("bulk", 1, 2)
         assert page.seq == [m.seq for m in rows] == [1, 2]
         assert page.stored_at == [m.stored_at for m in rows]
-        assert page.src == [publisher.address.to_bytes()] * 2
-        assert page.dst == [meshbus.Multicast("bulk").to_bytes()] * 2
-        assert (page.group, page.priority, page.payload) == (
+        assert page.src_list() == [publisher.address.to_bytes()] * 2
+        assert page.src_values == [publisher.address.to_bytes()]  # distinct values, indexed
+        assert page.dst_list() == [meshbus.Multicast("bulk").to_bytes()] * 2
+        assert (page.group_list(), page.priority, page.payload_list()) == (
             [b"", b""],
             [0, 3],
             [b"plain", b"prio"],
@@ -119,7 +120,7 @@ async def test_a_columnar_fetch_holds_what_fetch_does_and_fills_a_frame(
         big = await conn.streams.fetch_columns("bulk", 3, 1000)
         assert 3 <= len(big.seq) < 30  # 100 kB payloads: a 1 MiB frame holds some
         assert big.seq == list(range(3, 3 + len(big.seq)))
-        assert big.payload[0] == bytes([0]) * 100_000
+        assert big.payload_list()[0] == bytes([0]) * 100_000
         assert (await conn.streams.fetch_columns("bulk", 99, 10)).seq == []
 
 

@@ -44,6 +44,7 @@ from meshbus.broker.store import (
     StreamStore,
 )
 from meshbus.errors import ProtocolError
+from meshbus.protocol.columns import pack
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -70,8 +71,8 @@ _new_message = tuple.__new__
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
-# The same in a columnar answer: seq, stored_at, src, dst, priority and the lengths,
-# with a group name of up to 32 bytes.
+# The same in a columnar answer (seq, stored_at, priority, three indices, an offset),
+# with room for every message to have a source, destination and group of its own.
 _COLUMN_OVERHEAD = 128
 
 
@@ -313,7 +314,8 @@ class Streams:
             room = link.max_frame - 4096
             count = max(1, min(body.max_count, room // (2 * _COLUMN_OVERHEAD)))
             limit = max(1, room - count * _COLUMN_OVERHEAD)
-            return StreamReply(columns=list(store.read_columns(name, body.from_seq, count, limit)))
+            page = store.read_columns(name, body.from_seq, count, limit)
+            return StreamReply(columns=pack(*page))
         if op == "fetch":
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)

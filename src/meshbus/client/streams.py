@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address
 from meshbus.client.service import AddressLike, Message, as_address
+from meshbus.protocol.columns import pack, unpack_index, unpack_payloads
 from meshbus.protocol.control import StoredRow, StreamReply, StreamRequest
 from meshbus.protocol.ext import Ext
 from meshbus.protocol.layout import ControlType
@@ -62,15 +63,35 @@ class StreamInfo:
 
 @dataclass(frozen=True)
 class StreamColumns:
-    """Stored messages, a list per field (``Streams.fetch_columns``)."""
+    """Stored messages as a packed page (``Streams.fetch_columns``; the layout is in
+    ``meshbus.protocol.columns``): ``seq``, ``stored_at`` and ``priority`` are lists;
+    sources, destinations and groups are distinct values plus a u32 index per message,
+    payloads one buffer plus offsets -- what Arrow takes without a Python object per
+    message. The ``*_list`` methods give plain lists."""
 
-    seq: list[int] = field(default_factory=list)
-    stored_at: list[float] = field(default_factory=list)
-    src: list[bytes] = field(default_factory=list)
-    dst: list[bytes] = field(default_factory=list)
-    group: list[bytes] = field(default_factory=list)
-    priority: list[int] = field(default_factory=list)
-    payload: list[bytes] = field(default_factory=list)
+    seq: list[int]
+    stored_at: list[float]
+    src_values: list[bytes]
+    src_index: bytes
+    dst_values: list[bytes]
+    dst_index: bytes
+    group_values: list[bytes]
+    group_index: bytes
+    priority: list[int]
+    offsets: bytes
+    payloads: bytes
+
+    def src_list(self) -> builtins.list[bytes]:
+        return unpack_index(self.src_values, self.src_index)
+
+    def dst_list(self) -> builtins.list[bytes]:
+        return unpack_index(self.dst_values, self.dst_index)
+
+    def group_list(self) -> builtins.list[bytes]:
+        return unpack_index(self.group_values, self.group_index)
+
+    def payload_list(self) -> builtins.list[bytes]:
+        return unpack_payloads(self.offsets, self.payloads)
 
 
 class Streams:
@@ -144,8 +165,9 @@ class Streams:
         )
         if reply.columns:
             return StreamColumns(*reply.columns)
-        # A broker from before columnar fetches answers with rows: the same, transposed.
-        return StreamColumns(*map(list, zip(*(row[:7] for row in reply.messages), strict=True)))
+        # A broker from before columnar fetches answers with rows: the same, packed here.
+        fields = [list(f) for f in zip(*(row[:7] for row in reply.messages), strict=True)]
+        return StreamColumns(*pack(*(fields or [[]] * 7)))
 
     async def consumer(
         self,

@@ -307,9 +307,9 @@ class StreamReply(Body):
     streams: list[dict[str, Any]] = msgspec.field(default_factory=list)
     messages: list[StoredRow] = msgspec.field(default_factory=list)
     acked: int = 0
-    # A columnar fetch: seq, stored_at, src, dst, group, priority, payload -- a list
-    # each, which both ends build and take apart in C (a bulk reader's fast path).
-    columns: list[list[Any]] = msgspec.field(default_factory=list)
+    # A columnar fetch: the packed page of meshbus.protocol.columns (a bulk reader's
+    # fast path: both ends build and take it apart in C).
+    columns: list[Any] = msgspec.field(default_factory=list)
 
 
 BODY_TYPES: dict[ControlType, type[Body]] = {

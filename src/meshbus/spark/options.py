@@ -179,7 +179,7 @@ def parse_read(options: Mapping[str, str], *, streaming: bool | None) -> ReadOpt
         max_rows_per_trigger=max_rows,
         rows_per_partition=opts.count("rowsPerPartition", 100_000),
         min_partitions=opts.count("minPartitions", 1),
-        fetch_size=opts.count("fetchSize", 1000),
+        fetch_size=opts.count("fetchSize", 4000),
         fail_on_data_loss=opts.boolean("failOnDataLoss", False),
     )
 

@@ -137,27 +137,35 @@ def split(options: ReadOptions, columns: tuple[str, ...], start: int, stop: int)
 
 def to_batch(part: SeqRange, page: StreamColumns, count: int, schema: pa.Schema) -> pa.RecordBatch:
     """The first ``count`` messages of a fetched page as an Arrow batch of the wanted
-    columns: each column is built from its list in one call."""
+    columns, built from the page's buffers: no Python object per message."""
+    size = len(page.seq)
     arrays: list[pa.Array] = []
     for name in part.columns:
         kind = schema.field(name).type
         if name == "stream":
-            arrays.append(pa.array([part.options.stream] * count, kind))
+            array = pa.repeat(pa.scalar(part.options.stream, kind), count)
         elif name == "seq":
-            arrays.append(pa.array(page.seq[:count], kind))
+            array = pa.array(page.seq[:count], kind)
         elif name == "stored_at":
             seconds = pa.array(page.stored_at[:count], pa.float64())
             micros = pc.cast(pc.round(pc.multiply(seconds, 1_000_000)), pa.int64())
-            arrays.append(micros.cast(kind))
-        elif name in ("src", "dst"):
-            raw = page.src if name == "src" else page.dst
-            arrays.append(pa.array([_address_text(a) for a in raw[:count]], kind))
-        elif name == "group":
-            arrays.append(pa.array([_group_text(g) for g in page.group[:count]], kind))
+            array = micros.cast(kind)
+        elif name in ("src", "dst", "group"):
+            values, index = {
+                "src": (page.src_values, page.src_index),
+                "dst": (page.dst_values, page.dst_index),
+                "group": (page.group_values, page.group_index),
+            }[name]
+            text = _group_text if name == "group" else _address_text
+            dictionary = pa.array([text(v) for v in values], kind)
+            positions = pa.Array.from_buffers(pa.uint32(), size, [None, pa.py_buffer(index)])
+            array = dictionary.take(positions.slice(0, count))
         elif name == "priority":
-            arrays.append(pa.array(page.priority[:count], kind))
+            array = pa.array(page.priority[:count], kind)
         else:
-            arrays.append(pa.array(page.payload[:count], kind))
+            buffers = [None, pa.py_buffer(page.offsets), pa.py_buffer(page.payloads)]
+            array = pa.Array.from_buffers(pa.binary(), size, buffers).slice(0, count)
+        arrays.append(array)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
