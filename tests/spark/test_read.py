@@ -138,19 +138,9 @@ async def test_a_query_stopped_mid_way_resumes_without_loss_or_repeat(
 
     await publish(broker.address, "ledger", [b"x%d" % i for i in range(121, 131)])
 
-    def finish() -> None:
-        query = (
-            reader(spark, broker.address, "ledger", maxRowsPerTrigger=40)
-            .load()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", location)
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination(60)
-        assert query.exception() is None
-
-    await in_thread(finish)
+    await in_thread(
+        lambda: available_now(spark, broker.address, "ledger", sink, location, maxRowsPerTrigger=40)
+    )
     assert [batch for batch, _ in sink.batches].count(replayed) == 2
     assert sink.rows() == [(i, b"x%d" % i) for i in range(1, 131)]  # checks the replay too
 
