@@ -240,3 +240,53 @@ async def test_since_finds_the_first_message_stored_after(broker: BrokerProcess)
         assert await _first_at(conn, "telemetry.t", stored[5] - 0.001) == 5
         assert await _first_at(conn, "telemetry.t", 0) == 1
         assert await _first_at(conn, "telemetry.t", stored[7] + 1) == 8
+
+
+async def test_report_on_the_brokers_own_telemetry(spark: SparkSession, tmp_path: Path) -> None:
+    """No stand-in: two brokers record telemetry and trace every send, and the report
+    counts exactly the sends of each path."""
+    from tests.conftest import start_mesh, stop_all
+
+    brokers = await start_mesh(2, "--telemetry-interval", "0.2", "--trace-sample", "1")
+    try:
+        a, b = brokers
+        sender_conn = await meshbus.connect(a.address, server="rsend", failover=False)
+        receiver_conn = await meshbus.connect(b.address, server="rrecv", failover=False)
+        try:
+            sender, near = await sender_conn.register(), await sender_conn.register()
+            far = await receiver_conn.register()
+            for i in range(15):
+                await sender.send(near.address, b"same %d" % i)
+                await sender.send(far.address, b"cross %d" % i)
+            for service in (near, far):
+                for _ in range(15):
+                    await service.recv(timeout=5)
+
+            async def hops() -> int:
+                infos = [await sender_conn.streams.info(f"traces.{x.name}") for x in brokers]
+                return sum(info.messages for info in infos)
+
+            for _ in range(100):  # every hop stored: 30 sends x (entry, exit, received)
+                if await hops() == 90:
+                    break
+                await asyncio.sleep(0.1)
+            assert await hops() == 90
+            await asyncio.sleep(0.5)  # telemetry records with all of it counted
+        finally:
+            await sender_conn.close()
+            await receiver_conn.close()
+        out, data_file = tmp_path / "report.html", tmp_path / "report.json"
+        addresses = ",".join(x.address for x in brokers)
+        result = await report_cli(
+            "--brokers", addresses, "--out", str(out), "--json", str(data_file)
+        )
+        assert result.exit_code == 0, result.output
+    finally:
+        await stop_all(brokers)
+    data = json.loads(data_file.read_text())
+    assert sorted(x["broker"] for x in data["brokers"]) == sorted(x.name for x in brokers)
+    paths = {p["path"]: p["count"] for p in data["latency"]["percentiles"]}
+    assert (paths["same broker"], paths["cross broker"]) == (15, 15)
+    summary = {s["broker"]: s for s in data["throughput"]["summary"]}
+    assert summary[a.name]["mean_msgs_in_per_s"] > 0
+    assert out.read_text().count('<img src="data:image/png;base64,') == 4
