@@ -15,10 +15,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark]
 def test_spark_bench_last_line() -> None:
     line = run_bench("spark", "--rows", "2000", "--runs", "1")
     match = re.fullmatch(
-        r"read=(\d+) parquet=(\d+) read_ratio=(\d+\.\d{3}) write=(\d+) empty_query_s=(\d+\.\d\d)",
+        r"read=(\d+) read_bus=(\d+) parquet=(\d+) read_ratio=(\d+\.\d{3}) write=(\d+) "
+        r"empty_query_s=(\d+\.\d\d)",
         line,
     )
     assert match, line
-    read, parquet, ratio, write = int(match[1]), int(match[2]), float(match[3]), int(match[4])
-    assert min(read, parquet, write) > 0
+    read, bus, parquet = int(match[1]), int(match[2]), int(match[3])
+    ratio, write = float(match[4]), int(match[5])
+    assert min(read, bus, parquet, write) > 0
     assert abs(ratio - read / parquet) <= 0.01 * ratio + 0.001

@@ -11,7 +11,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from meshbus.spark import SCHEMA
-from tests.conftest import BrokerProcess
+from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.spark.conftest import (
     Batches,
     checkpoint,
@@ -69,6 +69,50 @@ async def test_a_batch_read_returns_exactly_the_range(
         return df.option("stream", "quiet").load().count()
 
     assert await in_thread(empty) == 0
+
+
+async def test_a_local_read_of_the_store_file_equals_a_read_over_the_bus(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A broker with a data dir on this machine: tasks read its SQLite file themselves
+    (localRead auto or true) and get exactly what fetching over the bus gives."""
+    broker = await start_broker("--data-dir", str(tmp_path / "data"))
+    try:
+        payloads = [b"local-%03d" % i for i in range(1, 61)]
+        await publish(broker.address, "games", payloads, max_msgs=50)  # 1..10 trimmed
+
+        def read(local: str) -> list[tuple[object, ...]]:
+            df = (
+                spark.read.format("meshbus")
+                .option("brokers", broker.address)
+                .option("stream", "games")
+                .option("localRead", local)
+                .option("rowsPerPartition", 20)
+                .option("fetchSize", 7)
+                .load()
+            )
+            return [tuple(r) for r in df.orderBy("seq").collect()]
+
+        over_the_bus = await in_thread(read, "false")
+        assert [r[1] for r in over_the_bus] == list(range(11, 61))
+        assert [bytes(r[7]) for r in over_the_bus] == payloads[10:]  # type: ignore[arg-type]
+        assert await in_thread(read, "true") == over_the_bus
+        assert await in_thread(read, "auto") == over_the_bus
+    finally:
+        await stop_all([broker])
+
+
+async def test_local_read_true_without_a_store_file_says_why(
+    spark: SparkSession, broker: BrokerProcess
+) -> None:
+    await publish(broker.address, "memory", [b"x"])
+
+    def read() -> int:
+        df = spark.read.format("meshbus").option("brokers", broker.address)
+        return df.option("stream", "memory").option("localRead", "true").load().count()
+
+    with pytest.raises(Exception, match="localRead=true, but stream 'memory' is on broker"):
+        await in_thread(read)
 
 
 def available_now(

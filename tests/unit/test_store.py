@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshbus.broker import sqlite_store
-from meshbus.broker.sqlite_store import SqliteStreamStore
+from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
     Columns,
@@ -538,3 +538,22 @@ def test_sqlite_blocks_read_trim_and_reopen_like_the_memory_store(
         assert disk.append_batch("orders", again, len(batches)) == expected
     finally:
         disk.close()
+
+
+def test_a_read_only_reader_sees_what_the_store_committed(tmp_path: Path) -> None:
+    """Another process's view of the broker's file (the Spark source's local reads)."""
+    store = SqliteStreamStore(tmp_path / "s.db")
+    reader = SqliteStreamReader(tmp_path / "s.db")
+    try:
+        store.add_stream(cfg(max_msgs=6))
+        fill(store, 4, 1.0, size=3)
+        assert reader.read_columns("orders", 1, 10) == store.read_columns("orders", 1, 10)
+        fill(store, 4, 2.0, size=2)  # 8 in all; max_msgs trims seqs 1-2
+        assert reader.read_columns("orders", 1, 10).seq == [3, 4, 5, 6, 7, 8]
+        assert reader.read_columns("orders", 4, 2) == store.read_columns("orders", 4, 2)
+        assert reader.read_columns("orders", 9, 10).seq == []
+        with pytest.raises(StreamNotFound):
+            reader.read_columns("nope", 1, 10)
+    finally:
+        reader.close()
+        store.close()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
 
@@ -62,6 +62,7 @@ from meshbus.broker.store import (
     StoreError,
     StreamConfig,
     StreamInfo,
+    StreamNotFound,
     StreamState,
     fit_bytes,
 )
@@ -214,23 +215,7 @@ class SqliteStreamStore(MirroredStore):
     def _blocks(
         self, st: StreamState, first: int, last: int
     ) -> Iterator[tuple[int, float, list[NewMessage]]]:
-        """(first seq, stored_at, messages) of the blocks that hold ``first..last``."""
-        sid = st.key
-        db, decoded = self._db, self._decoded
-        cursor = db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
-        try:
-            for key, at in cursor.fetchall():
-                block = decoded.get(key)
-                if block is None:
-                    (raw,) = db.execute(
-                        "SELECT messages FROM blocks WHERE key = ?", (key,)
-                    ).fetchone()
-                    block = decoded[key] = _decode_block(raw)
-                    if len(decoded) > _DECODED_BLOCKS:
-                        del decoded[next(iter(decoded))]
-                yield key & SEQ_MASK, at, block
-        finally:
-            cursor.close()
+        return _read_blocks(self._db, self._decoded, st.key, first, last)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -335,36 +320,12 @@ class SqliteStreamStore(MirroredStore):
         return fit_bytes(self._select(st, start, st.last_seq, max_count), max_bytes)
 
     def read_columns(self, name: str, from_seq: int, max_count: int, max_bytes: int = 0) -> Columns:
-        """``read`` without a Python object per message: each block's slice is
-        transposed in C."""
         st = self._stream(name)
-        start = max(from_seq, st.first_seq)
-        out = Columns([], [], [], [], [], [], [])
-        if max_count <= 0 or start > st.last_seq:
-            return out
-        last = min(st.last_seq, start + max_count - 1)
-        room = max_bytes or None  # payload bytes still allowed
-        for block_first, at, block in self._blocks(st, start, last):
-            skip = max(start - block_first, 0)
-            part = block[skip : last - block_first + 1]
-            src, dst, payload, group, priority, _ = zip(*part, strict=True)
-            take = len(part)
-            if room is not None:
-                sizes = list(accumulate(map(len, payload)))
-                # At least one message per answer, however large.
-                take = bisect_right(sizes, room) or (0 if out.seq else 1)
-                room -= sizes[take - 1] if take else 0
-            first = block_first + skip
-            out.seq.extend(range(first, first + take))
-            out.stored_at.extend([at] * take)
-            out.src.extend(src[:take])
-            out.dst.extend(dst[:take])
-            out.group.extend(group[:take])
-            out.priority.extend(priority[:take])
-            out.payload.extend(payload[:take])
-            if take < len(part):
-                break  # the next message would pass max_bytes
-        return out
+
+        def blocks(first: int, last: int) -> Iterator[tuple[int, float, list[NewMessage]]]:
+            return self._blocks(st, first, last)
+
+        return _columns(blocks, st.first_seq, st.last_seq, from_seq, max_count, max_bytes)
 
     def _select(
         self, st: StreamState, first: int, last: int, limit: int
@@ -478,3 +439,95 @@ def _split(first: int, messages: list[NewMessage]) -> Iterator[tuple[int, list[N
             start, size = i, 0
         size += len(m.payload)
     yield first + start, messages[start:]
+
+
+class SqliteStreamReader:
+    """Read-only access to a broker's stream store, from another process on the same
+    host: the Spark source's local reads (docs/spark.md). In WAL mode it reads while
+    the broker writes, one consistent snapshot per call, committed data only; the
+    broker's counters in the ``streams`` table say what exists."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        uri = f"file:{os.fspath(path)}?mode=ro"
+        self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        self._decoded: dict[int, list[NewMessage]] = {}
+
+    def read_columns(self, name: str, from_seq: int, max_count: int) -> Columns:
+        db = self._db
+        db.execute("BEGIN")  # one snapshot: the counters and the blocks they describe
+        try:
+            row = db.execute(
+                "SELECT id, first_seq, last_seq FROM streams WHERE name = ?", (name,)
+            ).fetchone()
+            if row is None:
+                raise StreamNotFound(name)
+            sid, first_seq, last_seq = row
+
+            def blocks(first: int, last: int) -> Iterator[tuple[int, float, list[NewMessage]]]:
+                return _read_blocks(db, self._decoded, sid, first, last)
+
+            return _columns(blocks, first_seq, last_seq, from_seq, max_count, 0)
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading stream {name!r} from the store failed: {exc}") from exc
+        finally:
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _read_blocks(
+    db: sqlite3.Connection, decoded: dict[int, list[NewMessage]], sid: int, first: int, last: int
+) -> Iterator[tuple[int, float, list[NewMessage]]]:
+    """(first seq, stored_at, messages) of the blocks that hold ``first..last``, decoded
+    once while they stay in ``decoded``."""
+    cursor = db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
+    try:
+        for key, at in cursor.fetchall():
+            block = decoded.get(key)
+            if block is None:
+                (raw,) = db.execute("SELECT messages FROM blocks WHERE key = ?", (key,)).fetchone()
+                block = decoded[key] = _decode_block(raw)
+                if len(decoded) > _DECODED_BLOCKS:
+                    del decoded[next(iter(decoded))]
+            yield key & SEQ_MASK, at, block
+    finally:
+        cursor.close()
+
+
+def _columns(
+    blocks: Callable[[int, int], Iterator[tuple[int, float, list[NewMessage]]]],
+    first_seq: int,
+    last_seq: int,
+    from_seq: int,
+    max_count: int,
+    max_bytes: int,
+) -> Columns:
+    """``read`` without a Python object per message: each block's slice is transposed
+    in C. ``max_bytes``: as ``fit_bytes`` (at least one message)."""
+    start = max(from_seq, first_seq)
+    out = Columns([], [], [], [], [], [], [])
+    if max_count <= 0 or start > last_seq:
+        return out
+    last = min(last_seq, start + max_count - 1)
+    room = max_bytes or None  # payload bytes still allowed
+    for block_first, at, block in blocks(start, last):
+        skip = max(start - block_first, 0)
+        part = block[skip : last - block_first + 1]
+        src, dst, payload, group, priority, _ = zip(*part, strict=True)
+        take = len(part)
+        if room is not None:
+            sizes = list(accumulate(map(len, payload)))
+            take = bisect_right(sizes, room) or (0 if out.seq else 1)
+            room -= sizes[take - 1] if take else 0
+        first = block_first + skip
+        out.seq.extend(range(first, first + take))
+        out.stored_at.extend([at] * take)
+        out.src.extend(src[:take])
+        out.dst.extend(dst[:take])
+        out.group.extend(group[:take])
+        out.priority.extend(priority[:take])
+        out.payload.extend(payload[:take])
+        if take < len(part):
+            break  # the next message would pass max_bytes
+    return out

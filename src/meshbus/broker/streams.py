@@ -23,6 +23,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -357,6 +358,10 @@ class Streams:
             "max_bytes": config.max_bytes,
             "max_age": config.max_age,
             "dedupe_window": config.dedupe_window,
+            "store": os.path.abspath(self.store.path)
+            if isinstance(self.store, SqliteStreamStore)
+            else "",
+            "host": socket.gethostname(),
         }
 
     def expire(self) -> None:

@@ -59,6 +59,10 @@ class StreamInfo:
     max_bytes: int
     max_age: float
     dedupe_window: float
+    # Where the host keeps it: its SQLite file ("" in memory) and the host's name, for
+    # readers on the same machine (the Spark source's local reads).
+    store: str = ""
+    host: str = ""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ stream with ``rows`` messages of ``size`` bytes, and in one local Spark session
 
 * ``meshbus_read_rows_per_s``: ``readStream.format("meshbus")`` of the whole stream
   into the ``noop`` sink with ``trigger(availableNow=True)``, read by ``partitions``
-  tasks;
+  tasks (from the broker's store file: the broker runs on this machine);
+* ``meshbus_bus_read_rows_per_s``: the same with ``localRead=false``, every page
+  fetched from the broker;
 * ``parquet_read_rows_per_s``: the same rows and columns, copied to ``partitions``
   Parquet files beforehand, through the same query with ``readStream.parquet``;
 * ``meshbus_write_rows_per_s``: those Parquet rows' payloads streamed with
@@ -175,10 +177,11 @@ def _measure(
     batch.load().repartition(partitions).write.parquet(parquet)
     run(meshbus_source(startingSeq=max(1, rows - 999)), "noop")
 
-    empties, reads, parquet_reads, writes = [], [], [], []
+    empties, reads, bus_reads, parquet_reads, writes = [], [], [], [], []
     for _ in range(runs):
         empties.append(run(meshbus_source(startingOffsets="latest"), "noop"))
         reads.append(run(meshbus_source(), "noop"))
+        bus_reads.append(run(meshbus_source(localRead="false"), "noop"))
         parquet_reads.append(run(spark.readStream.schema(SCHEMA).parquet(parquet), "noop"))
         before = asyncio.run(_stored(address, SINK))
         writes.append(
@@ -193,8 +196,8 @@ def _measure(
         if stored != rows:
             raise RuntimeError(f"the write stored {stored} of {rows} rows")
 
-    empty_s, read_s, parquet_s, write_s = (
-        statistics.median(x) for x in (empties, reads, parquet_reads, writes)
+    empty_s, read_s, bus_read_s, parquet_s, write_s = (
+        statistics.median(x) for x in (empties, reads, bus_reads, parquet_reads, writes)
     )
     return {
         "rows": rows,
@@ -202,6 +205,7 @@ def _measure(
         "partitions": partitions,
         "fill_rows_per_s": rows / fill_seconds,
         "meshbus_read_rows_per_s": rows / read_s,
+        "meshbus_bus_read_rows_per_s": rows / bus_read_s,
         "parquet_read_rows_per_s": rows / parquet_s,
         "read_vs_parquet": parquet_s / read_s,
         "meshbus_write_rows_per_s": rows / write_s,
@@ -233,7 +237,10 @@ def spark(rows: int, size: int, runs: int) -> None:
     the same rows read from Parquet in the same session (the physical reference), and
     a streaming write from Spark to the bus. local[2], trigger(availableNow=True).
 
-    Needs Java and the spark extra. Last line: `read=<rows/s> parquet=<rows/s>
+    `read` is the default (tasks read the broker's store file, which is on this machine);
+    `read_bus` fetches every page from the broker (localRead=false).
+
+    Needs Java and the spark extra. Last line: `read=<rows/s> read_bus=<rows/s> parquet=<rows/s>
     read_ratio=<meshbus/parquet> write=<rows/s> empty_query_s=<s>`.
     """
     from meshbus.bench.report import key_values, new_table, print_tables
@@ -248,6 +255,7 @@ def spark(rows: int, size: int, runs: int) -> None:
     click.echo(
         key_values(
             read=f"{figures['meshbus_read_rows_per_s']:.0f}",
+            read_bus=f"{figures['meshbus_bus_read_rows_per_s']:.0f}",
             parquet=f"{figures['parquet_read_rows_per_s']:.0f}",
             read_ratio=f"{figures['read_vs_parquet']:.3f}",
             write=f"{figures['meshbus_write_rows_per_s']:.0f}",

@@ -48,6 +48,7 @@ class ReadOptions:
     min_partitions: int
     fetch_size: int
     fail_on_data_loss: bool
+    local_read: str  # "auto", "true" or "false" (docs/spark.md)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,9 @@ def parse_read(options: Mapping[str, str], *, streaming: bool | None) -> ReadOpt
         raise option_error("'endingSeq' is for batch reads (spark.read); a stream has no end")
     if ending_seq is not None and starting_seq is not None and ending_seq < starting_seq:
         raise option_error(f"'endingSeq' ({ending_seq}) is before 'startingSeq' ({starting_seq})")
+    local_read = (opts.text("localRead") or "auto").lower()
+    if local_read not in ("auto", "true", "false"):
+        raise option_error(f"option 'localRead' must be auto, true or false, got {local_read!r}")
     max_rows = opts.integer("maxRowsPerTrigger", None)
     if max_rows is not None and streaming is False:
         raise option_error("'maxRowsPerTrigger' is for streaming reads (spark.readStream)")
@@ -181,6 +185,7 @@ def parse_read(options: Mapping[str, str], *, streaming: bool | None) -> ReadOpt
         min_partitions=opts.count("minPartitions", 1),
         fetch_size=opts.count("fetchSize", 4000),
         fail_on_data_loss=opts.boolean("failOnDataLoss", False),
+        local_read=local_read,
     )
 
 

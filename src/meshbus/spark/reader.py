@@ -29,6 +29,8 @@ import functools
 import itertools
 import logging
 import math
+import os
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +57,10 @@ from pyspark.sql.types import (
 )
 
 from meshbus.address import Address
+from meshbus.broker.sqlite_store import SqliteStreamReader
 from meshbus.client.streams import StreamColumns, StreamInfo
 from meshbus.errors import StreamError
+from meshbus.protocol.columns import pack
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
 
@@ -181,13 +185,18 @@ def _group_text(raw: bytes) -> str | None:
 
 
 def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
-    """The messages of ``part`` in seq order, one Arrow batch per fetched page. The next
-    page is asked for before this one is yielded, so the broker reads it meanwhile."""
+    """The messages of ``part`` in seq order, one Arrow batch per page: read from the
+    host broker's store file when it is on this machine (``localRead``), else fetched
+    from the broker, the next page asked for before this one is yielded."""
     opts = part.options
     schema = to_arrow_schema(
         StructType([StructField(n, COLUMNS[n][0], COLUMNS[n][1]) for n in part.columns]),
         timezone="UTC",
     )
+    store = _local_store(opts)
+    if store is not None:
+        yield from _read_local(part, store, schema)
+        return
     doing = f"reading stream {opts.stream!r} seqs {part.start}..{part.stop - 1}"
 
     with bus.runner() as run:
@@ -205,13 +214,10 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
                 # The deadline runs from here, not from the request: while Spark holds a
                 # page the loop is stopped, and that time is not the broker's.
                 fetched = run.run(bus.ask(opts.bus, _wait(pending), doing))
-                count = bisect.bisect_left(fetched.seq, part.stop)
                 pending = None
+                count, expected = _accept(part, fetched, expected)
                 if not count:
-                    break  # trimmed past the end of the range
-                if fetched.seq[0] != expected:
-                    _data_loss(opts, expected, fetched.seq[0])
-                expected = fetched.seq[count - 1] + 1
+                    break
                 if expected < part.stop:
                     pending = page(expected)
                     run.run(_started())  # the request is written before Spark takes the page
@@ -220,6 +226,53 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
             if pending is not None:
                 pending.cancel()
             run.run(conn.close())
+
+
+def _accept(part: SeqRange, page: StreamColumns, expected: int) -> tuple[int, int]:
+    """How many of ``page``'s messages are in ``part``, and the seq to read next; a
+    page that starts past ``expected`` lost messages to retention."""
+    count = bisect.bisect_left(page.seq, part.stop)
+    if not count:
+        return 0, expected  # trimmed past the end of the range
+    if page.seq[0] != expected:
+        _data_loss(part.options, expected, page.seq[0])
+    return count, page.seq[count - 1] + 1
+
+
+def _local_store(opts: ReadOptions) -> str | None:
+    """The host broker's store file when this task can read it itself: same machine,
+    file readable, and ``localRead`` not false. ``localRead=true`` insists."""
+    if opts.local_read == "false":
+        return None
+    info = bus.stream_info(opts.bus, opts.stream)
+    here = info.host == socket.gethostname() and bool(info.store)
+    if here and os.access(info.store, os.R_OK):
+        return info.store
+    if opts.local_read == "true":
+        raise option_error(
+            f"localRead=true, but stream {opts.stream!r} is "
+            + (f"in {info.store}, which this process cannot read" if here else
+               f"on broker {info.broker}, not in a store file on this machine")
+        )  # fmt: skip
+    return None
+
+
+def _read_local(part: SeqRange, store: str, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """``read_range`` from the broker's SQLite file (read-only; WAL lets the broker go
+    on writing): no broker work, no socket, the pages packed here."""
+    opts = part.options
+    reader = SqliteStreamReader(store)
+    try:
+        expected = part.start
+        while expected < part.stop:
+            want = min(opts.fetch_size, part.stop - expected)
+            page = StreamColumns(*pack(*reader.read_columns(opts.stream, expected, want)))
+            count, expected = _accept(part, page, expected)
+            if not count:
+                break
+            yield to_batch(part, page, count, schema)
+    finally:
+        reader.close()
 
 
 async def _wait(task: asyncio.Task[StreamColumns]) -> StreamColumns:
