@@ -86,6 +86,8 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "max_bytes": 0,
         "max_age": 0.0,
         "dedupe_window": 120.0,
+        "store": "",  # this broker keeps its streams in memory
+        "host": socket.gethostname(),
     }
     table = await stream_cli("info", "orders", *at)
     assert table.code == 0
