@@ -215,6 +215,7 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
 
     rows = [
         ("host broker", info.broker),
+        ("stored in", f"{info.store} on {info.host}" if info.store else "memory"),
         ("captures", ", ".join(info.captures)),
         ("messages", f"{info.messages:,}"),
         ("bytes", f"{info.bytes:,}"),

@@ -93,6 +93,7 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
     assert table.code == 0
     assert re.search(r"messages\s*│\s*3 ", table.out), table.out
     assert re.search(r"last seq\s*│\s*3 ", table.out), table.out
+    assert re.search(r"stored in\s*│\s*memory ", table.out), table.out
 
     listed = await stream_cli("list", "--json", *at)
     assert (listed.code, json.loads(listed.out)) == (0, [{"name": "orders", "broker": broker.name}])
