@@ -331,6 +331,22 @@ class Broker:
 
     # -- introspection ----------------------------------------------------------
 
+    def traffic_counters(self) -> dict[str, int]:
+        """The cumulative message counters since the broker started (``meshbus stat``
+        and the telemetry records)."""
+        s = self.stats
+        links = self.links.values()
+        return {
+            "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in links),
+            "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in links),
+            "requests": s.requests,
+            "timeouts": s.timeouts,
+            "late_responses": s.late_responses,
+            "dropped_no_route": s.dropped_no_route,
+            "dropped_too_large": s.dropped_too_large,
+            "dropped_bad_hop": s.dropped_bad_hop,
+        }
+
     def snapshot(self, detail: bool = True) -> dict[str, Any]:
         """What ``meshbus stat`` shows: this broker, its links, the mesh and counters.
 
@@ -391,16 +407,9 @@ class Broker:
             "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
             "streams": self.streams.snapshot(),
             "groups_bound": len(self.guarantees.groups),
-            "counters": {
-                "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in self.links.values()),
-                "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in self.links.values()),
-                "requests": s.requests,
+            "counters": self.traffic_counters()
+            | {
                 "pending": len(self.pending),
-                "timeouts": s.timeouts,
-                "late_responses": s.late_responses,
-                "dropped_no_route": s.dropped_no_route,
-                "dropped_too_large": s.dropped_too_large,
-                "dropped_bad_hop": s.dropped_bad_hop,
                 "links_accepted": s.links_accepted,
                 "links_closed": dict(s.links_closed),
             },

@@ -117,8 +117,6 @@ class Telemetry:
 
     def record(self, now: float) -> dict[str, Any]:
         broker = self.broker
-        stats = broker.stats
-        links = broker.links.values()
         return {
             "broker": broker.config.name,
             "at": now,
@@ -127,16 +125,7 @@ class Telemetry:
             "services": sum(broker.routing.owned_count(link) for link in broker.connectors),
             "routes": broker.routing.route_count,
             "pending": len(broker.pending),
-            "counters": {
-                "msgs_in": stats.closed_msgs_in + sum(link.msgs_in for link in links),
-                "msgs_out": stats.closed_msgs_out + sum(link.msgs_out for link in links),
-                "requests": stats.requests,
-                "timeouts": stats.timeouts,
-                "late_responses": stats.late_responses,
-                "dropped_no_route": stats.dropped_no_route,
-                "dropped_too_large": stats.dropped_too_large,
-                "dropped_bad_hop": stats.dropped_bad_hop,
-            },
+            "counters": broker.traffic_counters(),
             "links": [
                 {
                     "id": link.link_id,
@@ -148,7 +137,7 @@ class Telemetry:
                     "bytes_out": link.bytes_out,
                     "queued": link.queued_bytes(),
                 }
-                for link in links
+                for link in broker.links.values()
                 if link.is_peer or not link.operator
             ],
         }
