@@ -35,6 +35,13 @@ def _u32(values: Any) -> bytes:
     return packed.tobytes()
 
 
+def _from_u32(data: bytes) -> array[int]:
+    values = array("I", data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
 def _dictionary(values: Sequence[bytes]) -> tuple[list[bytes], bytes]:
     distinct = list(dict.fromkeys(values))
     index = {value: i for i, value in enumerate(distinct)}
@@ -65,14 +72,8 @@ def pack(
 
 def unpack_index(values: list[bytes], index: bytes) -> list[bytes]:
     """A dictionary-encoded field as a list (for readers that want lists)."""
-    positions = array("I", index)
-    if sys.byteorder == "big":
-        positions.byteswap()
-    return [values[i] for i in positions]
+    return [values[i] for i in _from_u32(index)]
 
 
 def unpack_payloads(offsets: bytes, payloads: bytes) -> list[bytes]:
-    ends = array("I", offsets)
-    if sys.byteorder == "big":
-        ends.byteswap()
-    return [payloads[a:b] for a, b in pairwise(ends)]
+    return [payloads[a:b] for a, b in pairwise(_from_u32(offsets))]
