@@ -92,11 +92,12 @@ async def test_a_publish_id_is_stored_once(broker: BrokerProcess) -> None:
         assert (await conn.streams.info("payments")).messages == 3
 
 
-async def test_a_columnar_fetch_holds_what_fetch_does_and_fills_a_frame(
+async def test_a_block_fetch_holds_what_fetch_does_and_fills_a_frame(
     broker: BrokerProcess,
 ) -> None:
-    """``fetch_columns`` (the Spark source's path) returns the same messages as
-    ``fetch``, a list per field, and cuts a page where the next would overfill a frame."""
+    """``fetch_blocks`` (the Spark source's path) returns the same messages as ``fetch``,
+    in the blocks the store keeps, and stops where the next block would overfill a frame
+    -- cutting a first block down when it alone would."""
     async with await meshbus.connect(broker.address, server="bulk") as conn:
         await conn.streams.add("bulk", "multicast:bulk")
         publisher = await conn.register()
@@ -106,22 +107,20 @@ async def test_a_columnar_fetch_holds_what_fetch_does_and_fills_a_frame(
             await publisher.send("multicast:bulk", bytes([i]) * 100_000, reliable=True)
         await conn.wait_acked(30)
         rows = await conn.streams.fetch("bulk", 1, 2)
-        page = await conn.streams.fetch_columns("bulk", 1, 2)
-        assert page.seq == [m.seq for m in rows] == [1, 2]
-        assert page.stored_at == [m.stored_at for m in rows]
-        assert page.src_list() == [publisher.address.to_bytes()] * 2
-        assert page.src_values == [publisher.address.to_bytes()]  # distinct values, indexed
-        assert page.dst_list() == [meshbus.Multicast("bulk").to_bytes()] * 2
-        assert (page.group_list(), page.priority, page.payload_list()) == (
-            [b"", b""],
-            [0, 3],
-            [b"plain", b"prio"],
-        )
-        big = await conn.streams.fetch_columns("bulk", 3, 1000)
-        assert 3 <= len(big.seq) < 30  # 100 kB payloads: a 1 MiB frame holds some
-        assert big.seq == list(range(3, 3 + len(big.seq)))
-        assert big.payload_list()[0] == bytes([0]) * 100_000
-        assert (await conn.streams.fetch_columns("bulk", 99, 10)).seq == []
+        pieces = await conn.streams.fetch_blocks("bulk", 1, 2)
+        got = [(seq, piece.stored_at, *m) for piece in pieces
+               for seq, *m in zip(piece.seqs, *piece.columns(), strict=True)]  # fmt: skip
+        src, dst = publisher.address.to_bytes(), meshbus.Multicast("bulk").to_bytes()
+        assert got == [
+            (1, rows[0].stored_at, src, dst, b"plain", b"", 0, b""),
+            (2, rows[1].stored_at, src, dst, b"prio", b"", 3, b""),
+        ]
+        big = await conn.streams.fetch_blocks("bulk", 3, 1000)
+        seqs = [seq for piece in big for seq in piece.seqs]
+        assert 3 < len(seqs) < 30  # 100 kB payloads: a 1 MiB frame holds some
+        assert seqs == list(range(3, 3 + len(seqs)))
+        assert big[0].columns().payload[0] == bytes([0]) * 100_000
+        assert await conn.streams.fetch_blocks("bulk", 99, 10) == []
 
 
 async def test_durable_consumer_acks_redelivers_and_gives_up(broker: BrokerProcess) -> None:

@@ -14,7 +14,6 @@ from meshbus.broker import sqlite_store
 from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
-    Columns,
     ConsumerConfig,
     ConsumerExists,
     ConsumerNotFound,
@@ -26,6 +25,7 @@ from meshbus.broker.store import (
     StreamNotFound,
     StreamStore,
 )
+from meshbus.protocol.blocks import BlockSlice
 
 SRC = bytes(range(16))
 DST = bytes(range(16, 32))
@@ -55,6 +55,24 @@ def fill(s: StreamStore, n: int, now: float = 0.0, name: str = "orders", size: i
 
 def seqs(s: StreamStore, from_seq: int = 0, name: str = "orders") -> list[int]:
     return [m.seq for m in s.read(name, from_seq, 1000)]
+
+
+Row = tuple[int, float, bytes, bytes, bytes, int, bytes]
+
+
+def rows_of(pieces: list[BlockSlice]) -> list[Row]:
+    """What ``read`` gives, (seq, stored_at, src, dst, group, priority, payload) per
+    message, from what ``read_blocks`` gives."""
+    out: list[Row] = []
+    for piece in pieces:
+        src, dst, payload, group, priority, _ = piece.columns()
+        fields = zip(piece.seqs, src, dst, group, priority, payload, strict=True)
+        out += [(seq, piece.stored_at, *rest) for seq, *rest in fields]  # type: ignore[misc]
+    return out
+
+
+def rows(s: StreamStore, from_seq: int, count: int, max_bytes: int = 0) -> list[Row]:
+    return [m[1:] for m in s.read("orders", from_seq, count, max_bytes)]
 
 
 # -- streams ----------------------------------------------------------------------------
@@ -461,18 +479,17 @@ def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
         s.close()
 
 
-def test_read_columns_is_read_a_list_per_field(store: StreamStore) -> None:
+def test_read_blocks_holds_what_read_does(store: StreamStore) -> None:
     store.add_stream(cfg())
     store.append_batch("orders", [msg(b"a" * 3), NewMessage(OTHER, DST, b"bb", b"g", 4)], 5.0)
     fill(store, 3, 6.0, size=2)
-    columns = store.read_columns("orders", 2, 3)
-    assert columns == Columns(
-        [2, 3, 4], [5.0, 6.0, 6.0], [OTHER, SRC, SRC], [DST] * 3, [b"g", b"", b""],
-        [4, 0, 0], [b"bb", b"\x00\x00", b"\x01\x01"],
-    )  # fmt: skip
-    assert store.read_columns("orders", 1, 10, max_bytes=6).seq == [1, 2]
-    assert store.read_columns("orders", 1, 10, max_bytes=1).seq == [1]  # at least one
-    assert store.read_columns("orders", 9, 10) == Columns([], [], [], [], [], [], [])
+    assert rows_of(store.read_blocks("orders", 2, 3)) == [
+        (2, 5.0, OTHER, DST, b"g", 4, b"bb"),
+        (3, 6.0, SRC, DST, b"", 0, b"\x00\x00"),
+        (4, 6.0, SRC, DST, b"", 0, b"\x01\x01"),
+    ]
+    assert rows_of(store.read_blocks("orders", 1, 10, max_bytes=1)) == rows(store, 1, 1)
+    assert store.read_blocks("orders", 9, 10) == []
 
 
 # -- the SQLite store's blocks ------------------------------------------------------------
@@ -523,9 +540,15 @@ def test_sqlite_blocks_read_trim_and_reopen_like_the_memory_store(
         assert info == oracle.info("orders")
         for from_seq, count in reads:
             assert disk.read("orders", from_seq, count) == oracle.read("orders", from_seq, count)
-            for max_bytes in (0, 1, 7, 60):
-                expected = Columns.of(oracle.read("orders", from_seq, count, max_bytes))
-                assert disk.read_columns("orders", from_seq, count, max_bytes) == expected
+            assert rows_of(disk.read_blocks("orders", from_seq, count)) == rows(
+                oracle, from_seq, count
+            )
+            for max_bytes in (1, 7, 60):
+                # Whole blocks, or a first one cut down to fit: a prefix of read's rows.
+                got = rows_of(disk.read_blocks("orders", from_seq, count, max_bytes))
+                assert got == rows(oracle, from_seq, count)[: len(got)]
+                assert len(got) == 1 or sum(len(r[-1]) for r in got) <= max_bytes
+                assert bool(got) == bool(rows(oracle, from_seq, count))
         expected, next_seq = [], info.last_seq + 1
         for pid in range(1, 7):
             seq = stored_as.get(b"id%d" % pid, 0)
@@ -547,13 +570,13 @@ def test_a_read_only_reader_sees_what_the_store_committed(tmp_path: Path) -> Non
     try:
         store.add_stream(cfg(max_msgs=6))
         fill(store, 4, 1.0, size=3)
-        assert reader.read_columns("orders", 1, 10) == store.read_columns("orders", 1, 10)
+        assert reader.read_blocks("orders", 1, 10) == store.read_blocks("orders", 1, 10)
         fill(store, 4, 2.0, size=2)  # 8 in all; max_msgs trims seqs 1-2
-        assert reader.read_columns("orders", 1, 10).seq == [3, 4, 5, 6, 7, 8]
-        assert reader.read_columns("orders", 4, 2) == store.read_columns("orders", 4, 2)
-        assert reader.read_columns("orders", 9, 10).seq == []
+        assert [r[0] for r in rows_of(reader.read_blocks("orders", 1, 10))] == [3, 4, 5, 6, 7, 8]
+        assert reader.read_blocks("orders", 4, 2) == store.read_blocks("orders", 4, 2)
+        assert reader.read_blocks("orders", 9, 10) == []
         with pytest.raises(StreamNotFound):
-            reader.read_columns("nope", 1, 10)
+            reader.read_blocks("nope", 1, 10)
     finally:
         reader.close()
         store.close()

@@ -20,9 +20,11 @@ rolled back and the mirror is reloaded, so the database stays the truth.
 
 Messages are stored in blocks, as Kafka's segments and JetStream's message blocks
 are: one row per append batch (split at ``BLOCK_MESSAGES`` messages or
-``BLOCK_BYTES`` payload bytes), its messages one msgpack array encoded in C. A row
-per message cost more than everything else an append does (SQLite's per-row work,
-plus a second table for publish ids); a block makes the store's cost per batch.
+``BLOCK_BYTES`` payload bytes). A row per message cost more than everything else
+an append does (SQLite's per-row work, plus a second table for publish ids); a block
+makes the store's cost per batch. A block is columnar (``meshbus.protocol.blocks``):
+bulk reads -- a columnar fetch, the Spark source reading this file -- take the
+stored bytes as they are, and build Arrow arrays as views of them.
 Publish ids need no table of their own: each message keeps its id in the block,
 and opening the store reads back the blocks younger than the dedupe window. (So
 after a restart it knows the ids of the messages it still holds: those retention
@@ -42,16 +44,13 @@ from __future__ import annotations
 import os
 import sqlite3
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
-
-import msgspec
 
 from meshbus.broker.store import (
     ADDRESS_LEN,
     Appended,
-    Columns,
     ConsumerConfig,
     ConsumerInfo,
     ConsumerState,
@@ -66,8 +65,9 @@ from meshbus.broker.store import (
     StreamState,
     fit_bytes,
 )
+from meshbus.protocol.blocks import Block, BlockSlice, MessageColumns, decode_block, encode_block
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 _SYNCHRONOUS = {"normal": "NORMAL", "always": "FULL"}
@@ -91,21 +91,20 @@ CREATE TABLE IF NOT EXISTS pending (
 """
 
 # A block holds at most this many messages or payload bytes (but always one message):
-# reading one message decodes its whole block.
+# reading one message decodes its whole block, and a columnar fetch sends whole blocks,
+# which must fit in a frame (1 MiB by default).
 BLOCK_MESSAGES = 4096
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 256 * 1024
 _INSERT_BLOCK = "INSERT INTO blocks VALUES (?, ?, ?, ?)"
 # The blocks holding seqs from ?2 to ?3 of a stream whose keys start at ?1: the last
 # block starting at or before ?2, and the ones after it.
 _SELECT_BLOCKS = (
-    "SELECT key, stored_at FROM blocks WHERE key >= coalesce("
+    "SELECT key, stored_at, last_seq FROM blocks WHERE key >= coalesce("
     "(SELECT max(key) FROM blocks WHERE key >= ?1 AND key <= ?2), ?1) AND key <= ?3 ORDER BY key"
 )
 # Blocks decoded lately, by key (a block never changes; it is only deleted): a reader
 # going through a stream page by page decodes each block once, not once per page.
 _DECODED_BLOCKS = 16
-_encode_block = msgspec.msgpack.Encoder().encode
-_decode_block = msgspec.msgpack.Decoder(list[NewMessage]).decode
 _UPDATE_COUNTERS = "UPDATE streams SET first_seq = ?, last_seq = ?, bytes = ? WHERE id = ?"
 _PUT_PENDING = "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?)"
 _DELETE_PENDING = "DELETE FROM pending WHERE consumer_id = ? AND seq = ?"
@@ -156,7 +155,7 @@ class SqliteStreamStore(MirroredStore):
         """(Re)build the mirror from the database, the truth."""
         db = self._db
         self._streams = {}
-        self._decoded: dict[int, list[NewMessage]] = {}
+        self._decoded: dict[int, Block] = {}
         by_id: dict[int, StreamState] = {}
         for row in db.execute(
             "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
@@ -204,18 +203,26 @@ class SqliteStreamStore(MirroredStore):
             young.append((key, at, block))
         for key, at, block in reversed(young):
             first = key & SEQ_MASK
+            ids = decode_block(block).columns().publish_id
             fresh = {
-                m.publish_id: seq
-                for seq, m in enumerate(_decode_block(block), first)
-                if m.publish_id and seq >= st.first_seq
+                publish_id: seq
+                for seq, publish_id in enumerate(ids, first)
+                if publish_id and seq >= st.first_seq
             }
             if fresh:
                 st.ids.remember(fresh, at)
 
-    def _blocks(
-        self, st: StreamState, first: int, last: int
-    ) -> Iterator[tuple[int, float, list[NewMessage]]]:
-        return _read_blocks(self._db, self._decoded, st.key, first, last)
+    def _blocks(self, st: StreamState, first: int, last: int) -> Iterator[tuple[int, float, Block]]:
+        """(first seq, stored_at, block) of the blocks that hold ``first..last``, each
+        decoded once while it stays among the last ``_DECODED_BLOCKS``."""
+        decoded = self._decoded
+        for key, at, _ in _block_keys(self._db, st.key, first, last):
+            block = decoded.get(key)
+            if block is None:
+                block = decoded[key] = decode_block(_block_data(self._db, key))
+                if len(decoded) > _DECODED_BLOCKS:
+                    del decoded[next(iter(decoded))]
+            yield key & SEQ_MASK, at, block
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -280,7 +287,7 @@ class SqliteStreamStore(MirroredStore):
                 db.executemany(
                     _INSERT_BLOCK,
                     [
-                        (_key(sid, seq), seq + len(block) - 1, now, _encode_block(block))
+                        (_key(sid, seq), seq + len(block) - 1, now, _encode(block))
                         for seq, block in _split(first, stored)
                     ],
                 )
@@ -294,9 +301,9 @@ class SqliteStreamStore(MirroredStore):
             return 0
         sid, old_first = st.key, st.first_seq
         rows = (
-            (seq, at, len(m.payload))
+            (seq, at, size)
             for first, at, block in self._blocks(st, old_first, st.last_seq)
-            for seq, m in enumerate(block, first)
+            for seq, size in enumerate(block.payload_sizes(), first)
             if seq >= old_first
         )
         self._cut(st, now, rows)
@@ -319,13 +326,11 @@ class SqliteStreamStore(MirroredStore):
             return []
         return fit_bytes(self._select(st, start, st.last_seq, max_count), max_bytes)
 
-    def read_columns(self, name: str, from_seq: int, max_count: int, max_bytes: int = 0) -> Columns:
+    def read_blocks(
+        self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
+    ) -> list[BlockSlice]:
         st = self._stream(name)
-
-        def blocks(first: int, last: int) -> Iterator[tuple[int, float, list[NewMessage]]]:
-            return self._blocks(st, first, last)
-
-        return _columns(blocks, st.first_seq, st.last_seq, from_seq, max_count, max_bytes)
+        return _slices(self._db, st.key, st.first_seq, st.last_seq, from_seq, max_count, max_bytes)
 
     def _select(
         self, st: StreamState, first: int, last: int, limit: int
@@ -334,9 +339,11 @@ class SqliteStreamStore(MirroredStore):
         last = min(last, first + limit - 1)
         for block_first, at, block in self._blocks(st, first, last):
             start = max(first - block_first, 0)
-            end = last - block_first + 1
-            for seq, m in enumerate(block[start:end], block_first + start):
-                yield StoredMessage(name, seq, at, m.src, m.dst, m.group, m.priority, m.payload)
+            end = min(last - block_first + 1, len(block))
+            src, dst, payload, group, priority, _ = block.columns(start, end)
+            fields = zip(src, dst, group, priority, payload, strict=True)
+            for seq, message in enumerate(fields, block_first + start):
+                yield StoredMessage(name, seq, at, *message)
 
     def expire(self, now: float) -> int:
         removed = 0
@@ -450,9 +457,8 @@ class SqliteStreamReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         uri = f"file:{os.fspath(path)}?mode=ro"
         self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-        self._decoded: dict[int, list[NewMessage]] = {}
 
-    def read_columns(self, name: str, from_seq: int, max_count: int) -> Columns:
+    def read_blocks(self, name: str, from_seq: int, max_count: int) -> list[BlockSlice]:
         db = self._db
         db.execute("BEGIN")  # one snapshot: the counters and the blocks they describe
         try:
@@ -462,11 +468,7 @@ class SqliteStreamReader:
             if row is None:
                 raise StreamNotFound(name)
             sid, first_seq, last_seq = row
-
-            def blocks(first: int, last: int) -> Iterator[tuple[int, float, list[NewMessage]]]:
-                return _read_blocks(db, self._decoded, sid, first, last)
-
-            return _columns(blocks, first_seq, last_seq, from_seq, max_count, 0)
+            return _slices(db, sid, first_seq, last_seq, from_seq, max_count, 0)
         except sqlite3.Error as exc:
             raise StoreError(f"reading stream {name!r} from the store failed: {exc}") from exc
         finally:
@@ -476,58 +478,58 @@ class SqliteStreamReader:
         self._db.close()
 
 
-def _read_blocks(
-    db: sqlite3.Connection, decoded: dict[int, list[NewMessage]], sid: int, first: int, last: int
-) -> Iterator[tuple[int, float, list[NewMessage]]]:
-    """(first seq, stored_at, messages) of the blocks that hold ``first..last``, decoded
-    once while they stay in ``decoded``."""
-    cursor = db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last)))
-    try:
-        for key, at in cursor.fetchall():
-            block = decoded.get(key)
-            if block is None:
-                (raw,) = db.execute("SELECT messages FROM blocks WHERE key = ?", (key,)).fetchone()
-                block = decoded[key] = _decode_block(raw)
-                if len(decoded) > _DECODED_BLOCKS:
-                    del decoded[next(iter(decoded))]
-            yield key & SEQ_MASK, at, block
-    finally:
-        cursor.close()
+def _encode(messages: Sequence[NewMessage]) -> bytes:
+    return encode_block(MessageColumns(*zip(*messages, strict=True)))
 
 
-def _columns(
-    blocks: Callable[[int, int], Iterator[tuple[int, float, list[NewMessage]]]],
+def _block_keys(
+    db: sqlite3.Connection, sid: int, first: int, last: int
+) -> list[tuple[int, float, int]]:
+    """(key, stored_at, last seq) of the blocks of stream ``sid`` holding ``first..last``."""
+    return db.execute(_SELECT_BLOCKS, (_key(sid, 0), _key(sid, first), _key(sid, last))).fetchall()
+
+
+def _block_data(db: sqlite3.Connection, key: int) -> bytes:
+    data: bytes = db.execute("SELECT messages FROM blocks WHERE key = ?", (key,)).fetchone()[0]
+    return data
+
+
+def _slices(
+    db: sqlite3.Connection,
+    sid: int,
     first_seq: int,
     last_seq: int,
     from_seq: int,
     max_count: int,
     max_bytes: int,
-) -> Columns:
-    """``read`` without a Python object per message: each block's slice is transposed
-    in C. ``max_bytes``: as ``fit_bytes`` (at least one message)."""
+) -> list[BlockSlice]:
+    """``read_blocks``: the stored blocks as they are, no decoding, but for a first block
+    bigger than ``max_bytes``, cut down to the messages that fit (at least one). A
+    block's encoded size bounds its payload bytes, so it stands in for them here."""
     start = max(from_seq, first_seq)
-    out = Columns([], [], [], [], [], [], [])
     if max_count <= 0 or start > last_seq:
-        return out
+        return []
     last = min(last_seq, start + max_count - 1)
-    room = max_bytes or None  # payload bytes still allowed
-    for block_first, at, block in blocks(start, last):
-        skip = max(start - block_first, 0)
-        part = block[skip : last - block_first + 1]
-        src, dst, payload, group, priority, _ = zip(*part, strict=True)
-        take = len(part)
+    out: list[BlockSlice] = []
+    room = max_bytes or None
+    for key, at, block_last in _block_keys(db, sid, start, last):
+        block_first = key & SEQ_MASK
+        data = _block_data(db, key)
+        begin, end = max(start - block_first, 0), min(last, block_last) - block_first + 1
+        if room is not None and len(data) > room:
+            if not out:
+                out.append(_cut_to_fit(block_first, at, data, begin, end, room))
+            break
+        out.append(BlockSlice(block_first, at, begin, end, data))
         if room is not None:
-            sizes = list(accumulate(map(len, payload)))
-            take = bisect_right(sizes, room) or (0 if out.seq else 1)
-            room -= sizes[take - 1] if take else 0
-        first = block_first + skip
-        out.seq.extend(range(first, first + take))
-        out.stored_at.extend([at] * take)
-        out.src.extend(src[:take])
-        out.dst.extend(dst[:take])
-        out.group.extend(group[:take])
-        out.priority.extend(priority[:take])
-        out.payload.extend(payload[:take])
-        if take < len(part):
-            break  # the next message would pass max_bytes
+            room -= len(data)
     return out
+
+
+def _cut_to_fit(first: int, at: float, data: bytes, begin: int, end: int, room: int) -> BlockSlice:
+    """Messages ``begin..`` of a block, as many as ``room`` payload bytes allow (at
+    least one), encoded as a block of their own."""
+    block = decode_block(data)
+    sizes = accumulate(block.payload_sizes()[begin:end])
+    take = max(1, bisect_right(list(sizes), room))
+    return BlockSlice(first + begin, at, 0, take, encode_block(block.columns(begin, begin + take)))

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import NamedTuple
 
+from meshbus.protocol.blocks import BlockSlice, slices_of
+
 ADDRESS_LEN = 16
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -120,7 +122,7 @@ class StreamConfig:
 class NewMessage(NamedTuple):
     """Not validated here: it is built per publish from a frame the broker has checked.
     A tuple, not a dataclass: the broker builds one per captured frame, and the SQLite
-    store encodes a batch of them as one msgpack array."""
+    store transposes a batch of them into a block's columns in C."""
 
     src: bytes
     dst: bytes
@@ -139,25 +141,6 @@ class StoredMessage(NamedTuple):
     group: bytes
     priority: int
     payload: bytes
-
-
-class Columns(NamedTuple):
-    """Stored messages a list per field, for bulk readers."""
-
-    seq: list[int]
-    stored_at: list[float]
-    src: list[bytes]
-    dst: list[bytes]
-    group: list[bytes]
-    priority: list[int]
-    payload: list[bytes]
-
-    @classmethod
-    def of(cls, messages: Sequence[StoredMessage]) -> Columns:
-        if not messages:
-            return cls([], [], [], [], [], [], [])
-        _, *fields = map(list, zip(*messages, strict=True))
-        return cls(*fields)
 
 
 class Appended(NamedTuple):
@@ -236,9 +219,13 @@ class StreamStore(abc.ABC):
     def read(
         self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
     ) -> list[StoredMessage]: ...
-    def read_columns(self, name: str, from_seq: int, max_count: int, max_bytes: int = 0) -> Columns:
-        """What ``read`` returns, a list per field; a store may do it faster."""
-        return Columns.of(self.read(name, from_seq, max_count, max_bytes))
+    def read_blocks(
+        self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
+    ) -> list[BlockSlice]:
+        """What ``read`` returns, as columnar blocks (``meshbus.protocol.blocks``); a
+        store that keeps blocks hands them out as they are, and may then stop short of
+        ``max_bytes`` (at least one message still)."""
+        return slices_of(m[1:] for m in self.read(name, from_seq, max_count, max_bytes))
 
     @abc.abstractmethod
     def expire(self, now: float) -> int: ...

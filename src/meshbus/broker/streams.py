@@ -45,7 +45,6 @@ from meshbus.broker.store import (
     StreamStore,
 )
 from meshbus.errors import ProtocolError
-from meshbus.protocol.columns import pack
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -72,8 +71,8 @@ _new_message = tuple.__new__
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
-# The same in a columnar answer (seq, stored_at, priority, three indices, an offset),
-# with room for every message to have a source, destination and group of its own.
+# The same in a block (four indices, two offsets), with room for every message to
+# have a source, destination, group and priority of its own.
 _COLUMN_OVERHEAD = 128
 
 
@@ -310,13 +309,12 @@ class Streams:
             store.delete_stream(name)
             return StreamReply()
         if op == "fetch" and body.columns:
-            # At most half the frame for the other fields (their worst case per message),
-            # the rest for payloads.
+            # At most half the frame for the other fields (their worst case per message,
+            # in a block encoded for this answer), the rest for payloads.
             room = link.max_frame - 4096
             count = max(1, min(body.max_count, room // (2 * _COLUMN_OVERHEAD)))
             limit = max(1, room - count * _COLUMN_OVERHEAD)
-            page = store.read_columns(name, body.from_seq, count, limit)
-            return StreamReply(columns=pack(*page))
+            return StreamReply(blocks=store.read_blocks(name, body.from_seq, count, limit))
         if op == "fetch":
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address
 from meshbus.client.service import AddressLike, Message, as_address
-from meshbus.protocol.columns import pack, unpack_index, unpack_payloads
+from meshbus.protocol.blocks import BlockSlice, slices_of
 from meshbus.protocol.control import StoredRow, StreamReply, StreamRequest
 from meshbus.protocol.ext import Ext
 from meshbus.protocol.layout import ControlType
@@ -63,39 +63,6 @@ class StreamInfo:
     # readers on the same machine (the Spark source's local reads).
     store: str = ""
     host: str = ""
-
-
-@dataclass(frozen=True)
-class StreamColumns:
-    """Stored messages as a packed page (``Streams.fetch_columns``; the layout is in
-    ``meshbus.protocol.columns``): ``seq``, ``stored_at`` and ``priority`` are lists;
-    sources, destinations and groups are distinct values plus a u32 index per message,
-    payloads one buffer plus offsets -- what Arrow takes without a Python object per
-    message. The ``*_list`` methods give plain lists."""
-
-    seq: list[int]
-    stored_at: list[float]
-    src_values: list[bytes]
-    src_index: bytes
-    dst_values: list[bytes]
-    dst_index: bytes
-    group_values: list[bytes]
-    group_index: bytes
-    priority: list[int]
-    offsets: bytes
-    payloads: bytes
-
-    def src_list(self) -> builtins.list[bytes]:
-        return unpack_index(self.src_values, self.src_index)
-
-    def dst_list(self) -> builtins.list[bytes]:
-        return unpack_index(self.dst_values, self.dst_index)
-
-    def group_list(self) -> builtins.list[bytes]:
-        return unpack_index(self.group_values, self.group_index)
-
-    def payload_list(self) -> builtins.list[bytes]:
-        return unpack_payloads(self.offsets, self.payloads)
 
 
 class Streams:
@@ -156,22 +123,22 @@ class Streams:
         )
         return [StreamMessage(name, row) for row in reply.messages]
 
-    async def fetch_columns(
+    async def fetch_blocks(
         self, name: str, from_seq: int = 1, max_count: int = 1000
-    ) -> StreamColumns:
-        """``fetch`` for bulk readers (the Spark source): the same messages as a list per
-        field, with no object per message on either end. Addresses are 16-byte wire
-        forms (``Address.from_bytes``), a group is b"" when there is none."""
+    ) -> builtins.list[BlockSlice]:
+        """``fetch`` for bulk readers (the Spark source): the same messages as the
+        columnar blocks the broker stores them in (``meshbus.protocol.blocks``), with no
+        object per message on either end. Addresses are 16-byte wire forms
+        (``Address.from_bytes``), a group is b"" when there is none."""
         reply = await self._ask(
             StreamRequest(
                 op="fetch", stream=name, from_seq=from_seq, max_count=max_count, columns=True
             )
         )
-        if reply.columns:
-            return StreamColumns(*reply.columns)
-        # A broker from before columnar fetches answers with rows: the same, packed here.
-        fields = [list(f) for f in zip(*(row[:7] for row in reply.messages), strict=True)]
-        return StreamColumns(*pack(*(fields or [[]] * 7)))
+        if reply.blocks or not reply.messages:
+            return reply.blocks
+        # A broker from before columnar fetches answers with rows: the same, encoded here.
+        return slices_of(row[:7] for row in reply.messages)
 
     async def consumer(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from meshbus.protocol.blocks import BlockSlice
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ControlType
 
 
@@ -295,7 +296,7 @@ class StreamRequest(Body):
     max_deliver: int = 5
     start_seq: int = 0
     seqs: list[int] = msgspec.field(default_factory=list)
-    columns: bool = False  # fetch: answer in StreamReply.columns, not .messages
+    columns: bool = False  # fetch: answer in StreamReply.blocks, not .messages
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count
@@ -307,9 +308,9 @@ class StreamReply(Body):
     streams: list[dict[str, Any]] = msgspec.field(default_factory=list)
     messages: list[StoredRow] = msgspec.field(default_factory=list)
     acked: int = 0
-    # A columnar fetch: the packed page of meshbus.protocol.columns (a bulk reader's
-    # fast path: both ends build and take it apart in C).
-    columns: list[Any] = msgspec.field(default_factory=list)
+    # A columnar fetch: stored blocks as they are (meshbus.protocol.blocks), a bulk
+    # reader's fast path with no work per message on either end.
+    blocks: list[BlockSlice] = msgspec.field(default_factory=list)
 
 
 BODY_TYPES: dict[ControlType, type[Body]] = {

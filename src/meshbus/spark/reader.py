@@ -24,7 +24,6 @@ while Spark converts.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import itertools
 import logging
@@ -36,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import (
@@ -58,9 +56,9 @@ from pyspark.sql.types import (
 
 from meshbus.address import Address
 from meshbus.broker.sqlite_store import SqliteStreamReader
-from meshbus.client.streams import StreamColumns, StreamInfo
+from meshbus.client.streams import StreamInfo
 from meshbus.errors import StreamError
-from meshbus.protocol.columns import pack
+from meshbus.protocol.blocks import BlockSlice
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
 
@@ -139,36 +137,37 @@ def split(options: ReadOptions, columns: tuple[str, ...], start: int, stop: int)
 # -- reading a range ------------------------------------------------------------------
 
 
-def to_batch(part: SeqRange, page: StreamColumns, count: int, schema: pa.Schema) -> pa.RecordBatch:
-    """The first ``count`` messages of a fetched page as an Arrow batch of the wanted
-    columns, built from the page's buffers: no Python object per message."""
-    size = len(page.seq)
+def to_batch(part: SeqRange, piece: BlockSlice, schema: pa.Schema) -> pa.RecordBatch:
+    """The messages of ``piece`` inside ``part`` as an Arrow batch of the wanted columns:
+    views of the block's buffers and gathers from its distinct values, no Python object
+    per message."""
+    first = piece.first_seq
+    lo, hi = max(piece.start, part.start - first), min(piece.stop, part.stop - first)
+    count = hi - lo
+    block = piece.block()
     arrays: list[pa.Array] = []
     for name in part.columns:
         kind = schema.field(name).type
         if name == "stream":
             array = pa.repeat(pa.scalar(part.options.stream, kind), count)
         elif name == "seq":
-            array = pa.array(page.seq[:count], kind)
+            array = pa.array(range(first + lo, first + hi), kind)
         elif name == "stored_at":
-            seconds = pa.array(page.stored_at[:count], pa.float64())
-            micros = pc.cast(pc.round(pc.multiply(seconds, 1_000_000)), pa.int64())
-            array = micros.cast(kind)
-        elif name in ("src", "dst", "group"):
-            values, index = {
-                "src": (page.src_values, page.src_index),
-                "dst": (page.dst_values, page.dst_index),
-                "group": (page.group_values, page.group_index),
-            }[name]
-            text = _group_text if name == "group" else _address_text
-            dictionary = pa.array([text(v) for v in values], kind)
-            positions = pa.Array.from_buffers(pa.uint32(), size, [None, pa.py_buffer(index)])
-            array = dictionary.take(positions.slice(0, count))
-        elif name == "priority":
-            array = pa.array(page.priority[:count], kind)
+            array = pa.repeat(pa.scalar(round(piece.stored_at * 1_000_000), kind), count)
+        elif name == "payload":
+            buffers = [None, pa.py_buffer(block.offsets), pa.py_buffer(block.payloads)]
+            array = pa.Array.from_buffers(kind, count, buffers, offset=lo)
         else:
-            buffers = [None, pa.py_buffer(page.offsets), pa.py_buffer(page.payloads)]
-            array = pa.Array.from_buffers(pa.binary(), size, buffers).slice(0, count)
+            values, index = {
+                "src": (list(map(_address_text, block.src_values)), block.src_index),
+                "dst": (list(map(_address_text, block.dst_values)), block.dst_index),
+                "group": (list(map(_group_text, block.group_values)), block.group_index),
+                "priority": (block.priority_values, block.priority_index),
+            }[name]
+            positions = [None, pa.py_buffer(index)]
+            array = pa.array(values, kind).take(
+                pa.Array.from_buffers(pa.uint32(), count, positions, offset=lo)
+            )
         arrays.append(array)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
@@ -202,11 +201,11 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
     with bus.runner() as run:
         conn = run.run(bus.connect(opts.bus))
 
-        def page(first: int) -> asyncio.Task[StreamColumns]:
+        def page(first: int) -> asyncio.Task[list[BlockSlice]]:
             want = min(opts.fetch_size, part.stop - first)
-            return run.get_loop().create_task(conn.streams.fetch_columns(opts.stream, first, want))
+            return run.get_loop().create_task(conn.streams.fetch_blocks(opts.stream, first, want))
 
-        pending: asyncio.Task[StreamColumns] | None = None
+        pending: asyncio.Task[list[BlockSlice]] | None = None
         try:
             pending = page(part.start)
             expected = part.start
@@ -215,28 +214,31 @@ def read_range(part: SeqRange) -> Iterator[pa.RecordBatch]:
                 # page the loop is stopped, and that time is not the broker's.
                 fetched = run.run(bus.ask(opts.bus, _wait(pending), doing))
                 pending = None
-                count, expected = _accept(part, fetched, expected)
-                if not count:
+                pieces, expected = _accept(part, fetched, expected)
+                if not pieces:
                     break
                 if expected < part.stop:
                     pending = page(expected)
                     run.run(_started())  # the request is written before Spark takes the page
-                yield to_batch(part, fetched, count, schema)
+                for piece in pieces:
+                    yield to_batch(part, piece, schema)
         finally:
             if pending is not None:
                 pending.cancel()
             run.run(conn.close())
 
 
-def _accept(part: SeqRange, page: StreamColumns, expected: int) -> tuple[int, int]:
-    """How many of ``page``'s messages are in ``part``, and the seq to read next; a
+def _accept(
+    part: SeqRange, pieces: list[BlockSlice], expected: int
+) -> tuple[list[BlockSlice], int]:
+    """Which of a page's blocks hold messages of ``part``, and the seq to read next; a
     page that starts past ``expected`` lost messages to retention."""
-    count = bisect.bisect_left(page.seq, part.stop)
-    if not count:
-        return 0, expected  # trimmed past the end of the range
-    if page.seq[0] != expected:
-        _data_loss(part.options, expected, page.seq[0])
-    return count, page.seq[count - 1] + 1
+    inside = [piece for piece in pieces if piece.seqs.start < part.stop]
+    if not inside:
+        return [], expected  # trimmed past the end of the range
+    if inside[0].seqs.start != expected:
+        _data_loss(part.options, expected, inside[0].seqs.start)
+    return inside, min(inside[-1].seqs.stop, part.stop)
 
 
 def _local_store(opts: ReadOptions) -> str | None:
@@ -266,16 +268,17 @@ def _read_local(part: SeqRange, store: str, schema: pa.Schema) -> Iterator[pa.Re
         expected = part.start
         while expected < part.stop:
             want = min(opts.fetch_size, part.stop - expected)
-            page = StreamColumns(*pack(*reader.read_columns(opts.stream, expected, want)))
-            count, expected = _accept(part, page, expected)
-            if not count:
+            page = reader.read_blocks(opts.stream, expected, want)
+            pieces, expected = _accept(part, page, expected)
+            if not pieces:
                 break
-            yield to_batch(part, page, count, schema)
+            for piece in pieces:
+                yield to_batch(part, piece, schema)
     finally:
         reader.close()
 
 
-async def _wait(task: asyncio.Task[StreamColumns]) -> StreamColumns:
+async def _wait(task: asyncio.Task[list[BlockSlice]]) -> list[BlockSlice]:
     return await task
 
 

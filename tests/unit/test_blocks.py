@@ -1,0 +1,78 @@
+"""Columnar blocks: what goes in comes out, whole or a slice, and the layout is the one
+Arrow reads (little-endian u32 indices and offsets, each distinct value once)."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshbus.protocol.blocks import (
+    BlockSlice,
+    MessageColumns,
+    decode_block,
+    encode_block,
+    slices_of,
+)
+
+ADDRESSES = st.sampled_from([bytes([1]) + bytes(15), bytes([2]) * 16, bytes([3]) * 16])
+MESSAGE = st.tuples(
+    ADDRESSES,
+    ADDRESSES,
+    st.binary(max_size=40),
+    st.sampled_from([b"", b"g1", b"g2"]),
+    st.sampled_from([0, 3, -1, 2**40]),
+    st.sampled_from([b"", b"id1", b"id2"]),
+)
+
+
+@given(st.lists(MESSAGE, min_size=1, max_size=50), st.data())
+def test_a_block_gives_back_its_messages_whole_or_sliced(
+    messages: list[tuple[bytes, bytes, bytes, bytes, int, bytes]], data: st.DataObject
+) -> None:
+    columns = MessageColumns(*map(list, zip(*messages, strict=True)))
+    block = decode_block(encode_block(columns))
+    assert len(block) == len(messages)
+    assert block.columns() == columns
+    assert block.payload_sizes() == [len(m[2]) for m in messages]
+    assert len(block.src_values) == len({m[0] for m in messages})  # each distinct value once
+    start = data.draw(st.integers(0, len(messages)))
+    stop = data.draw(st.integers(start, len(messages)))
+    expected = [[m[field] for m in messages[start:stop]] for field in range(6)]
+    assert block.columns(start, stop) == MessageColumns(*expected)
+    piece = BlockSlice(10, 1.5, start, stop, encode_block(columns))
+    assert piece.seqs == range(10 + start, 10 + stop)
+    assert piece.columns() == block.columns(start, stop)
+
+
+def test_offsets_and_indices_are_little_endian_u32() -> None:
+    columns = MessageColumns(
+        [b"a", b"b"], [b"d", b"d"], [b"xy", b"z"], [b"", b""], [0, 0], [b"", b"k"]
+    )
+    block = decode_block(encode_block(columns))
+    assert bytes(block.offsets) == struct.pack("<3I", 0, 2, 3)
+    assert bytes(block.payloads) == b"xyz"
+    assert bytes(block.src_index) == struct.pack("<2I", 0, 1)
+    assert (block.dst_values, bytes(block.dst_index)) == ([b"d"], struct.pack("<2I", 0, 0))
+    assert bytes(block.id_offsets) == struct.pack("<3I", 0, 0, 1)
+
+
+def test_a_decoded_block_shares_the_encoded_bytes() -> None:
+    data = encode_block(MessageColumns([b"a"], [b"d"], [b"x" * 1000], [b""], [0], [b""]))
+    assert decode_block(data).payloads.obj is data  # a view, not a copy
+
+
+def test_rows_become_one_block_per_run_stored_at_the_same_time() -> None:
+    rows = [
+        (5, 1.0, b"s", b"d", b"", 0, b"a"),
+        (6, 1.0, b"s", b"d", b"g", 2, b"b"),
+        (7, 2.0, b"t", b"d", b"", 0, b"c"),
+    ]
+    first, second = slices_of(rows)
+    assert (first.first_seq, first.stored_at, first.seqs) == (5, 1.0, range(5, 7))
+    assert first.columns() == MessageColumns(
+        [b"s", b"s"], [b"d", b"d"], [b"a", b"b"], [b"", b"g"], [0, 2], [b"", b""]
+    )
+    assert (second.seqs, second.columns().payload) == (range(7, 8), [b"c"])
+    assert slices_of([]) == []
