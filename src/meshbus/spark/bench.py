@@ -12,6 +12,12 @@ stream with ``rows`` messages of ``size`` bytes, and in one local Spark session
   fetched from the broker;
 * ``parquet_read_rows_per_s``: the same rows and columns, copied to ``partitions``
   Parquet files beforehand, through the same query with ``readStream.parquet``;
+* ``python_ceiling_rows_per_s``: the same query over ``NothingSource``, a Python
+  streaming source that reads nothing -- each task yields one prebuilt Arrow batch of
+  the same schema and size over and over. It is what Spark's Python data source path
+  itself costs (the Python process per query, Arrow from the workers to the JVM),
+  the most any Python source can do here; ``ceiling_vs_parquet`` sets it against
+  Parquet;
 * ``meshbus_write_rows_per_s``: those Parquet rows' payloads streamed with
   ``writeStream.format("meshbus")`` to a multicast address a second stream captures;
   a task ends once the broker has stored (and acknowledged) every row, and the
@@ -44,6 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import click
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+from pyspark.sql.types import StructType
 
 import meshbus
 from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
@@ -52,6 +63,77 @@ from meshbus.spark.reader import SCHEMA
 
 STREAM = "bench_spark"
 SINK = "bench_spark_out"
+_PAGE = 4096  # rows per batch of NothingSource
+
+
+class _Rows(InputPartition):
+    def __init__(self, count: int, size: int) -> None:
+        self.count, self.size = count, size
+
+
+class _NothingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, rows: int, size: int, partitions: int) -> None:
+        self.rows, self.size, self.partitions_ = rows, size, partitions
+
+    def initialOffset(self) -> dict[str, int]:
+        return {"rows": 0}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """All rows are there from the start."""
+
+    def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:
+        return {"rows": self.rows}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
+        count = end["rows"] - start["rows"]
+        if count <= 0:
+            return []
+        parts = self.partitions_
+        return [
+            _Rows(count * (i + 1) // parts - count * i // parts, self.size) for i in range(parts)
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, _Rows)
+        page = _page(partition.size)
+        for done in range(0, partition.count, _PAGE):
+            yield page.slice(0, min(_PAGE, partition.count - done))
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to release."""
+
+
+class NothingSource(DataSource):
+    """``format("meshbus-bench-nothing")``: rows of the meshbus schema from nowhere, the
+    Python-source ceiling of ``meshbus bench spark``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "meshbus-bench-nothing"
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        opts = self.options
+        return _NothingReader(int(opts["rows"]), int(opts["size"]), int(opts["partitions"]))
+
+
+def _page(size: int) -> pa.RecordBatch:
+    """A batch of ``_PAGE`` rows shaped like a stream's: one source, one destination."""
+    values = {
+        "stream": STREAM,
+        "seq": 1,
+        "stored_at": 1_700_000_000_000_000,
+        "src": "unicast:" + "0" * 32,
+        "dst": "multicast:" + STREAM,
+        "group": None,
+        "priority": 0,
+        "payload": b"x" * size,
+    }
+    schema = to_arrow_schema(SCHEMA, timezone="UTC")
+    arrays = [pa.repeat(pa.scalar(values[f.name], f.type), _PAGE) for f in schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 @contextlib.contextmanager
@@ -143,6 +225,7 @@ def bench_spark(
             _session(spark, partitions) as session,
         ):
             register(session)
+            session.dataSource.register(NothingSource)
             # Spark makes a streaming sink only in the thread's active JVM session.
             jvm_session = session._jvm.org.apache.spark.sql.SparkSession
             jvm_session.setActiveSession(session._jsparkSession)
@@ -177,12 +260,15 @@ def _measure(
     batch.load().repartition(partitions).write.parquet(parquet)
     run(meshbus_source(startingSeq=max(1, rows - 999)), "noop")
 
-    empties, reads, bus_reads, parquet_reads, writes = [], [], [], [], []
+    nothing = spark.readStream.format(NothingSource.name()).option("rows", rows)
+    nothing = nothing.option("size", size).option("partitions", partitions).load()
+    empties, reads, bus_reads, parquet_reads, ceilings, writes = [], [], [], [], [], []
     for _ in range(runs):
         empties.append(run(meshbus_source(startingOffsets="latest"), "noop"))
         reads.append(run(meshbus_source(), "noop"))
         bus_reads.append(run(meshbus_source(localRead="false"), "noop"))
         parquet_reads.append(run(spark.readStream.schema(SCHEMA).parquet(parquet), "noop"))
+        ceilings.append(run(nothing, "noop"))
         before = asyncio.run(_stored(address, SINK))
         writes.append(
             run(
@@ -196,8 +282,8 @@ def _measure(
         if stored != rows:
             raise RuntimeError(f"the write stored {stored} of {rows} rows")
 
-    empty_s, read_s, bus_read_s, parquet_s, write_s = (
-        statistics.median(x) for x in (empties, reads, bus_reads, parquet_reads, writes)
+    empty_s, read_s, bus_read_s, parquet_s, ceiling_s, write_s = (
+        statistics.median(x) for x in (empties, reads, bus_reads, parquet_reads, ceilings, writes)
     )
     return {
         "rows": rows,
@@ -208,9 +294,13 @@ def _measure(
         "meshbus_bus_read_rows_per_s": rows / bus_read_s,
         "parquet_read_rows_per_s": rows / parquet_s,
         "read_vs_parquet": parquet_s / read_s,
+        "python_ceiling_rows_per_s": rows / ceiling_s,
+        "ceiling_vs_parquet": parquet_s / ceiling_s,
+        "read_vs_ceiling": ceiling_s / read_s,
         "meshbus_write_rows_per_s": rows / write_s,
         "meshbus_read_s": read_s,
         "parquet_read_s": parquet_s,
+        "python_ceiling_s": ceiling_s,
         "meshbus_write_s": write_s,
         "empty_query_s": empty_s,
     }
@@ -240,8 +330,12 @@ def spark(rows: int, size: int, runs: int) -> None:
     `read` is the default (tasks read the broker's store file, which is on this machine);
     `read_bus` fetches every page from the broker (localRead=false).
 
+    `ceiling` is a Python source that reads nothing (one prebuilt Arrow batch, yielded over
+    and over): what Spark's Python data source path alone allows.
+
     Needs Java and the spark extra. Last line: `read=<rows/s> read_bus=<rows/s> parquet=<rows/s>
-    read_ratio=<meshbus/parquet> write=<rows/s> empty_query_s=<s>`.
+    read_ratio=<meshbus/parquet> ceiling=<rows/s> ceiling_ratio=<ceiling/parquet> write=<rows/s>
+    empty_query_s=<s>`.
     """
     from meshbus.bench.report import key_values, new_table, print_tables
 
@@ -258,6 +352,8 @@ def spark(rows: int, size: int, runs: int) -> None:
             read_bus=f"{figures['meshbus_bus_read_rows_per_s']:.0f}",
             parquet=f"{figures['parquet_read_rows_per_s']:.0f}",
             read_ratio=f"{figures['read_vs_parquet']:.3f}",
+            ceiling=f"{figures['python_ceiling_rows_per_s']:.0f}",
+            ceiling_ratio=f"{figures['ceiling_vs_parquet']:.3f}",
             write=f"{figures['meshbus_write_rows_per_s']:.0f}",
             empty_query_s=f"{figures['empty_query_s']:.2f}",
         )
