@@ -5,6 +5,7 @@ A block is the messages of one append batch (the store splits big batches), a co
 per field, in the layout Arrow takes as is -- one msgpack array of
 
     src_values, src_index               distinct 16-byte addresses; a u32 index per message
+                                        (none when there is one value: the usual batch)
     dst_values, dst_index
     group_values, group_index           b"" stands for "no group"
     priority_values, priority_index
@@ -107,15 +108,23 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Block).decode
 
 
-def encode_block(messages: MessageColumns) -> bytes:
+def encode_block(
+    src: Sequence[bytes],
+    dst: Sequence[bytes],
+    payload: Sequence[bytes],
+    group: Sequence[bytes],
+    priority: Sequence[int],
+    publish_id: Sequence[bytes],
+) -> bytes:
+    """A block of messages given a sequence per field (``MessageColumns``' order)."""
     return _encode(
         (
-            *_dictionary(messages.src),
-            *_dictionary(messages.dst),
-            *_dictionary(messages.group),
-            *_dictionary(messages.priority),
-            *_concat(messages.publish_id),
-            *_concat(messages.payload),
+            *_dictionary(src),
+            *_dictionary(dst),
+            *_dictionary(group),
+            *_dictionary(priority),
+            *_concat(publish_id),
+            *_concat(payload),
         )
     )
 
@@ -134,8 +143,8 @@ def slices_of(rows: Iterable[Row]) -> list[BlockSlice]:
     out: list[BlockSlice] = []
     for at, run in groupby(rows, key=itemgetter(1)):
         seq, _, src, dst, group, priority, payload = zip(*run, strict=True)
-        columns = MessageColumns(src, dst, payload, group, priority, [b""] * len(seq))
-        out.append(BlockSlice(seq[0], at, 0, len(seq), encode_block(columns)))
+        data = encode_block(src, dst, payload, group, priority, [b""] * len(seq))
+        out.append(BlockSlice(seq[0], at, 0, len(seq), data))
     return out
 
 
@@ -156,9 +165,9 @@ def _u32(values: Iterable[int]) -> bytes:
 
 
 def _dictionary(values: Sequence[Key]) -> tuple[list[Key], bytes]:
+    if values and values.count(values[0]) == len(values):
+        return [values[0]], b""  # the usual batch: one sender, one topic, no group
     distinct = list(dict.fromkeys(values))
-    if len(distinct) == 1:  # the usual batch: one sender, one topic, no group
-        return distinct, bytes(4 * len(values))
     index = {value: i for i, value in enumerate(distinct)}
     return distinct, _u32(map(index.__getitem__, values))
 
@@ -168,7 +177,7 @@ def _concat(values: Sequence[bytes]) -> tuple[bytes, bytes]:
 
 
 def _take(values: list[T], index: memoryview, start: int, stop: int) -> list[T]:
-    if len(values) == 1:
+    if not index:
         return values * (stop - start)
     return [values[i] for i in u32_values(index)[start:stop]]
 

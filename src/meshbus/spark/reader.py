@@ -145,6 +145,16 @@ def to_batch(part: SeqRange, piece: BlockSlice, schema: pa.Schema) -> pa.RecordB
     lo, hi = max(piece.start, part.start - first), min(piece.stop, part.stop - first)
     count = hi - lo
     block = piece.block()
+
+    def gather(values: Sequence[object], index: memoryview) -> pa.Array:
+        """A column of distinct values and an index per message (none: one value)."""
+        if not index:
+            return pa.repeat(pa.scalar(values[0], kind), count)
+        positions = [None, pa.py_buffer(index)]
+        return pa.array(values, kind).take(
+            pa.Array.from_buffers(pa.uint32(), count, positions, offset=lo)
+        )
+
     arrays: list[pa.Array] = []
     for name in part.columns:
         kind = schema.field(name).type
@@ -157,17 +167,14 @@ def to_batch(part: SeqRange, piece: BlockSlice, schema: pa.Schema) -> pa.RecordB
         elif name == "payload":
             buffers = [None, pa.py_buffer(block.offsets), pa.py_buffer(block.payloads)]
             array = pa.Array.from_buffers(kind, count, buffers, offset=lo)
+        elif name == "src":
+            array = gather(list(map(_address_text, block.src_values)), block.src_index)
+        elif name == "dst":
+            array = gather(list(map(_address_text, block.dst_values)), block.dst_index)
+        elif name == "group":
+            array = gather(list(map(_group_text, block.group_values)), block.group_index)
         else:
-            values, index = {
-                "src": (list(map(_address_text, block.src_values)), block.src_index),
-                "dst": (list(map(_address_text, block.dst_values)), block.dst_index),
-                "group": (list(map(_group_text, block.group_values)), block.group_index),
-                "priority": (block.priority_values, block.priority_index),
-            }[name]
-            positions = [None, pa.py_buffer(index)]
-            array = pa.array(values, kind).take(
-                pa.Array.from_buffers(pa.uint32(), count, positions, offset=lo)
-            )
+            array = gather(block.priority_values, block.priority_index)
         arrays.append(array)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
