@@ -99,10 +99,12 @@ BLOCK_BYTES = 256 * 1024
 _INSERT_BLOCK = "INSERT INTO blocks VALUES (?, ?, ?, ?)"
 # The blocks holding seqs from ?2 to ?3 of a stream whose keys start at ?1: the last
 # block starting at or before ?2, and the ones after it.
-_SELECT_BLOCKS = (
-    "SELECT key, stored_at, last_seq FROM blocks WHERE key >= coalesce("
+_BLOCKS_FROM = (
+    " FROM blocks WHERE key >= coalesce("
     "(SELECT max(key) FROM blocks WHERE key >= ?1 AND key <= ?2), ?1) AND key <= ?3 ORDER BY key"
 )
+_SELECT_BLOCKS = "SELECT key, stored_at, last_seq" + _BLOCKS_FROM
+_SELECT_BLOCKS_DATA = "SELECT key, stored_at, last_seq, messages" + _BLOCKS_FROM
 # Blocks decoded lately, by key (a block never changes; it is only deleted): a reader
 # going through a stream page by page decodes each block once, not once per page.
 _DECODED_BLOCKS = 16
@@ -518,17 +520,20 @@ def _slices(
     last = min(last_seq, start + max_count - 1)
     out: list[BlockSlice] = []
     room = max_bytes or None
-    for key, at, block_last in _block_keys(db, sid, start, last):
-        block_first = key & SEQ_MASK
-        data = _block_data(db, key)
-        begin, end = max(start - block_first, 0), min(last, block_last) - block_first + 1
-        if room is not None and len(data) > room:
-            if not out:
-                out.append(_cut_to_fit(block_first, at, data, begin, end, room))
-            break
-        out.append(BlockSlice(block_first, at, begin, end, data))
-        if room is not None:
-            room -= len(data)
+    cursor = db.execute(_SELECT_BLOCKS_DATA, (_key(sid, 0), _key(sid, start), _key(sid, last)))
+    try:
+        for key, at, block_last, data in cursor:
+            block_first = key & SEQ_MASK
+            begin, end = max(start - block_first, 0), min(last, block_last) - block_first + 1
+            if room is not None and len(data) > room:
+                if not out:
+                    out.append(_cut_to_fit(block_first, at, data, begin, end, room))
+                break
+            out.append(BlockSlice(block_first, at, begin, end, data))
+            if room is not None:
+                room -= len(data)
+    finally:
+        cursor.close()  # a loop that stops early must not leave the statement open
     return out
 
 
