@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
+from operator import itemgetter
 from typing import NamedTuple
 
 from meshbus.protocol.blocks import BlockSlice, slices_of
@@ -146,6 +147,12 @@ class StoredMessage(NamedTuple):
 class Appended(NamedTuple):
     seq: int
     duplicate: bool
+
+
+# Per message on the append path: a NamedTuple's own __new__ is Python code, the
+# tuple's is not (the fields are the same).
+_new_tuple = tuple.__new__
+_payload_of = itemgetter(2)  # NewMessage.payload
 
 
 @dataclass(frozen=True)
@@ -396,17 +403,17 @@ class MirroredStore(StreamStore):
                 if original is None:
                     original = seen(publish_id)
                 if original is not None:
-                    results.append(Appended(original, True))
+                    results.append(_new_tuple(Appended, (original, True)))
                     continue
                 fresh[publish_id] = seq + 1
             seq += 1
             stored.append(msg)
-            results.append(Appended(seq, False))
+            results.append(_new_tuple(Appended, (seq, False)))
         if stored:
             if st.count == 0:
                 st.first_at = now
             st.last_seq = seq
-            st.bytes += sum(len(msg.payload) for msg in stored)
+            st.bytes += sum(map(len, map(_payload_of, stored)))
             if fresh:
                 st.ids.remember(fresh, now)
         return results, stored
