@@ -16,6 +16,8 @@ Membership (ARCHITECTURE.md section 5; docs/mesh.md has the long form):
   ``capacity_boost`` for ``boost_window`` seconds so the orphans can land.
 * **Drain**: take no connector, tell the peers, move every connector to the
   broker with the most room, wait up to the grace period.
+
+Moving connectors -- for a newcomer or a drain -- is meshbus.broker.moves.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshbus.broker.balance import excess, incoming_link_wins, spread_moves
+from meshbus.broker.balance import incoming_link_wins
 from meshbus.broker.guarantees import PEER_FRAMES
 from meshbus.broker.link import CloseReason, Link, LinkState
+from meshbus.broker.moves import Moves
 from meshbus.broker.sync import RouteSync
 from meshbus.protocol.codec import describe, encode_control
 from meshbus.protocol.control import (
@@ -41,7 +44,6 @@ from meshbus.protocol.control import (
     Error,
     Hello,
     Load,
-    Move,
     Ready,
     Welcome,
 )
@@ -58,8 +60,6 @@ ROUTES_CHUNK = 10_000
 # A broker that could not be dialled is not dialled again from gossip for this long.
 _DIAL_COOLDOWN = 2.0
 _DIAL_TIMEOUT = 5.0
-# A connector told to MOVE that is still here after this long did not make it.
-_MOVE_TIMEOUT = 10.0
 # After BYE, how long a stopping broker waits for its peers to close their side.
 _BYE_TIMEOUT = 1.0
 _GRACEFUL = frozenset(
@@ -98,7 +98,7 @@ class Mesh:
         self._snapshots_done = asyncio.Event()
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
-        self._all_moved = asyncio.Event()  # set when the last connector told to move has left
+        self.moves = Moves(self)
         self._leaving: dict[Link, asyncio.Future[None]] = {}  # peers told BYE, not yet closed
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -393,15 +393,8 @@ class Mesh:
         if state is not None:
             state.ready = True
         self.lists_changed()
-        if self.draining:
-            return
-        count = excess(body.counts, link.name, self.name)
-        movable = [c for c in self.broker.connectors if not self._moving(c)]
-        # The newest connectors move: the ones that have been here least.
-        for connector in sorted(movable, key=lambda c: -c.link_id)[:count]:
-            self.move(connector, link.listen, f"rebalance: {link.name} joined")
-        if count:
-            log.info("rebalancing", extra={"to": link.name, "connectors": count})
+        if not self.draining:
+            self.moves.share_with(link, body.counts)
 
     def _on_draining(self, link: Link, correlation: int, body: Body) -> None:
         state = self.known.get(link.name)
@@ -467,23 +460,9 @@ class Mesh:
             for link in self.peers.values():
                 link.send(frame)
 
-    # -- connectors: moves ---------------------------------------------------------------------
-
     def connector_left(self) -> None:
         self.lists_changed()
-        if not any(self._moving(c) for c in self.broker.connectors):
-            self._all_moved.set()
-
-    def _moving(self, connector: Link) -> bool:
-        """Told to MOVE and not gone yet. A move that has not happened within
-        _MOVE_TIMEOUT failed (the target refused it, say): the connector stays here and
-        may be moved again."""
-        return connector.move_sent > 0 and self.broker.clock() - connector.move_sent < _MOVE_TIMEOUT
-
-    def move(self, connector: Link, address: str, reason: str) -> None:
-        connector.move_sent = self.broker.clock()
-        self.stats.moves_sent += 1
-        connector.send(encode_control(ControlType.MOVE, Move(address=address, reason=reason)))
+        self.moves.connector_left()
 
     # -- losing a peer ----------------------------------------------------------------------------
 
@@ -550,21 +529,7 @@ class Mesh:
         self.draining = True
         self._send_all(ControlType.DRAINING, Empty())
         self.lists_changed()
-        connectors = sorted(self.broker.connectors, key=lambda c: c.link_id)
-        targets = spread_moves(len(connectors), self.brokers(), exclude=self.name)
-        for connector, address in zip(connectors, targets, strict=False):
-            self.move(connector, address, f"broker {self.name} is draining")
-        if not targets:
-            return
-        self._all_moved.clear()
-        try:
-            await asyncio.wait_for(self._all_moved.wait(), grace)
-        except TimeoutError:
-            pass
-        log.info(
-            "drained",
-            extra={"moved": len(targets), "left": len(self.broker.connectors)},
-        )
+        await self.moves.move_all(grace)
 
     async def stop(self) -> None:
         """Say goodbye to every peer and stop the background work.
