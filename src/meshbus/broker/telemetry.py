@@ -89,8 +89,11 @@ class Telemetry:
 
     async def _every_interval(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            # The first record at once: it is the baseline the first interval's traffic
+            # is measured from (a record taken an interval late counts that traffic in
+            # the baseline, and a report sees none of it).
             self.publish()
+            await asyncio.sleep(self.interval)
 
     def publish(self) -> None:
         """Store a telemetry record and the waiting trace hops."""
