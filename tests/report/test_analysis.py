@@ -135,6 +135,23 @@ def test_connector_counts_changes_and_totals(tel: DataFrame) -> None:
     assert (summary["b1"]["min_connectors"], summary["b1"]["max_connectors"]) == (0, 3)
 
 
+def test_connector_totals_count_a_broker_whose_sample_missed_a_bucket(
+    spark: SparkSession,
+) -> None:
+    """Brokers sample out of step: c2's samples land in buckets 0, 2 and 3 but not 1.
+    It is still there in bucket 1 (before the fix the total dipped from 5 to 3)."""
+    c1 = [telemetry("c1", T0 + t, connectors=3) for t in (0.1, 1.1, 2.1, 3.1)]
+    c2 = [telemetry("c2", T0 + t, connectors=2) for t in (0.9, 2.0, 3.05)]
+    raw = stream_rows(spark, "telemetry.c1", c1).unionByName(stream_rows(spark, "telemetry.c2", c2))
+    totals = by(A.connector_totals(A.parse_telemetry(raw), 1.0), "at")
+    assert [(round(t["at"] - T0, 2), t["connectors"], t["brokers"]) for t in totals] == [
+        (0.9, 5, 2),
+        (1.1, 5, 2),
+        (2.1, 5, 2),
+        (3.1, 5, 2),
+    ]
+
+
 def test_parse_skips_what_is_not_a_record(spark: SparkSession) -> None:
     records: list[Any] = [
         b"not json",

@@ -278,14 +278,35 @@ def connector_changes(telemetry: DataFrame) -> DataFrame:
 
 def connector_totals(telemetry: DataFrame, width: float) -> DataFrame:
     """Connectors of the whole mesh over time, in buckets of ``width`` seconds (one
-    telemetry interval or more): at (the bucket's last sample), connectors (each broker's
-    last count in the bucket, added up), brokers (how many reported). A broker that
+    telemetry interval or more): at (the bucket's last sample), connectors (added up),
+    brokers (how many counted). A broker counts with its last count so far if it
+    reported in that bucket or the one before: brokers sample out of step, and one
+    whose sample fell just past a bucket's edge is still there (counting only the
+    samples inside a bucket drew a failover where there was none). A broker that
     stopped reporting counts no more."""
     bucket = F.floor(F.col("at") / F.lit(width)).alias("bucket")
     per_broker = telemetry.groupBy("broker", bucket).agg(
         F.max("at").alias("at"), F.max_by("connectors", "at").alias("connectors")
     )
-    totals = per_broker.groupBy("bucket").agg(
+    grid = (
+        per_broker.select("broker")
+        .distinct()
+        .crossJoin(per_broker.select("bucket").distinct())
+        .join(per_broker, ["broker", "bucket"], "left")
+    )
+    so_far = (
+        Window.partitionBy("broker").orderBy("bucket").rowsBetween(Window.unboundedPreceding, 0)
+    )
+    filled = grid.select(
+        "bucket",
+        "at",
+        F.last("connectors", ignorenulls=True).over(so_far).alias("connectors"),
+        F.last(F.when(F.col("at").isNotNull(), F.col("bucket")), ignorenulls=True)
+        .over(so_far)
+        .alias("reported"),
+    )
+    live = filled.where(F.col("reported") >= F.col("bucket") - 1)
+    totals = live.groupBy("bucket").agg(
         F.max("at").alias("at"),
         F.sum("connectors").cast("long").alias("connectors"),
         F.count(F.lit(1)).alias("brokers"),
