@@ -299,3 +299,16 @@ def rename_brokers(data: Any, name: str) -> Any:
     if isinstance(data, list):
         return [rename_brokers(v, name) for v in data]
     return data
+
+
+def test_a_count_plot_of_nothing_but_zeros_has_whole_number_ticks() -> None:
+    """No drops at all: the axis goes to 1 with ticks 0 and 1, not to 0.054 in
+    fractions of a drop."""
+    from meshbus.report.plots import _colors, plot_errors
+
+    points = [{"broker": "b1", "at": T0 + i, "drops": 0, "timeouts": 0} for i in range(5)]
+    figure = plot_errors({"errors": {"series": points}}, _colors(["b1"]))
+    assert figure is not None
+    for axes in figure.axes:
+        assert axes.get_ylim()[1] >= 1
+        assert all(float(t).is_integer() for t in axes.get_yticks())

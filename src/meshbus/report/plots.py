@@ -80,8 +80,9 @@ def _style(axes: Axes, title: str, label: str, *, counts: bool = False) -> None:
     axes.set_ylabel(label)
     axes.set_ylim(bottom=0)
     axes.margins(y=0.08)
-    if counts:  # whole numbers on the y axis
+    if counts:  # whole numbers on the y axis, up to 1 at least (all zero: no 0.054)
         axes.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        axes.set_ylim(top=max(axes.get_ylim()[1], 1.0))
     _time_axis(axes)
 
 
