@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
@@ -310,5 +311,26 @@ async def test_keepalive_survives_a_blocked_event_loop(broker: BrokerProcess) ->
         await asyncio.sleep(0.35)  # three ticks after the pause
         await service.send(service.address, b"still there?")
         assert (await service.recv(timeout=2)).payload == b"still there?"
+    finally:
+        await conn.close()
+
+
+async def test_a_broker_that_stops_answering_times_a_request_out(broker: BrokerProcess) -> None:
+    """SIGSTOP: the link stays open and silent. With no keepalive to notice, the
+    request's own deadline does, with a Timeout that names the request."""
+    conn = await meshbus.connect(
+        broker.address, server="stuck", keepalive=0, failover=False, request_timeout=0.5
+    )
+    try:
+        await conn.ping()
+        os.kill(broker.process.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(meshbus.Timeout, match=r"did not answer PING within 0\.5 s"):
+                await conn.ping()
+            assert 0.4 < time.monotonic() - began < 3
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        await conn.ping()  # answered again: the link was never lost
     finally:
         await conn.close()

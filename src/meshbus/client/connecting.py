@@ -43,6 +43,7 @@ async def connect(
     keepalive: float = 1.0,
     operator: bool = False,
     reliable: ReliableConfig | None = None,
+    request_timeout: float = 30.0,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list) and complete the handshake.
@@ -53,6 +54,9 @@ async def connect(
     to another broker when its broker dies, for up to ``failover_timeout``
     seconds; ``keepalive`` is how long a silent link may stay silent before the
     connector pings it (three intervals without an answer count as a dead broker).
+    ``request_timeout`` bounds each request the broker answers (register, join, stream
+    calls, stat, ...): one not answered in time raises ``meshbus.Timeout`` (0: wait as
+    long as the link lives).
 
     ``operator=True`` opens an operator's link to exactly that broker (what
     ``meshbus stat`` and ``meshbus drain`` use): it is not a connector -- never
@@ -75,6 +79,7 @@ async def connect(
         keepalive,
         operator,
         reliable or ReliableConfig(),
+        request_timeout,
     )
     try:
         async with asyncio.timeout(timeout):

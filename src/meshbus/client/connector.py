@@ -47,7 +47,7 @@ from meshbus.errors import (
     StreamError,
     Timeout,
 )
-from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
+from meshbus.protocol.codec import ControlFrame, describe, encode_control, encode_data
 from meshbus.protocol.control import (
     AddressBody,
     Body,
@@ -91,8 +91,10 @@ class Connector:
         keepalive: float,
         operator: bool = False,
         reliable: ReliableConfig | None = None,
+        request_timeout: float = 30.0,
     ) -> None:
         self.server = server
+        self._request_timeout = request_timeout
         self.operator = operator
         self.name = name
         self.max_frame = max_frame
@@ -441,8 +443,19 @@ class Connector:
             future.set_exception(ConnectionLost(f"the link to {link.address} is closed"))
         else:
             link.write(encode_control(type_, body, correlation))
+        limit = self._request_timeout
         try:
-            answer = await future
+            # A dead broker is the keepalive's to find; this is for one that is alive
+            # and does not answer (a relay that went wrong, a bug): never wait forever.
+            async with asyncio.timeout(limit or None):
+                answer = await future
+        except TimeoutError:
+            raise Timeout(
+                f"broker {link.address} did not answer {describe(type_)}"
+                + (f" for {subject}" if subject else "")
+                + f" within {limit} s (connect(request_timeout=...))",
+                limit,
+            ) from None
         finally:
             self._control_waiters.pop(correlation, None)
         if answer.type == ControlType.ERROR:
