@@ -244,7 +244,7 @@ async def test_sigterm_drains_connectors_to_the_other_brokers_and_loses_nothing(
 
 async def test_drain_command_moves_connectors_and_stops_the_broker(mesh3):
     a, b, c = mesh3
-    conn = await meshbus.connect(b.address, server="mover")
+    conn = await meshbus.connect(b.address, server="mover", keepalive=5)
     try:
         svc = await conn.register(instance=3)
         process = await asyncio.create_subprocess_exec(
@@ -420,3 +420,47 @@ async def test_mesh_up_starts_a_working_mesh_and_ctrl_c_stops_it(tmp_path):
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.mark.slow  # 4000 services, so that moving them takes a while: ~13 s
+async def test_a_move_that_comes_while_the_services_are_still_moving_is_carried_out() -> None:
+    """B drains and moves its connector to C (A is nearly full, C has room); C is told to
+    drain while the connector is still registering its services there. C's MOVE comes on
+    a link that is not the connector's yet: it is carried out once that link takes over,
+    so C empties and exits at once instead of waiting out its 30 s grace."""
+    a = await start_broker("--max-connectors", "2")
+    b, c = await asyncio.gather(
+        start_broker("--seed", a.address), start_broker("--seed", a.address, "--drain-grace", "30")
+    )
+    brokers = [a, b, c]
+    # Keepalives off or long: 4000 services on the move keep this process and the
+    # brokers busy for seconds, which is not what this test is about.
+    filler = await meshbus.connect(a.address, server="filler", failover=False, keepalive=0)
+    conn = await meshbus.connect(b.address, server="mover", keepalive=5)
+    watch_c = await meshbus.connect(c.address, server="watch", operator=True, keepalive=0)
+    try:
+        # Enough services that bringing them to C takes a while (~10^4 requests).
+        services = list(await asyncio.gather(*(conn.register() for _ in range(4000))))
+        for group in ("multicast:movers", "multicast:others"):
+            await asyncio.gather(*(s.join(group) for s in services))
+        drain_b = await meshbus.connect(b.address, server="op", operator=True, keepalive=0)
+        await drain_b.drain_broker(grace=30)
+        await drain_b.close()
+        for _ in range(5000):  # the connector is on C, restoring: drain C now
+            if (await watch_c.stat(detail=False))["connectors"]:
+                break
+            await asyncio.sleep(0.001)
+        assert conn.moves == 0, "the first move finished before C was drained"
+        await watch_c.drain_broker(grace=30)
+        assert await asyncio.wait_for(c.process.wait(), 10) == 0
+        assert await asyncio.wait_for(b.process.wait(), 10) == 0
+        assert (conn.broker_name, conn.moves) == (a.name, 2)
+        # Every service is still there, on A (a late ADD from C had undone them all).
+        assert (await filler.stat(detail=False))["services"] == len(services)
+        sender = await filler.register()
+        await sender.send(services[-1].address, b"still here")
+        await assert_next_is(services[-1], b"still here")
+    finally:
+        for link in (filler, conn, watch_c):
+            await link.close()
+        await stop_all(brokers)

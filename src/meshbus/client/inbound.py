@@ -155,8 +155,10 @@ def on_control(conn: Connector, link: BrokerLink, frame: ControlFrame) -> None:
             conn._keeper.set_brokers(body.brokers)
     elif ctype == ControlType.MOVE:
         assert isinstance(body, Move)
-        if link is conn._keeper.link:
-            conn._keeper.move(body.address, body.reason)
+        # Also from a broker this connector is still restoring onto (a failover or a
+        # move): the move waits for that to finish, and happens if the link took over.
+        if link not in conn._keeper.old:
+            conn._keeper.move(body.address, body.reason, link)
     elif ctype == ControlType.ERROR:
         assert isinstance(body, Error)
         link.error = body.message

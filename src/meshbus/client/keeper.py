@@ -258,15 +258,16 @@ class LinkKeeper:
 
     # -- moving ----------------------------------------------------------------------------
 
-    def move(self, address: str, reason: str) -> None:
-        self._spawn(self._move(address, reason), "move")
+    def move(self, address: str, reason: str, via: BrokerLink) -> None:
+        self._spawn(self._move(address, reason, via), "move")
 
-    async def _move(self, address: str, reason: str) -> None:
-        """MOVE: link to ``address``, bring the services there, switch, then leave."""
+    async def _move(self, address: str, reason: str, via: BrokerLink) -> None:
+        """MOVE (that came on ``via``): link to ``address``, bring the services there,
+        switch, then leave."""
         async with self.gate.copy():
             old = self.link
-            if old is None or self.connector._closed or not self.connected.is_set():
-                return
+            if old is not via or self.connector._closed or not self.connected.is_set():
+                return  # from a link that did not take over, or no longer ours
             try:
                 link = await self.open_any([address], random_order=False)
                 await self._restore(link)
@@ -283,19 +284,31 @@ class LinkKeeper:
         log.info("moved", extra={"to": link.broker_name, "reason": reason})
 
     async def _restore(self, link: BrokerLink) -> None:
-        """Register every service on ``link`` with its own address, then its groups.
+        """Register every service on ``link`` with its own address, then its groups, and
+        wait until the whole mesh knows them (SYNCED).
 
         Requests go out together and are answered in order; a service whose address
-        was taken meanwhile by another session is closed (it cannot come back)."""
+        was taken meanwhile by another session is closed (it cannot come back). Waiting
+        for SYNCED matters when the connector moves on soon after: the next broker takes
+        the addresses over only once this one's ADDs have reached it, so none arrives
+        late, reads as the connector moving back, and is undone by the REMOVE that
+        follows."""
         conn = self.connector
         services = conn.services
+        loop = asyncio.get_running_loop()
+        synced: list[asyncio.Future[ControlFrame]] = []
+
+        def request(type_: ControlType, body: Any, subject: str = "") -> Any:
+            future: asyncio.Future[ControlFrame] = loop.create_future()
+            synced.append(future)
+            return conn._control(type_, body, subject, link=link, synced=future)
+
         answers = await asyncio.gather(
             *(
-                conn._control(
+                request(
                     ControlType.REGISTER,
                     Register(server=s.address.server, instance=s.address.instance),
                     str(s.address),
-                    link=link,
                 )
                 for s in services
                 if isinstance(s.address, Unicast)
@@ -314,11 +327,7 @@ class LinkKeeper:
                 conn._forget(service)
                 continue
             joins.extend(
-                conn._control(
-                    ControlType.JOIN,
-                    Membership(member=service._raw, group=group.to_bytes()),
-                    link=link,
-                )
+                request(ControlType.JOIN, Membership(member=service._raw, group=group.to_bytes()))
                 for group in service.groups
             )
         if conn._left_handlers:
@@ -326,6 +335,10 @@ class LinkKeeper:
         for answer in await asyncio.gather(*joins, return_exceptions=True):
             if isinstance(answer, ConnectionLost):
                 raise answer
+        # A refused change gets no SYNCED (its future is cancelled): nothing to wait for.
+        for done in await asyncio.gather(*synced, return_exceptions=True):
+            if isinstance(done, ConnectionLost):
+                raise done
 
     # -- keepalive ---------------------------------------------------------------------
 
