@@ -4,7 +4,9 @@ Arrow reads (little-endian u32 indices and offsets, each distinct value once).""
 from __future__ import annotations
 
 import struct
+import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from meshbus.protocol.blocks import (
     decode_block,
     encode_block,
     slices_of,
+    u32_values,
 )
 
 ADDRESSES = st.sampled_from([bytes([1]) + bytes(15), bytes([2]) * 16, bytes([3]) * 16])
@@ -76,3 +79,18 @@ def test_rows_become_one_block_per_run_stored_at_the_same_time() -> None:
     )
     assert (second.seqs, second.columns().payload) == (range(7, 8), [b"c"])
     assert slices_of([]) == []
+
+
+def test_publish_ids_alone_match_the_column() -> None:
+    ids = [b"", b"k1", b"k2"]
+    columns = MessageColumns([b"a"] * 3, [b"d"] * 3, [b"x", b"y", b"z"], [b""] * 3, [0] * 3, ids)
+    block = decode_block(encode_block(*columns))
+    assert block.publish_id_list() == ids == block.columns().publish_id
+
+
+def test_the_big_endian_reader_takes_four_bytes_a_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a big-endian machine u32s are read natively, then byte-swapped. Forced on this
+    machine, that swap gives the swapped values -- but one per 4 bytes, not per byte."""
+    data = memoryview(struct.pack("<3I", 1, 2, 0x01020304))
+    monkeypatch.setattr(sys, "byteorder", "big")
+    assert list(u32_values(data)) == [0x01000000, 0x02000000, 0x04030201]

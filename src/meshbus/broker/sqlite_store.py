@@ -206,7 +206,7 @@ class SqliteStreamStore(MirroredStore):
             young.append((key, at, block))
         for key, at, block in reversed(young):
             first = key & SEQ_MASK
-            ids = decode_block(block).columns().publish_id
+            ids = decode_block(block).publish_id_list()  # no payload is copied at open
             fresh = {
                 publish_id: seq
                 for seq, publish_id in enumerate(ids, first)

@@ -70,6 +70,10 @@ class Block(msgspec.Struct, array_like=True, frozen=True):
     def payload_sizes(self) -> list[int]:
         return [b - a for a, b in pairwise(u32_values(self.offsets))]
 
+    def publish_id_list(self) -> list[bytes]:
+        """Every message's publish id (b"": none), without the other columns."""
+        return _cut(self.id_offsets, self.publish_ids, 0, len(self))
+
     def columns(self, start: int = 0, stop: int | None = None) -> MessageColumns:
         """Messages ``start``..``stop - 1`` (positions in the block) as lists."""
         stop = len(self) if stop is None else stop
@@ -152,7 +156,8 @@ def u32_values(data: memoryview) -> Sequence[int]:
     """Little-endian u32s; a view of ``data`` where the machine is little-endian."""
     if sys.byteorder == "little":
         return data.cast("B").cast("I")
-    values = array("I", data)
+    values = array("I")
+    values.frombytes(data)  # array("I", data) would take each byte as one value
     values.byteswap()
     return values
 
