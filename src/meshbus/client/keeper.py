@@ -39,6 +39,7 @@ from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
+    Body,
     BrokerInfo,
     Bye,
     Empty,
@@ -298,7 +299,9 @@ class LinkKeeper:
         loop = asyncio.get_running_loop()
         synced: list[asyncio.Future[ControlFrame]] = []
 
-        def request(type_: ControlType, body: Any, subject: str = "") -> Any:
+        def request(
+            type_: ControlType, body: Body, subject: str = ""
+        ) -> Coroutine[Any, Any, ControlFrame]:
             future: asyncio.Future[ControlFrame] = loop.create_future()
             synced.append(future)
             return conn._control(type_, body, subject, link=link, synced=future)

@@ -73,7 +73,7 @@ class _Rows(InputPartition):
 
 class _NothingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, rows: int, size: int, partitions: int) -> None:
-        self.rows, self.size, self.partitions_ = rows, size, partitions
+        self.rows, self.size, self.tasks = rows, size, partitions
 
     def initialOffset(self) -> dict[str, int]:
         return {"rows": 0}
@@ -88,10 +88,8 @@ class _NothingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         count = end["rows"] - start["rows"]
         if count <= 0:
             return []
-        parts = self.partitions_
-        return [
-            _Rows(count * (i + 1) // parts - count * i // parts, self.size) for i in range(parts)
-        ]
+        n = self.tasks
+        return [_Rows(count * (i + 1) // n - count * i // n, self.size) for i in range(n)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, _Rows)
