@@ -70,6 +70,18 @@ class DataFlags(IntFlag):
     TRACE = 0x80
 
 
+# The flags as plain ints, for the hot paths: a bit test on an int is cheaper than on an
+# IntFlag member, and one set of names serves the broker and the client.
+FLAG_REQUEST = int(DataFlags.REQUEST)
+FLAG_RESPONSE = int(DataFlags.RESPONSE)
+FLAG_ECHO = int(DataFlags.ECHO)
+FLAG_NOTIFY_DROP = int(DataFlags.NOTIFY_DROP)
+FLAG_EXT = int(DataFlags.EXT)
+FLAG_RELIABLE = int(DataFlags.RELIABLE)
+FLAG_ACK = int(DataFlags.ACK)
+FLAG_TRACE = int(DataFlags.TRACE)
+
+
 class ControlType(IntEnum):
     """Control frame types (MRCMP). New types get new numbers; numbers are never reused."""
 
