@@ -2,6 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+
+class BackgroundTasks:
+    """The background tasks of one owner (a connector, the mesh): each is named, kept
+    until it ends, and cancelled with the others when the owner stops, so none
+    outlives it or is garbage-collected while it runs."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def names(self) -> list[str]:
+        return [task.get_name() for task in self._tasks]
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def cancel(self) -> None:
+        """Cancel every task and wait until they have ended."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def cancel_now(self) -> None:
+        """Cancel every task without waiting (from synchronous code)."""
+        for task in list(self._tasks):
+            task.cancel()
+
 
 def parse_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:
     """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6); ValueError names what is wrong."""
