@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit integration nats-server clean
+.PHONY: test demo bench lint typecheck unit integration nats-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -39,6 +39,12 @@ integration: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m meshbus.demo
+
+# The benchmark rig of this checkout (bench/, not part of the package), e.g.
+# make bench ARGS="unicast --vs-nats"; without ARGS, the list of benchmarks.
+ARGS ?= --help
+bench: $(STAMP) nats-server
+	$(BIN)/python -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info

@@ -362,13 +362,12 @@ async def _reply(
 
 
 def _add_commands() -> None:
-    """The operator's commands and the benchmarks live in modules of their own."""
-    from meshbus.bench.cli import bench
+    """The operator's commands live in modules of their own."""
     from meshbus.cli_admin import broker, drain, mesh, stat
     from meshbus.cli_stream import stream
     from meshbus.report.cli import report
 
-    for command in (broker, mesh, drain, stat, bench, stream, report):
+    for command in (broker, mesh, drain, stat, stream, report):
         main.add_command(command)
 
 

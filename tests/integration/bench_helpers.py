@@ -1,6 +1,7 @@
-"""Running `meshbus bench` commands in the bench tests: as ``python -m meshbus bench``
-in a subprocess, the way a user does, or in process with click's CliRunner. Either way
-the command must exit 0 and leave no process behind; the result is its last line.
+"""Running the benchmark commands in the bench tests: as ``python -m bench`` from the
+root of the checkout in a subprocess, the way a user does, or in process with click's
+CliRunner. Either way the command must exit 0 and leave no process behind; the result is
+its last line.
 
 A subprocess runs in a session of its own: every process it starts is in that session
 (brokers and nats-servers do not start their own), so what is left of it can be found
@@ -14,11 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 import click
 from click.testing import CliRunner
 
-BENCH = [sys.executable, "-m", "meshbus", "bench"]
+BENCH = [sys.executable, "-m", "bench"]
+# The rig is not installed: ``python -m bench`` finds it in the checkout it runs in.
+CHECKOUT = Path(__file__).resolve().parents[2]
 BENCH_TIMEOUT = 120.0
 
 
@@ -53,13 +58,15 @@ def _session_pids(session: int) -> set[int]:
     return {pid for pid, (_, sid) in _live_processes().items() if sid == session}
 
 
-def run_bench(*args: str) -> str:
-    """`python -m meshbus bench ARGS` in a session of its own: its last line on stdout."""
+def run_bench(*args: str, command: Sequence[str] = BENCH, cwd: Path = CHECKOUT) -> str:
+    """`python -m bench ARGS` (or ``command ARGS``) in a session of its own: its last line
+    on stdout."""
     process = subprocess.Popen(
-        [*BENCH, *args],
+        [*command, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        cwd=cwd,
         start_new_session=True,
     )
     try:
@@ -73,7 +80,7 @@ def run_bench(*args: str) -> str:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert process.returncode == 0, err
-    assert not left, f"processes left running by `meshbus bench {' '.join(args)}`: {left}"
+    assert not left, f"processes left running by `python -m bench {' '.join(args)}`: {left}"
     lines = out.strip().splitlines()
     assert lines, err
     return lines[-1]

@@ -1,13 +1,15 @@
-"""`meshbus bench` end to end, with tiny loads: the figures must be real and parseable."""
+"""`python -m bench` end to end, with tiny loads: the figures must be real and parseable."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
+import sys
 
 import pytest
 
-from tests.integration.bench_helpers import BENCH, run_bench
+from tests.integration.bench_helpers import BENCH, CHECKOUT, run_bench
 
 COMMANDS = (
     "unicast",
@@ -27,7 +29,7 @@ COMMANDS = (
 
 def test_help_lists_every_command() -> None:
     done = subprocess.run(
-        [*BENCH, "--help"], capture_output=True, text=True, timeout=60, check=False
+        [*BENCH, "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=CHECKOUT
     )
     assert done.returncode == 0, done.stderr
     listed = done.stdout.split("Commands:", 1)[1]
@@ -64,7 +66,11 @@ def test_meshbus_only_line() -> None:
 
 def test_bad_argument_exits_2() -> None:
     done = subprocess.run(
-        [*BENCH, "unicast", "--count", "0"], capture_output=True, text=True, check=False
+        [*BENCH, "unicast", "--count", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=CHECKOUT,
     )
     assert done.returncode == 2
     assert "--count" in done.stderr
@@ -75,3 +81,20 @@ def test_tables_last_line() -> None:
     match = re.fullmatch(r"route_unicast_ns=(\d+) route_multicast_ns=(\d+) pending_ns=(\d+)", line)
     assert match, line
     assert all(int(value) > 0 for value in match.groups())
+
+
+def test_the_installed_package_ships_no_bench() -> None:
+    """The rig lives in the checkout only: no `meshbus bench` command, no meshbus.bench."""
+    done = subprocess.run(
+        [sys.executable, "-m", "meshbus", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout.split("Commands:", 1)[1].split("\n\n", 1)[0]
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    assert "broker" in names
+    assert "bench" not in names
+    assert importlib.util.find_spec("meshbus.bench") is None

@@ -1,4 +1,4 @@
-"""`meshbus bench reliable` and `meshbus bench chaos` end to end with small loads (real
+"""`python -m bench reliable` and `python -m bench chaos` end to end with small loads (real
 broker processes, no process left behind), and the chaos bench's counting on its own:
 the counts are the result, so they must catch what they claim to catch.
 
@@ -13,8 +13,8 @@ import re
 import pytest
 
 import meshbus
-from meshbus.bench.chaos import NO_GROUP, PAYLOAD, Tally, chaos, plan_sends
-from meshbus.bench.reliable import reliable
+from bench.chaos import NO_GROUP, PAYLOAD, Tally, chaos, plan_sends
+from bench.reliable import reliable
 from tests.integration.bench_helpers import last_line, run_bench
 
 _SENDER = meshbus.Unicast("s", 1).to_bytes()

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from meshbus.bench.jetstream import (
+from bench.jetstream import (
     JetStreamError,
     _check_ack,
     jetstream_append,
     jetstream_fetch,
     jetstream_server,
 )
-from meshbus.bench.servers import BenchSetupError, Server
+from bench.servers import BenchSetupError, Server
 
 COUNT = 2000
 

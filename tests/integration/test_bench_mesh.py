@@ -14,20 +14,20 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from meshbus.bench.membership import failover, join
-from meshbus.bench.routes import routes
+from bench.membership import failover, join
+from bench.routes import routes
 from tests.integration.bench_helpers import last_line, run_bench
 
 Run = Callable[..., str]  # (command, *args) -> its last line
 
 
 def in_subprocess(command: click.Command, *args: str) -> str:
-    """``command`` as `python -m meshbus bench NAME ARGS`."""
+    """``command`` as `python -m bench NAME ARGS`."""
     assert command.name is not None
     return run_bench(command.name, *args)
 
 
-# Each command in process (warnings are errors there) and as `meshbus bench NAME`.
+# Each command in process (warnings are errors there) and as `python -m bench NAME`.
 both_ways = pytest.mark.parametrize("run", [last_line, in_subprocess], ids=["cli", "subprocess"])
 
 

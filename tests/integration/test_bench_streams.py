@@ -1,4 +1,4 @@
-"""`meshbus bench stream` end to end: real brokers and a real nats-server -js, a last line
+"""`python -m bench stream` end to end: real brokers and a real nats-server -js, a last line
 that parses and adds up, and no server left running afterwards (``run_bench``)."""
 
 from __future__ import annotations

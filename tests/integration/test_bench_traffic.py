@@ -1,6 +1,6 @@
 """`cross` and `fanout` end to end with tiny loads: real broker meshes and nats-server
 clusters, started and stopped by the commands; the figures must be real and parseable.
-The --vs-nats runs go through ``python -m meshbus bench``, the others run in process."""
+The --vs-nats runs go through ``python -m bench``, the others run in process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from meshbus.bench.traffic import cross, fanout
+from bench.traffic import cross, fanout
 from tests.integration.bench_helpers import last_line, run_bench
 
 

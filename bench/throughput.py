@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshbus.bench.wire import Wire
+from bench.wire import Wire
 
 _BATCH = 8192  # messages per sendall
 _RECV_BUFFER = 4 * 1024 * 1024

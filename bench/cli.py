@@ -1,5 +1,5 @@
-"""The `meshbus bench` group: the single-server commands (unicast, request, tables) here,
-the multi-server ones in ``traffic``, ``membership`` and ``routes``.
+"""The `python -m bench` group: the single-server commands (unicast, request, tables) here,
+the others in the modules named by ``_ELSEWHERE``.
 
 Each run starts fresh connections on servers that live for the whole command;
 with --vs-nats the meshbus and nats-server runs alternate, so both see the same
@@ -13,22 +13,23 @@ from contextlib import AbstractContextManager
 
 import click
 
-from meshbus.bench.report import new_table, print_tables
-from meshbus.bench.runs import alternate, count_option, last_line, runs_options, size_option
-from meshbus.bench.servers import Server, meshbus_broker, nats_server
+from bench.report import new_table, print_tables
+from bench.runs import alternate, count_option, last_line, runs_options, size_option
+from bench.servers import Server, meshbus_broker, nats_server
 
-# The commands on more than one server, by name: the module that defines each. They are
-# imported when looked up, so that every other `meshbus` command starts without them.
+# The commands defined elsewhere, by name: the module that defines each. They are imported
+# when looked up, so that a command starts without the others' imports (`unicast` does not
+# import pyspark).
 _ELSEWHERE = {
-    "cross": "meshbus.bench.traffic",
-    "fanout": "meshbus.bench.traffic",
-    "failover": "meshbus.bench.membership",
-    "join": "meshbus.bench.membership",
-    "routes": "meshbus.bench.routes",
-    "reliable": "meshbus.bench.reliable",
-    "chaos": "meshbus.bench.chaos",
-    "stream": "meshbus.bench.streams",
-    "spark": "meshbus.spark.bench",
+    "cross": "bench.traffic",
+    "fanout": "bench.traffic",
+    "failover": "bench.membership",
+    "join": "bench.membership",
+    "routes": "bench.routes",
+    "reliable": "bench.reliable",
+    "chaos": "bench.chaos",
+    "stream": "bench.streams",
+    "spark": "bench.spark",
 }
 
 
@@ -80,8 +81,8 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
 
     Last line: `meshbus=<msgs/s> [nats=<msgs/s> ratio=<meshbus/nats>]`.
     """
-    from meshbus.bench.throughput import measure_throughput
-    from meshbus.bench.wire import MeshbusWire, NatsWire, Wire
+    from bench.throughput import measure_throughput
+    from bench.wire import MeshbusWire, NatsWire, Wire
 
     wires: dict[str, Wire] = {"meshbus": MeshbusWire(), "nats": NatsWire()}
 
@@ -135,7 +136,7 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
     """
     import uvloop
 
-    from meshbus.bench.latency import MeshbusRequests, NatsRequests, RequestCodec, measure_latency
+    from bench.latency import MeshbusRequests, NatsRequests, RequestCodec, measure_latency
 
     codecs: dict[str, RequestCodec] = {"meshbus": MeshbusRequests(), "nats": NatsRequests()}
 
@@ -186,7 +187,7 @@ def tables(services: int, links: int, ops: int) -> None:
 
     Last line: `route_unicast_ns=<ns> route_multicast_ns=<ns> pending_ns=<ns>`.
     """
-    from meshbus.bench.tables import measure_tables
+    from bench.tables import measure_tables
 
     results = measure_tables(services, links, ops)
     table = new_table(

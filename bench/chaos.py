@@ -1,4 +1,4 @@
-"""`meshbus bench chaos`: reliable sends and message groups while the mesh is shaken.
+"""`python -m bench chaos`: reliable sends and message groups while the mesh is shaken.
 
 A mesh of 3 broker processes (each with its own --data-dir), one sender and one
 receiver connector on each, every connector given the whole broker list so it can
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 import click
 
 import meshbus
-from meshbus.bench.brokers import Broker, Brokers
-from meshbus.bench.harness import CheckFailed, close_all, run_on_brokers
-from meshbus.bench.report import new_table, print_tables
+from bench.brokers import Broker, Brokers
+from bench.harness import CheckFailed, close_all, run_on_brokers
+from bench.report import new_table, print_tables
 
 PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), seq
 NO_GROUP = 0xFFFF

@@ -1,6 +1,6 @@
 """Spark over meshbus, measured: streaming reads against Parquet, and writes to the bus.
 
-``bench_spark()`` (``meshbus bench spark``, the ``spark`` command below) starts a
+``bench_spark()`` (``python -m bench spark``, the ``spark`` command below) starts a
 broker with a SQLite store in a temporary directory (or uses ``brokers``), fills a
 stream with ``rows`` messages of ``size`` bytes, and in one local Spark session
 (``local[2]`` unless one is given) measures
@@ -64,6 +64,9 @@ from meshbus.spark.reader import SCHEMA
 STREAM = "bench_spark"
 SINK = "bench_spark_out"
 _PAGE = 4096  # rows per batch of NothingSource
+# The checkout this rig runs from: Spark's Python processes unpickle NothingSource by its
+# module name, bench.spark, and the rig is not installed where they could find it.
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 
 class _Rows(InputPartition):
@@ -103,7 +106,7 @@ class _NothingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
 class NothingSource(DataSource):
     """``format("meshbus-bench-nothing")``: rows of the meshbus schema from nowhere, the
-    Python-source ceiling of ``meshbus bench spark``."""
+    Python-source ceiling of ``python -m bench spark``."""
 
     @classmethod
     def name(cls) -> str:
@@ -160,6 +163,12 @@ def _session(spark: Any, partitions: int) -> Iterator[Any]:
         return
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Spark's Python processes inherit the environment of the JVM, which the session
+    # below starts with this one: the checkout on their PYTHONPATH lets them import
+    # bench.spark whatever directory they start in.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _CHECKOUT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([_CHECKOUT, *paths])
     from pyspark.sql import SparkSession
 
     session = (
@@ -215,7 +224,8 @@ def bench_spark(
 ) -> dict[str, float]:
     """The figures described in the module docstring; medians over ``runs``. With
     ``brokers`` the streams are created there (and must not exist yet); with ``spark``
-    that session is used (and left running)."""
+    that session is used (and left running), and its Python workers must be able to
+    import ``bench.spark`` (the checkout on their PYTHONPATH)."""
     tmp = tempfile.mkdtemp(prefix="meshbus-bench-spark-")
     try:
         with (
@@ -335,7 +345,7 @@ def spark(rows: int, size: int, runs: int) -> None:
     read_ratio=<meshbus/parquet> ceiling=<rows/s> ceiling_ratio=<ceiling/parquet> write=<rows/s>
     empty_query_s=<s>`.
     """
-    from meshbus.bench.report import key_values, new_table, print_tables
+    from bench.report import key_values, new_table, print_tables
 
     figures = bench_spark(rows, size, runs=runs)
     table = new_table(

@@ -1,4 +1,4 @@
-"""`meshbus bench stream`: durable stream appends and reads, against NATS JetStream.
+"""`python -m bench stream`: durable stream appends and reads, against NATS JetStream.
 
 Append: one publisher sends ``--count`` messages reliably to a multicast address a
 stream captures, each ``send(..., reliable=True)`` right after the previous one, then
@@ -46,9 +46,9 @@ from collections.abc import Iterator
 
 import click
 
-from meshbus.bench.report import key_values, new_table, print_tables
-from meshbus.bench.runs import count_option
-from meshbus.bench.servers import BenchSetupError, Server
+from bench.report import key_values, new_table, print_tables
+from bench.runs import count_option
+from bench.servers import BenchSetupError, Server
 
 STREAM = "bench"
 CAPTURE = "multicast:bench.stream"
@@ -118,8 +118,8 @@ async def meshbus_append_wire(host: str, port: int, count: int, size: int, windo
     import asyncio
 
     import meshbus
+    from bench.wire import PRODUCER, MeshbusWire
     from meshbus.address import Address
-    from meshbus.bench.wire import PRODUCER, MeshbusWire
     from meshbus.protocol import DataFlags, DataFrame, FrameDecoder, encode_data
     from meshbus.protocol.ext import unpack_acks
 
@@ -168,7 +168,7 @@ async def meshbus_append_wire(host: str, port: int, count: int, size: int, windo
 
 @contextlib.contextmanager
 def _meshbus(fsync: str) -> Iterator[Server]:
-    from meshbus.bench.servers import meshbus_broker
+    from bench.servers import meshbus_broker
 
     with (
         tempfile.TemporaryDirectory(prefix="meshbus-bench-stream-") as data_dir,
@@ -179,7 +179,7 @@ def _meshbus(fsync: str) -> Iterator[Server]:
 
 @contextlib.contextmanager
 def _nats() -> Iterator[Server]:
-    from meshbus.bench.jetstream import jetstream_server
+    from bench.jetstream import jetstream_server
 
     with (
         tempfile.TemporaryDirectory(prefix="meshbus-bench-jetstream-") as store_dir,
@@ -192,7 +192,7 @@ def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
     """One run of every measurement, each on servers of its own: msgs/s by figure name."""
     import uvloop
 
-    from meshbus.bench.jetstream import jetstream_append, jetstream_fetch
+    from bench.jetstream import jetstream_append, jetstream_fetch
 
     figures: dict[str, float] = {}
     with _meshbus("normal") as server:
@@ -253,7 +253,7 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
     wire_ratio=<wire/nats> fetch=<msgs/s> nats_fetch=<msgs/s> fetch_ratio=<meshbus/nats>
     append_always=<msgs/s>`.
     """
-    from meshbus.bench.jetstream import JetStreamError
+    from bench.jetstream import JetStreamError
     from meshbus.errors import MeshbusError
 
     table = new_table(

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import meshbus
-from meshbus.bench.brokers import Brokers
-from meshbus.bench.servers import BenchSetupError, Server, find_nats_server
+from bench.brokers import Brokers
+from bench.servers import BenchSetupError, Server, find_nats_server
 from meshbus.broker.process import BrokerStartError, stop_process
 from meshbus.util import parse_hostport
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import click
 
 import meshbus
-from meshbus.address import Unicast, dynamic_instance
-from meshbus.bench.brokers import Brokers
-from meshbus.bench.harness import (
+from bench.brokers import Brokers
+from bench.harness import (
     PROBE_TIMEOUT,
     SETTLE_LIMIT,
     CheckFailed,
@@ -33,7 +32,8 @@ from meshbus.bench.harness import (
     run_on_brokers,
     wait_balanced,
 )
-from meshbus.bench.report import key_values, new_table, print_tables
+from bench.report import key_values, new_table, print_tables
+from meshbus.address import Unicast, dynamic_instance
 
 # Dynamic ids a broker has for one server name (meshbus.address.dynamic_instance).
 _DYNAMIC_IDS = 65536

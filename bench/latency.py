@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from meshbus.bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire
+from bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire
 from meshbus.protocol import DataFlags, encode_data
 from meshbus.protocol.layout import DATA_HEADER, DATA_HEADER_SIZE, KIND_DATA
 

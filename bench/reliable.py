@@ -1,4 +1,4 @@
-"""`meshbus bench reliable`: what exactly-once delivery costs against a plain send.
+"""`python -m bench reliable`: what exactly-once delivery costs against a plain send.
 
 One sender service on broker 1 of a 2-broker mesh sends COUNT messages to one
 receiver service on broker 2, through the public client API (``Service.send``), in
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import click
 
 import meshbus
-from meshbus.bench.cluster import Cluster, meshbus_mesh
-from meshbus.bench.harness import CheckFailed
-from meshbus.bench.report import new_table, print_tables
-from meshbus.bench.runs import count_option
-from meshbus.bench.servers import BenchSetupError
+from bench.cluster import Cluster, meshbus_mesh
+from bench.harness import CheckFailed
+from bench.report import new_table, print_tables
+from bench.runs import count_option
+from bench.servers import BenchSetupError
 
 _ID = struct.Struct(">I")  # the message id, at the head of every payload
 _PROBE = b"?"  # shorter than an id: never counted

@@ -25,12 +25,12 @@ from typing import Protocol
 
 import click
 
+from bench.cluster import Cluster, broker_stat, meshbus_mesh, nats_cluster, nats_monitor
+from bench.runs import alternate, count_option, last_line, runs_options, size_option
+from bench.servers import BenchSetupError
+from bench.throughput import ThroughputResult, split_batches, time_delivery
+from bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire, Wire
 from meshbus.address import Multicast, Unicast
-from meshbus.bench.cluster import Cluster, broker_stat, meshbus_mesh, nats_cluster, nats_monitor
-from meshbus.bench.runs import alternate, count_option, last_line, runs_options, size_option
-from meshbus.bench.servers import BenchSetupError
-from meshbus.bench.throughput import ThroughputResult, split_batches, time_delivery
-from meshbus.bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire, Wire
 from meshbus.protocol import ControlType, encode_control, encode_data
 from meshbus.protocol.control import Membership
 

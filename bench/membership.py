@@ -19,8 +19,8 @@ from typing import Any
 import click
 
 import meshbus
-from meshbus.bench.brokers import Brokers
-from meshbus.bench.harness import (
+from bench.brokers import Brokers
+from bench.harness import (
     SETTLE_LIMIT,
     CheckFailed,
     answered,
@@ -33,7 +33,7 @@ from meshbus.bench.harness import (
     run_on_brokers,
     wait_balanced,
 )
-from meshbus.bench.report import key_values, new_table, print_tables, summary_rows
+from bench.report import key_values, new_table, print_tables, summary_rows
 
 # Give-up bounds: far above anything healthy, they only turn a hang into a clear error.
 _FAILOVER_LIMIT = 30.0

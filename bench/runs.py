@@ -7,7 +7,7 @@ machine noise, and reports the median per system; the ratio in the last line is
 taken between those medians.
 
 Shared by ``bench.cli`` and the multi-server commands; it imports neither, so the
-commands can be registered on the ``meshbus bench`` group without an import cycle.
+commands can be registered on the ``python -m bench`` group without an import cycle.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Protocol, TypeVar
 
 import click
 
-from meshbus.bench.report import new_table, print_tables
-from meshbus.bench.servers import BenchSetupError
+from bench.report import new_table, print_tables
+from bench.servers import BenchSetupError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

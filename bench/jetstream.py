@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from meshbus.bench.servers import Server, nats_server
+from bench.servers import Server, nats_server
 
 STREAM = "BENCH"
 SUBJECT = "bench.append"

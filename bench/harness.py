@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 
 import meshbus
-from meshbus.bench.brokers import Broker, Brokers
+from bench.brokers import Broker, Brokers
 from meshbus.broker.process import BrokerStartError
 
 T = TypeVar("T")

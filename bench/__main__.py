@@ -1,0 +1,5 @@
+"""``python -m bench``, from the root of a checkout."""
+
+from bench.cli import bench
+
+bench()
