@@ -23,7 +23,9 @@ from meshbus.broker.process import spawn_broker
 
 
 @dataclass
-class Broker:
+class MeshbusProcess:
+    """A ``meshbus broker`` child process this bench started, with where it listens."""
+
     process: asyncio.subprocess.Process
     name: str
     address: str
@@ -48,17 +50,17 @@ class Brokers:
     and reaps its child); every broker that did start is listed in ``started``."""
 
     def __init__(self) -> None:
-        self.started: list[Broker] = []
+        self.started: list[MeshbusProcess] = []
 
-    async def start(self, *args: str) -> Broker:
+    async def start(self, *args: str) -> MeshbusProcess:
         """A broker with ``args``, timed from process start to its ready line."""
         began = time.perf_counter()
         process, name, address = await spawn_broker(*args)
-        broker = Broker(process, name, address, (time.perf_counter() - began) * 1000.0)
+        broker = MeshbusProcess(process, name, address, (time.perf_counter() - began) * 1000.0)
         self.started.append(broker)
         return broker
 
-    async def mesh(self, count: int, *args: str) -> list[Broker]:
+    async def mesh(self, count: int, *args: str) -> list[MeshbusProcess]:
         """``count`` brokers with ``args`` in one mesh: the first founds it, the others
         join through it at the same time. Each has joined (linked to all, tables
         copied) on return."""
@@ -70,7 +72,7 @@ class Brokers:
         for item in rest:
             if isinstance(item, BaseException):
                 raise item
-        return [first, *(b for b in rest if isinstance(b, Broker))]
+        return [first, *(b for b in rest if isinstance(b, MeshbusProcess))]
 
     async def close(self) -> None:
         """Stop every broker still running, the newest first and one at a time, so each

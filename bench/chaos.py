@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import click
 
 import meshbus
-from bench.brokers import Broker, Brokers
+from bench.brokers import Brokers, MeshbusProcess
 from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
 
@@ -193,11 +193,11 @@ async def _send_all(
         traffic.sent += 1
 
 
-async def _start(brokers: Brokers, data_dir: str, *args: str) -> Broker:
+async def _start(brokers: Brokers, data_dir: str, *args: str) -> MeshbusProcess:
     return await asyncio.wait_for(brokers.start("--data-dir", data_dir, *args), _STEP_LIMIT)
 
 
-async def _formed(mesh: list[Broker]) -> None:
+async def _formed(mesh: list[MeshbusProcess]) -> None:
     """Until every broker links to every other and all are ready (operator links: they
     are not connectors, so they neither count nor move)."""
     deadline = time.monotonic() + _STEP_LIMIT
@@ -218,7 +218,11 @@ async def _formed(mesh: list[Broker]) -> None:
 
 
 async def _shake(
-    brokers: Brokers, dirs: dict[str, str], mesh: list[Broker], traffic: Traffic, timeline: Timeline
+    brokers: Brokers,
+    dirs: dict[str, str],
+    mesh: list[MeshbusProcess],
+    traffic: Traffic,
+    timeline: Timeline,
 ) -> None:
     """The events, each once the senders reach its mark (they wait there until it begins)."""
     a, b, c = mesh
@@ -250,7 +254,7 @@ async def _shake(
     await _rebalanced([again, c, joined], timeline)
 
 
-async def _rebalanced(live: list[Broker], timeline: Timeline) -> None:
+async def _rebalanced(live: list[MeshbusProcess], timeline: Timeline) -> None:
     """Until the connectors are within one of even over the ``live`` brokers; a mesh that
     does not get there is reported, not failed: the counts still say what was delivered."""
     deadline = time.monotonic() + _STEP_LIMIT

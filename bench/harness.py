@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 
 import meshbus
-from bench.brokers import Broker, Brokers
+from bench.brokers import Brokers, MeshbusProcess
 from meshbus.broker.process import BrokerStartError
 
 T = TypeVar("T")
@@ -94,12 +94,12 @@ class Fleet:
         self.services: list[meshbus.Service] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def connect(self, broker: Broker, server: str) -> meshbus.Connector:
+    async def connect(self, broker: MeshbusProcess, server: str) -> meshbus.Connector:
         conn = await meshbus.connect(broker.address, server=server)
         self.conns.append(conn)
         return conn
 
-    async def add(self, broker: Broker, server: str, services: int) -> meshbus.Connector:
+    async def add(self, broker: MeshbusProcess, server: str, services: int) -> meshbus.Connector:
         """A connector with ``services`` answering services: the first half (rounded down)
         with fixed instance ids 1, 2, ..., the rest dynamic."""
         conn = await self.connect(broker, server)
@@ -128,7 +128,7 @@ class MeshRun:
     """One run of a benchmark on a fresh mesh: its brokers, the fleet, and the pollers
     (``pollers_on``) the run adds as it goes."""
 
-    mesh: list[Broker]
+    mesh: list[MeshbusProcess]
     fleet: Fleet
     pollers: list[meshbus.Connector]
 
@@ -146,7 +146,7 @@ async def fresh_mesh(brokers: Brokers, size: int) -> AsyncIterator[MeshRun]:
         await brokers.close()
 
 
-async def pollers_on(mesh: Iterable[Broker], server: str) -> list[meshbus.Connector]:
+async def pollers_on(mesh: Iterable[MeshbusProcess], server: str) -> list[meshbus.Connector]:
     """One connector named ``server`` on each broker, in order, that never fails over:
     it asks its own broker (``stat``) or probes from there."""
     conns: list[meshbus.Connector] = []
