@@ -311,11 +311,7 @@ class Connector:
 
     # -- links ---------------------------------------------------------------------
 
-    def _link_lost(self, link: BrokerLink, exc: Exception | None) -> None:
-        reason = link.error or (str(exc) if exc else "the broker closed the connection")
-        lost = ConnectionLost(
-            f"lost the link to broker {link.broker_name or link.address}: {reason}"
-        )
+    def _link_lost(self, link: BrokerLink, lost: ConnectionLost) -> None:
         self._fail_in_flight(lost, link)
         if not self._closed and not self._keeper.lost(link, lost):
             self._shutdown(self._lost or lost)

@@ -29,7 +29,7 @@ from meshbus.protocol.control import (
     TraceReport,
 )
 from meshbus.protocol.ext import Ext, split
-from meshbus.protocol.layout import ControlType, DataFlags, ErrorCode
+from meshbus.protocol.layout import ControlType, DataFlags
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
@@ -162,10 +162,7 @@ def on_control(conn: Connector, link: BrokerLink, frame: ControlFrame) -> None:
     elif ctype == ControlType.ERROR:
         assert isinstance(body, Error)
         link.error = body.message
-        link.error_code = body.code
-        link.redirect = body.redirect
-        if body.code != ErrorCode.REDIRECT:
-            log.warning("broker error", extra={"code": body.code, "error": body.message})
+        log.warning("broker error", extra={"code": body.code, "error": body.message})
     elif ctype == ControlType.BYE:
         assert isinstance(body, Bye)
         link.error = f"the broker said goodbye: {body.reason}"

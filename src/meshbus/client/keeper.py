@@ -46,8 +46,8 @@ from meshbus.protocol.control import (
     Hello,
     Membership,
     Register,
-    Welcome,
 )
+from meshbus.protocol.handshake import DiallingHandshake, Refused
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import parse_hostport
 
@@ -154,12 +154,23 @@ class LinkKeeper:
         raise ConnectionLost("; ".join(reasons) or "no broker to connect to")
 
     async def _open(self, address: str) -> BrokerLink:
+        """A link to ``address`` that the broker welcomed; Redirected when the broker
+        refuses us naming another, ConnectionLost for anything else that goes wrong."""
         conn = self.connector
         host, port = parse_hostport(address)
+        handshake = DiallingHandshake(
+            Hello(
+                role=ROLE_OPERATOR if conn.operator else ROLE_CONNECTOR,
+                name=conn.name,
+                max_frame=conn.max_frame,
+                session=conn.session,
+                synced=True,
+            )
+        )
         loop = asyncio.get_running_loop()
         try:
             _, link = await loop.create_connection(
-                lambda: BrokerLink(conn, address, conn.max_frame), host, port
+                lambda: BrokerLink(conn, address, conn.max_frame, handshake), host, port
             )
         except OSError as exc:
             # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
@@ -167,29 +178,30 @@ class LinkKeeper:
             raise ConnectionLost(
                 f"could not connect to broker {address}: {why} (is a broker running there?)"
             ) from exc
-        hello = Hello(
-            role=ROLE_OPERATOR if conn.operator else ROLE_CONNECTOR,
-            name=conn.name,
-            max_frame=conn.max_frame,
-            session=conn.session,
-            synced=True,
-        )
+        link.write(handshake.hello())
+        limit = conn._request_timeout
         try:
-            frame = await conn._control(ControlType.HELLO, hello, link=link)
-        except ConnectionLost:
-            # A broker that refuses us sends an ERROR (naming one with room) and closes.
+            async with asyncio.timeout(limit or None):
+                outcome = await link.welcomed
+        except TimeoutError:
             link.abort()
-            if link.error_code == ErrorCode.REDIRECT:
-                raise Redirected(link.error, link.redirect) from None
-            raise
+            raise ConnectionLost(
+                f"broker {address} did not answer HELLO within {limit} s "
+                "(connect(request_timeout=...))"
+            ) from None
         except BaseException:
             link.abort()
             raise
-        assert isinstance(frame.body, Welcome)
-        link.broker_name = frame.body.broker
-        conn.max_frame = min(conn.max_frame, frame.body.max_frame)
-        conn._trace_every = conn._trace_left = frame.body.trace_every
-        self.set_brokers(frame.body.brokers)
+        if isinstance(outcome, Refused):
+            # A broker that refuses us (full, joining, draining) names one with room.
+            link.abort()
+            if outcome.code == ErrorCode.REDIRECT:
+                raise Redirected(outcome.message, outcome.redirect)
+            raise ConnectionLost(f"lost the link to broker {address}: {outcome.message}")
+        welcome = outcome.welcome
+        conn.max_frame = min(conn.max_frame, welcome.max_frame)
+        conn._trace_every = conn._trace_left = welcome.trace_every
+        self.set_brokers(welcome.brokers)
         return link
 
     def activate(self, link: BrokerLink) -> None:

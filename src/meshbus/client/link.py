@@ -1,5 +1,10 @@
 """One TCP link from a connector to a broker: bytes in, frames handed to the connector.
 
+A link starts with the handshake (meshbus.protocol.handshake): the first frame
+from the broker answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed
+or Refused -- or ConnectionLost when the link closes first. Frames behind the
+WELCOME are the connector's, as is everything after.
+
 A connector normally has one link. While it moves to another broker it has two
 for a moment: the new one carries everything it sends, the old one is read
 until the old broker closes it, so nothing already routed to it is lost.
@@ -11,8 +16,14 @@ import asyncio
 from typing import TYPE_CHECKING, cast
 
 from meshbus.client.inbound import on_control, on_data
-from meshbus.errors import ProtocolError
+from meshbus.errors import ConnectionLost, ProtocolError
 from meshbus.protocol.codec import DataFrame, FrameDecoder
+from meshbus.protocol.handshake import (
+    DiallingHandshake,
+    HandshakeState,
+    Refused,
+    Welcomed,
+)
 
 # Writes are gathered and handed to the socket once per loop turn, or as soon as this
 # many bytes wait: one syscall for a burst of sends instead of one per frame, while a
@@ -24,7 +35,9 @@ if TYPE_CHECKING:
 
 
 class BrokerLink(asyncio.Protocol):
-    def __init__(self, connector: Connector, address: str, max_frame: int) -> None:
+    def __init__(
+        self, connector: Connector, address: str, max_frame: int, handshake: DiallingHandshake
+    ) -> None:
         self.connector = connector
         self.address = address
         self.broker_name = ""
@@ -32,11 +45,11 @@ class BrokerLink(asyncio.Protocol):
         self.decoder = FrameDecoder(max_frame)
         self.closed = False
         self.error = ""  # what the broker said before it closed the link (ERROR, BYE)
-        self.error_code = 0
-        self.redirect = ""  # with error_code REDIRECT: a broker that takes connectors
         self.heard_at = 0.0
         self.write_paused = False
+        self._handshake = handshake
         self._loop = asyncio.get_running_loop()
+        self.welcomed: asyncio.Future[Welcomed | Refused] = self._loop.create_future()
         self.lost: asyncio.Future[None] = self._loop.create_future()
         self._out: list[bytes] = []
         self._out_bytes = 0
@@ -69,7 +82,13 @@ class BrokerLink(asyncio.Protocol):
         self.closed = True
         if not self.lost.done():
             self.lost.set_result(None)
-        self.connector._link_lost(self, exc)
+        reason = self.error or (str(exc) if exc else "the broker closed the connection")
+        error = ConnectionLost(
+            f"lost the link to broker {self.broker_name or self.address}: {reason}"
+        )
+        if not self.welcomed.done():
+            self.welcomed.set_exception(error)
+        self.connector._link_lost(self, error)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -87,12 +106,25 @@ class BrokerLink(asyncio.Protocol):
         decoder = self.decoder
         try:
             while not connector._full_inboxes and (frame := decoder.next_frame()) is not None:
-                if isinstance(frame, DataFrame):
+                if self._handshake.state is HandshakeState.AWAIT_WELCOME:
+                    if not self._answered(self._handshake.receive(frame)):
+                        return
+                elif isinstance(frame, DataFrame):
                     on_data(connector, frame)
                 else:
                     on_control(connector, self, frame)
         except ProtocolError as exc:
             connector._protocol_error(self, exc)
+
+    def _answered(self, outcome: Welcomed | Refused) -> bool:
+        """The broker answered the HELLO; True if the link is open."""
+        if isinstance(outcome, Welcomed):
+            self.broker_name = outcome.welcome.broker
+        else:
+            self.error = outcome.message  # the broker closes the link next
+        if not self.welcomed.done():
+            self.welcomed.set_result(outcome)
+        return isinstance(outcome, Welcomed)
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
