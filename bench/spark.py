@@ -41,7 +41,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 import meshbus
-from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
+from bench.servers import meshbus_broker
 from meshbus.spark import register
 from meshbus.spark.reader import SCHEMA
 
@@ -142,18 +141,8 @@ def _broker(brokers: str | None, data_dir: str) -> Iterator[str]:
     if brokers is not None:
         yield brokers
         return
-    process = subprocess.Popen(
-        broker_command("--data-dir", data_dir), stdout=subprocess.PIPE, env=child_env()
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline().decode()
-        ready = parse_ready_line(line)
-        if ready is None:
-            raise RuntimeError(f"the broker did not start: {line!r}")
-        yield ready[1]
-    finally:
-        stop_process(process)
+    with meshbus_broker("--data-dir", data_dir) as server:
+        yield f"{server.host}:{server.port}"
 
 
 @contextlib.contextmanager
