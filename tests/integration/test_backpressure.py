@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from integration_helpers import IO_TIMEOUT, RawLink, data_frame
-
 import meshbus
 from tests.conftest import start_broker
+from tests.integration.helpers import IO_TIMEOUT, RawLink, data_frame
 
 
 async def test_slow_consumer_is_closed_and_the_broker_carries_on() -> None:

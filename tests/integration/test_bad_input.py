@@ -15,14 +15,6 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
-from integration_helpers import (
-    IO_TIMEOUT,
-    Pair,
-    RawLink,
-    assert_next_is,
-    data_frame,
-    recv_payloads,
-)
 
 import meshbus
 from meshbus.protocol import (
@@ -35,6 +27,14 @@ from meshbus.protocol import (
 )
 from meshbus.protocol.control import Empty, Error, Hello, Membership, Register, Welcome
 from meshbus.protocol.layout import CONTROL_HEADER, FATAL_ERRORS, KIND_CONTROL, KIND_DATA
+from tests.integration.helpers import (
+    IO_TIMEOUT,
+    Pair,
+    RawLink,
+    assert_next_is,
+    data_frame,
+    recv_payloads,
+)
 
 BURST = 4000
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from integration_helpers import IO_TIMEOUT, RawLink, data_frame
-
 from meshbus.protocol import DataFlags
+from tests.integration.helpers import IO_TIMEOUT, RawLink, data_frame
 
 
 async def read_exactly(link: RawLink, size: int) -> bytes:

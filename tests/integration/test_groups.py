@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from integration_helpers import (
+
+import meshbus
+from tests.conftest import BrokerProcess, start_mesh, stop_all
+from tests.integration.helpers import (
     ACK_TIMEOUT,
     Collector,
     stat,
@@ -16,9 +19,6 @@ from integration_helpers import (
     wait_routes,
     wait_until,
 )
-
-import meshbus
-from tests.conftest import BrokerProcess, start_mesh, stop_all
 
 # A member gone this long loses its groups; short, so reassignment tests are quick.
 GRACE = "0.3"

@@ -14,7 +14,13 @@ import sys
 from collections.abc import Awaitable, Callable
 
 import pytest
-from integration_helpers import (
+
+import meshbus
+from meshbus.client.delivery import RetryPolicy
+from meshbus.client.reliable import ReliableConfig
+from meshbus.errors import DeliveryFailed
+from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.integration.helpers import (
     ACK_TIMEOUT,
     IO_TIMEOUT,
     Collector,
@@ -23,12 +29,6 @@ from integration_helpers import (
     wait_routes,
     wait_until,
 )
-
-import meshbus
-from meshbus.client.delivery import RetryPolicy
-from meshbus.client.reliable import ReliableConfig
-from meshbus.errors import DeliveryFailed
-from tests.conftest import BrokerProcess, start_broker, stop_all
 
 
 def numbered(count: int, prefix: bytes = b"") -> list[bytes]:

@@ -11,10 +11,10 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from integration_helpers import IO_TIMEOUT, RawLink, launch_broker, spawn_broker
 
 import meshbus
 from tests.conftest import BrokerProcess
+from tests.integration.helpers import IO_TIMEOUT, RawLink, launch_broker, start_broker_process
 
 READY = re.compile(r"meshbus broker (\S+) listening on 127\.0\.0\.1:(\d+)\n")
 
@@ -87,7 +87,7 @@ async def test_listen_port_is_real():
 async def test_second_broker_on_same_port_fails_readably():
     first = await launch_broker()
     try:
-        second = await spawn_broker("--listen", first.address)
+        second = await start_broker_process("--listen", first.address)
         try:
             out, err = await asyncio.wait_for(second.communicate(), 20)
         except TimeoutError:
@@ -111,7 +111,7 @@ async def test_second_broker_on_same_port_fails_readably():
 
 @pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", ":7400"])
 async def test_bad_listen_argument_fails_readably(listen):
-    process = await spawn_broker("--listen", listen)
+    process = await start_broker_process("--listen", listen)
     out, err = await asyncio.wait_for(process.communicate(), 20)
     assert process.returncode != 0
     assert out == b""

@@ -12,7 +12,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from integration_helpers import (
+
+import meshbus
+from meshbus.protocol import ControlType, encode_control
+from meshbus.protocol.control import ROLE_BROKER, Hello, Welcome
+from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.integration.helpers import (
     IO_TIMEOUT,
     RawLink,
     assert_next_is,
@@ -22,11 +27,6 @@ from integration_helpers import (
     wait_routes,
     wait_until,
 )
-
-import meshbus
-from meshbus.protocol import ControlType, encode_control
-from meshbus.protocol.control import ROLE_BROKER, Hello, Welcome
-from tests.conftest import BrokerProcess, start_broker, stop_all
 
 # -- forming the mesh ---------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ async def test_stat_json_has_the_mesh_keys(mesh3):
 
 
 async def test_join_fails_clearly_without_a_seed():
-    from integration_helpers import launch_broker
+    from tests.integration.helpers import launch_broker
 
     with pytest.raises(AssertionError, match="no seed answered"):
         await launch_broker("--seed", "127.0.0.1:1", "--join-timeout", "0.3")

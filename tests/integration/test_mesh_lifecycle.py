@@ -12,7 +12,11 @@ import sys
 from typing import Any
 
 import pytest
-from integration_helpers import (
+
+import meshbus
+from meshbus.protocol import ControlType
+from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
+from tests.integration.helpers import (
     IO_TIMEOUT,
     assert_next_is,
     stat,
@@ -20,10 +24,6 @@ from integration_helpers import (
     wait_routes,
     wait_until,
 )
-
-import meshbus
-from meshbus.protocol import ControlType
-from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 
 
 async def echo(service: meshbus.Service) -> None:
@@ -279,7 +279,7 @@ async def test_a_draining_broker_redirects_new_connectors_and_closes_stragglers_
     """A connector that ignores MOVE keeps its broker draining until the grace period
     ends; meanwhile a new connector is redirected elsewhere; then the broker closes
     the straggler and exits 0."""
-    from integration_helpers import RawLink
+    from tests.integration.helpers import RawLink
 
     a, b, c = mesh3
     b.process.kill()  # with B gone, A is the only broker a redirect can name

@@ -14,11 +14,11 @@ import signal
 import sys
 
 import pytest
-from integration_helpers import stat
 
 import meshbus
 from meshbus.broker.process import child_env, parse_ready_line
 from tests.conftest import BrokerProcess, stop_all
+from tests.integration.helpers import stat
 
 ROUNDS = 8
 

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from integration_helpers import IO_TIMEOUT, assert_next_is, wait_members, wait_until
 
 import meshbus
 from meshbus.errors import JoinFailed, NoQueue
 from tests.conftest import BrokerProcess, start_mesh, stop_all
+from tests.integration.helpers import IO_TIMEOUT, assert_next_is, wait_members, wait_until
 
 
 @dataclass

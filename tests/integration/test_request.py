@@ -14,9 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from integration_helpers import IO_TIMEOUT, assert_next_is
 
 import meshbus
+from tests.integration.helpers import IO_TIMEOUT, assert_next_is
 
 Handler = Callable[[meshbus.Message], Awaitable[None]]
 

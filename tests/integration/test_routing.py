@@ -12,16 +12,16 @@ import asyncio
 from collections import Counter
 
 import pytest
-from integration_helpers import (
+
+import meshbus
+from meshbus.protocol import DEFAULT_MAX_FRAME, ControlType, DataFlags, encode_control
+from meshbus.protocol.control import DeliveryFailure, Register
+from tests.integration.helpers import (
     RawLink,
     assert_next_is,
     data_frame,
     recv_payloads,
 )
-
-import meshbus
-from meshbus.protocol import DEFAULT_MAX_FRAME, ControlType, DataFlags, encode_control
-from meshbus.protocol.control import DeliveryFailure, Register
 
 HEADER = 64
 

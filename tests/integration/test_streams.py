@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from integration_helpers import wait_members
 
 import meshbus
 from meshbus import Multicast
 from meshbus.client.streams import StreamMessage
 from meshbus.errors import DeliveryFailed, StreamError
 from tests.conftest import BrokerProcess, start_broker, stop_all
-from tests.integration.conftest import spawn_broker
+from tests.integration.helpers import start_broker_process, wait_members
 
 
 async def fetch_all(conn: meshbus.Connector, stream: str) -> list[StreamMessage]:
@@ -291,7 +290,7 @@ async def test_a_data_dir_serves_one_broker(tmp_path: Path) -> None:
     to start, saying why, and the first keeps running."""
     first = await start_broker("--data-dir", str(tmp_path))
     try:
-        second = await spawn_broker("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path))
+        second = await start_broker_process("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path))
         _, err = await asyncio.wait_for(second.communicate(), 20)
         assert second.returncode == 1
         assert "in use by another broker" in err.decode()

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from integration_helpers import Collector, wait_until
 
 import meshbus
 from tests.conftest import BrokerProcess, start_mesh, stop_all
+from tests.integration.helpers import Collector, wait_until
 
 INTERVAL = 0.2
 

@@ -1,0 +1,350 @@
+"""What the integration suites share: raw protocol links, broker processes, receiving.
+
+Test modules import it as ``from tests.integration.helpers import ...``; the fixtures built
+on it (``conns``, ``raw_link``, ``healthy_pair``) are in ``conftest.py`` beside it, and the
+``broker`` / ``mesh2`` / ``mesh3`` fixtures with ``start_broker`` / ``start_mesh`` in
+``tests/conftest.py``.
+
+* ``RawLink`` -- a bare asyncio socket that speaks the wire protocol by hand, for
+  feeding the broker bad input and reading exactly what it answers;
+* ``start_broker_process`` / ``launch_broker`` -- a broker process whose stdout *and*
+  stderr are captured, for lifecycle tests that check what it prints;
+* ``recv_n`` / ``recv_payloads`` / ``assert_next_is`` / ``Collector`` -- bounded receives
+  on services, in the foreground or the background;
+* ``Pair`` -- two connectors with one service each, to prove that other links keep
+  working while one misbehaves;
+* ``stat`` / ``wait_until`` / ``wait_routes`` / ``wait_members`` -- polling a mesh until
+  every broker knows a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import meshbus
+from meshbus.broker.process import broker_argv, child_env, parse_ready_line
+from meshbus.protocol import (
+    ControlFrame,
+    ControlType,
+    Frame,
+    FrameDecoder,
+    encode_control,
+    encode_data,
+)
+from meshbus.protocol.control import AddressBody, Empty, Hello, Register, Welcome
+from tests.conftest import BrokerProcess
+
+# Generous bound for one network round trip on loopback; only hit when something is broken.
+IO_TIMEOUT = 5.0
+
+
+class RawLink:
+    """A hand-driven protocol connection to a broker: bytes out, decoded frames in."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FrameDecoder()
+        self._correlation = 0
+
+    @classmethod
+    async def open(cls, address: str) -> RawLink:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port)), IO_TIMEOUT
+        )
+        return cls(reader, writer)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    def next_correlation(self) -> int:
+        self._correlation += 1
+        return self._correlation
+
+    async def read_frame(self, timeout: float = IO_TIMEOUT) -> Frame:
+        """The next frame; AssertionError if the broker closes the link first."""
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = self.decoder.next_frame()
+                if frame is not None:
+                    return frame
+                data = await self.reader.read(65536)
+                if not data:
+                    raise AssertionError(
+                        f"broker closed the link; {self.decoder.buffered} bytes of a partial "
+                        "frame were left unread"
+                    )
+                self.decoder.feed(data)
+
+    async def read_control(self, timeout: float = IO_TIMEOUT) -> ControlFrame:
+        frame = await self.read_frame(timeout)
+        assert isinstance(frame, ControlFrame), f"expected a control frame, got {frame!r}"
+        return frame
+
+    async def read_until_closed(self, timeout: float = IO_TIMEOUT) -> list[Frame]:
+        """Every frame the broker still sends, until it closes the link (read returns b"").
+
+        Fails (TimeoutError) if the broker keeps the link open."""
+        frames: list[Frame] = []
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    data = await self.reader.read(65536)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    break
+                self.decoder.feed(data)
+                while (frame := self.decoder.next_frame()) is not None:
+                    frames.append(frame)
+        assert self.decoder.buffered == 0, "broker closed the link in the middle of a frame"
+        return frames
+
+    async def hello(self, name: str = "raw") -> Welcome:
+        await self.send(encode_control(ControlType.HELLO, Hello(name=name), 1))
+        frame = await self.read_control()
+        assert frame.type == ControlType.WELCOME, frame
+        assert isinstance(frame.body, Welcome)
+        return frame.body
+
+    async def register(self, server: str = "raw", instance: int = 0) -> bytes:
+        """Register a service; returns its 16-byte address."""
+        correlation = self.next_correlation() + 100
+        await self.send(
+            encode_control(
+                ControlType.REGISTER, Register(server=server, instance=instance), correlation
+            )
+        )
+        frame = await self.read_control()
+        assert frame.type == ControlType.REGISTERED, frame
+        assert frame.correlation == correlation
+        assert isinstance(frame.body, AddressBody)
+        return frame.body.address
+
+    async def ping(self) -> None:
+        correlation = self.next_correlation() + 1000
+        await self.send(encode_control(ControlType.PING, Empty(), correlation))
+        frame = await self.read_control()
+        assert frame.type == ControlType.PONG, frame
+        assert frame.correlation == correlation
+
+    def abort(self) -> None:
+        """Close with a TCP reset, as a crashed process would."""
+        transport = self.writer.transport
+        transport.abort()
+
+    async def close(self) -> None:
+        if not self.writer.is_closing():
+            self.writer.close()
+        try:
+            await asyncio.wait_for(self.writer.wait_closed(), IO_TIMEOUT)
+        except (ConnectionError, OSError):
+            pass
+
+
+def data_frame(
+    dst: meshbus.Address | bytes, src: meshbus.Address | bytes, payload: bytes = b"", **kw: int
+) -> bytes:
+    """encode_data taking Address objects or raw 16-byte addresses."""
+    raw_dst = dst if isinstance(dst, bytes) else dst.to_bytes()
+    raw_src = src if isinstance(src, bytes) else src.to_bytes()
+    return encode_data(raw_dst, raw_src, payload, **kw)
+
+
+# -- receiving --------------------------------------------------------------------------
+
+
+async def recv_n(service: meshbus.Service, n: int, timeout: float = IO_TIMEOUT) -> list:
+    """Exactly the next ``n`` messages of ``service``; fails if they do not come in time."""
+    messages = []
+    async with asyncio.timeout(timeout):
+        for _ in range(n):
+            messages.append(await service.recv())
+    return messages
+
+
+async def recv_payloads(
+    service: meshbus.Service, n: int, timeout: float = IO_TIMEOUT
+) -> list[bytes]:
+    return [m.payload for m in await recv_n(service, n, timeout)]
+
+
+async def assert_next_is(
+    service: meshbus.Service, payload: bytes, timeout: float = IO_TIMEOUT
+) -> None:
+    """The next message of ``service`` is ``payload``: nothing was queued before it."""
+    message = await service.recv(timeout=timeout)
+    assert message.payload == payload, (
+        f"{service.address} expected {payload!r} next, got {message.payload!r} from {message.src}"
+    )
+
+
+# -- a healthy pair of connectors ----------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    """Two connectors with one service each: ``a`` sends to ``b``."""
+
+    conn_a: meshbus.Connector
+    conn_b: meshbus.Connector
+    a: meshbus.Service
+    b: meshbus.Service
+
+    async def roundtrip(self, payload: bytes = b"ping") -> None:
+        """One message a -> b, received; proves the path works now."""
+        await self.a.send(self.b.address, payload)
+        await assert_next_is(self.b, payload)
+
+
+# -- broker processes with captured output ------------------------------------------------
+
+
+@dataclass
+class LaunchedBroker(BrokerProcess):
+    """A broker whose ready line was read here, and whose stdout and stderr are captured."""
+
+    ready_line: str
+
+    async def finish(self, timeout: float = 10.0) -> tuple[int, str, str]:
+        """Wait for exit; returns (exit code, rest of stdout, stderr). Kills it on timeout."""
+        try:
+            out, err = await asyncio.wait_for(self.process.communicate(), timeout)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+            raise
+        assert self.process.returncode is not None
+        return self.process.returncode, out.decode(), err.decode()
+
+
+async def start_broker_process(*args: str) -> asyncio.subprocess.Process:
+    """``meshbus broker ARGS`` with stdout and stderr piped, not waited for: for tests of
+    what a broker prints, or of one that must not start."""
+    return await asyncio.create_subprocess_exec(
+        *broker_argv(*args),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env(),
+    )
+
+
+async def launch_broker(*args: str, listen: str = "127.0.0.1:0") -> LaunchedBroker:
+    """Start a broker and wait for its ready line (stdout and stderr captured); an
+    AssertionError with what it printed if it does not come up."""
+    process = await start_broker_process("--listen", listen, *args)
+    assert process.stdout is not None
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    ready = parse_ready_line(line)
+    if ready is None:
+        if line:  # it printed something else and may still be running
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        _, err = await process.communicate()
+        raise AssertionError(f"broker did not print its ready line ({line!r}): {err.decode()!r}")
+    return LaunchedBroker(process, ready[0], ready[1], line)
+
+
+# -- a mesh of brokers ----------------------------------------------------------------------
+
+
+async def stat(broker: BrokerProcess, detail: bool = True) -> dict[str, Any]:
+    async with await meshbus.connect(broker.address, server="stat", operator=True) as conn:
+        return await conn.stat(detail=detail)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10) -> None:
+    """Poll ``check`` until it is true; fail naming ``what`` if it never is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def wait_routes(brokers: list[BrokerProcess], address: meshbus.Address) -> None:
+    """Until every broker's table holds ``address`` (a unicast)."""
+
+    async def everywhere() -> bool:
+        for b in brokers:
+            if str(address) not in (await stat(b))["service_addresses"]:
+                return False
+        return True
+
+    await wait_until(everywhere, f"{address} in every routing table")
+
+
+async def wait_members(brokers: list[BrokerProcess], group: meshbus.Address, count: int) -> None:
+    async def everywhere() -> bool:
+        for b in brokers:
+            if len((await stat(b))["groups"].get(str(group), [])) != count:
+                return False
+        return True
+
+    await wait_until(everywhere, f"{count} members of {group} in every routing table")
+
+
+# -- receiving in the background -------------------------------------------------------------
+
+# The marker ``Collector.settle`` waits for.
+END = b"end"
+# How long every reliable message of a test may take to be acknowledged, failovers included.
+ACK_TIMEOUT = 30.0
+
+
+class Collector:
+    """Receives a service's messages in the background, in arrival order."""
+
+    def __init__(self, service: meshbus.Service) -> None:
+        self.service = service
+        self.messages: list[meshbus.Message] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for msg in self.service:
+                self.messages.append(msg)
+        except meshbus.ConnectionLost:
+            pass  # its broker was killed and it does not fail over: it has what it got
+
+    @property
+    def payloads(self) -> list[bytes]:
+        return [m.payload for m in self.messages]
+
+    def of_group(self, group: str) -> list[meshbus.Message]:
+        return [m for m in self.messages if m.group == group]
+
+    async def wait_for(self, count: int, timeout: float = ACK_TIMEOUT) -> None:
+        async def enough() -> bool:
+            return len(self.messages) >= count
+
+        await wait_until(enough, f"{count} messages at {self.service.address}", timeout)
+
+    async def settle(self, sender: meshbus.Service) -> list[bytes]:
+        """Everything received before an END marker that ``sender`` sends reliably now
+        (after its own messages were acknowledged): nothing can trickle in behind it. The
+        marker itself is taken out again."""
+        await sender.send_reliable(self.service.address, END)
+
+        async def ended() -> bool:
+            return bool(self.messages) and self.messages[-1].payload == END
+
+        await wait_until(ended, f"the end marker at {self.service.address}")
+        assert [m.payload for m in self.messages].count(END) == 1, "the marker came twice"
+        self.messages.pop()
+        return self.payloads
+
+    def stop(self) -> None:
+        self.task.cancel()
