@@ -83,6 +83,28 @@ def test_tables_last_line() -> None:
     assert all(int(value) > 0 for value in match.groups())
 
 
+def test_a_command_starts_without_the_others_imports() -> None:
+    """The group imports a command defined elsewhere only when it is asked for."""
+    script = (
+        "import sys; from bench.cli import bench; "
+        "bench(['unicast', '--help'], standalone_mode=False); "
+        "print(sorted(m for m in sys.modules if m.startswith(('pyspark', 'bench.'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=CHECKOUT,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = done.stdout.strip().splitlines()[-1]
+    assert "pyspark" not in imported, imported
+    assert "bench.spark" not in imported, imported
+    assert "bench.cli" in imported, imported
+
+
 def test_the_installed_package_ships_no_bench() -> None:
     """The rig lives in the checkout only: no `meshbus bench` command, no meshbus.bench."""
     done = subprocess.run(
