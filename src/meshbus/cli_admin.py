@@ -195,7 +195,7 @@ def broker(
     import uvloop
 
     from meshbus.broker import BrokerConfig, serve
-    from meshbus.broker.mesh import JoinFailed
+    from meshbus.broker.mesh import MeshJoinError
     from meshbus.broker.streams import DataDirLocked
 
     host, port = parse_hostport(listen)
@@ -227,7 +227,7 @@ def broker(
         uvloop.run(serve(config))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
-    except (JoinFailed, DataDirLocked) as exc:
+    except (MeshJoinError, DataDirLocked) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

@@ -1,10 +1,11 @@
-"""Control frames from connectors: handshake, register/unregister, join/leave, stat, drain.
+"""Control frames from connectors and operators: HELLO, register/unregister, join/leave,
+stat, ping, drain, bye. They reach these handlers through meshbus.broker.dispatch.
 
 Every handler answers with exactly one frame carrying the request's correlation
 id (OK, REGISTERED, STATS, PONG or ERROR), so the connector can match answers
-to questions. Refusals that leave the link usable (address in use, unknown
-control type) are ERROR frames with a non-fatal code; frames that make the link
-untrustworthy raise FrameError and the link is closed by the hot path.
+to questions. Refusals that leave the link usable (address in use) raise
+``Refused`` and become ERROR frames with a non-fatal code; frames that make the
+link untrustworthy raise FrameError and the link is closed by the hot path.
 
 Every change to the routing table made here is announced to the peer brokers.
 A REGISTER of a chosen address (a fixed id, or an address a connector brings
@@ -18,38 +19,41 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from meshbus.address import Address, Unicast, describe_address, server_name_bytes
-from meshbus.broker.link import CloseReason, LinkState
-from meshbus.broker.routing import RoutingError
-from meshbus.protocol.codec import FrameError, describe
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.dispatch import Refused
+from meshbus.broker.endpoint import CloseReason, Endpoint, LinkState
+from meshbus.broker.link import Link
+from meshbus.broker.mesh import Mesh
+from meshbus.broker.outbox import Outbox
+from meshbus.broker.registry import LinkRegistry
+from meshbus.broker.routing import RoutingError, RoutingTable
+from meshbus.broker.sync import RouteSync
+from meshbus.broker.watch import ServiceWatch
+from meshbus.protocol.codec import ControlFrame
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
     ROLE_BROKER,
-    ROLE_CONNECTOR,
     ROLE_OPERATOR,
     AddressBody,
     Body,
     Drain,
     Empty,
     Error,
-    Hello,
     Membership,
     Register,
     StatRequest,
     Stats,
     Welcome,
 )
-from meshbus.protocol.layout import MIN_MAX_FRAME, PROTOCOL_VERSION, ControlType, ErrorCode
-
-if TYPE_CHECKING:
-    from meshbus.broker.link import Link
-    from meshbus.broker.server import Broker
-
+from meshbus.protocol.handshake import negotiated_max_frame
+from meshbus.protocol.layout import ControlType, ErrorCode
 
 # A claim that lost while nobody took the address is tried again, up to this many times,
 # after a random pause of up to CLAIM_BACKOFF seconds times the attempt number.
@@ -57,43 +61,33 @@ CLAIM_ATTEMPTS = 6
 CLAIM_BACKOFF = 0.01
 
 
-class Refused(Exception):
-    """A request the broker declines; answered with a non-fatal ERROR frame."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class ControlHandler:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self._correlation = 0  # of the request being handled
-        self._ctype = 0
-
-    def handle(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
-        handler = _HANDLERS.get(ControlType(ctype)) if ctype in _KNOWN else None
-        if handler is None or body is None:
-            self.broker.reply(
-                link,
-                ControlType.ERROR,
-                Error(
-                    code=ErrorCode.UNSUPPORTED_CONTROL,
-                    message=f"{describe(ctype)} is not a request a broker accepts from a connector",
-                ),
-                correlation,
-            )
-            return
-        self._correlation = correlation
-        self._ctype = ctype
-        try:
-            answer_type, answer = handler(self, link, body)
-        except Refused as exc:
-            answer_type, answer = ControlType.ERROR, Error(code=exc.code, message=str(exc))
-        if answer_type is not None:
-            assert answer is not None
-            changed = ctype in _CHANGES and answer_type is not ControlType.ERROR
-            self._answer(link, answer_type, answer, correlation, changed)
+    def __init__(
+        self,
+        *,
+        config: BrokerConfig,
+        routing: RoutingTable[Endpoint],
+        sync: RouteSync,
+        mesh: Mesh,
+        links: LinkRegistry,
+        watch: ServiceWatch,
+        outbox: Outbox,
+        trace_every: int,
+        snapshot: Callable[[bool], dict[str, Any]],
+        request_drain: Callable[[float | None], None],
+    ) -> None:
+        """``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot``
+        answers STAT; ``request_drain`` starts a drain (as SIGTERM does)."""
+        self._config = config
+        self._routing = routing
+        self._sync = sync
+        self._mesh = mesh
+        self._links = links
+        self._watch = watch
+        self._outbox = outbox
+        self._trace_every = trace_every
+        self._snapshot = snapshot
+        self._request_drain = request_drain
 
     def _answer(
         self, link: Link, type_: ControlType, body: Body, correlation: int, changed: bool
@@ -101,77 +95,86 @@ class ControlHandler:
         """Answer now -- before any frame routed by the change, so the connector knows the
         address or membership first -- and, for a connector that asked, send SYNCED with
         the same correlation once every peer has applied the change (meshbus.broker.sync)."""
-        broker = self.broker
-        broker.reply(link, type_, body, correlation)
+        outbox = self._outbox
+        outbox.reply(link, type_, body, correlation)
         if not changed or not link.wants_synced:
             return
-        if not broker.mesh.peers:
-            broker.reply(link, ControlType.SYNCED, Empty(), correlation)
+        if not self._mesh.peers:
+            # Known mesh-wide already; queued, not flushed, so a burst stays one write.
+            outbox.reply(link, ControlType.SYNCED, Empty(), correlation)
             return
 
         def synced() -> None:
             if link.state is LinkState.OPEN:
-                broker.reply(link, ControlType.SYNCED, Empty(), correlation)
-                broker.flush_outbox()
+                outbox.reply(link, ControlType.SYNCED, Empty(), correlation)
+                outbox.flush()
 
-        broker.sync.after_confirmed(synced)
+        self._sync.after_confirmed(synced)
 
-    def _hello(self, link: Link, body: Body) -> Answer:
-        assert isinstance(body, Hello)
-        if link.state is LinkState.OPEN:
-            raise Refused(ErrorCode.ALREADY_HANDSHAKEN, "HELLO was already received on this link")
-        if body.protocol != PROTOCOL_VERSION:
-            raise FrameError(
-                ErrorCode.UNSUPPORTED_VERSION,
-                f"connector speaks protocol {body.protocol}; this broker speaks {PROTOCOL_VERSION}",
-            )
-        broker = self.broker
-        mesh = broker.mesh
-        if body.role == ROLE_BROKER:
-            refused = mesh.accept_peer(link, body, self._correlation)
+    # -- the handshake --------------------------------------------------------------
+
+    def on_handshake(self, link: Link, frame: ControlFrame) -> None:
+        """Every frame of a link that is still handshaking (meshbus.protocol.handshake
+        rules on it; a FrameError it raises closes the link)."""
+        if link.dialling is not None:
+            self._mesh.on_answer(link, link.dialling.receive(frame))
+            return
+        assert link.accepting is not None
+        hello = link.accepting.receive(frame).hello
+        if hello.role == ROLE_BROKER:
+            refused = self._mesh.accept_peer(link, hello)
             if refused is not None:
-                link.fail(ErrorCode(refused.code), refused.message, CloseReason.REFUSED)
-            return None, None
-        if body.role not in (ROLE_CONNECTOR, ROLE_OPERATOR):
-            raise FrameError(ErrorCode.PROTOCOL_ERROR, f"unknown HELLO role {body.role!r}")
-        link.operator = body.role == ROLE_OPERATOR
+                self._refuse(link, ErrorCode(refused.code), refused.message)
+            return
+        operator = hello.role == ROLE_OPERATOR
+        mesh = self._mesh
         # An operator asks about *this* broker, full, joining or draining as it may be.
-        refusal = "" if link.operator else broker.refusal()
+        refusal = "" if operator else mesh.refusal(len(self._links.connectors))
         if refusal:
-            link.fail(ErrorCode.REDIRECT, refusal, CloseReason.REFUSED, redirect=broker.redirect())
-            return None, None
+            self._refuse(link, ErrorCode.REDIRECT, refusal, mesh.redirect())
+            return
         # Each side enforces the smaller of the two limits, so neither sends what the other
         # must refuse.
-        link.max_frame = max(MIN_MAX_FRAME, min(body.max_frame, broker.config.max_frame))
-        link.name = body.name
-        link.session = body.session
-        link.wants_synced = body.synced
-        link.state = LinkState.OPEN
-        if not link.operator:
-            broker.connector_opened(link)
-        return ControlType.WELCOME, Welcome(
-            broker=broker.config.name,
-            slot=broker.routing.slot,
-            max_frame=link.max_frame,
+        max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
+        if operator:
+            link.open_as_operator(hello.name, max_frame)
+        else:
+            link.open_as_connector(hello.name, hello.session, max_frame, hello.synced)
+            self._links.connector_opened(link)
+            mesh.lists_changed()
+        welcome = Welcome(
+            broker=self._config.name,
+            slot=self._routing.slot,
+            max_frame=max_frame,
             brokers=mesh.connector_list(),
-            trace_every=broker.telemetry.trace_every,
+            trace_every=self._trace_every,
+        )
+        link.send(link.accepting.welcome(welcome))
+
+    def _refuse(self, link: Link, code: ErrorCode, message: str, redirect: str = "") -> None:
+        assert link.accepting is not None
+        link.close_with(
+            link.accepting.refuse(code, message, redirect), CloseReason.REFUSED, message
         )
 
-    def _register(self, link: Link, body: Body) -> Answer:
+    def on_second_hello(self, link: Link, correlation: int, body: Body) -> None:
+        raise Refused(ErrorCode.ALREADY_HANDSHAKEN, "HELLO was already received on this link")
+
+    # -- services and groups ----------------------------------------------------------
+
+    def on_register(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Register)
-        if link.operator:
-            raise Refused(
-                ErrorCode.UNSUPPORTED_CONTROL,
-                "an operator's link (meshbus stat, drain) cannot register services",
-            )
-        routing = self.broker.routing
+        routing = self._routing
         try:
             if body.instance == 0:
                 address = routing.allocate_dynamic(
                     server_name_bytes(body.server), link, link.session
                 )
-                self.broker.sync.announce(OP_ADD, address, link.session)
-                return ControlType.REGISTERED, AddressBody(address=address)
+                self._sync.announce(OP_ADD, address, link.session)
+                self._answer(
+                    link, ControlType.REGISTERED, AddressBody(address=address), correlation, True
+                )
+                return
             wanted = Unicast(body.server, body.instance)
         except (ValueError, TypeError) as exc:
             raise Refused(ErrorCode.INVALID_ADDRESS, f"cannot register: {exc}") from None
@@ -181,22 +184,22 @@ class ControlHandler:
         owned = routing.owner(raw) is not None
         if owned and not self._may_take(link, raw):
             raise _in_use(wanted)
-        if not owned and self.broker.mesh.peers:
+        if not owned and self._mesh.peers:
             # A free address: every peer must agree. The link waits (module docstring).
             link.block()
-            self._claim(link, wanted, self._correlation, 1)
-            return None, None
+            self._claim(link, wanted, correlation, 1)
+            return
         # Free in a mesh of one, or the connector's own address coming back (it moved, or
         # failed over before this broker dropped it): no claim. A rival claim needs this
         # broker's grant too, and here the address is the session's, so it is refused.
         self._take(link, raw)
-        return ControlType.REGISTERED, AddressBody(address=raw)
+        self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
 
     def _claim(self, link: Link, wanted: Unicast, correlation: int, attempt: int) -> None:
         raw = wanted.to_bytes()
-        routing = self.broker.routing
+        routing = self._routing
         owner = routing.owner(raw)
-        claim = self.broker.sync.claim(
+        claim = self._sync.claim(
             raw, link.session, None if owner is None else routing.session_of(raw)
         )
         claim.add_done_callback(
@@ -210,7 +213,7 @@ class ControlHandler:
         loop = asyncio.get_running_loop()
         if link.state is not LinkState.OPEN:
             return
-        owner = self.broker.routing.owner(raw)
+        owner = self._routing.owner(raw)
         if not granted and owner is None and attempt < CLAIM_ATTEMPTS:
             # Simultaneous claims can all lose (each arbiter granted another first); nobody
             # owns the address, so try again after a random pause: one of them gets there.
@@ -228,15 +231,15 @@ class ControlHandler:
             self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
         else:
             exc = _in_use(wanted)
-            self.broker.reply(
+            self._outbox.reply(
                 link, ControlType.ERROR, Error(code=exc.code, message=str(exc)), correlation
             )
-        self.broker.flush_outbox()
+        self._outbox.flush()
         loop.call_soon(link.unblock)
 
     def _may_take(self, link: Link, address: bytes) -> bool:
         """A connector may take over an address its own session registered (failover)."""
-        routing = self.broker.routing
+        routing = self._routing
         return (
             routing.owner(address) is not link
             and bool(link.session)
@@ -244,56 +247,52 @@ class ControlHandler:
         )
 
     def _take(self, link: Link, address: bytes) -> None:
-        self.broker.routing.take_over(address, link, link.session)
-        self.broker.sync.announce(OP_ADD, address, link.session)
+        self._routing.take_over(address, link, link.session)
+        self._sync.announce(OP_ADD, address, link.session)
 
-    def _unregister(self, link: Link, body: Body) -> Answer:
+    def on_unregister(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, AddressBody)
         self._check_owned(link, body.address, "unregister")
-        self.broker.routing.remove_service(body.address, link)
-        self.broker.sync.announce(OP_REMOVE, body.address)
-        self.broker.guarantees.services_left([body.address])
-        return ControlType.OK, Empty()
+        self._routing.remove_service(body.address, link)
+        self._sync.announce(OP_REMOVE, body.address)
+        self._watch.services_left([body.address])
+        self._answer(link, ControlType.OK, Empty(), correlation, True)
 
-    def _join(self, link: Link, body: Body) -> Answer:
+    def on_join(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "join")
-        self.broker.routing.join(body.member, body.group)
-        self.broker.sync.announce(OP_JOIN, body.member, body.group)
-        return ControlType.OK, Empty()
+        self._routing.join(body.member, body.group)
+        self._sync.announce(OP_JOIN, body.member, body.group)
+        self._answer(link, ControlType.OK, Empty(), correlation, True)
 
-    def _leave(self, link: Link, body: Body) -> Answer:
+    def on_leave(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "leave")
-        self.broker.routing.leave(body.member, body.group)
-        self.broker.sync.announce(OP_LEAVE, body.member, body.group)
-        return ControlType.OK, Empty()
+        self._routing.leave(body.member, body.group)
+        self._sync.announce(OP_LEAVE, body.member, body.group)
+        self._answer(link, ControlType.OK, Empty(), correlation, True)
 
-    def _stat(self, link: Link, body: Body) -> Answer:
+    # -- operations -------------------------------------------------------------------------
+
+    def on_stat(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, StatRequest)
-        return ControlType.STATS, Stats(data=self.broker.snapshot(detail=body.detail))
+        stats = Stats(data=self._snapshot(body.detail))
+        self._outbox.reply(link, ControlType.STATS, stats, correlation)
 
-    def _ping(self, link: Link, body: Body) -> Answer:
-        return ControlType.PONG, Empty()
+    def on_ping(self, link: Link, correlation: int, body: Body) -> None:
+        self._outbox.reply(link, ControlType.PONG, Empty(), correlation)
 
-    def _drain(self, link: Link, body: Body) -> Answer:
+    def on_drain(self, link: Link, correlation: int, body: Body) -> None:
         """An operator asks for a drain; the broker drains and exits (as on SIGTERM)."""
         assert isinstance(body, Drain)
-        self.broker.request_drain(body.grace or None, requested_by=link)
-        return ControlType.OK, Empty()
+        self._request_drain(body.grace or None)
+        self._outbox.reply(link, ControlType.OK, Empty(), correlation)
 
-    def _guarantee(self, link: Link, body: Body) -> Answer:
-        """MEMBERS, GROUP_BIND, GROUP_END, WATCH, STREAM: answered (perhaps through another
-        broker) by meshbus.broker.guarantees and meshbus.broker.streams."""
-        self.broker.on_guarantee(link, self._ctype, self._correlation, body)
-        return None, None
-
-    def _bye(self, link: Link, body: Body) -> Answer:
+    def on_bye(self, link: Link, correlation: int, body: Body) -> None:
         link.close(CloseReason.CLIENT_BYE)
-        return None, None
 
     def _check_owned(self, link: Link, address: bytes, verb: str) -> None:
-        if self.broker.routing.owner(address) is not link:
+        if self._routing.owner(address) is not link:
             raise Refused(
                 ErrorCode.NOT_REGISTERED,
                 f"cannot {verb} {describe_address(address)}: this connector has not registered it",
@@ -312,38 +311,9 @@ class ControlHandler:
             )
 
 
-Answer = tuple[ControlType | None, Body | None]
-
-
 def _in_use(wanted: Unicast) -> Refused:
     return Refused(
         ErrorCode.ADDRESS_IN_USE,
         f"address {wanted} is already registered by another service; "
         "pick another instance id or register without one for a dynamic id",
     )
-
-
-_KNOWN = frozenset(int(t) for t in ControlType)
-# Requests that change the routing table: a connector that asked gets SYNCED after them.
-_CHANGES = frozenset(
-    int(t)
-    for t in (ControlType.REGISTER, ControlType.UNREGISTER, ControlType.JOIN, ControlType.LEAVE)
-)
-
-_HANDLERS = {
-    ControlType.HELLO: ControlHandler._hello,
-    ControlType.REGISTER: ControlHandler._register,
-    ControlType.UNREGISTER: ControlHandler._unregister,
-    ControlType.JOIN: ControlHandler._join,
-    ControlType.LEAVE: ControlHandler._leave,
-    ControlType.STAT: ControlHandler._stat,
-    ControlType.PING: ControlHandler._ping,
-    ControlType.BYE: ControlHandler._bye,
-    ControlType.DRAIN: ControlHandler._drain,
-    ControlType.MEMBERS: ControlHandler._guarantee,
-    ControlType.GROUP_BIND: ControlHandler._guarantee,
-    ControlType.GROUP_END: ControlHandler._guarantee,
-    ControlType.WATCH: ControlHandler._guarantee,
-    ControlType.STREAM: ControlHandler._guarantee,
-    ControlType.TRACE: ControlHandler._guarantee,
-}

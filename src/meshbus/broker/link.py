@@ -1,15 +1,7 @@
 """One link of the broker -- to a connector or to a peer broker -- and the hot path.
 
-Link states and the only transitions allowed between them:
-
-    AWAIT_HELLO   --HELLO ok (connector)-----------> OPEN      (a connector link)
-    AWAIT_HELLO   --HELLO ok (role broker)---------> OPEN      (a peer link, accepted)
-    AWAIT_WELCOME --WELCOME------------------------> OPEN      (a peer link, dialled)
-    AWAIT_HELLO   --anything else------------------> CLOSED    (NOT_HANDSHAKEN)
-    AWAIT_*       --refused (full, duplicate, ...)-> CLOSED    (REDIRECT, DUPLICATE_LINK, ...)
-    OPEN          --BYE / EOF / fatal error--------> CLOSED
-    OPEN (peer)   --no frame for N heartbeats------> CLOSED    (heartbeat-timeout)
-    any           --broker stops-------------------> CLOSED    (SHUTTING_DOWN)
+Its roles, states and transitions are written out in meshbus.broker.endpoint; every
+transition is a method here.
 
 The hot path (``Link._process``) forwards data frames as the bytes it read.
 It never decodes a payload: it reads the 40-byte routing key at the start of
@@ -44,26 +36,23 @@ tag (must be the one we gave that peer) guard it.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from meshbus.broker.forward import (
-    PLAIN,
-    Decision,
-    flush_run,
-    forward,
-    route_connector_frame,
-    route_peer_frame,
-)
+from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, LinkState, PeerInfo
+from meshbus.broker.forward import PLAIN, Decision, Forwarder
+from meshbus.broker.outbox import Outbox
+from meshbus.broker.routing import RoutingTable
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import FrameError, decode_body, encode_control, frame_extent
-from meshbus.protocol.control import Error
+from meshbus.protocol.control import Body, Error, Hello
+from meshbus.protocol.handshake import AcceptingHandshake, DiallingHandshake
 from meshbus.protocol.layout import KIND_CONTROL, ROUTING_KEY_SIZE, ControlType, ErrorCode
 
 if TYPE_CHECKING:
-    from meshbus.broker.server import Broker
+    from meshbus.broker.dispatch import ControlDispatch
 
 log = logging.getLogger("meshbus.broker")
 
@@ -76,55 +65,46 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 _MAX_DECISIONS = 4096
 
 
-class LinkState(enum.Enum):
-    AWAIT_HELLO = "await-hello"
-    AWAIT_WELCOME = "await-welcome"
-    OPEN = "open"
-    CLOSED = "closed"
+class Link(Endpoint, asyncio.BufferedProtocol):
+    """The broker's side of one TCP link: to a connector, an operator or a peer broker."""
 
-
-class CloseReason(enum.Enum):
-    """Why a link closed; logged, counted in ``stat``, and sent to the peer when it is an error."""
-
-    CLIENT_BYE = "client-bye"
-    CLIENT_EOF = "client-eof"
-    CONNECTION_LOST = "connection-lost"
-    PROTOCOL_ERROR = "protocol-error"
-    SLOW_CONSUMER = "slow-consumer"
-    BROKER_SHUTDOWN = "broker-shutdown"
-    REFUSED = "refused"  # redirected (full, joining, draining) or a broker name in use
-    DUPLICATE_LINK = "duplicate-link"
-    HEARTBEAT_TIMEOUT = "heartbeat-timeout"
-    PEER_BYE = "peer-bye"
-
-
-class Link(asyncio.BufferedProtocol):
-    """The broker's side of one link: to a connector, or (``is_peer``) to a peer broker."""
-
-    def __init__(self, broker: Broker, link_id: int, *, dialled: bool = False) -> None:
-        self.broker = broker
-        self.link_id = link_id
+    def __init__(
+        self,
+        link_id: int,
+        *,
+        routing: RoutingTable[Endpoint],
+        forwarder: Forwarder,
+        dispatch: ControlDispatch,
+        outbox: Outbox,
+        on_open: Callable[[Link], None],
+        on_close: Callable[[Link, CloseReason], None],
+        max_frame: int,
+        max_pending_bytes: int,
+        dialled: bool = False,
+    ) -> None:
+        """``on_open`` and ``on_close`` tell the broker the link is up, or gone (the
+        broker then does the ordered cleanup: docs/architecture.md)."""
+        super().__init__(link_id, LinkRole.HANDSHAKING, max_frame)
         self.state = LinkState.AWAIT_WELCOME if dialled else LinkState.AWAIT_HELLO
         self.dialled = dialled
-        self.peer = "?"
-        self.name = ""  # the connector's name, or the peer broker's
+        self.remote = "?"  # the other end's IP:port
         self.session = b""  # a connector's session (see meshbus.broker.routing)
-        self.operator = False  # an operator's link (stat, drain): not a connector
         self.wants_synced = False  # a connector that asked for SYNCED after each change
-        # Peer links only: the peer's advertised address and slot; the id we gave it
-        # (expected at offset 40 of its frames) and the id it gave us (stamped on ours).
-        self.is_peer = False
-        self.listen = ""
-        self.slot = 0
-        self.tag_in = link_id
-        self.tag_out = bytes(4)
-        self.heard = False  # any bytes since the last heartbeat check
-        self.misses = 0  # heartbeat intervals in a row without a frame
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
+        # The handshake (meshbus.protocol.handshake): an accepted link waits for HELLO;
+        # a dialled one gets its DiallingHandshake with the HELLO it sends (``dial``).
+        self.accepting = None if dialled else AcceptingHandshake()
+        self.dialling: DiallingHandshake | None = None
+        self._routing = routing
+        self._forwarder = forwarder
+        self._dispatch = dispatch
+        self._outbox = outbox
+        self._on_open = on_open
+        self._on_close = on_close
+        self._max_pending_bytes = max_pending_bytes
         self._blocked = False  # reading stopped until a pending REGISTER is decided
         self._eof = False  # our direction ended (half_close): nothing more may be written
         self.transport: asyncio.Transport | None = None
-        self.max_frame = broker.config.max_frame
         self._buf = bytearray(_READ_BUFFER)
         self._mv = memoryview(self._buf)
         self._start = 0
@@ -135,18 +115,40 @@ class Link(asyncio.BufferedProtocol):
         self._decisions_version = -1
         self._key = _NO_KEY
         self._key_total = 0
-        self._targets: tuple[Link, ...] = ()
-        self.msgs_in = 0
-        self.msgs_out = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-
-    @property
-    def closed(self) -> bool:
-        return self.state is LinkState.CLOSED
+        self._targets: tuple[Endpoint, ...] = ()
 
     def __repr__(self) -> str:
-        return f"<Link {self.link_id} {self.peer} {self.state.value}>"
+        return f"<Link {self.link_id} {self.role.value} {self.remote} {self.state.value}>"
+
+    # -- transitions (meshbus.broker.endpoint has the table) ----------------------
+
+    def dial(self, hello: Hello) -> None:
+        """Start the handshake of a link this broker dialled: send its HELLO."""
+        self.dialling = DiallingHandshake(hello)
+        self.send(self.dialling.hello())
+
+    def open_as_connector(
+        self, name: str, session: bytes, max_frame: int, wants_synced: bool
+    ) -> None:
+        self._opening(LinkRole.CONNECTOR, name, max_frame)
+        self.session = session
+        self.wants_synced = wants_synced
+
+    def open_as_operator(self, name: str, max_frame: int) -> None:
+        self._opening(LinkRole.OPERATOR, name, max_frame)
+
+    def open_as_peer(self, name: str, info: PeerInfo, max_frame: int) -> None:
+        self._opening(LinkRole.PEER, name, max_frame)
+        self.peer = info
+        self.is_peer = True
+
+    def _opening(self, role: LinkRole, name: str, max_frame: int) -> None:
+        if self.role is not LinkRole.HANDSHAKING or self.state is LinkState.CLOSED:
+            raise RuntimeError(f"{self!r} cannot open as {role.value}")
+        self.role = role
+        self.state = LinkState.OPEN
+        self.name = name
+        self.max_frame = max_frame
 
     # -- asyncio callbacks ------------------------------------------------
 
@@ -155,11 +157,11 @@ class Link(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
         # Unsent output past this is a slow consumer (see pause_writing); the transport
         # checks it on every write at no cost to the hot path.
-        high = self.broker.config.max_pending_bytes
+        high = self._max_pending_bytes
         self.transport.set_write_buffer_limits(high=high, low=high // 2)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self.broker.link_opened(self)
+        remote = transport.get_extra_info("peername")
+        self.remote = f"{remote[0]}:{remote[1]}" if remote else "?"
+        self._on_open(self)
 
     def queued_bytes(self) -> int:
         """Output written to this link that the socket has not taken yet."""
@@ -173,7 +175,9 @@ class Link(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
         self.bytes_in += nbytes
-        self.heard = True
+        peer = self.peer
+        if peer is not None:
+            peer.heard = True
         if not self._blocked:
             self._process()
 
@@ -228,7 +232,7 @@ class Link(asyncio.BufferedProtocol):
         asyncio.get_running_loop().call_soon(
             self.fail,
             ErrorCode.SLOW_CONSUMER,
-            f"slow consumer: more than {self.broker.config.max_pending_bytes} bytes "
+            f"slow consumer: more than {self._max_pending_bytes} bytes "
             "waiting to be written to this link",
             CloseReason.SLOW_CONSUMER,
         )
@@ -243,12 +247,14 @@ class Link(asyncio.BufferedProtocol):
         mv = self._mv
         end = self._end
         pos = self._start
-        broker = self.broker
+        routing = self._routing
+        forwarder = self._forwarder
+        flush_run = forwarder.flush_run
         decisions = self._decisions
-        if self._decisions_version != broker.routing.version:
+        if self._decisions_version != routing.version:
             decisions.clear()
             self._key = _NO_KEY
-            self._decisions_version = broker.routing.version
+            self._decisions_version = routing.version
         key = self._key
         key_total = self._key_total
         targets = self._targets
@@ -267,23 +273,23 @@ class Link(asyncio.BufferedProtocol):
                 if end - pos >= ROUTING_KEY_SIZE:
                     (seen,) = _unpack_key(buf, pos)
                     hit = decisions.get(seen)
-                    if hit is not None and pos + hit[0] <= end:
-                        if hit[2] is not PLAIN:
+                    if hit is not None and pos + hit.size <= end:
+                        if hit.carry is not PLAIN:
                             # A request or response: its own pending-table work, no run.
                             if run_frames:
                                 flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                                 run_frames = 0
                             key = _NO_KEY
-                            forward(self, hit, pos)
-                            pos += hit[0]
+                            forwarder.forward(self, hit, buf, mv, pos)
+                            pos += hit.size
                             run_start = pos
                             continue
                         key = seen
-                        key_total = hit[0]
-                        if hit[1] != targets or not run_frames:
+                        key_total = hit.size
+                        if hit.targets != targets or not run_frames:
                             if run_frames:
                                 flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
-                            targets = hit[1]
+                            targets = hit.targets
                             run_start = pos
                             run_frames = 0
                             run_size = key_total
@@ -302,34 +308,34 @@ class Link(asyncio.BufferedProtocol):
                     break
                 if buf[pos + 4] == KIND_CONTROL:
                     self._on_control(bytes(buf[pos : pos + total]))
-                    if self._decisions_version != broker.routing.version:
+                    if self._decisions_version != routing.version:
                         decisions.clear()
-                        self._decisions_version = broker.routing.version
+                        self._decisions_version = routing.version
                 elif self.state is not LinkState.OPEN:
                     raise FrameError(
                         ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"
                     )
                 else:
                     decided = (
-                        route_peer_frame(self, buf, mv, pos, total)
+                        forwarder.route_peer_frame(self, buf, mv, pos, total)
                         if self.is_peer
-                        else route_connector_frame(self, buf, mv, pos, total)
+                        else forwarder.route_connector_frame(self, buf, mv, pos, total)
                     )
                     if decided is not None:
                         (seen,) = _unpack_key(buf, pos)
                         if len(decisions) >= _MAX_DECISIONS:
                             decisions.clear()
                         decisions[seen] = decided
-                        if decided[2] is PLAIN:
+                        if decided.carry is PLAIN:
                             # This frame opens a run, flushed with the frames that follow it.
                             key = seen
                             key_total = run_size = total
-                            targets = decided[1]
+                            targets = decided.targets
                             run_start = pos
                             pos += total
                             run_frames = 1
                             continue
-                        forward(self, decided, pos)
+                        forwarder.forward(self, decided, buf, mv, pos)
                 pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED or self._blocked:
@@ -345,40 +351,41 @@ class Link(asyncio.BufferedProtocol):
         self._start = pos
         if pos == end:
             self._start = self._end = 0
-        broker.flush_outbox()
+        self._outbox.flush()
 
     def _on_control(self, frame: bytes) -> None:
         ctype = int.from_bytes(frame[6:8], "big")
         correlation = int.from_bytes(frame[8:12], "big")
-        body = decode_body(ctype, frame[12:])
-        if self.state is LinkState.AWAIT_HELLO and ctype != ControlType.HELLO:
-            raise FrameError(ErrorCode.NOT_HANDSHAKEN, "the first frame on a link must be HELLO")
-        if self.is_peer or self.state is LinkState.AWAIT_WELCOME:
-            self.broker.mesh.on_peer_control(self, ctype, correlation, body)
-        else:
-            self.broker.control.handle(self, ctype, correlation, body)
+        body: Body | None = decode_body(ctype, frame[12:])
+        self._dispatch.handle(self, ctype, correlation, body)
 
     # -- closing ---------------------------------------------------------------
 
-    def fail(
-        self, code: ErrorCode, message: str, reason: CloseReason, *, redirect: str = ""
-    ) -> None:
+    def fail(self, code: ErrorCode, message: str, reason: CloseReason) -> None:
         """Tell the peer what went wrong in an ERROR frame, then close the link.
 
         A slow consumer is aborted instead: its output is what is stuck, so a
         graceful close would wait on exactly the bytes it does not read."""
+        self.close_with(
+            encode_control(ControlType.ERROR, Error(code=int(code), message=message)),
+            reason,
+            message,
+        )
+
+    def close_with(self, last: bytes, reason: CloseReason, why: str) -> None:
+        """Write what is queued for this link, then ``last`` (an ERROR frame), then close."""
         if self.state is LinkState.CLOSED:
             return
         log.info(
             "closing link",
             extra={
                 "link": self.link_id,
-                "peer": self.peer,
+                "remote": self.remote,
                 "reason": reason.value,
-                "error": message,
+                "error": why,
             },
         )
-        self.broker.flush_outbox()
+        self._outbox.flush()
         transport = self.transport
         self._closed(reason)
         if transport is None:
@@ -389,11 +396,7 @@ class Link(asyncio.BufferedProtocol):
         if self._eof:
             transport.close()  # we already said goodbye; nothing more may be written
             return
-        transport.write(
-            encode_control(
-                ControlType.ERROR, Error(code=int(code), message=message, redirect=redirect)
-            )
-        )
+        transport.write(last)
         transport.close()
 
     def half_close(self) -> None:
@@ -413,7 +416,7 @@ class Link(asyncio.BufferedProtocol):
 
     def _closed(self, reason: CloseReason) -> None:
         self.state = LinkState.CLOSED
-        self.broker.link_closed(self, reason)
+        self._on_close(self, reason)
 
     def _make_room(self) -> None:
         """Called when under _MIN_READ bytes are free: move the unread tail to the front,

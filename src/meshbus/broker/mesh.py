@@ -1,6 +1,6 @@
 """The mesh: this broker's links to its peers, and the life of the mesh over time.
 
-Membership (ARCHITECTURE.md section 5; docs/mesh.md has the long form):
+Membership (docs/mesh.md has the long form):
 
 * **Join** (the seed patent's steps): link to a seed, learn the broker list, link
   to every broker, claim a dynamic-id slot, take every peer's table
@@ -17,7 +17,10 @@ Membership (ARCHITECTURE.md section 5; docs/mesh.md has the long form):
 * **Drain**: take no connector, tell the peers, move every connector to the
   broker with the most room, wait up to the grace period.
 
-Moving connectors -- for a newcomer or a drain -- is meshbus.broker.moves.
+Moving connectors -- for a newcomer or a drain -- is meshbus.broker.moves. What the
+broker does when a peer's link closes (its routes, claims, relayed requests and
+streams go) is the broker's ordered cleanup (meshbus.broker.server); the mesh
+only forgets the peer and counts a crash.
 """
 
 from __future__ import annotations
@@ -25,15 +28,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from meshbus.broker.balance import incoming_link_wins
-from meshbus.broker.guarantees import PEER_FRAMES
-from meshbus.broker.link import CloseReason, Link, LinkState
+from meshbus.broker.balance import incoming_link_wins, redirect_target
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
+from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
+from meshbus.broker.outbox import Outbox
+from meshbus.broker.registry import LinkRegistry, Peers
+from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sync import RouteSync
-from meshbus.protocol.codec import describe, encode_control
+from meshbus.errors import MeshbusError
+from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     ROLE_BROKER,
     Body,
@@ -47,11 +55,9 @@ from meshbus.protocol.control import (
     Ready,
     Welcome,
 )
-from meshbus.protocol.layout import MIN_MAX_FRAME, ControlType, ErrorCode
-from meshbus.util import parse_hostport
-
-if TYPE_CHECKING:
-    from meshbus.broker.server import Broker
+from meshbus.protocol.handshake import Refused, Welcomed, negotiated_max_frame
+from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.broker")
 
@@ -67,8 +73,17 @@ _GRACEFUL = frozenset(
 )
 
 
-class JoinFailed(Exception):
+class MeshJoinError(MeshbusError):
     """The broker could not join the mesh through any of its seeds."""
+
+
+# Opens a TCP link to HOST:PORT for the link the factory makes: (host, port, factory).
+Dialer = Callable[[str, int, Callable[[], Link]], Awaitable[Link]]
+
+
+async def dial_tcp(host: str, port: int, new_link: Callable[[], Link]) -> Link:
+    _, link = await asyncio.get_running_loop().create_connection(new_link, host, port)
+    return link
 
 
 @dataclass
@@ -80,10 +95,38 @@ class MeshStats:
 
 
 class Mesh:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self.config = broker.config
-        self.peers: dict[str, Link] = {}  # open peer links, by broker name
+    def __init__(
+        self,
+        *,
+        config: BrokerConfig,
+        clock: Callable[[], float],
+        peers: Peers,
+        links: LinkRegistry,
+        routing: RoutingTable[Endpoint],
+        sync: RouteSync,
+        outbox: Outbox,
+        new_peer_link: Callable[[], Link],
+        greet_peer: Callable[[Link], None],
+        on_ready: Callable[[], None],
+        hosted_streams: Callable[[], list[str]],
+        dialer: Dialer = dial_tcp,
+    ) -> None:
+        """``new_peer_link`` makes the link for a broker this one dials; ``greet_peer``
+        sends a newly linked peer what it must know first (routes, group bindings);
+        ``on_ready`` runs once the broker takes connectors; ``hosted_streams`` are
+        announced in LOAD."""
+        self.config = config
+        self._clock = clock
+        self.peers = peers
+        self._links = links
+        self._routing = routing
+        self._sync = sync
+        self._outbox = outbox
+        self._new_peer_link = new_peer_link
+        self._greet_peer = greet_peer
+        self._on_ready = on_ready
+        self._hosted_streams = hosted_streams
+        self._dialer = dialer
         # Every other broker we know of: from its handshake, its LOAD frames and gossip.
         self.known: dict[str, BrokerInfo] = {}
         self.stats = MeshStats()
@@ -94,13 +137,11 @@ class Mesh:
         self._dial_failed: dict[str, float] = {}  # address -> when
         self._lists_scheduled = False
         self._pushed: tuple[str, ...] = ()
-        self._snapshot_pending: set[Link] = set()
-        self._snapshots_done = asyncio.Event()
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
-        self.moves = Moves(self)
+        self.moves = Moves(clock, links, self.stats)
         self._leaving: dict[Link, asyncio.Future[None]] = {}  # peers told BYE, not yet closed
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = BackgroundTasks()
 
     # -- identity and capacity ------------------------------------------------------
 
@@ -112,16 +153,16 @@ class Mesh:
     def capacity(self) -> int:
         """The current connector limit: raised for a while after a peer crashed."""
         limit = self.config.max_connectors
-        if self.broker.clock() < self._boost_until:
+        if self._clock() < self._boost_until:
             return math.ceil(limit * self.config.capacity_boost)
         return limit
 
     def self_state(self) -> BrokerInfo:
         return BrokerInfo(
             name=self.name,
-            address=self.broker.advertised,
-            slot=self.broker.routing.slot,
-            connectors=len(self.broker.connectors),
+            address=self.config.advertise,
+            slot=self._routing.slot,
+            connectors=len(self._links.connectors),
             capacity=self.capacity,
             ready=self.ready,
             draining=self.draining,
@@ -139,19 +180,14 @@ class Mesh:
 
     # -- start: a new mesh, or a join through seeds ------------------------------------
 
-    def start(self) -> None:
-        self.broker.sync.claims.me = self.name
-        self._spawn(self._heartbeats(), "mesh-heartbeats")
-
     def found(self) -> None:
         """Start a new mesh of one: slot 1, ready at once."""
-        self.broker.routing.slot = self.config.slot
+        self._routing.slot = self.config.slot
         self._became_ready()
 
     def _became_ready(self) -> None:
         self.ready = True
-        self.broker.streams.restore()
-        self.broker.telemetry.start()
+        self._on_ready()
         # Connectors get the list in WELCOME from now on; only changes are pushed.
         self._pushed = self._connector_addresses()
 
@@ -166,7 +202,7 @@ class Mesh:
                     break
             else:
                 if loop.time() >= deadline:
-                    raise JoinFailed(
+                    raise MeshJoinError(
                         "could not join the mesh: no seed answered ("
                         + ", ".join(seeds)
                         + "); is a broker running there?"
@@ -176,17 +212,17 @@ class Mesh:
         try:
             await asyncio.wait_for(self._gossip.wait(), max(0.1, deadline - loop.time()))
         except TimeoutError:
-            raise JoinFailed("the seed did not send the broker list") from None
+            raise MeshJoinError("the seed did not send the broker list") from None
         others = [
             s.address for s in self.known.values() if s.name not in self.peers and not s.draining
         ]
         await asyncio.gather(*(self.dial(address) for address in others))
         known_slots = {s.slot for s in self.known.values()}
-        self.broker.routing.slot = await self.broker.sync.claim_slot(known_slots, self.name)
+        self._routing.slot = await self._sync.claim_slot(known_slots, self.name)
         try:
-            await asyncio.wait_for(self._snapshots_done.wait(), max(0.1, deadline - loop.time()))
+            await asyncio.wait_for(self._sync.wait_snapshots(), max(0.1, deadline - loop.time()))
         except TimeoutError:
-            raise JoinFailed("peers did not send their routing tables in time") from None
+            raise MeshJoinError("peers did not send their routing tables in time") from None
         self._became_ready()
         counts = {s.name: s.connectors for s in self.brokers() if not s.draining}
         self._send_all(ControlType.READY, Ready(counts=counts))
@@ -197,36 +233,33 @@ class Mesh:
 
     async def dial(self, address: str, expected: str = "") -> bool:
         """Link to the broker at ``address``; True once the link is open (or was already)."""
-        if address == self.broker.advertised or address in self._dialling:
+        if address == self.config.advertise or address in self._dialling:
             return False
-        if any(link.listen == address for link in self.peers.values()):
+        if any(
+            link.peer is not None and link.peer.listen == address for link in self.peers.links()
+        ):
             return True
         loop = asyncio.get_running_loop()
         self._dialling[address] = expected
         try:
             host, port = parse_hostport(address)
             async with asyncio.timeout(_DIAL_TIMEOUT):
-                _, link = await loop.create_connection(
-                    lambda: Link(self.broker, self.broker.next_link_id(), dialled=True), host, port
-                )
+                link = await self._dialer(host, port, self._new_peer_link)
                 opened: asyncio.Future[bool] = loop.create_future()
                 self._dial_waiters[link] = opened
-                link.send(
-                    encode_control(
-                        ControlType.HELLO,
-                        Hello(
-                            role=ROLE_BROKER,
-                            name=self.name,
-                            max_frame=self.config.max_frame,
-                            listen=self.broker.advertised,
-                            slot=self.broker.routing.slot,
-                            tag=link.tag_in,
-                        ),
+                link.dial(
+                    Hello(
+                        role=ROLE_BROKER,
+                        name=self.name,
+                        max_frame=self.config.max_frame,
+                        listen=self.config.advertise,
+                        slot=self._routing.slot,
+                        tag=link.link_id,
                     )
                 )
                 return await opened
         except (OSError, TimeoutError, ValueError) as exc:
-            self._dial_failed[address] = loop.time()
+            self._dial_failed[address] = self._clock()
             for name, info in list(self.known.items()):
                 if info.address == address and name not in self.peers:
                     del self.known[name]  # heard of, but not there
@@ -235,7 +268,7 @@ class Mesh:
         finally:
             self._dialling.pop(address, None)
 
-    def accept_peer(self, link: Link, hello: Hello, correlation: int) -> Error | None:
+    def accept_peer(self, link: Link, hello: Hello) -> Error | None:
         """HELLO from a dialling broker: the duplicate-link rule, then WELCOME (sent here,
         before the route snapshot that follows it), or the Error to refuse it with."""
         name = hello.name
@@ -260,17 +293,26 @@ class Mesh:
         elif mine is not None:
             # It dialled again: it lost the old link, even if we have not noticed yet.
             mine.close(CloseReason.DUPLICATE_LINK)
-        max_frame = max(MIN_MAX_FRAME, min(hello.max_frame, self.config.max_frame))
+        max_frame = negotiated_max_frame(hello.max_frame, self.config.max_frame)
         welcome = Welcome(
             broker=self.name,
-            slot=self.broker.routing.slot,
+            slot=self._routing.slot,
             max_frame=max_frame,
-            listen=self.broker.advertised,
-            tag=link.tag_in,
+            listen=self.config.advertise,
+            tag=link.link_id,
         )
-        link.send(encode_control(ControlType.WELCOME, welcome, correlation))
+        assert link.accepting is not None
+        link.send(link.accepting.welcome(welcome))
         self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, max_frame)
         return None
+
+    def on_answer(self, link: Link, answer: Welcomed | Refused) -> None:
+        """The answer to the HELLO of a link this broker dialled."""
+        if isinstance(answer, Welcomed):
+            self._welcomed(link, answer.welcome)
+            return
+        log.info("a broker refused our link", extra={"code": answer.code, "error": answer.message})
+        link.close(CloseReason.REFUSED)
 
     def _welcomed(self, link: Link, welcome: Welcome) -> None:
         """WELCOME on a link this broker dialled."""
@@ -292,85 +334,46 @@ class Mesh:
             )
         waiter = self._dial_waiters.pop(link, None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(link.state is LinkState.OPEN)
+            waiter.set_result(link.is_peer)
 
     def _open_peer(
         self, link: Link, name: str, listen: str, slot: int, tag: int, max_frame: int
     ) -> None:
-        link.state = LinkState.OPEN
-        link.is_peer = True
-        link.name = name
-        link.listen = listen
-        link.slot = slot
-        link.tag_out = tag.to_bytes(4, "big")
-        link.max_frame = max(MIN_MAX_FRAME, min(max_frame, self.config.max_frame))
+        info = PeerInfo(
+            listen=listen, slot=slot, tag_in=link.link_id, tag_out=tag.to_bytes(4, "big")
+        )
+        link.open_as_peer(name, info, negotiated_max_frame(max_frame, self.config.max_frame))
         state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))
         state.address = listen
         state.slot = slot
-        self.broker.sync.send_snapshot(link)
-        self.broker.guarantees.send_groups(link)
-        self.peers[name] = link
+        self._greet_peer(link)
+        self.peers.add(link)
         link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self.brokers())))
         link.send(encode_control(ControlType.LOAD, self._load()))
         if not self.ready:
-            self._snapshot_pending.add(link)
-            self._snapshots_done.clear()
+            self._sync.expect_snapshot(link)
         self.lists_changed()
         log.info("peer linked", extra={"peer": name, "address": listen, "link": link.link_id})
 
     # -- frames from peers --------------------------------------------------------------------
 
-    def on_peer_control(self, link: Link, ctype: int, correlation: int, body: Body | None) -> None:
-        if link.state is LinkState.AWAIT_WELCOME:
-            if isinstance(body, Welcome) and ctype == ControlType.WELCOME:
-                self._welcomed(link, body)
-            elif isinstance(body, Error):
-                log.info(
-                    "a broker refused our link", extra={"code": body.code, "error": body.message}
-                )
-                link.close(CloseReason.REFUSED)
-            else:
-                link.fail(ErrorCode.PROTOCOL_ERROR, "expected WELCOME", CloseReason.PROTOCOL_ERROR)
-            return
-        if body is not None:
-            if ctype in PEER_FRAMES:
-                self.broker.on_guarantee(link, ctype, correlation, body)
-                return
-            if (handler := _MESH_HANDLERS.get(ctype)) is not None:
-                handler(self, link, correlation, body)
-                return
-            if (synced := _SYNC_HANDLERS.get(ctype)) is not None:
-                synced(self.broker.sync, link, correlation, body)
-                return
-        log.warning("unexpected control frame from a peer", extra={"type": describe(ctype)})
-
-    def snapshot_received(self, link: Link) -> None:
-        """A peer's whole table has arrived (or the peer is gone): a joining broker waits
-        for every peer's."""
-        if link in self._snapshot_pending:
-            self._snapshot_pending.discard(link)
-            if not self._snapshot_pending:
-                self._snapshots_done.set()
-
-    def _on_load(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Load)
+    def on_load(self, link: Link, body: Load) -> None:
         state = self.known.get(link.name)
-        if state is None:
+        if state is None or link.peer is None:
             return
         changed = (state.ready, state.draining) != (body.ready, body.draining)
         state.connectors = body.connectors
         state.capacity = body.capacity
         state.ready = body.ready
         state.draining = body.draining
-        state.slot = link.slot = body.slot
-        self.broker.streams.peer_streams(link, body.streams)
+        state.slot = link.peer.slot = body.slot
         if changed:
             self.lists_changed()
 
-    def _on_brokers(self, link: Link, correlation: int, body: Body) -> None:
+    def on_brokers(self, link: Link, correlation: int, body: Body) -> None:
         """Gossip: link to every broker we hear of and are not linked to."""
         assert isinstance(body, Brokers)
-        now = self.broker.clock()
+        now = self._clock()
         for info in body.brokers:
             if info.name == self.name or info.name in self.peers:
                 continue
@@ -383,10 +386,10 @@ class Mesh:
                 and not self.draining
                 and (failed is None or now - failed > _DIAL_COOLDOWN)
             ):
-                self._spawn(self.dial(info.address, info.name), f"dial-{info.name}")
+                self._tasks.spawn(self.dial(info.address, info.name), f"dial-{info.name}")
         self._gossip.set()
 
-    def _on_ready(self, link: Link, correlation: int, body: Body) -> None:
+    def on_ready(self, link: Link, correlation: int, body: Body) -> None:
         """A broker joined: hand it our share of connectors (the seed's join step)."""
         assert isinstance(body, Ready)
         state = self.known.get(link.name)
@@ -394,22 +397,39 @@ class Mesh:
             state.ready = True
         self.lists_changed()
         if not self.draining:
-            self.moves.share_with(link, body.counts)
+            self.moves.share_with(link, body.counts, self.name)
 
-    def _on_draining(self, link: Link, correlation: int, body: Body) -> None:
+    def on_draining(self, link: Link, correlation: int, body: Body) -> None:
         state = self.known.get(link.name)
         if state is not None:
             state.draining = True
         self.lists_changed()
 
-    def _on_bye(self, link: Link, correlation: int, body: Body) -> None:
+    def on_bye(self, link: Link, correlation: int, body: Body) -> None:
         link.close(CloseReason.PEER_BYE)
 
-    def _on_ping(self, link: Link, correlation: int, body: Body) -> None:
-        self.broker.reply(link, ControlType.PONG, Empty(), correlation)
+    def on_ping(self, link: Link, correlation: int, body: Body) -> None:
+        self._outbox.reply(link, ControlType.PONG, Empty(), correlation)
 
-    def _ignore(self, link: Link, correlation: int, body: Body) -> None:
-        pass
+    def on_pong(self, link: Link, correlation: int, body: Body) -> None:
+        pass  # a peer's answer to our PING: hearing it is all it is for
+
+    # -- taking connectors ---------------------------------------------------------
+
+    def refusal(self, connectors: int) -> str:
+        """Why a new connector is refused now (with ``connectors`` linked), or "" if it is
+        welcome."""
+        if self.draining:
+            return f"broker {self.name} is draining"
+        if not self.ready:
+            return f"broker {self.name} is still joining the mesh"
+        if connectors >= self.capacity:
+            return f"broker {self.name} is full ({self.capacity} connectors)"
+        return ""
+
+    def redirect(self) -> str:
+        """A broker with room for a connector this one refuses."""
+        return redirect_target(self.brokers(), exclude=self.name)
 
     # -- broker lists and load --------------------------------------------------------------------
 
@@ -436,7 +456,7 @@ class Mesh:
         if addresses != self._pushed:
             self._pushed = addresses
             frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
-            for connector in self.broker.connectors:
+            for connector in self._links.connectors:
                 connector.send(frame)
 
     def _load(self) -> Load:
@@ -447,7 +467,7 @@ class Mesh:
             slot=s.slot,
             ready=s.ready,
             draining=s.draining,
-            streams=self.broker.streams.names(),
+            streams=self._hosted_streams(),
         )
 
     def load_changed(self) -> None:
@@ -456,9 +476,7 @@ class Mesh:
 
     def _send_all(self, type_: ControlType, body: Body) -> None:
         if self.peers:
-            frame = encode_control(type_, body)
-            for link in self.peers.values():
-                link.send(frame)
+            self.peers.send_all(encode_control(type_, body))
 
     def connector_left(self) -> None:
         self.lists_changed()
@@ -466,22 +484,18 @@ class Mesh:
 
     # -- losing a peer ----------------------------------------------------------------------------
 
-    def peer_lost(self, link: Link, reason: CloseReason) -> None:
+    def link_closed(self, link: Link, reason: CloseReason) -> bool:
+        """A link closed: True if it was the open link to a peer broker, which is then
+        forgotten (a crash, unless it said goodbye or was draining, raises capacity)."""
         leaving = self._leaving.pop(link, None)
         if leaving is not None and not leaving.done():
             leaving.set_result(None)
         waiter = self._dial_waiters.pop(link, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(False)
-        self.snapshot_received(link)
-        if not link.is_peer or self.peers.get(link.name) is not link:
-            return  # never opened, or a duplicate that lost
-        del self.peers[link.name]
+        if not link.is_peer or not self.peers.remove(link):
+            return False  # never opened, or a duplicate that lost
         self.stats.peers_lost += 1
-        self.broker.sync.peer_lost(link)
-        reason_text = f"broker {link.name}, which had it, left the mesh while the request was out"
-        for entry in self.broker.pending.drop_via(link):
-            self.broker.tell_requester(entry, ControlType.NO_ROUTE, reason_text)
         state = self.known.pop(link.name, None)
         # A peer we said goodbye to, or that announced its drain, is leaving, whatever
         # way its link ends.
@@ -490,34 +504,34 @@ class Mesh:
         )
         if not graceful:
             self.stats.peers_crashed += 1
-            self._boost_until = self.broker.clock() + self.config.boost_window
+            self._boost_until = self._clock() + self.config.boost_window
             log.warning(
                 "peer broker lost; its services are withdrawn",
                 extra={"peer": link.name, "reason": reason.value, "capacity": self.capacity},
             )
         self.lists_changed()
+        return True
 
     # -- heartbeats -----------------------------------------------------------------------------
 
-    async def _heartbeats(self) -> None:
-        interval = self.config.heartbeat_interval
-        while True:
-            await asyncio.sleep(interval)
-            for link in list(self.peers.values()):
-                if link.heard:
-                    link.heard = False
-                    link.misses = 0
-                else:
-                    link.misses += 1
-                    if link.misses >= self.config.heartbeat_misses:
-                        link.fail(
-                            ErrorCode.PROTOCOL_ERROR,
-                            f"no frame for {link.misses} heartbeat intervals",
-                            CloseReason.HEARTBEAT_TIMEOUT,
-                        )
-            self._send_all(ControlType.LOAD, self._load())
-            self.broker.guarantees.expire()
-            self.broker.streams.expire()
+    def heartbeat(self) -> None:
+        """Once per ``heartbeat_interval``: a peer silent for ``heartbeat_misses``
+        intervals is dead; every peer gets our LOAD (which is our heartbeat)."""
+        for link in self.peers.links():
+            peer = link.peer
+            assert peer is not None
+            if peer.heard:
+                peer.heard = False
+                peer.misses = 0
+            else:
+                peer.misses += 1
+                if peer.misses >= self.config.heartbeat_misses:
+                    link.fail(
+                        ErrorCode.PROTOCOL_ERROR,
+                        f"no frame for {peer.misses} heartbeat intervals",
+                        CloseReason.HEARTBEAT_TIMEOUT,
+                    )
+        self._send_all(ControlType.LOAD, self._load())
 
     # -- drain and stop -------------------------------------------------------------------------
 
@@ -529,7 +543,7 @@ class Mesh:
         self.draining = True
         self._send_all(ControlType.DRAINING, Empty())
         self.lists_changed()
-        await self.moves.move_all(grace)
+        await self.moves.move_all(self.name, self.brokers(), grace)
 
     async def stop(self) -> None:
         """Say goodbye to every peer and stop the background work.
@@ -538,9 +552,9 @@ class Mesh:
         closing at once, with the peer's heartbeats still unread here, makes the kernel
         reset the connection, and a reset can destroy the BYE before the peer reads it
         -- the peer would then take a clean stop for a crash."""
-        self.broker.sync.flush_ops()
+        self._sync.flush_ops()
         frame = encode_control(ControlType.BYE, Bye(reason=f"broker {self.name} stopping"))
-        links = list(self.peers.values())
+        links = self.peers.links()
         loop = asyncio.get_running_loop()
         for link in links:
             self._leaving[link] = loop.create_future()
@@ -550,31 +564,4 @@ class Mesh:
             await asyncio.wait(self._leaving.values(), timeout=_BYE_TIMEOUT)
         for link in links:
             link.close(CloseReason.BROKER_SHUTDOWN)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-_MESH_HANDLERS = {
-    int(ControlType.LOAD): Mesh._on_load,
-    int(ControlType.BROKERS): Mesh._on_brokers,
-    int(ControlType.READY): Mesh._on_ready,
-    int(ControlType.DRAINING): Mesh._on_draining,
-    int(ControlType.BYE): Mesh._on_bye,
-    int(ControlType.PING): Mesh._on_ping,
-    int(ControlType.PONG): Mesh._ignore,
-}
-_SYNC_HANDLERS = {
-    int(ControlType.ROUTES): RouteSync.on_routes,
-    int(ControlType.CLAIM): RouteSync.on_claim,
-    int(ControlType.RELEASE): RouteSync.on_release,
-    int(ControlType.OK): RouteSync.on_answer,
-    int(ControlType.ERROR): RouteSync.on_answer,
-    int(ControlType.NO_ROUTE): RouteSync.on_delivery_failure,
-    int(ControlType.ROUTED): RouteSync.on_routed,
-}
+        await self._tasks.cancel()

@@ -11,60 +11,64 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
-from meshbus.broker.balance import excess, spread_moves
+from meshbus.broker.balance import Candidate, excess, spread_moves
 from meshbus.broker.link import Link
+from meshbus.broker.registry import LinkRegistry
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import Move
 from meshbus.protocol.layout import ControlType
-
-if TYPE_CHECKING:
-    from meshbus.broker.mesh import Mesh
 
 log = logging.getLogger("meshbus.broker")
 
 _MOVE_TIMEOUT = 10.0
 
 
+class MoveCounter(Protocol):
+    moves_sent: int
+
+
 class Moves:
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, clock: Callable[[], float], links: LinkRegistry, stats: MoveCounter) -> None:
+        self._clock = clock
+        self._links = links
+        self._stats = stats
         self._all_moved = asyncio.Event()  # set when the last connector told to move has left
 
     def moving(self, connector: Link) -> bool:
         """Told to MOVE and not gone yet (nor given up on)."""
         sent = connector.move_sent
-        return sent > 0 and self.mesh.broker.clock() - sent < _MOVE_TIMEOUT
+        return sent > 0 and self._clock() - sent < _MOVE_TIMEOUT
 
     def move(self, connector: Link, address: str, reason: str) -> None:
-        connector.move_sent = self.mesh.broker.clock()
-        self.mesh.stats.moves_sent += 1
+        connector.move_sent = self._clock()
+        self._stats.moves_sent += 1
         connector.send(encode_control(ControlType.MOVE, Move(address=address, reason=reason)))
 
     def connector_left(self) -> None:
-        if not any(self.moving(c) for c in self.mesh.broker.connectors):
+        if not any(self.moving(c) for c in self._links.connectors):
             self._all_moved.set()
 
-    def share_with(self, newcomer: Link, counts: dict[str, int]) -> None:
+    def share_with(self, newcomer: Link, counts: dict[str, int], me: str) -> None:
         """A broker joined with these connector counts: move it our excess, the newest
         connectors first (the ones that have been here least)."""
-        mesh = self.mesh
-        count = excess(counts, newcomer.name, mesh.name)
-        movable = [c for c in mesh.broker.connectors if not self.moving(c)]
+        assert newcomer.peer is not None
+        count = excess(counts, newcomer.name, me)
+        movable = [c for c in self._links.connectors if not self.moving(c)]
         for connector in sorted(movable, key=lambda c: -c.link_id)[:count]:
-            self.move(connector, newcomer.listen, f"rebalance: {newcomer.name} joined")
+            self.move(connector, newcomer.peer.listen, f"rebalance: {newcomer.name} joined")
         if count:
             log.info("rebalancing", extra={"to": newcomer.name, "connectors": count})
 
-    async def move_all(self, grace: float) -> None:
-        """Spread every connector over the other brokers, by their room; wait until they
-        have left or ``grace`` seconds passed."""
-        mesh = self.mesh
-        connectors = sorted(mesh.broker.connectors, key=lambda c: c.link_id)
-        targets = spread_moves(len(connectors), mesh.brokers(), exclude=mesh.name)
+    async def move_all(self, me: str, brokers: Iterable[Candidate], grace: float) -> None:
+        """Spread every connector over ``brokers`` but this one (``me``), by their room;
+        wait until they have left or ``grace`` seconds passed."""
+        connectors = sorted(self._links.connectors, key=lambda c: c.link_id)
+        targets = spread_moves(len(connectors), brokers, exclude=me)
         for connector, address in zip(connectors, targets, strict=False):
-            self.move(connector, address, f"broker {mesh.name} is draining")
+            self.move(connector, address, f"broker {me} is draining")
         if not targets:
             return
         self._all_moved.clear()
@@ -72,4 +76,4 @@ class Moves:
             await asyncio.wait_for(self._all_moved.wait(), grace)
         except TimeoutError:
             pass
-        log.info("drained", extra={"moved": len(targets), "left": len(mesh.broker.connectors)})
+        log.info("drained", extra={"moved": len(targets), "left": len(self._links.connectors)})

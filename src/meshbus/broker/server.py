@@ -1,6 +1,9 @@
-"""The broker daemon: owns the links, the routing and pending tables, the mesh and the timers.
+"""The broker: where its parts are built and wired, and where start, stop, drain and the
+ordered cleanup of a closed link live.
 
-Everything here runs on one event loop thread and never awaits inside frame
+Every part takes in its constructor the parts it uses, and nothing else; the
+broker is the only place that sees them all (docs/architecture.md draws them).
+Everything runs on one event loop thread and never awaits inside frame
 handling, so a routing change made by a control frame is visible to the very
 next frame of the same read -- that is what keeps a REGISTER followed by a send
 from the new address in order (a REGISTER that must wait for the mesh blocks
@@ -11,162 +14,240 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from meshbus.address import describe_address
-from meshbus.broker.balance import redirect_target
+from meshbus.broker.config import BrokerConfig
 from meshbus.broker.control import ControlHandler
-from meshbus.broker.forward import stamp_run
+from meshbus.broker.dispatch import ControlDispatch, ControlTable
+from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, is_peer
+from meshbus.broker.forward import Forwarder
+from meshbus.broker.groups import GroupTable
 from meshbus.broker.guarantees import Guarantees
-from meshbus.broker.link import CloseReason, Link
-from meshbus.broker.mesh import Mesh
-from meshbus.broker.pending import PendingEntry, PendingTable
+from meshbus.broker.link import Link
+from meshbus.broker.mesh import Dialer, Mesh, dial_tcp
+from meshbus.broker.outbox import Outbox, TrafficStats
+from meshbus.broker.pending import PendingTable
 from meshbus.broker.process import ready_line
+from meshbus.broker.registry import LinkRegistry, Peers
+from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
-from meshbus.broker.streams import Streams
+from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
+from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import OP_REMOVE, Bye, DeliveryFailure
-from meshbus.protocol.layout import DEFAULT_MAX_FRAME, ControlType
+from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
+from meshbus.protocol.layout import ControlType
+from meshbus.util import BackgroundTasks
+
+__all__ = ["Broker", "BrokerConfig", "serve"]
 
 log = logging.getLogger("meshbus.broker")
 
-
-@dataclass
-class BrokerConfig:
-    host: str = "127.0.0.1"
-    port: int = 7400
-    name: str = ""  # empty: broker-PORT, with the port actually bound
-    slot: int = 1
-    max_frame: int = DEFAULT_MAX_FRAME
-    # A link whose unsent output passes this is a slow consumer and is closed (as NATS does):
-    # the alternative, buffering without bound, lets one stuck client take the broker down.
-    max_pending_bytes: int = 64 * 1024 * 1024
-    # Used when a request carries no timeout of its own.
-    default_request_timeout: float = 30.0
-    # How often pending requests are checked for expiry: a TIMEOUT is at most this late.
-    sweep_interval: float = 0.01
-    # The mesh (ARCHITECTURE.md section 5).
-    seeds: list[str] = field(default_factory=list)  # empty: start a new mesh
-    advertise: str = ""  # the address peers and connectors dial; empty: the bound address
-    max_connectors: int = 50  # the seed patent's capacity
-    capacity_boost: float = 1.2  # after a peer crashed: 50 -> 60, as in the seed
-    boost_window: float = 30.0
-    heartbeat_interval: float = 0.5
-    heartbeat_misses: int = 3  # a silent peer is dead after 1.5 s
-    drain_grace: float = 10.0
-    join_timeout: float = 30.0
-    data_dir: str = ""
-    # Message groups: idle seconds before a binding goes (the seed's 5 minutes), and how
-    # long a member may be missing (failing over) before its groups move.
-    group_expiry: float = 300.0
-    group_grace: float = 2.0
-    # Streams under data_dir: "normal" survives the broker being killed (kill -9),
-    # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
-    fsync: str = "normal"
-    # Telemetry (broker/telemetry.py): seconds between records, 0 for none; and the
-    # share of sends connectors trace while it is on.
-    telemetry_interval: float = 0.0
-    trace_sample: float = 0.001
-
-
-@dataclass
-class BrokerStats:
-    requests: int = 0
-    timeouts: int = 0
-    late_responses: int = 0
-    dropped_no_route: int = 0
-    dropped_too_large: int = 0
-    dropped_bad_hop: int = 0  # frames from a peer with a wrong hop count or link tag
-    links_accepted: int = 0
-    # Traffic of links that have closed; open links keep their own counts.
-    closed_msgs_in: int = 0
-    closed_msgs_out: int = 0
-    links_closed: Counter[str] = field(default_factory=Counter)
-
-
-def _is_peer(link: Link) -> bool:
-    return link.is_peer
+_C = ControlType
+_CONNECTOR, _OPERATOR, _PEER = (
+    LinkRole.CONNECTOR,
+    LinkRole.OPERATOR,
+    LinkRole.PEER,
+)
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig | None = None) -> None:
-        self.config = config or BrokerConfig()
-        # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
-        self.routing: RoutingTable[Link] = RoutingTable(slot=0, is_remote=_is_peer)
-        self.pending: PendingTable[Link] = PendingTable()
-        self.stats = BrokerStats()
-        self.control = ControlHandler(self)
-        self.mesh = Mesh(self)
-        self.sync = RouteSync(self)
-        self.guarantees = Guarantees(self)
-        self.links: dict[int, Link] = {}
-        self.connectors: set[Link] = set()  # open connector links
-        # Frames routed during one read, per destination link; written at the end of the read.
-        self.outbox: dict[Link, list[memoryview | bytes | bytearray]] = {}
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        dialer: Dialer = dial_tcp,
+    ) -> None:
+        """``clock`` is the broker's time (deadlines, heartbeats, expiries); ``dialer``
+        opens its links to other brokers. Tests give fakes of both."""
+        config = self.config = config or BrokerConfig()
+        self.clock = clock
         self.started_at = time.time()
-        self._next_link_id = 1
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self.clock = time.monotonic
+        self.stats = TrafficStats()
+        self.links = LinkRegistry()
+        self.peers = Peers()
+        # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
+        self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer)
+        self.pending: PendingTable[Endpoint] = PendingTable()
+        self.outbox = Outbox(self.stats)
+        self.relay = Relay(self.outbox)
+        self.watch = ServiceWatch(self.outbox)
+        self.sync = RouteSync(config, self.peers, self.routing, self.outbox, self.watch)
+        self.guarantees = Guarantees(
+            name=lambda: config.name,
+            groups=GroupTable(config.group_expiry, config.group_grace),
+            routing=self.routing,
+            peers=self.peers,
+            relay=self.relay,
+            outbox=self.outbox,
+            clock=clock,
+        )
+        self.streams = StreamHost(
+            config=config,
+            routing=self.routing,
+            sync=self.sync,
+            relay=self.relay,
+            outbox=self.outbox,
+            hosted_changed=lambda: self.mesh.load_changed(),
+        )
+        self.telemetry = Telemetry(
+            config=config,
+            streams=self.streams,
+            links=self.links,
+            routing=self.routing,
+            pending=self.pending,
+            counters=self.traffic_counters,
+        )
+        self.forwarder = Forwarder(
+            self.routing, self.pending, self.outbox, self.stats, self._deadline, self.telemetry.hop
+        )
+        self.dispatch = ControlDispatch(self.outbox)
+        self.mesh = Mesh(
+            config=config,
+            clock=clock,
+            peers=self.peers,
+            links=self.links,
+            routing=self.routing,
+            sync=self.sync,
+            outbox=self.outbox,
+            new_peer_link=functools.partial(self.new_link, dialled=True),
+            greet_peer=self._greet_peer,
+            on_ready=self._became_ready,
+            hosted_streams=self.streams.names,
+            dialer=dialer,
+        )
+        self.control = ControlHandler(
+            config=config,
+            routing=self.routing,
+            sync=self.sync,
+            mesh=self.mesh,
+            links=self.links,
+            watch=self.watch,
+            outbox=self.outbox,
+            trace_every=self.telemetry.trace_every,
+            snapshot=self.snapshot,
+            request_drain=self.request_drain,
+        )
+        self.dispatch.install(self.control.on_handshake, self._control_table())
         self.address = ""
-        self.advertised = ""
         self.drain_requested = asyncio.Event()
         self._drain_grace: float | None = None
-        self._drain_requester: Link | None = None
-        self.streams = Streams(self)
-        self.telemetry = Telemetry(self)
-        g = self.guarantees
-        self._guarantee_handlers: dict[int, Callable[[Link, int, Any], None]] = {
-            ControlType.MEMBERS: g.on_members,
-            ControlType.GROUP_BIND: g.on_bind,
-            ControlType.GROUP_END: g.on_end,
-            ControlType.GROUPS: g.on_groups,
-            ControlType.RELAYED: g.on_relayed,
-            ControlType.WATCH: g.on_watch,
-            ControlType.STREAM: self.streams.on_request,
-            ControlType.TRACE: self._on_trace,
+        self._server: asyncio.Server | None = None
+        self._tasks = BackgroundTasks()
+
+    def _control_table(self) -> ControlTable:
+        """Who may send which control frame on an open link, and who handles it
+        (meshbus.broker.dispatch). A (role, type) missing here is refused; a permission
+        check goes in front of a row. A link still handshaking has no role: its frames
+        go to ``ControlHandler.on_handshake``."""
+        control, mesh, sync = self.control, self.mesh, self.sync
+        guarantees, streams, relay = self.guarantees, self.streams, self.relay
+        # What connectors and operators both may ask.
+        either = {
+            _C.HELLO: control.on_second_hello,
+            _C.STAT: control.on_stat,
+            _C.PING: control.on_ping,
+            _C.BYE: control.on_bye,
+            _C.DRAIN: control.on_drain,
+            _C.MEMBERS: guarantees.on_members,
+            _C.WATCH: self.watch.on_watch,
+            _C.STREAM: streams.on_request,
         }
+        connector_only = {
+            _C.REGISTER: control.on_register,
+            _C.UNREGISTER: control.on_unregister,
+            _C.JOIN: control.on_join,
+            _C.LEAVE: control.on_leave,
+            _C.GROUP_BIND: guarantees.on_bind,
+            _C.GROUP_END: guarantees.on_end,
+            _C.TRACE: self.telemetry.on_trace,
+        }
+        peer = {
+            _C.LOAD: self._on_load,
+            _C.BROKERS: mesh.on_brokers,
+            _C.READY: mesh.on_ready,
+            _C.DRAINING: mesh.on_draining,
+            _C.BYE: mesh.on_bye,
+            _C.PING: mesh.on_ping,
+            _C.PONG: mesh.on_pong,
+            _C.ROUTES: sync.on_routes,
+            _C.ROUTED: sync.on_routed,
+            _C.CLAIM: sync.on_claim,
+            _C.RELEASE: sync.on_release,
+            _C.OK: sync.on_answer,
+            _C.ERROR: sync.on_answer,
+            _C.NO_ROUTE: self.forwarder.on_peer_no_route,
+            _C.GROUP_BIND: guarantees.on_bind,
+            _C.GROUP_END: guarantees.on_end,
+            _C.GROUPS: guarantees.on_groups,
+            _C.RELAYED: relay.on_relayed,
+            _C.STREAM: streams.on_request,
+        }
+        table: dict[tuple[LinkRole, int], Callable[[Link, int, Body], None]] = {}
+        for role, rows in (
+            (_CONNECTOR, either | connector_only),
+            (_OPERATOR, either),
+            (_PEER, peer),
+        ):
+            table.update({(role, int(ctype)): handler for ctype, handler in rows.items()})
+        return table
 
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
-        """Listen, then found a new mesh or join one through the seeds (JoinFailed if it
-        cannot). Peers can link while it joins; connectors are taken once it is ready."""
+        """Listen, then found a new mesh or join one through the seeds (MeshJoinError if
+        it cannot). Peers can link while it joins; connectors are taken once it is ready."""
         loop = asyncio.get_running_loop()
-        self.clock = loop.time
+        config = self.config
         self._server = await loop.create_server(
-            self._new_link, self.config.host, self.config.port, reuse_address=True, backlog=1024
+            self.new_link, config.host, config.port, reuse_address=True, backlog=1024
         )
-        sock = self._server.sockets[0]
-        host, port = sock.getsockname()[:2]
+        host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{host}:{port}"
-        self.advertised = self.config.advertise or self.address
-        if not self.config.name:
-            self.config.name = f"broker-{port}"
-        self._sweeper = asyncio.create_task(self._sweep_pending(), name="pending-sweeper")
-        self.mesh.start()
+        self.named(config.name or f"broker-{port}", config.advertise or self.address)
+        await self.run_mesh()
+
+    def named(self, name: str, advertise: str) -> None:
+        """The broker's name and the address it advertises, once it listens: every part
+        reads them from the config from here on."""
+        self.config.name = name
+        self.config.advertise = advertise
+        self.sync.start()
+
+    async def run_mesh(self) -> None:
+        """Start the background work, then found or join the mesh."""
+        self._tasks.spawn(self._sweep_pending(), "pending-sweeper")
+        self._tasks.spawn(self._housekeeping(), "housekeeping")
         if self.config.seeds:
             await self.mesh.join(self.config.seeds)
         else:
             self.mesh.found()
+
+    def _became_ready(self) -> None:
+        self.streams.restore()
+        self.telemetry.start()
+
+    def _greet_peer(self, link: Link) -> None:
+        """What a newly linked peer hears first: our services and our group bindings."""
+        self.sync.send_snapshot(link)
+        self.guarantees.send_groups(link)
 
     async def drain(self) -> None:
         """Move every connector to another broker (up to the grace period), then stop."""
         grace = self._drain_grace if self._drain_grace is not None else self.config.drain_grace
         await self.mesh.drain(grace)
 
-    def request_drain(self, grace: float | None, requested_by: Link | None = None) -> None:
+    def request_drain(self, grace: float | None) -> None:
         self._drain_grace = grace
-        self._drain_requester = requested_by
         self.drain_requested.set()
 
     async def stop(self) -> None:
@@ -175,133 +256,67 @@ class Broker:
             self._server.close()
         await self.telemetry.stop()
         await self.mesh.stop()
-        for link in list(self.links.values()):
+        for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
             link.close(CloseReason.BROKER_SHUTDOWN)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+        await self._tasks.cancel()
         if self._server is not None:
             await self._server.wait_closed()
         self.streams.close()
 
-    def _on_trace(self, link: Link, correlation: int, body: Any) -> None:
-        self.telemetry.hop(
-            "received", body.src, body.msg_id, body.dst, body.sent_at, at=body.received_at
+    # -- links -------------------------------------------------------------------
+
+    def new_link(self, dialled: bool = False) -> Link:
+        """A link for a TCP connection this broker accepted, or (``dialled``) opened."""
+        config = self.config
+        return Link(
+            self.links.next_id(),
+            routing=self.routing,
+            forwarder=self.forwarder,
+            dispatch=self.dispatch,
+            outbox=self.outbox,
+            on_open=self.links.opened,
+            on_close=self._link_closed,
+            max_frame=config.max_frame,
+            max_pending_bytes=config.max_pending_bytes,
+            dialled=dialled,
         )
 
-    def on_guarantee(self, link: Link, ctype: int, correlation: int, body: Any) -> None:
-        """A request for meshbus.broker.guarantees or .streams, from a connector or relayed
-        by a peer, or their broker-to-broker frames."""
-        self._guarantee_handlers[ctype](link, correlation, body)
-
-    def next_link_id(self) -> int:
-        link_id = self._next_link_id
-        self._next_link_id += 1
-        return link_id
-
-    def _new_link(self) -> Link:
-        return Link(self, self.next_link_id())
-
-    def link_opened(self, link: Link) -> None:
-        self.links[link.link_id] = link
-        if not link.dialled:
-            self.stats.links_accepted += 1
-
-    def connector_opened(self, link: Link) -> None:
-        self.connectors.add(link)
-        self.mesh.lists_changed()
-
-    def link_closed(self, link: Link, reason: CloseReason) -> None:
-        self.links.pop(link.link_id, None)
-        self.stats.links_closed[reason.value] += 1
-        self.stats.closed_msgs_in += link.msgs_in
-        self.stats.closed_msgs_out += link.msgs_out
+    def _link_closed(self, link: Link, reason: CloseReason) -> None:
+        """The ordered cleanup of a closed link (docs/architecture.md explains the order):
+        its services leave the table, and the watchers and peers hear of it; then what
+        waited on it -- requests, relayed answers, streams -- is answered or forgotten."""
+        was_connector = self.links.close(link, reason)
         gone = self.routing.remove_link(link)
-        self.guarantees.services_left(gone)
-        self.guarantees.watchers.discard(link)
+        self.watch.services_left(gone)
+        self.watch.link_closed(link)
         self.pending.drop_link(link)
-        self.outbox.pop(link, None)
-        if link in self.connectors:
-            self.connectors.discard(link)
+        self.outbox.forget(link)
+        if was_connector:
             for address in gone:
                 self.sync.announce(OP_REMOVE, address)
             self.mesh.connector_left()
-        self.mesh.peer_lost(link, reason)
-        # Relayed requests waiting on a peer get their answer; its streams are gone.
-        self.guarantees.peer_lost(link)
+        if self.mesh.link_closed(link, reason):
+            self.sync.peer_lost(link)
+            why = f"broker {link.name}, which had it, left the mesh while the request was out"
+            for entry in self.pending.drop_via(link):
+                self.outbox.tell_requester(entry, ControlType.NO_ROUTE, why)
+        # Requests relayed to the peer get their answer; its streams are gone.
+        self.relay.peer_lost(link)
         self.streams.peer_lost(link)
         log.debug(
             "link closed",
             extra={"link": link.link_id, "reason": reason.value, "services": len(gone)},
         )
 
-    # -- taking connectors ---------------------------------------------------------
+    def _on_load(self, link: Link, correlation: int, body: Body) -> None:
+        assert isinstance(body, Load)
+        self.mesh.on_load(link, body)
+        self.streams.peer_streams(link, body.streams)
 
-    def refusal(self) -> str:
-        """Why a new connector is refused now, or "" if it is welcome."""
-        mesh = self.mesh
-        if mesh.draining:
-            return f"broker {self.config.name} is draining"
-        if not mesh.ready:
-            return f"broker {self.config.name} is still joining the mesh"
-        if len(self.connectors) >= mesh.capacity:
-            return f"broker {self.config.name} is full ({mesh.capacity} connectors)"
-        return ""
+    # -- timers --------------------------------------------------------------------
 
-    def redirect(self) -> str:
-        return redirect_target(self.mesh.brokers(), exclude=self.config.name)
-
-    # -- output ----------------------------------------------------------------
-
-    def deliver(self, link: Link, frame: memoryview | bytes | bytearray) -> bool:
-        """Queue a frame for ``link``; written when the current read is done.
-
-        False (and counted) when the frame is larger than the link accepts: forwarding
-        it would break the receiver's framing and cost it its link."""
-        if len(frame) > link.max_frame:
-            self.stats.dropped_too_large += 1
-            return False
-        if link.is_peer:
-            frame = stamp_run(frame, 1, len(frame), link.tag_out)
-        self.queue(link, frame, 1)
-        return True
-
-    def queue(self, link: Link, frames: memoryview | bytes | bytearray, count: int) -> None:
-        """Queue ``count`` frames (one contiguous slice) for ``link`` without checks."""
-        link.msgs_out += count
-        parts = self.outbox.get(link)
-        if parts is None:
-            self.outbox[link] = [frames]
-        else:
-            parts.append(frames)
-
-    def reply(self, link: Link, type_: ControlType, body: Any, correlation: int = 0) -> None:
-        parts = self.outbox.setdefault(link, [])
-        parts.append(encode_control(type_, body, correlation))
-
-    def flush_outbox(self) -> None:
-        """Write each link's frames of this read in one call, in the order they were routed."""
-        if not self.outbox:
-            return
-        batches = list(self.outbox.items())
-        self.outbox.clear()
-        for link, parts in batches:
-            link.send(b"".join(parts))
-
-    def no_route(self, link: Link, msg_id: int, src: bytes, dst: bytes, reason: str = "") -> None:
-        self.reply(
-            link,
-            ControlType.NO_ROUTE,
-            DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason=reason),
-        )
-
-    # -- requests -------------------------------------------------------------
-
-    def deadline(self, timeout_ms: int) -> float:
+    def _deadline(self, timeout_ms: int) -> float:
         timeout = timeout_ms / 1000 if timeout_ms else self.config.default_request_timeout
         return self.clock() + timeout
 
@@ -312,40 +327,35 @@ class Broker:
         interval = self.config.sweep_interval
         while True:
             await asyncio.sleep(interval)
-            for entry in self.pending.expire(self.clock()):
-                self.stats.timeouts += 1
-                self.tell_requester(entry, ControlType.TIMEOUT)
+            self.expire_requests()
 
-    def tell_requester(
-        self, entry: PendingEntry[Link], outcome: ControlType, reason: str = ""
-    ) -> None:
-        """TIMEOUT or NO_ROUTE for a pending request, to the link it came in on."""
-        entry.link.send(
-            encode_control(
-                outcome,
-                DeliveryFailure(
-                    msg_id=entry.msg_id, src=entry.requester, dst=entry.dst, reason=reason
-                ),
-            )
-        )
+    def expire_requests(self) -> None:
+        for entry in self.pending.expire(self.clock()):
+            self.stats.timeouts += 1
+            self.outbox.tell_requester(entry, ControlType.TIMEOUT)
+
+    async def _housekeeping(self) -> None:
+        interval = self.config.heartbeat_interval
+        while True:
+            await asyncio.sleep(interval)
+            self.housekeeping()
+
+    def housekeeping(self) -> None:
+        """Once per heartbeat interval: heartbeats, then the group and stream expiries."""
+        self.mesh.heartbeat()
+        self.guarantees.expire()
+        self.streams.expire()
 
     # -- introspection ----------------------------------------------------------
 
     def traffic_counters(self) -> dict[str, int]:
         """The cumulative message counters since the broker started (``meshbus stat``
         and the telemetry records)."""
-        s = self.stats
-        links = self.links.values()
         return {
-            "msgs_in": s.closed_msgs_in + sum(link.msgs_in for link in links),
-            "msgs_out": s.closed_msgs_out + sum(link.msgs_out for link in links),
-            "requests": s.requests,
-            "timeouts": s.timeouts,
-            "late_responses": s.late_responses,
-            "dropped_no_route": s.dropped_no_route,
-            "dropped_too_large": s.dropped_too_large,
-            "dropped_bad_hop": s.dropped_bad_hop,
-        }
+            "msgs_in": self.links.msgs_in(),
+            "msgs_out": self.links.msgs_out(),
+            "refused_control": self.dispatch.refused_frames,
+        } | dataclasses.asdict(self.stats)
 
     def snapshot(self, detail: bool = True) -> dict[str, Any]:
         """What ``meshbus stat`` shows: this broker, its links, the mesh and counters.
@@ -355,9 +365,9 @@ class Broker:
         links = [
             {
                 "id": link.link_id,
-                "peer": link.peer,
+                "peer": link.remote,
                 "name": link.name,
-                "role": "operator" if link.operator else "connector",
+                "role": "operator" if link.role is LinkRole.OPERATOR else "connector",
                 "state": link.state.value,
                 "services": sorted(describe_address(a) for a in routing.owned_by(link))
                 if detail
@@ -367,42 +377,44 @@ class Broker:
                 "bytes_in": link.bytes_in,
                 "bytes_out": link.bytes_out,
             }
-            for link in self.links.values()
+            for link in self.links.links.values()
             if not link.is_peer
         ]
-        s = self.stats
         mesh = self.mesh
-        data: dict[str, Any] = {
-            "name": self.config.name,
-            "address": self.advertised,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "ready": mesh.ready,
-            "draining": mesh.draining,
-            "slot": routing.slot,
-            "connectors": len(self.connectors),
-            "services": sum(routing.owned_count(link) for link in self.connectors),
-            "routes": routing.route_count,
-            "route_services": routing.service_count,
-            "route_groups": routing.group_count,
-            "peers": sorted(mesh.peers),
-            "capacity": mesh.capacity,
-            "max_connectors": self.config.max_connectors,
-            "links": links,
-            "peer_links": [
+        peer_links = []
+        for link in self.peers.links():
+            assert link.peer is not None
+            peer_links.append(
                 {
                     "name": link.name,
-                    "address": link.listen,
+                    "address": link.peer.listen,
                     "link_id": link.link_id,
-                    "tag_in": link.tag_in,
-                    "tag_out": int.from_bytes(link.tag_out, "big"),
+                    "tag_in": link.peer.tag_in,
+                    "tag_out": int.from_bytes(link.peer.tag_out, "big"),
                     "dialled": link.dialled,
                     "msgs_in": link.msgs_in,
                     "msgs_out": link.msgs_out,
                     "bytes_in": link.bytes_in,
                     "bytes_out": link.bytes_out,
                 }
-                for link in mesh.peers.values()
-            ],
+            )
+        data: dict[str, Any] = {
+            "name": self.config.name,
+            "address": self.config.advertise,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": mesh.ready,
+            "draining": mesh.draining,
+            "slot": routing.slot,
+            "connectors": len(self.links.connectors),
+            "services": sum(routing.owned_count(link) for link in self.links.connectors),
+            "routes": routing.route_count,
+            "route_services": routing.service_count,
+            "route_groups": routing.group_count,
+            "peers": self.peers.names(),
+            "capacity": mesh.capacity,
+            "max_connectors": self.config.max_connectors,
+            "links": links,
+            "peer_links": peer_links,
             "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
             "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
             "streams": self.streams.snapshot(),
@@ -410,8 +422,8 @@ class Broker:
             "counters": self.traffic_counters()
             | {
                 "pending": len(self.pending),
-                "links_accepted": s.links_accepted,
-                "links_closed": dict(s.links_closed),
+                "links_accepted": self.links.accepted,
+                "links_closed": dict(self.links.closed),
             },
         }
         if detail:

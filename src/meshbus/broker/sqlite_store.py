@@ -61,9 +61,9 @@ from meshbus.broker.store import (
     StoredMessage,
     StoreError,
     StreamConfig,
-    StreamInfo,
     StreamNotFound,
     StreamState,
+    StreamStatus,
     fit_bytes,
 )
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block, encode_block
@@ -246,7 +246,7 @@ class SqliteStreamStore(MirroredStore):
 
     # -- streams ------------------------------------------------------------------
 
-    def add_stream(self, config: StreamConfig) -> StreamInfo:
+    def add_stream(self, config: StreamConfig) -> StreamStatus:
         existing = self._existing_stream(config)
         if existing is not None:
             return existing

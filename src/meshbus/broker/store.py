@@ -156,7 +156,9 @@ _payload_of = itemgetter(2)  # NewMessage.payload
 
 
 @dataclass(frozen=True)
-class StreamInfo:
+class StreamStatus:
+    """What a store holds of one stream now (the client's view is ``meshbus.StreamInfo``)."""
+
     config: StreamConfig
     first_seq: int
     last_seq: int
@@ -211,13 +213,13 @@ class StreamStore(abc.ABC):
     """
 
     @abc.abstractmethod
-    def add_stream(self, config: StreamConfig) -> StreamInfo: ...
+    def add_stream(self, config: StreamConfig) -> StreamStatus: ...
     @abc.abstractmethod
     def delete_stream(self, name: str) -> None: ...
     @abc.abstractmethod
     def streams(self) -> list[StreamConfig]: ...
     @abc.abstractmethod
-    def info(self, name: str) -> StreamInfo: ...
+    def info(self, name: str) -> StreamStatus: ...
     @abc.abstractmethod
     def append_batch(
         self, name: str, messages: Sequence[NewMessage], now: float
@@ -352,9 +354,9 @@ class MirroredStore(StreamStore):
     def streams(self) -> list[StreamConfig]:
         return [self._streams[name].config for name in sorted(self._streams)]
 
-    def info(self, name: str) -> StreamInfo:
+    def info(self, name: str) -> StreamStatus:
         st = self._stream(name)
-        return StreamInfo(
+        return StreamStatus(
             st.config, st.first_seq, st.last_seq, st.count, st.bytes, tuple(sorted(st.consumers))
         )
 
@@ -364,7 +366,7 @@ class MirroredStore(StreamStore):
         floor = next(iter(cs.pending)) - 1 if cs.pending else next_seq - 1
         return ConsumerInfo(stream, cs.config, next_seq, floor, len(cs.pending), cs.dropped)
 
-    def _existing_stream(self, config: StreamConfig) -> StreamInfo | None:
+    def _existing_stream(self, config: StreamConfig) -> StreamStatus | None:
         st = self._streams.get(config.name)
         if st is None:
             return None
@@ -510,7 +512,7 @@ class MemoryStreamStore(MirroredStore):
         super().__init__()
         self._bodies: dict[str, dict[int, StoredMessage]] = {}
 
-    def add_stream(self, config: StreamConfig) -> StreamInfo:
+    def add_stream(self, config: StreamConfig) -> StreamStatus:
         existing = self._existing_stream(config)
         if existing is not None:
             return existing

@@ -27,10 +27,15 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from meshbus.address import describe_address
-from meshbus.broker.link import Link, LinkState
+from meshbus.address import CAST_MULTICAST, describe_address
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.endpoint import Endpoint, LinkRole, LinkState
+from meshbus.broker.link import Link
+from meshbus.broker.outbox import Outbox
+from meshbus.broker.relay import Relay
+from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sqlite_store import SqliteStreamStore
 from meshbus.broker.store import (
     ConsumerConfig,
@@ -40,11 +45,12 @@ from meshbus.broker.store import (
     StoredMessage,
     StoreError,
     StreamConfig,
-    StreamInfo,
     StreamNotFound,
+    StreamStatus,
     StreamStore,
 )
-from meshbus.errors import ProtocolError
+from meshbus.broker.sync import RouteSync
+from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -55,15 +61,10 @@ from meshbus.protocol.control import (
     StreamRequest,
 )
 from meshbus.protocol.ext import ack_frames, split
-from meshbus.protocol.layout import DATA_HEADER, ControlType, DataFlags, ErrorCode
-
-if TYPE_CHECKING:
-    from meshbus.broker.server import Broker
+from meshbus.protocol.layout import DATA_HEADER, FLAG_EXT, FLAG_RELIABLE, ControlType, ErrorCode
 
 log = logging.getLogger("meshbus.broker")
 
-_EXT = int(DataFlags.EXT)
-_RELIABLE = int(DataFlags.RELIABLE)
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
 # NewMessage is a NamedTuple: tuple.__new__ builds one without its Python-level __new__.
@@ -76,38 +77,56 @@ _ROW_OVERHEAD = 96
 _COLUMN_OVERHEAD = 128
 
 
-class StreamSink(Link):
-    """The link a stream's member is attached to: what is routed to it is stored."""
+class StreamSink(Endpoint):
+    """Where a stream's member is attached: what is routed to it is stored. It has no
+    socket; the outbox hands it a read's frames as one block of bytes."""
 
-    def __init__(self, broker: Broker, store: Callable[[bytes], None]) -> None:
-        super().__init__(broker, broker.next_link_id())
-        self.state = LinkState.OPEN
+    def __init__(self, store: Callable[[bytes], None]) -> None:
+        # Stores any frame a connector may send. No link id: it is never a TCP link.
+        super().__init__(0, LinkRole.STREAM, max_frame=1 << 40)
         self.name = "streams"
-        self.max_frame = 1 << 40  # stores any frame a connector may send
         self._store = store
 
     def send(self, data: bytes | bytearray) -> None:
         self._store(bytes(data))
 
 
-class DataDirLocked(Exception):
+class DataDirLocked(MeshbusError):
     """Another broker uses this --data-dir: two stores on one file would both write it."""
 
 
-class Streams:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        data_dir = broker.config.data_dir
+class StreamHost:
+    """The streams this broker hosts, and the STREAM requests (answered here or relayed
+    to the stream's host)."""
+
+    def __init__(
+        self,
+        *,
+        config: BrokerConfig,
+        routing: RoutingTable[Endpoint],
+        sync: RouteSync,
+        relay: Relay,
+        outbox: Outbox,
+        hosted_changed: Callable[[], None],
+    ) -> None:
+        """``hosted_changed`` tells the peers at once that the streams hosted here changed."""
+        self._config = config
+        self._routing = routing
+        self._sync = sync
+        self._relay = relay
+        self._outbox = outbox
+        self._hosted_changed = hosted_changed
+        data_dir = config.data_dir
         self.store: StreamStore
         self._lock: IO[bytes] | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
             self._lock = _lock(data_dir)
             path = os.path.join(data_dir, "streams.db")
-            self.store = SqliteStreamStore(path, fsync=broker.config.fsync)
+            self.store = SqliteStreamStore(path, fsync=config.fsync)
         else:
             self.store = MemoryStreamStore()
-        self.sink = StreamSink(broker, self._captured)
+        self.sink = StreamSink(self._captured)
         self.members: dict[str, bytes] = {}  # stream -> its member address
         self._by_member: dict[bytes, str] = {}
         self._by_group: dict[bytes, list[str]] = defaultdict(list)
@@ -131,16 +150,16 @@ class Streams:
     def _host(self, config: StreamConfig) -> None:
         if config.name in self.members:
             return
-        routing = self.broker.routing
+        routing = self._routing
         member = routing.allocate_dynamic(_STREAM_SERVER, self.sink)
-        self.broker.sync.announce(OP_ADD, member)
+        self._sync.announce(OP_ADD, member)
         self.members[config.name] = member
         self._by_member[member] = config.name
         for group in config.captures:
             routing.join(member, group)
-            self.broker.sync.announce(OP_JOIN, member, group)
+            self._sync.announce(OP_JOIN, member, group)
             self._by_group[group].append(config.name)
-        self.broker.mesh.load_changed()
+        self._hosted_changed()
 
     def host_local(self, config: StreamConfig) -> None:
         """A stream of the broker's own (telemetry), created unless it exists."""
@@ -155,9 +174,9 @@ class Streams:
         for streams in self._by_group.values():
             if name in streams:
                 streams.remove(name)
-        self.broker.routing.remove_service(member, self.sink)
-        self.broker.sync.announce(OP_REMOVE, member)
-        self.broker.mesh.load_changed()
+        self._routing.remove_service(member, self.sink)
+        self._sync.announce(OP_REMOVE, member)
+        self._hosted_changed()
 
     def peer_streams(self, peer: Link, names: list[str]) -> None:
         for name, link in list(self.elsewhere.items()):
@@ -186,17 +205,17 @@ class Streams:
             frame_end = pos + 4 + length
             payload = data[pos + _HEADER_SIZE : frame_end]
             pos = frame_end
-            if flags & _EXT:
+            if flags & FLAG_EXT:
                 try:
                     ext, payload = split(payload)
                 except ProtocolError:
                     self.dropped += 1
                     continue
                 publish = ext.publish_id
-                if not publish and flags & _RELIABLE:
+                if not publish and flags & FLAG_RELIABLE:
                     publish = src + msg_id.to_bytes(8, "big")
                 fields = (src, ext.origin or dst, payload, ext.group, ext.priority, publish)
-            elif flags & _RELIABLE:
+            elif flags & FLAG_RELIABLE:
                 # A reliable frame is its own publish id: a resend after a failover is
                 # stored once.
                 fields = (src, dst, payload, b"", 0, src + msg_id.to_bytes(8, "big"))
@@ -208,7 +227,7 @@ class Streams:
                 if entry is None:
                     entry = batch[name] = ([], {})
                 entry[0].append(message)
-                if flags & _RELIABLE:
+                if flags & FLAG_RELIABLE:
                     entry[1].setdefault(src, []).append(msg_id)
 
     def _commit(self) -> None:
@@ -226,27 +245,27 @@ class Streams:
             member = self.members.get(name)
             if member is not None and acks:
                 self._send_acks(member, acks)
-        self.broker.flush_outbox()
+        self._outbox.flush()
 
     def _send_acks(self, member: bytes, acks: dict[bytes, list[int]]) -> None:
         """One ACK frame per sender for what this commit stored (meshbus.protocol.ext)."""
-        routing = self.broker.routing
+        routing = self._routing
         for src, ids in acks.items():
             owner = routing.route_unicast(src)
             if owner is not None:
                 for frame in ack_frames(member, src, ids):
-                    self.broker.deliver(owner, frame)
+                    self._outbox.deliver(owner, frame)
 
     # -- requests ----------------------------------------------------------------------
 
     def on_request(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, StreamRequest)
-        answer = self.broker.guarantees.answer
+        answer = self._relay.answer
         name = body.stream
         if body.op not in ("add", "list") and name not in self.members:
             peer = self.elsewhere.get(name)
             if peer is not None and not link.is_peer:
-                self.broker.guarantees.relay(peer, ControlType.STREAM, body, link, correlation)
+                self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
                 return
             self._refuse(link, ErrorCode.NO_STREAM, str(StreamNotFound(name)), correlation)
             return
@@ -260,7 +279,7 @@ class Streams:
         except (ValueError, TypeError) as exc:
             self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
             return
-        if body.op != "add" or not self.broker.mesh.peers:
+        if body.op != "add":
             answer(link, ControlType.STREAM_REPLY, reply, correlation)
             return
 
@@ -268,12 +287,12 @@ class Streams:
             # Like a JOIN's SYNCED: a send through any broker after this reaches the stream.
             if link.state is LinkState.OPEN:
                 answer(link, ControlType.STREAM_REPLY, reply, correlation)
-                self.broker.flush_outbox()
+                self._outbox.flush()
 
-        self.broker.sync.after_confirmed(captured_mesh_wide)
+        self._sync.after_confirmed(captured_mesh_wide)
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, correlation: int) -> None:
-        self.broker.guarantees.refuse(link, code, message, correlation)
+        self._relay.refuse(link, code, message, correlation)
 
     def _handle(self, link: Link, body: StreamRequest) -> StreamReply:
         store = self.store
@@ -291,7 +310,7 @@ class Streams:
                 dedupe_window=body.dedupe_window,
             )
             for group in config.captures:
-                if group[0] != 2:
+                if group[0] != CAST_MULTICAST:
                     raise ValueError(
                         f"a stream captures multicast addresses, not {describe_address(group)}"
                     )
@@ -299,7 +318,7 @@ class Streams:
             self._host(config)
             return StreamReply(info=self._info(info))
         if op == "list":
-            here = [{"name": n, "broker": self.broker.config.name} for n in self.members]
+            here = [{"name": n, "broker": self._config.name} for n in self.members]
             there = [{"name": n, "broker": link.name} for n, link in self.elsewhere.items()]
             return StreamReply(streams=sorted(here + there, key=lambda s: s["name"]))
         if op == "info":
@@ -341,11 +360,11 @@ class Streams:
             return StreamReply(acked=store.consumer_ack(name, body.consumer, body.seqs))
         raise ValueError(f"unknown stream request {op!r}")
 
-    def _info(self, info: StreamInfo) -> dict[str, Any]:
+    def _info(self, info: StreamStatus) -> dict[str, Any]:
         config = info.config
         return {
             "name": config.name,
-            "broker": self.broker.config.name,
+            "broker": self._config.name,
             "captures": [describe_address(c) for c in config.captures],
             "first_seq": info.first_seq,
             "last_seq": info.last_seq,

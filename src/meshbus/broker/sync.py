@@ -31,11 +31,16 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
 from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
-from meshbus.broker.routing import RoutingError
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.endpoint import Endpoint
+from meshbus.broker.link import Link
+from meshbus.broker.outbox import Outbox
+from meshbus.broker.registry import Peers
+from meshbus.broker.routing import RoutingError, RoutingTable
+from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     OP_ADD,
@@ -44,7 +49,6 @@ from meshbus.protocol.control import (
     OP_REMOVE,
     Body,
     Claim,
-    DeliveryFailure,
     Empty,
     Error,
     Routed,
@@ -52,10 +56,6 @@ from meshbus.protocol.control import (
     Routes,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
-
-if TYPE_CHECKING:
-    from meshbus.broker.link import Link
-    from meshbus.broker.server import Broker
 
 log = logging.getLogger("meshbus.broker")
 
@@ -85,9 +85,20 @@ class SyncStats:
 
 
 class RouteSync:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self.claims = ClaimTable("")
+    def __init__(
+        self,
+        config: BrokerConfig,
+        peers: Peers,
+        routing: RoutingTable[Endpoint],
+        outbox: Outbox,
+        watch: ServiceWatch,
+    ) -> None:
+        self._config = config
+        self._peers = peers
+        self._routing = routing
+        self._outbox = outbox
+        self._watch = watch
+        self.claims = ClaimTable(config.name)
         self.stats = SyncStats()
         self._ops: list[RouteOp] = []
         self._flush_scheduled = False
@@ -97,10 +108,13 @@ class RouteSync:
         self._confirmed: dict[Link, int] = {}  # per peer: the last one it applied
         # (sequence number, peers that must confirm it, what to do then), in order.
         self._waiting: deque[tuple[int, frozenset[Link], Callable[[], None]]] = deque()
+        # Peers whose whole table a joining broker still waits for (``wait_snapshots``).
+        self._snapshot_pending: set[Link] = set()
+        self._snapshots_done = asyncio.Event()
 
-    @property
-    def _peers(self) -> dict[str, Link]:
-        return self.broker.mesh.peers
+    def start(self) -> None:
+        """The broker has its name (it listens): claims are made in it from now on."""
+        self.claims = ClaimTable(self._config.name)
 
     # -- route operations out ----------------------------------------------------------------
 
@@ -119,7 +133,7 @@ class RouteSync:
         ops, self._ops = self._ops, []
         if not ops:
             return
-        peers = list(self._peers.values())
+        peers = self._peers.links()
         self.stats.route_ops_out += len(ops) * len(peers)
         first = self._announced - len(ops) + 1  # the sequence number of ops[0]
         for start in range(0, len(ops), ROUTES_CHUNK):
@@ -133,7 +147,7 @@ class RouteSync:
     def after_confirmed(self, then: Callable[[], None]) -> None:
         """Call ``then`` once every peer linked now has applied every operation announced
         so far (at once when there is no peer)."""
-        peers = frozenset(self._peers.values())
+        peers = frozenset(self._peers.links())
         if not peers:
             then()
             return
@@ -147,7 +161,7 @@ class RouteSync:
     def _release(self) -> None:
         """Run the waiters whose peers have all confirmed (or are gone), oldest first:
         sequence numbers and confirmations both only grow, so the oldest goes first."""
-        live = set(self._peers.values())
+        live = set(self._peers.links())
         while self._waiting:
             seq, peers, then = self._waiting[0]
             if any(p in live and self._confirmed.get(p, 0) < seq for p in peers):
@@ -161,7 +175,7 @@ class RouteSync:
         Pending operations go out first (to the others), so the snapshot is all the
         new peer needs and it gets no operation twice."""
         self.flush_ops()
-        ops = self.broker.routing.local_state()
+        ops = self._routing.local_state()
         for start in range(0, max(len(ops), 1), ROUTES_CHUNK):
             chunk = ops[start : start + ROUTES_CHUNK]
             done = start + ROUTES_CHUNK >= len(ops)
@@ -183,12 +197,29 @@ class RouteSync:
                     "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
                 )
         if body.seq:
-            self.broker.reply(link, ControlType.ROUTED, Routed(seq=body.seq))
+            self._outbox.reply(link, ControlType.ROUTED, Routed(seq=body.seq))
         if body.complete:
-            self.broker.mesh.snapshot_received(link)
+            self._snapshot_received(link)
+
+    def expect_snapshot(self, link: Link) -> None:
+        """A joining broker waits for this peer's whole table (``wait_snapshots``)."""
+        self._snapshot_pending.add(link)
+        self._snapshots_done.clear()
+
+    def _snapshot_received(self, link: Link) -> None:
+        """A peer's whole table has arrived (or the peer is gone)."""
+        if link in self._snapshot_pending:
+            self._snapshot_pending.discard(link)
+            if not self._snapshot_pending:
+                self._snapshots_done.set()
+
+    async def wait_snapshots(self) -> None:
+        """Until every expected peer's table has arrived, or that peer is gone."""
+        if self._snapshot_pending:
+            await self._snapshots_done.wait()
 
     def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
-        routing = self.broker.routing
+        routing = self._routing
         owner = routing.owner(address)
         if op == OP_ADD:
             if len(address) != 16 or address[0] != CAST_UNICAST:
@@ -206,7 +237,7 @@ class RouteSync:
             return  # about an address that has moved on since: stale
         elif op == OP_REMOVE:
             routing.remove_service(address, link)
-            self.broker.guarantees.services_left([address])
+            self._watch.services_left([address])
         elif op in (OP_JOIN, OP_LEAVE):
             if len(extra) != 16 or extra[0] not in (CAST_MULTICAST, CAST_ANYCAST):
                 raise RoutingError("JOIN or LEAVE of an address that is not a group")
@@ -215,15 +246,15 @@ class RouteSync:
             else:
                 routing.leave(address, extra)
 
-    def _conflict(self, link: Link, address: bytes, session: bytes, owner: Link) -> None:
+    def _conflict(self, link: Link, address: bytes, session: bytes, owner: Endpoint) -> None:
         """Two brokers registered one address for different sessions (claims make this
         all but impossible). Every broker keeps the owner with the smaller name, so the
         tables still converge; a local loser's connector is told."""
         self.stats.route_conflicts += 1
-        current = owner.name if owner.is_peer else self.broker.config.name
+        current = owner.name if owner.is_peer else self._config.name
         if link.name >= current:
             return
-        self.broker.routing.take_over(address, link, session)
+        self._routing.take_over(address, link, session)
         if not owner.is_peer:
             owner.send(
                 encode_control(
@@ -236,18 +267,6 @@ class RouteSync:
                 )
             )
 
-    def on_delivery_failure(self, link: Link, correlation: int, body: Body) -> None:
-        """NO_ROUTE from a peer about a frame that entered the mesh here: to the requester
-        (by the pending entry) or to the sender of a notified send (by its address)."""
-        assert isinstance(body, DeliveryFailure)
-        broker = self.broker
-        target = broker.pending.resolve(body.src, body.msg_id)
-        if target is None:
-            owner = broker.routing.owner(body.src)
-            target = owner if owner is not None and not owner.is_peer else None
-        if target is not None:
-            broker.reply(target, ControlType.NO_ROUTE, body)
-
     # -- claims: ours -------------------------------------------------------------------------
 
     def claim(
@@ -258,7 +277,7 @@ class RouteSync:
         On success the caller uses the key at once (and its ADD ends the peers'
         reservations); on failure the grants are given back."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        me = self.broker.config.name
+        me = self._config.name
         if not self.claims.reserve(key, me, session, owner_session):
             self.stats.claims_refused += 1
             future.set_result(False)
@@ -305,7 +324,7 @@ class RouteSync:
     def _settle(self, claim: _ClaimRound) -> None:
         if claim.waiting or claim.future.done():
             return
-        me = self.broker.config.name
+        me = self._config.name
         won = not claim.denied and self.claims.held_by(claim.key, me, claim.session)
         if not won:
             for link in claim.granted:
@@ -323,19 +342,21 @@ class RouteSync:
     def on_claim(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Claim)
         key = body.key
-        routing = self.broker.routing
+        routing = self._routing
         if is_slot_key(key):
             slot = int.from_bytes(key[5:7], "big")
-            in_use = slot == routing.slot or any(p.slot == slot for p in self._peers.values())
+            in_use = slot == routing.slot or any(
+                p.peer is not None and p.peer.slot == slot for p in self._peers.links()
+            )
             owner_session: bytes | None = b"" if in_use else None
         elif routing.owner(key) is None:
             owner_session = None
         else:
             owner_session = routing.session_of(key)
         if self.claims.reserve(key, link.name, body.session, owner_session):
-            self.broker.reply(link, ControlType.OK, Empty(), correlation)
+            self._outbox.reply(link, ControlType.OK, Empty(), correlation)
         else:
-            self.broker.reply(
+            self._outbox.reply(
                 link,
                 ControlType.ERROR,
                 Error(code=ErrorCode.ADDRESS_IN_USE, message="in use or claimed"),
@@ -353,6 +374,7 @@ class RouteSync:
         and no answer waits for its confirmation any more."""
         self.claims.drop_holder(link.name)
         self._confirmed.pop(link, None)
+        self._snapshot_received(link)
         self._release()
         for correlation, claim in list(self._rounds.items()):
             if claim.waiting.get(link.name) == correlation:

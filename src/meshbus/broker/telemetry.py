@@ -26,15 +26,21 @@ import asyncio
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from meshbus.address import describe_address
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.endpoint import Endpoint, LinkRole
+from meshbus.broker.link import Link
+from meshbus.broker.pending import PendingTable
+from meshbus.broker.registry import LinkRegistry
+from meshbus.broker.routing import RoutingTable
 from meshbus.broker.store import NewMessage, StoreError, StreamConfig
-
-if TYPE_CHECKING:
-    from meshbus.broker.server import Broker
+from meshbus.broker.streams import StreamHost
+from meshbus.protocol.control import Body, TraceReport
 
 log = logging.getLogger("meshbus.broker")
 
@@ -52,9 +58,23 @@ def stream_names(broker: str) -> tuple[str, str]:
 
 
 class Telemetry:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        config = broker.config
+    def __init__(
+        self,
+        *,
+        config: BrokerConfig,
+        streams: StreamHost,
+        links: LinkRegistry,
+        routing: RoutingTable[Endpoint],
+        pending: PendingTable[Endpoint],
+        counters: Callable[[], dict[str, int]],
+    ) -> None:
+        """``counters`` are the broker's cumulative traffic counters (``meshbus stat``)."""
+        self._config = config
+        self._streams = streams
+        self._links = links
+        self._routing = routing
+        self._pending = pending
+        self._counters = counters
         self.interval = config.telemetry_interval
         # What WELCOME tells connectors: trace one send in this many (0: none).
         self.trace_every = (
@@ -69,8 +89,8 @@ class Telemetry:
         """Host the two streams and start recording (the broker is ready)."""
         if self.interval <= 0 or self._task is not None:
             return
-        self._names = stream_names(self.broker.config.name)
-        streams = self.broker.streams
+        self._names = stream_names(self._config.name)
+        streams = self._streams
         for name in self._names:
             try:
                 streams.host_local(StreamConfig(name, (), max_age=RETENTION))
@@ -108,27 +128,27 @@ class Telemetry:
             self._append(self._names[1], hops, now)
 
     def _append(self, name: str, payloads: list[bytes], now: float) -> None:
-        member = self.broker.streams.members.get(name)
+        member = self._streams.members.get(name)
         if member is None:
             return  # deleted by an operator: recording goes on without it
         try:
-            self.broker.streams.store.append_batch(
+            self._streams.store.append_batch(
                 name, [NewMessage(member, member, p) for p in payloads], now
             )
         except StoreError as exc:
             log.error("could not store telemetry", extra={"stream": name, "error": str(exc)})
 
     def record(self, now: float) -> dict[str, Any]:
-        broker = self.broker
+        connectors = self._links.connectors
         return {
-            "broker": broker.config.name,
+            "broker": self._config.name,
             "at": now,
             "interval": self.interval,
-            "connectors": len(broker.connectors),
-            "services": sum(broker.routing.owned_count(link) for link in broker.connectors),
-            "routes": broker.routing.route_count,
-            "pending": len(broker.pending),
-            "counters": broker.traffic_counters(),
+            "connectors": len(connectors),
+            "services": sum(self._routing.owned_count(link) for link in connectors),
+            "routes": self._routing.route_count,
+            "pending": len(self._pending),
+            "counters": self._counters(),
             "links": [
                 {
                     "id": link.link_id,
@@ -140,10 +160,15 @@ class Telemetry:
                     "bytes_out": link.bytes_out,
                     "queued": link.queued_bytes(),
                 }
-                for link in broker.links.values()
-                if link.is_peer or not link.operator
+                for link in self._links.links.values()
+                if link.is_peer or link.role is LinkRole.CONNECTOR
             ],
         }
+
+    def on_trace(self, link: Link, correlation: int, body: Body) -> None:
+        """A connector got a traced frame: its hop, with the time it was sent."""
+        assert isinstance(body, TraceReport)
+        self.hop("received", body.src, body.msg_id, body.dst, body.sent_at, at=body.received_at)
 
     def hop(
         self,
@@ -164,7 +189,7 @@ class Telemetry:
                     "msg_id": msg_id,
                     "dst": describe_address(dst),
                     "hop": hop,
-                    "broker": self.broker.config.name,
+                    "broker": self._config.name,
                     "at": at or time.time(),
                     "sent_at": sent_at,
                 }

@@ -1,0 +1,47 @@
+"""A broker's configuration: what ``meshbus broker``'s flags set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshbus.protocol.layout import DEFAULT_MAX_FRAME
+
+
+@dataclass
+class BrokerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7400
+    # Empty: broker-PORT, with the port actually bound. Broker.start fills it in, and
+    # ``advertise`` likewise, before any part uses them.
+    name: str = ""
+    slot: int = 1
+    max_frame: int = DEFAULT_MAX_FRAME
+    # A link whose unsent output passes this is a slow consumer and is closed (as NATS does):
+    # the alternative, buffering without bound, lets one stuck client take the broker down.
+    max_pending_bytes: int = 64 * 1024 * 1024
+    # Used when a request carries no timeout of its own.
+    default_request_timeout: float = 30.0
+    # How often pending requests are checked for expiry: a TIMEOUT is at most this late.
+    sweep_interval: float = 0.01
+    # The mesh (docs/mesh.md).
+    seeds: list[str] = field(default_factory=list)  # empty: start a new mesh
+    advertise: str = ""  # the address peers and connectors dial; empty: the bound address
+    max_connectors: int = 50  # the seed patent's capacity
+    capacity_boost: float = 1.2  # after a peer crashed: 50 -> 60, as in the seed
+    boost_window: float = 30.0
+    heartbeat_interval: float = 0.5
+    heartbeat_misses: int = 3  # a silent peer is dead after 1.5 s
+    drain_grace: float = 10.0
+    join_timeout: float = 30.0
+    data_dir: str = ""
+    # Message groups: idle seconds before a binding goes (the seed's 5 minutes), and how
+    # long a member may be missing (failing over) before its groups move.
+    group_expiry: float = 300.0
+    group_grace: float = 2.0
+    # Streams under data_dir: "normal" survives the broker being killed (kill -9),
+    # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
+    fsync: str = "normal"
+    # Telemetry (broker/telemetry.py): seconds between records, 0 for none; and the
+    # share of sends connectors trace while it is on.
+    telemetry_interval: float = 0.0
+    trace_sample: float = 0.001

@@ -1,0 +1,101 @@
+"""What the routing table, the outbox and the forwarder know of a destination.
+
+An ``Endpoint`` is anything frames can be routed to: a ``Link`` (a connector's,
+an operator's or a peer broker's TCP link, meshbus.broker.link) or a stream's
+``StreamSink`` (meshbus.broker.streams), which stores what is routed to it.
+
+Roles and states of a link, and the only transitions between them (each is a
+method of ``Link``, the one place a link's role and state change):
+
+    role         state          transition                       to
+    HANDSHAKING  AWAIT_HELLO    open_as_connector                CONNECTOR, OPEN
+    HANDSHAKING  AWAIT_HELLO    open_as_operator                 OPERATOR, OPEN
+    HANDSHAKING  AWAIT_HELLO    open_as_peer (HELLO role broker) PEER, OPEN
+    HANDSHAKING  AWAIT_WELCOME  open_as_peer (WELCOME)           PEER, OPEN
+    any          any            fail / close / connection lost   (role kept), CLOSED
+
+A link's role decides which control frames it may send (meshbus.broker.dispatch).
+Peer-only state (the peer's advertised address, slot, link tags, heartbeat
+bookkeeping) lives in ``PeerInfo``, present exactly when the role is PEER.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class LinkState(enum.Enum):
+    AWAIT_HELLO = "await-hello"
+    AWAIT_WELCOME = "await-welcome"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class LinkRole(enum.Enum):
+    HANDSHAKING = "handshaking"
+    CONNECTOR = "connector"
+    OPERATOR = "operator"
+    PEER = "peer"
+    STREAM = "stream"  # a stream's sink: never a TCP link
+
+
+class CloseReason(enum.Enum):
+    """Why a link closed; logged, counted in ``stat``, and sent to the peer when it is an error."""
+
+    CLIENT_BYE = "client-bye"
+    CLIENT_EOF = "client-eof"
+    CONNECTION_LOST = "connection-lost"
+    PROTOCOL_ERROR = "protocol-error"
+    SLOW_CONSUMER = "slow-consumer"
+    BROKER_SHUTDOWN = "broker-shutdown"
+    REFUSED = "refused"  # redirected (full, joining, draining) or a broker name in use
+    DUPLICATE_LINK = "duplicate-link"
+    HEARTBEAT_TIMEOUT = "heartbeat-timeout"
+    PEER_BYE = "peer-bye"
+
+
+@dataclass(eq=False)
+class PeerInfo:
+    """What a peer broker's link has that no other link has.
+
+    Neighbour identifiers: ``tag_in`` is the id this broker gave the peer (our link
+    id, expected at offset 40 of its frames); ``tag_out`` the id the peer gave us,
+    stamped on the frames we send it."""
+
+    listen: str  # the address the peer advertises
+    slot: int  # its dynamic-id slot
+    tag_in: int
+    tag_out: bytes
+    heard: bool = True  # any bytes since the last heartbeat check
+    misses: int = 0  # heartbeat intervals in a row without a frame
+
+
+class Endpoint:
+    """A destination of routed frames, with its counters; ``send`` writes now."""
+
+    def __init__(self, link_id: int, role: LinkRole, max_frame: int) -> None:
+        self.link_id = link_id
+        self.role = role
+        self.state = LinkState.OPEN
+        self.name = ""  # a connector's name, a peer broker's, or the sink's
+        self.max_frame = max_frame
+        # Kept for the hot path, which asks it of every target: set with ``peer``.
+        self.is_peer = False
+        self.peer: PeerInfo | None = None
+        self.msgs_in = 0
+        self.msgs_out = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.state is LinkState.CLOSED
+
+    def send(self, data: bytes | bytearray) -> None:
+        raise NotImplementedError
+
+
+def is_peer(endpoint: Endpoint) -> bool:
+    """The routing table's test for a remote owner: a peer broker's link."""
+    return endpoint.is_peer

@@ -1,0 +1,107 @@
+"""Everything a broker writes to its links during one read: deliveries, replies, failures.
+
+Frames routed while a read is handled are not written one by one: they are queued
+per destination link and written with one call per link when the read is done
+(``flush``), in the order they were routed. That batching is what makes a burst
+of small frames cost one system call per link rather than one per frame.
+
+Frames written outside a read (timers, another link's control change) go through
+``reply`` and then ``flush``, or straight to ``Endpoint.send``.
+
+The outbox also keeps the counters of what could not be delivered: every drop is
+counted by reason and shown by ``meshbus stat`` and the telemetry records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshbus.broker.endpoint import Endpoint
+from meshbus.broker.pending import PendingEntry
+from meshbus.broker.stamp import stamp_run
+from meshbus.protocol.codec import encode_control
+from meshbus.protocol.control import DeliveryFailure
+from meshbus.protocol.layout import ControlType
+
+Frames = memoryview | bytes | bytearray
+
+
+@dataclass
+class TrafficStats:
+    """Cumulative counters of requests and of frames the broker could not deliver."""
+
+    requests: int = 0
+    timeouts: int = 0
+    late_responses: int = 0
+    dropped_no_route: int = 0
+    dropped_too_large: int = 0
+    dropped_bad_hop: int = 0  # frames from a peer with a wrong hop count or link tag
+
+
+class Outbox:
+    def __init__(self, stats: TrafficStats) -> None:
+        self.stats = stats
+        self._queued: dict[Endpoint, list[Frames]] = {}
+
+    def deliver(self, link: Endpoint, frame: Frames) -> bool:
+        """Queue one frame for ``link``, stamped for it when it is a peer.
+
+        False (and counted) when the frame is larger than the link accepts: forwarding
+        it would break the receiver's framing and cost it its link."""
+        if len(frame) > link.max_frame:
+            self.stats.dropped_too_large += 1
+            return False
+        if link.peer is not None:
+            frame = stamp_run(frame, 1, len(frame), link.peer.tag_out)
+        self.queue(link, frame, 1)
+        return True
+
+    def queue(self, link: Endpoint, frames: Frames, count: int) -> None:
+        """Queue ``count`` frames (one contiguous slice) for ``link`` without checks."""
+        link.msgs_out += count
+        parts = self._queued.get(link)
+        if parts is None:
+            self._queued[link] = [frames]
+        else:
+            parts.append(frames)
+
+    def reply(self, link: Endpoint, type_: ControlType, body: Any, correlation: int = 0) -> None:
+        """Queue a control frame for ``link``, after what is already queued for it."""
+        parts = self._queued.setdefault(link, [])
+        parts.append(encode_control(type_, body, correlation))
+
+    def no_route(
+        self, link: Endpoint, msg_id: int, src: bytes, dst: bytes, reason: str = ""
+    ) -> None:
+        self.reply(
+            link,
+            ControlType.NO_ROUTE,
+            DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason=reason),
+        )
+
+    def tell_requester(
+        self, entry: PendingEntry[Endpoint], outcome: ControlType, reason: str = ""
+    ) -> None:
+        """TIMEOUT or NO_ROUTE for a pending request, to the link it came in on, now."""
+        entry.link.send(
+            encode_control(
+                outcome,
+                DeliveryFailure(
+                    msg_id=entry.msg_id, src=entry.requester, dst=entry.dst, reason=reason
+                ),
+            )
+        )
+
+    def flush(self) -> None:
+        """Write each link's queued frames in one call, in the order they were queued."""
+        if not self._queued:
+            return
+        batches = list(self._queued.items())
+        self._queued.clear()
+        for link, parts in batches:
+            link.send(b"".join(parts))
+
+    def forget(self, link: Endpoint) -> None:
+        """Drop what is queued for a link that closed."""
+        self._queued.pop(link, None)

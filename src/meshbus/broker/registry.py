@@ -1,0 +1,103 @@
+"""Who is linked to this broker: every open link, the connectors among them, and the
+peer brokers by name.
+
+The registries only keep track; what happens when a link opens or closes is the
+broker's (meshbus.broker.server), and who joins or leaves ``Peers`` is the mesh's
+(meshbus.broker.mesh) to decide. Every other part reads them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from meshbus.broker.endpoint import CloseReason
+from meshbus.broker.link import Link
+
+
+class LinkRegistry:
+    def __init__(self) -> None:
+        self.links: dict[int, Link] = {}
+        self.connectors: set[Link] = set()  # open connector links
+        self.accepted = 0
+        self.closed: Counter[str] = Counter()  # closed links by reason
+        # Traffic of links that have closed; open links keep their own counts.
+        self._closed_msgs_in = 0
+        self._closed_msgs_out = 0
+        self._next_id = 1
+
+    def next_id(self) -> int:
+        link_id = self._next_id
+        self._next_id += 1
+        return link_id
+
+    def opened(self, link: Link) -> None:
+        self.links[link.link_id] = link
+        if not link.dialled:
+            self.accepted += 1
+
+    def connector_opened(self, link: Link) -> None:
+        self.connectors.add(link)
+
+    def close(self, link: Link, reason: CloseReason) -> bool:
+        """Forget ``link``; True when it was a connector."""
+        self.links.pop(link.link_id, None)
+        self.closed[reason.value] += 1
+        self._closed_msgs_in += link.msgs_in
+        self._closed_msgs_out += link.msgs_out
+        if link in self.connectors:
+            self.connectors.discard(link)
+            return True
+        return False
+
+    def msgs_in(self) -> int:
+        """Messages read since the broker started, over every link it has had."""
+        return self._closed_msgs_in + sum(link.msgs_in for link in self.links.values())
+
+    def msgs_out(self) -> int:
+        return self._closed_msgs_out + sum(link.msgs_out for link in self.links.values())
+
+
+class Peers:
+    """The open links to peer brokers, by broker name."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Link] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def get(self, name: str) -> Link | None:
+        return self._by_name.get(name)
+
+    def links(self) -> list[Link]:
+        return list(self._by_name.values())
+
+    def items(self) -> list[tuple[str, Link]]:
+        return list(self._by_name.items())
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def add(self, link: Link) -> None:
+        self._by_name[link.name] = link
+
+    def remove(self, link: Link) -> bool:
+        """Forget ``link`` if it is the open link to its broker; True if it was."""
+        if self._by_name.get(link.name) is not link:
+            return False
+        del self._by_name[link.name]
+        return True
+
+    def send_all(self, frame: bytes) -> None:
+        for link in self._by_name.values():
+            link.send(frame)
