@@ -1,4 +1,4 @@
-"""The pending-request table: reverse routes for responses (ARCHITECTURE.md section 4).
+"""The pending-request table: reverse routes for responses (docs/protocol.md, requests).
 
 A request is keyed by (requester address, message id): message ids are chosen
 by the requester's connector, so they are unique only per requester. The entry
