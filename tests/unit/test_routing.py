@@ -190,6 +190,36 @@ def test_join_and_leave() -> None:
     assert rt.route_multicast(TOPIC, B1, "b", echo=False) == ()
 
 
+def test_many_joins_rebuild_a_groups_caches_once_at_the_next_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector bringing thousands of members back (failover, a peer's snapshot)
+    must cost O(N), not a rebuild of the whole group per member: that stalled brokers
+    past their heartbeat budget."""
+    from meshbus.broker import routing
+
+    rebuilds = Counter[int]()
+    real = routing._Group.rebuild
+
+    def counted(self: routing._Group[str], is_remote: object) -> None:
+        rebuilds[id(self)] += 1
+        real(self, is_remote)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(routing._Group, "rebuild", counted)
+    rt = table()
+    members = [Unicast("svc", i).to_bytes() for i in range(1, 1001)]
+    for i, member in enumerate(members):
+        rt.add_service(member, f"link{i % 7}")
+        rt.join(member, TOPIC)
+    assert sum(rebuilds.values()) == 0
+    assert len(rt.route_multicast(TOPIC, B1, "b", echo=False)) == 7
+    for member in members[:500]:
+        rt.leave(member, TOPIC)
+    assert len(rt.route_multicast_local(TOPIC)) == 7
+    assert rt.route_anycast(TOPIC, B1, echo=False) is not None
+    assert sum(rebuilds.values()) == 2
+
+
 def test_join_requires_a_registered_member() -> None:
     rt = table()
     with pytest.raises(NotOwned):

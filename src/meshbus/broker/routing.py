@@ -76,8 +76,13 @@ class _Group(Generic[L]):
     local_members: tuple[tuple[bytes, L], ...] = ()
     peers: tuple[L, ...] = ()
     peer_weights: tuple[int, ...] = ()  # cumulative member counts, for bisect
+    # Changed since the caches were built: they are rebuilt at the next lookup, not at
+    # each change, so N members joining one group cost O(N), not O(N^2) (a connector
+    # bringing thousands of members back after failover, or a peer's snapshot).
+    stale: bool = False
 
     def rebuild(self, is_remote: Callable[[L], bool]) -> None:
+        self.stale = False
         self.links = tuple(self.per_link)
         self.local_links = tuple(link for link in self.links if not is_remote(link))
         self.local_members = tuple(
@@ -186,7 +191,7 @@ class RoutingTable(Generic[L]):
             return
         g.members[member] = link
         g.per_link[link] = g.per_link.get(link, 0) + 1
-        g.rebuild(self._is_remote)
+        g.stale = True
         self._joined.setdefault(member, set()).add(group)
         self._memberships += 1
         self.version += 1
@@ -203,7 +208,7 @@ class RoutingTable(Generic[L]):
         else:
             del g.per_link[link]
         if g.members:
-            g.rebuild(self._is_remote)
+            g.stale = True
         else:
             del self._groups[group]
         joined = self._joined[member]
@@ -240,10 +245,17 @@ class RoutingTable(Generic[L]):
     def route_unicast(self, dst: bytes) -> L | None:
         return self._owner.get(dst)
 
+    def _fresh(self, group: bytes) -> _Group[L] | None:
+        """The group, its caches up to date."""
+        g = self._groups.get(group)
+        if g is not None and g.stale:
+            g.rebuild(self._is_remote)
+        return g
+
     def route_multicast(self, group: bytes, src: bytes, src_link: L, echo: bool) -> tuple[L, ...]:
         """Links that get one copy of a multicast from ``src`` (on ``src_link``):
         local links with members, and each peer broker with members once."""
-        g = self._groups.get(group)
+        g = self._fresh(group)
         if g is None:
             return ()
         if echo or g.per_link.get(src_link) != 1 or src not in g.members:
@@ -252,14 +264,14 @@ class RoutingTable(Generic[L]):
 
     def route_multicast_local(self, group: bytes) -> tuple[L, ...]:
         """Local links with members: where a multicast that came from a peer broker goes."""
-        g = self._groups.get(group)
+        g = self._fresh(group)
         return () if g is None else g.local_links
 
     def route_anycast(self, group: bytes, src: bytes, echo: bool) -> L | None:
         """The link of one member: a local one chosen uniformly at random when there is
         one (the sender only if ``echo``), otherwise a peer broker chosen at random
         weighted by its member count."""
-        g = self._groups.get(group)
+        g = self._fresh(group)
         if g is None:
             return None
         local = self._pick_local(g, src, echo)
@@ -270,7 +282,7 @@ class RoutingTable(Generic[L]):
 
     def route_anycast_local(self, group: bytes, src: bytes, echo: bool) -> L | None:
         """One local member's link: where an anycast that came from a peer broker goes."""
-        g = self._groups.get(group)
+        g = self._fresh(group)
         return None if g is None else self._pick_local(g, src, echo)
 
     def _pick_local(self, g: _Group[L], src: bytes, echo: bool) -> L | None:
