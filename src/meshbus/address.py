@@ -9,8 +9,9 @@ Layout (ARCHITECTURE.md section 2): one cast-type byte, then 15 bytes.
 * Multicast / anycast: a group name of at most 15 bytes, NUL-padded.
 
 Names are UTF-8 and may not contain NUL or ':' (':' separates the parts of the
-text form). A name that does not fit raises ``ValueError`` naming the limit: an
-address is never silently truncated, because two truncated names could collide.
+text form). A name that does not fit raises ``InvalidArgument`` (a ``ValueError``)
+naming the limit: an address is never silently truncated, because two truncated
+names could collide.
 
 Text form, used by the CLI and by ``str()``: ``game01:65537``,
 ``multicast:chat.lobby``, ``anycast:login``. Because of that form, ``multicast``,
@@ -22,6 +23,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import ClassVar
+
+from meshbus.errors import InvalidArgument
 
 ADDRESS_SIZE = 16
 SERVER_NAME_MAX = 11
@@ -41,12 +44,12 @@ def _encode_name(name: str, limit: int, what: str) -> bytes:
     if not isinstance(name, str):
         raise TypeError(f"{what} must be a str, not {type(name).__name__}")
     if not name:
-        raise ValueError(f"{what} must not be empty")
+        raise InvalidArgument(f"{what} must not be empty")
     if "\x00" in name or ":" in name:
-        raise ValueError(f"{what} {name!r} must not contain NUL or ':'")
+        raise InvalidArgument(f"{what} {name!r} must not contain NUL or ':'")
     raw = name.encode("utf-8")
     if len(raw) > limit:
-        raise ValueError(
+        raise InvalidArgument(
             f"{what} {name!r} is {len(raw)} bytes in UTF-8; the limit is {limit} bytes"
         )
     return raw
@@ -55,11 +58,11 @@ def _encode_name(name: str, limit: int, what: str) -> bytes:
 def _decode_name(raw: bytes, what: str) -> str:
     name = raw.rstrip(b"\x00")
     if not name or b"\x00" in name:
-        raise ValueError(f"{what} {raw!r} is not a NUL-padded name")
+        raise InvalidArgument(f"{what} {raw!r} is not a NUL-padded name")
     try:
         return name.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} {raw!r} is not UTF-8") from exc
+        raise InvalidArgument(f"{what} {raw!r} is not UTF-8") from exc
 
 
 @functools.total_ordering
@@ -91,7 +94,7 @@ class Address:
 
     @staticmethod
     def from_bytes(raw: bytes) -> Address:
-        """Decode the 16-byte wire form; ``ValueError`` if it is not a valid address."""
+        """Decode the 16-byte wire form; ``InvalidArgument`` if it is not a valid address."""
         return _from_bytes_cached(bytes(raw))
 
     @staticmethod
@@ -99,7 +102,7 @@ class Address:
         """Parse the text form: ``server:instance``, ``multicast:NAME`` or ``anycast:NAME``."""
         kind, sep, rest = text.partition(":")
         if not sep:
-            raise ValueError(
+            raise InvalidArgument(
                 f"address {text!r} has no ':'; expected SERVER:INSTANCE, "
                 "multicast:NAME or anycast:NAME"
             )
@@ -110,9 +113,9 @@ class Address:
         if kind == "unicast":
             kind, sep, rest = rest.partition(":")
             if not sep:
-                raise ValueError(f"address {text!r}: expected unicast:SERVER:INSTANCE")
+                raise InvalidArgument(f"address {text!r}: expected unicast:SERVER:INSTANCE")
         if not (rest.isascii() and rest.isdigit()):
-            raise ValueError(f"address {text!r}: instance {rest!r} is not a decimal integer")
+            raise InvalidArgument(f"address {text!r}: instance {rest!r} is not a decimal integer")
         return Unicast(kind, int(rest))
 
 
@@ -129,7 +132,7 @@ class Unicast(Address):
         if not isinstance(self.instance, int) or isinstance(self.instance, bool):
             raise TypeError("instance must be an int")
         if not 1 <= self.instance <= INSTANCE_MAX:
-            raise ValueError(f"instance {self.instance} is out of range 1..{INSTANCE_MAX}")
+            raise InvalidArgument(f"instance {self.instance} is out of range 1..{INSTANCE_MAX}")
 
     @property
     def is_fixed(self) -> bool:
@@ -182,7 +185,7 @@ class Anycast(_Group):
 @functools.lru_cache(maxsize=65536)
 def _from_bytes_cached(raw: bytes) -> Address:
     if len(raw) != ADDRESS_SIZE:
-        raise ValueError(f"an address is {ADDRESS_SIZE} bytes, got {len(raw)}")
+        raise InvalidArgument(f"an address is {ADDRESS_SIZE} bytes, got {len(raw)}")
     cast = raw[0]
     if cast == CAST_UNICAST:
         instance = int.from_bytes(raw[12:16], "big")
@@ -191,7 +194,7 @@ def _from_bytes_cached(raw: bytes) -> Address:
         return Multicast(_decode_name(raw[1:16], "group name"))
     if cast == CAST_ANYCAST:
         return Anycast(_decode_name(raw[1:16], "group name"))
-    raise ValueError(f"unknown cast type {cast} (expected 1 unicast, 2 multicast, 3 anycast)")
+    raise InvalidArgument(f"unknown cast type {cast} (expected 1 unicast, 2 multicast, 3 anycast)")
 
 
 def describe_address(raw: bytes) -> str:
@@ -199,15 +202,16 @@ def describe_address(raw: bytes) -> str:
     (for logs and error messages about bytes a peer sent)."""
     try:
         return str(Address.from_bytes(raw))
-    except ValueError:
+    except InvalidArgument:
         return f"<invalid address {bytes(raw).hex()}>"
 
 
 def server_name_bytes(server: str) -> bytes:
-    """The 11-byte, NUL-padded wire form of a server name; ValueError if it is not valid."""
+    """The 11-byte, NUL-padded wire form of a server name; InvalidArgument if it is not
+    valid."""
     raw = _encode_name(server, SERVER_NAME_MAX, "server name")
     if server in _RESERVED_SERVER_NAMES:
-        raise ValueError(f"server name {server!r} is reserved for the text form")
+        raise InvalidArgument(f"server name {server!r} is reserved for the text form")
     return raw + b"\x00" * (SERVER_NAME_MAX - len(raw))
 
 
@@ -221,7 +225,7 @@ def dynamic_instance(broker_slot: int, sequence: int) -> int:
     to keep slots unique, which it does once, when a broker joins.
     """
     if not 1 <= broker_slot <= 0xFFFF:
-        raise ValueError(f"broker slot {broker_slot} is out of range 1..65535")
+        raise InvalidArgument(f"broker slot {broker_slot} is out of range 1..65535")
     if not 0 <= sequence <= 0xFFFF:
-        raise ValueError(f"sequence {sequence} is out of range 0..65535")
+        raise InvalidArgument(f"sequence {sequence} is out of range 0..65535")
     return broker_slot * 65536 + sequence

@@ -1,26 +1,48 @@
 """The meshbus exception tree. Every error the library raises is one of these.
 
     MeshbusError
-    ├── ProtocolError                 the bytes on a link broke the wire rules
-    │   ├── FrameTooLarge             .size, .limit
-    │   └── RemoteProtocolError       the broker told us we broke them (.code)
-    ├── ConnectionError_              base of link-state errors
-    │   ├── NotConnected              used after close(), or before connect()
-    │   └── ConnectionLost            the broker or the network broke the link
-    ├── RequestError                  a request got no response
-    │   ├── Timeout                   the deadline passed (.timeout)
-    │   └── NoRoute                   nobody serves that address (.address)
-    ├── DeliveryFailed                a reliable send was never acknowledged (.address, .msg_id)
-    ├── NoQueue                       next_message() on a service that has listeners
-    ├── StreamError                   a stream request was refused (.code)
-    └── RegistrationError             register/join/leave refused (.code)
-        ├── AddressInUse              a fixed address is taken (.address)
-        │   └── AlreadyConnected      ... by this connector itself
-        └── JoinFailed                a join or leave was refused
+    ├── InvalidArgument (ValueError)      an argument the library cannot use: an address,
+    │                                     an option, a value out of range
+    ├── ProtocolError                     the bytes on a link broke the wire rules
+    │   ├── FrameTooLarge                 .size, .limit
+    │   └── RemoteProtocolError           the broker told us we broke them (.code)
+    ├── LinkError                         base of link-state errors
+    │   ├── NotConnected (ConnectionError)     used after close(), or before connect()
+    │   └── ConnectionLost (ConnectionError)   the broker or the network broke the link
+    ├── RequestError                      a request got no response
+    │   ├── Timeout (TimeoutError)        the deadline passed (.timeout)
+    │   └── NoRoute                       nobody serves that address (.address)
+    ├── DeliveryFailed                    a reliable send was never acknowledged
+    │                                     (.address, .msg_id)
+    ├── NoQueue                           next_message() on a service that has listeners
+    ├── StreamError                       a stream request was refused (.code)
+    └── RegistrationError                 register/join/leave refused (.code)
+        ├── AddressInUse                  a fixed address is taken (.address)
+        │   └── AlreadyConnected          ... by this connector itself
+        └── JoinFailed                    a join or leave was refused
+
+A name in parentheses is a builtin exception the class also derives from, so code
+that knows nothing of meshbus catches ours too: ``except ValueError`` a bad
+argument, ``except TimeoutError`` a timeout, ``except ConnectionError`` a link that
+is gone or closed (as nats.py makes its ``TimeoutError`` an ``asyncio.TimeoutError``).
 
 "You closed it" (``NotConnected``) and "it broke" (``ConnectionLost``) are
 different errors on purpose: the first is a bug in the caller, the second is
 something to retry.
+
+An argument of the wrong *type* -- an int where an address or a name goes, a str
+where bytes go -- raises Python's own ``TypeError``, not a MeshbusError: it is the
+same programming error as ``len(5)``, found by reading the code, never a condition
+to handle at run time. A value of the right type that the library cannot use is
+``InvalidArgument``.
+
+``FrameTooLarge`` is not a ``ValueError``: the same class reports a frame a peer
+sent that is over the link's limit (``meshbus.protocol.codec.OversizedFrame``),
+which is no argument of anyone's, and code around a decoder that catches
+``ValueError`` must not swallow it.
+
+This module imports nothing of meshbus: ``meshbus.address`` and the protocol
+modules raise these errors, and must be importable before anything else.
 """
 
 from __future__ import annotations
@@ -28,6 +50,11 @@ from __future__ import annotations
 
 class MeshbusError(Exception):
     """Base of every meshbus error."""
+
+
+class InvalidArgument(MeshbusError, ValueError):
+    """An argument the library cannot use: a bad address text, a value out of range,
+    an option that makes no sense. Also a ``ValueError``."""
 
 
 class ProtocolError(MeshbusError):
@@ -54,24 +81,27 @@ class RemoteProtocolError(ProtocolError):
         self.code = code
 
 
-class ConnectionError_(MeshbusError):
+class LinkError(MeshbusError):
     """Base of link-state errors."""
 
 
-class NotConnected(ConnectionError_):
-    """The connector is closed (you closed it) or was never connected."""
+class NotConnected(LinkError, ConnectionError):
+    """The connector is closed (you closed it) or was never connected. Also a builtin
+    ``ConnectionError``."""
 
 
-class ConnectionLost(ConnectionError_):
-    """The link to the broker broke (the broker or the network closed it)."""
+class ConnectionLost(LinkError, ConnectionError):
+    """The link to the broker broke (the broker or the network closed it). Also a builtin
+    ``ConnectionError``."""
 
 
 class RequestError(MeshbusError):
     """A request did not get a response."""
 
 
-class Timeout(RequestError):
-    """No response arrived before the request's deadline."""
+class Timeout(RequestError, TimeoutError):
+    """No response arrived before the request's deadline. Also a builtin ``TimeoutError``
+    (which ``asyncio.TimeoutError`` is)."""
 
     def __init__(self, message: str, timeout: float | None = None) -> None:
         super().__init__(message)

@@ -24,6 +24,7 @@ from meshbus.address import (
     dynamic_instance,
     server_name_bytes,
 )
+from meshbus.errors import InvalidArgument
 
 # -- wire form -----------------------------------------------------------------
 
@@ -122,7 +123,7 @@ def test_str_round_trip(address: Address, text: str) -> None:
     ],
 )
 def test_parse_rejects(text: str, error: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(error)):
+    with pytest.raises(InvalidArgument, match=re.escape(error)):
         Address.parse(text)
 
 
@@ -136,28 +137,28 @@ def test_server_name_at_limit_fits() -> None:
 
 
 def test_server_name_too_long_names_the_limit() -> None:
-    with pytest.raises(ValueError, match=r"limit is 11 bytes"):
+    with pytest.raises(InvalidArgument, match=r"limit is 11 bytes"):
         Unicast("a" * 12, 1)
 
 
 @pytest.mark.parametrize("cls", [Multicast, Anycast])
 def test_group_name_too_long_names_the_limit(cls: type[Multicast] | type[Anycast]) -> None:
     assert cls("g" * 15).name == "g" * 15
-    with pytest.raises(ValueError, match=r"limit is 15 bytes"):
+    with pytest.raises(InvalidArgument, match=r"limit is 15 bytes"):
         cls("g" * 16)
 
 
 def test_server_name_limit_counts_utf8_bytes_not_characters() -> None:
     # 'é' is 2 bytes: 5 of them plus one ASCII letter is 11 bytes, 6 of them are 12.
     assert len(Unicast("é" * 5 + "a", 1).to_bytes()) == 16
-    with pytest.raises(ValueError, match=r"12 bytes in UTF-8.*limit is 11 bytes"):
+    with pytest.raises(InvalidArgument, match=r"12 bytes in UTF-8.*limit is 11 bytes"):
         Unicast("é" * 6, 1)
 
 
 def test_group_name_limit_counts_utf8_bytes_not_characters() -> None:
     # '€' is 3 bytes: 5 of them are 15 bytes, one more letter makes 16.
     assert Multicast("€" * 5).to_bytes() == b"\x02" + "€".encode() * 5
-    with pytest.raises(ValueError, match=r"16 bytes in UTF-8.*limit is 15 bytes"):
+    with pytest.raises(InvalidArgument, match=r"16 bytes in UTF-8.*limit is 15 bytes"):
         Multicast("€" * 5 + "a")
 
 
@@ -165,23 +166,23 @@ def test_group_name_limit_counts_utf8_bytes_not_characters() -> None:
     "make", [lambda: Unicast("", 1), lambda: Multicast(""), lambda: Anycast("")]
 )
 def test_empty_names_are_rejected(make: object) -> None:
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidArgument, match="empty"):
         make()  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("bad", ["a\x00b", "a:b", ":", "\x00"])
 def test_nul_and_colon_are_rejected(bad: str) -> None:
-    with pytest.raises(ValueError, match="NUL or ':'"):
+    with pytest.raises(InvalidArgument, match="NUL or ':'"):
         Unicast(bad, 1)
-    with pytest.raises(ValueError, match="NUL or ':'"):
+    with pytest.raises(InvalidArgument, match="NUL or ':'"):
         Multicast(bad)
-    with pytest.raises(ValueError, match="NUL or ':'"):
+    with pytest.raises(InvalidArgument, match="NUL or ':'"):
         Anycast(bad)
 
 
 @pytest.mark.parametrize("name", ["unicast", "multicast", "anycast"])
 def test_reserved_server_names(name: str) -> None:
-    with pytest.raises(ValueError, match="reserved"):
+    with pytest.raises(InvalidArgument, match="reserved"):
         Unicast(name, 1)
     # Group names have no such restriction: the prefix already says what they are.
     assert Multicast(name).name == name
@@ -209,7 +210,7 @@ def test_instance_in_range(instance: int, fixed: bool) -> None:
 
 @pytest.mark.parametrize("instance", [0, -1, 2**32, 2**40])
 def test_instance_out_of_range(instance: int) -> None:
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(InvalidArgument, match="out of range"):
         Unicast("s", instance)
 
 
@@ -274,14 +275,14 @@ def test_ordering_follows_wire_bytes() -> None:
 @pytest.mark.parametrize("cast", [0, 4, 5, 0xFF])
 def test_from_bytes_rejects_unknown_cast_type(cast: int) -> None:
     raw = bytes((cast,)) + b"name" + b"\x00" * 11
-    with pytest.raises(ValueError, match="cast type"):
+    with pytest.raises(InvalidArgument, match="cast type"):
         Address.from_bytes(raw)
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 17, 32])
 def test_from_bytes_rejects_bad_length(length: int) -> None:
     raw = (Unicast("s", 1).to_bytes() * 3)[:length]
-    with pytest.raises(ValueError, match="16 bytes"):
+    with pytest.raises(InvalidArgument, match="16 bytes"):
         Address.from_bytes(raw)
 
 
@@ -304,7 +305,7 @@ _PAD = "not a NUL-padded name"
 )
 def test_from_bytes_rejects_invalid_contents(raw: bytes, error: str) -> None:
     assert len(raw) == 16
-    with pytest.raises(ValueError, match=re.escape(error)):
+    with pytest.raises(InvalidArgument, match=re.escape(error)):
         Address.from_bytes(raw)
 
 
@@ -322,7 +323,7 @@ def test_dynamic_instance_values() -> None:
 
 @pytest.mark.parametrize(("slot", "seq"), [(0, 0), (0x10000, 0), (1, -1), (1, 0x10000)])
 def test_dynamic_instance_rejects_out_of_range(slot: int, seq: int) -> None:
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(InvalidArgument, match="out of range"):
         dynamic_instance(slot, seq)
 
 
@@ -383,10 +384,11 @@ def test_order_and_equality_agree_with_bytes(a: Address, b: Address) -> None:
 
 @given(st.binary(min_size=16, max_size=16))
 def test_from_bytes_accepts_only_canonical_forms(raw: bytes) -> None:
-    """Any 16 bytes either decode to an address that encodes back to them, or raise ValueError."""
+    """Any 16 bytes either decode to an address that encodes back to them, or raise
+    InvalidArgument."""
     try:
         address = Address.from_bytes(raw)
-    except ValueError:
+    except InvalidArgument:
         return
     assert address.to_bytes() == raw
     assert raw[0] in (CAST_UNICAST, CAST_MULTICAST, CAST_ANYCAST)

@@ -17,6 +17,7 @@ from meshbus.client.delivery import (
     SeenWindow,
     Suspicion,
 )
+from meshbus.errors import InvalidArgument
 
 A = b"a" * 16
 B = b"b" * 16
@@ -89,7 +90,7 @@ def test_window_matches_reference_model() -> None:
 
 
 def test_window_rejects_bad_capacity() -> None:
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(InvalidArgument, match="capacity"):
         SeenWindow(capacity=0)
 
 
@@ -127,12 +128,12 @@ def test_policy_huge_attempt_is_capped() -> None:
     ],
 )
 def test_policy_validation(kwargs: dict[str, float], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidArgument, match=match):
         RetryPolicy(**kwargs)  # type: ignore[arg-type]
 
 
 def test_policy_interval_rejects_attempt_zero() -> None:
-    with pytest.raises(ValueError, match="attempt"):
+    with pytest.raises(InvalidArgument, match="attempt"):
         RetryPolicy().interval(0)
 
 
@@ -440,9 +441,9 @@ def test_group_end_forgets_key() -> None:
 
 
 def test_group_validation() -> None:
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(InvalidArgument, match="timeout"):
         GroupOrder(hold_timeout=0)
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(InvalidArgument, match="timeout"):
         GroupOrder(idle_timeout=-1.0)
 
 
@@ -491,5 +492,5 @@ def test_suspicion_cleared_by_any_message() -> None:
 
 def test_suspicion_threshold_one_and_validation() -> None:
     assert Suspicion(threshold=1).failed(A)
-    with pytest.raises(ValueError, match="threshold"):
+    with pytest.raises(InvalidArgument, match="threshold"):
         Suspicion(threshold=0)

@@ -17,6 +17,7 @@ EXPECTED_ALL = [
     "Consumer",
     "DeliveryFailed",
     "FrameTooLarge",
+    "InvalidArgument",
     "JoinFailed",
     "MeshbusError",
     "Message",
@@ -50,6 +51,7 @@ EXPECTED_EXCEPTIONS = {
     "StreamError",
     "ConnectionLost",
     "FrameTooLarge",
+    "InvalidArgument",
     "MeshbusError",
     "NoRoute",
     "NotConnected",
@@ -98,6 +100,11 @@ def test_exception_tree() -> None:
     assert issubclass(meshbus.Timeout, meshbus.RequestError)
     assert issubclass(meshbus.NoRoute, meshbus.RequestError)
     assert issubclass(meshbus.AddressInUse, meshbus.RegistrationError)
+    # Code that knows nothing of meshbus catches ours with the builtin it expects.
+    assert issubclass(meshbus.InvalidArgument, ValueError)
+    assert issubclass(meshbus.Timeout, TimeoutError)
+    assert issubclass(meshbus.ConnectionLost, ConnectionError)
+    assert issubclass(meshbus.NotConnected, ConnectionError)
     # "You closed it" and "it broke" are different errors.
     assert not issubclass(meshbus.NotConnected, meshbus.ConnectionLost)
     assert not issubclass(meshbus.ConnectionLost, meshbus.NotConnected)

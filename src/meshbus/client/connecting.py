@@ -14,20 +14,47 @@ from collections.abc import Sequence
 from meshbus.address import Unicast
 from meshbus.client.connector import Connector
 from meshbus.client.reliable import ReliableConfig
-from meshbus.errors import ConnectionLost
-from meshbus.protocol.layout import DEFAULT_MAX_FRAME
+from meshbus.errors import ConnectionLost, InvalidArgument
+from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.util import parse_hostport
 
 
 def broker_list(brokers: str | Sequence[str]) -> list[str]:
-    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``; ValueError names a bad entry."""
+    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``; InvalidArgument names a bad entry."""
     items = brokers.split(",") if isinstance(brokers, str) else list(brokers)
     addresses = [item.strip() for item in items if item.strip()]
     if not addresses:
-        raise ValueError("no broker address given; expected HOST:PORT[,HOST:PORT...]")
+        raise InvalidArgument("no broker address given; expected HOST:PORT[,HOST:PORT...]")
     for address in addresses:
-        parse_hostport(address)
+        try:
+            parse_hostport(address)
+        except ValueError as exc:
+            raise InvalidArgument(f"broker address {exc}") from exc
     return addresses
+
+
+def _check_options(
+    max_frame: int,
+    max_inbox: int,
+    timeout: float,
+    failover_timeout: float,
+    keepalive: float,
+    request_timeout: float,
+) -> None:
+    # `not x >= 0` rather than `x < 0`, so that NaN is refused too.
+    if not max_frame >= MIN_MAX_FRAME:
+        raise InvalidArgument(f"max_frame must be at least {MIN_MAX_FRAME} bytes, got {max_frame}")
+    if not max_inbox >= 1:
+        raise InvalidArgument(f"max_inbox must be at least 1, got {max_inbox}")
+    if not timeout > 0:
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout}")
+    for name, value in (
+        ("failover_timeout", failover_timeout),
+        ("keepalive", keepalive),
+        ("request_timeout", request_timeout),
+    ):
+        if not value >= 0:
+            raise InvalidArgument(f"{name} must be 0 or more seconds, got {value}")
 
 
 async def connect(
@@ -69,6 +96,7 @@ async def connect(
         server = socket.gethostname().split(".")[0]
     Unicast(server, 1)  # a bad server name fails here, before any I/O
     addresses = broker_list(broker)
+    _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
     connector = Connector(
         server,
         name or server,

@@ -38,6 +38,7 @@ from meshbus.errors import (
     AlreadyConnected,
     ConnectionLost,
     DeliveryFailed,
+    InvalidArgument,
     MeshbusError,
     NoRoute,
     NotConnected,
@@ -171,7 +172,7 @@ class Connector:
         """Register a service: ``instance`` 1..65535 for a fixed, well-known address
         (``AddressInUse`` if taken anywhere in the mesh), or None for a dynamic address."""
         if instance is not None and not 1 <= instance <= 65535:
-            raise ValueError(
+            raise InvalidArgument(
                 f"fixed instance ids are 1..65535, got {instance}; omit it for a dynamic id"
             )
         subject = f"{self.server}:{instance}" if instance else ""
@@ -260,6 +261,8 @@ class Connector:
     async def drain_broker(self, grace: float = 0.0) -> None:
         """Ask the broker this connector is linked to to drain: it moves its connectors
         (this one too) to other brokers and exits. ``grace`` 0 uses the broker's own."""
+        if not grace >= 0:
+            raise InvalidArgument(f"grace must be 0 or more seconds, got {grace}")
         await self._control(ControlType.DRAIN, Drain(grace=grace))
 
     def on_undeliverable(self, handler: Callable[[Undeliverable], None]) -> None:
@@ -292,9 +295,18 @@ class Connector:
         return len(self._reliable._pending)
 
     async def wait_acked(self, timeout: float | None = None) -> None:
-        """Wait until every reliable message sent so far is acknowledged or given up."""
-        async with asyncio.timeout(timeout):
-            await self._reliable.idle()
+        """Wait until every reliable message sent so far is acknowledged or given up;
+        ``meshbus.Timeout`` if that takes longer than ``timeout`` seconds."""
+        if timeout is not None and not timeout >= 0:
+            raise InvalidArgument(f"timeout must be 0 or more seconds, got {timeout}")
+        try:
+            async with asyncio.timeout(timeout):
+                await self._reliable.idle()
+        except TimeoutError:
+            raise Timeout(
+                f"{self.unacked} reliable messages were not acknowledged within {timeout} s",
+                timeout,
+            ) from None
 
     async def close(self) -> None:
         """Say goodbye and close the link. Pending requests fail with ``NotConnected``."""
@@ -405,11 +417,11 @@ class Connector:
             # The broker sends TIMEOUT at the deadline; the local guard covers a broker
             # that died or stalled, so a request can never hang.
             return await asyncio.wait_for(future, timeout + _LOCAL_TIMEOUT_GRACE)
-        except TimeoutError:
-            raise Timeout(f"no response from {dst} within {timeout} s", timeout) from None
-        except Timeout as exc:
+        except Timeout as exc:  # the broker's TIMEOUT (before the local guard: it is one too)
             exc.timeout = timeout
             raise
+        except TimeoutError:
+            raise Timeout(f"no response from {dst} within {timeout} s", timeout) from None
         finally:
             self._requests.pop(key, None)
 

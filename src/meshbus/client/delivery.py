@@ -29,6 +29,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from meshbus.errors import InvalidArgument
+
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
@@ -42,7 +44,7 @@ class SeenWindow(Generic[K]):
 
     def __init__(self, capacity: int = 100_000) -> None:
         if capacity < 1:
-            raise ValueError(f"SeenWindow capacity must be at least 1, got {capacity}")
+            raise InvalidArgument(f"SeenWindow capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self._seen: set[K] = set()
         # Grows to capacity, then is overwritten in place: _ring[_pos] is the oldest key.
@@ -81,18 +83,18 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         # `not x > 0` rather than `x <= 0` so that NaN is rejected too.
         if not self.ack_timeout > 0:
-            raise ValueError(f"ack_timeout must be positive, got {self.ack_timeout}")
+            raise InvalidArgument(f"ack_timeout must be positive, got {self.ack_timeout}")
         if not self.backoff >= 1:
-            raise ValueError(f"backoff must be at least 1, got {self.backoff}")
+            raise InvalidArgument(f"backoff must be at least 1, got {self.backoff}")
         if not self.max_interval > 0:
-            raise ValueError(f"max_interval must be positive, got {self.max_interval}")
+            raise InvalidArgument(f"max_interval must be positive, got {self.max_interval}")
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+            raise InvalidArgument(f"max_attempts must be at least 1, got {self.max_attempts}")
 
     def interval(self, attempt: int) -> float:
         """How long to wait for an ack after attempt number ``attempt`` (1-based)."""
         if attempt < 1:
-            raise ValueError(f"attempt numbers start at 1, got {attempt}")
+            raise InvalidArgument(f"attempt numbers start at 1, got {attempt}")
         try:
             raw = self.ack_timeout * self.backoff ** (attempt - 1)
         except OverflowError:  # a large attempt with backoff > 1: far past the cap
@@ -222,7 +224,7 @@ class GroupOrder(Generic[T]):
 
     def __init__(self, hold_timeout: float = 30.0, idle_timeout: float = 300.0) -> None:
         if not hold_timeout > 0 or not idle_timeout > 0:
-            raise ValueError("hold_timeout and idle_timeout must be positive")
+            raise InvalidArgument("hold_timeout and idle_timeout must be positive")
         self.hold_timeout = hold_timeout
         self.idle_timeout = idle_timeout
         self.gaps = 0  # seqs skipped by expire(): never delivered here
@@ -316,7 +318,7 @@ class Suspicion:
 
     def __init__(self, threshold: int = 3) -> None:
         if threshold < 1:
-            raise ValueError(f"Suspicion threshold must be at least 1, got {threshold}")
+            raise InvalidArgument(f"Suspicion threshold must be at least 1, got {threshold}")
         self.threshold = threshold
         self._counts: dict[bytes, int] = {}
 

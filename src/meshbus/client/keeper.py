@@ -157,7 +157,10 @@ class LinkKeeper:
         """A link to ``address`` that the broker welcomed; Redirected when the broker
         refuses us naming another, ConnectionLost for anything else that goes wrong."""
         conn = self.connector
-        host, port = parse_hostport(address)
+        try:
+            host, port = parse_hostport(address)
+        except ValueError as exc:  # from a broker list the mesh sent
+            raise ConnectionLost(f"cannot connect to broker address {exc}") from exc
         handshake = DiallingHandshake(
             Hello(
                 role=ROLE_OPERATOR if conn.operator else ROLE_CONNECTOR,

@@ -41,7 +41,13 @@ import msgspec
 
 from meshbus.address import describe_address
 from meshbus.client.delivery import GroupOrder, Outbox, RetryPolicy, SeenWindow, Suspicion
-from meshbus.errors import DeliveryFailed, MeshbusError, NoRoute, ProtocolError
+from meshbus.errors import (
+    DeliveryFailed,
+    InvalidArgument,
+    MeshbusError,
+    NoRoute,
+    ProtocolError,
+)
 from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import GroupBind, GroupBound, GroupEnd, MemberList, MembersRequest
 from meshbus.protocol.ext import Ext, ack_frames, unpack_acks, wrap
@@ -113,9 +119,9 @@ class ReliableConfig:
 
     def __post_init__(self) -> None:
         if self.dedupe_window < 1 or self.max_unacked < 1 or self.suspicion < 1:
-            raise ValueError("dedupe_window, max_unacked and suspicion must be at least 1")
+            raise InvalidArgument("dedupe_window, max_unacked and suspicion must be at least 1")
         if not self.group_expiry > 0:
-            raise ValueError("group_expiry must be a positive number of seconds")
+            raise InvalidArgument("group_expiry must be a positive number of seconds")
 
 
 class Reliable:
@@ -178,7 +184,9 @@ class Reliable:
         key = (src, dst, group)
         if group:
             if cast != _CAST_ANYCAST:
-                raise ValueError("message groups go to an anycast address")
+                raise InvalidArgument(
+                    f"message groups go to an anycast address, not {describe_address(dst)}"
+                )
             state = await self._bound(key, b"")
             target = state.member
         elif cast == _CAST_MULTICAST:

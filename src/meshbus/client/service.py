@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address, Multicast
 from meshbus.errors import (
+    InvalidArgument,
     JoinFailed,
     MeshbusError,
     NoQueue,
@@ -45,6 +46,49 @@ def as_address(value: AddressLike) -> Address:
 
 # Most senders name a few addresses over and over: parse each text form once.
 _parse = functools.lru_cache(maxsize=4096)(Address.parse)
+
+
+def _group_address(value: AddressLike) -> Address:
+    address = as_address(value)
+    if not address.is_group:
+        raise InvalidArgument(
+            f"{address} is a unicast address; services join multicast:NAME or anycast:NAME"
+        )
+    return address
+
+
+# A priority reaches stream readers as a 32-bit signed integer (Spark's IntegerType).
+_PRIORITY_MIN = -(1 << 31)
+_PRIORITY_MAX = (1 << 31) - 1
+# Group and publish ids travel in the frame's extension block, whose size is a u16.
+_ID_MAX = 1024
+# A request's deadline travels in milliseconds as a u32: about 49.7 days at most.
+_MAX_TIMEOUT = 0xFFFFFFFF / 1000
+
+
+def _checked_priority(priority: int) -> int:
+    if not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
+        raise InvalidArgument(
+            f"priority {priority} is out of range {_PRIORITY_MIN}..{_PRIORITY_MAX}"
+        )
+    return priority
+
+
+def _checked_publish_id(publish_id: bytes) -> bytes:
+    if len(publish_id) > _ID_MAX:
+        raise InvalidArgument(f"a publish id is at most {_ID_MAX} bytes, got {len(publish_id)}")
+    return publish_id
+
+
+def _group_key(group: str | bytes | None, final: bool) -> bytes:
+    """A message group's id as it travels (b"" for none)."""
+    key = group.encode() if isinstance(group, str) else (group or b"")
+    if final and not key:
+        raise InvalidArgument("final=True ends a message group; give the group too")
+    if len(key) > _ID_MAX:
+        raise InvalidArgument(f"a message group id is at most {_ID_MAX} bytes, got {len(key)}")
+    return key
+
 
 _NO_EXT = Ext()
 # The multicast address every service can be reached at through ``broadcast``.
@@ -205,14 +249,17 @@ class Service:
                 raw,
                 payload,
                 echo=echo,
-                group=group.encode() if isinstance(group, str) else (group or b""),
+                group=_group_key(group, final),
                 final=final,
-                priority=priority,
-                publish_id=publish_id,
+                priority=_checked_priority(priority),
+                publish_id=_checked_publish_id(publish_id),
                 wait=False,
             )
         if final:
-            raise ValueError("final=True ends a message group; give the group too")
+            raise InvalidArgument("final=True ends a message group; give the group too")
+        if priority or publish_id:
+            _checked_priority(priority)
+            _checked_publish_id(publish_id)
         flags = (DataFlags.ECHO if echo else 0) | (DataFlags.NOTIFY_DROP if notify else 0)
         conn = self._conn
         if conn._trace_every and conn._trace_this():
@@ -242,10 +289,10 @@ class Service:
             as_address(dst).to_bytes(),
             payload,
             echo=echo,
-            group=group.encode() if group else b"",
+            group=_group_key(group, final),
             final=final,
-            priority=priority,
-            publish_id=publish_id,
+            priority=_checked_priority(priority),
+            publish_id=_checked_publish_id(publish_id),
             wait=True,
         )
 
@@ -258,20 +305,23 @@ class Service:
         return await self.send(Multicast(topic), payload, priority=priority, reliable=reliable)
 
     async def subscribe(self, topics: str | Iterable[str]) -> None:
-        """Receive what is published to ``topics`` (one name or several)."""
-        for topic in [topics] if isinstance(topics, str) else topics:
-            await self._membership(self.join, topic)
+        """Receive what is published to ``topics`` (one name or several; a bad name fails
+        before any is subscribed)."""
+        await self._membership(self.join, topics)
 
     async def unsubscribe(self, topics: str | Iterable[str]) -> None:
-        for topic in [topics] if isinstance(topics, str) else topics:
-            await self._membership(self.leave, topic)
+        await self._membership(self.leave, topics)
 
     @staticmethod
-    async def _membership(change: Callable[[Multicast], Awaitable[None]], topic: str) -> None:
-        try:
-            await change(Multicast(topic))
-        except RegistrationError as exc:
-            raise JoinFailed(str(exc), exc.code) from exc
+    async def _membership(
+        change: Callable[[Multicast], Awaitable[None]], topics: str | Iterable[str]
+    ) -> None:
+        groups = [Multicast(topic) for topic in ([topics] if isinstance(topics, str) else topics)]
+        for group in groups:
+            try:
+                await change(group)
+            except RegistrationError as exc:
+                raise JoinFailed(str(exc), exc.code) from exc
 
     async def subscribe_other(self, topic: str, address: AddressLike) -> None:
         """Make the service at ``address`` subscribe to ``topic`` (interest management by a
@@ -302,7 +352,7 @@ class Service:
                 await self.join(Multicast(topic.decode()))
             elif command == "unsubscribe":
                 await self.leave(Multicast(topic.decode()))
-        except (MeshbusError, ValueError, UnicodeDecodeError) as exc:
+        except (MeshbusError, UnicodeDecodeError) as exc:
             log.warning("could not obey", extra={"command": command, "error": str(exc)})
 
     async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
@@ -332,8 +382,8 @@ class Service:
         (the broker enforces the deadline), ``meshbus.NoRoute`` when nobody serves ``dst``.
         """
         if not timeout > 0:
-            raise ValueError("timeout must be a positive number of seconds")
-        timeout_ms = min(math.ceil(timeout * 1000), 0xFFFFFFFF)
+            raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout}")
+        timeout_ms = math.ceil(min(timeout, _MAX_TIMEOUT) * 1000)
         return await self._conn._request(self._raw, as_address(dst), payload, timeout_ms)
 
     async def _respond(self, requester: bytes, msg_id: int, payload: bytes) -> None:
@@ -439,7 +489,7 @@ class Service:
 
     async def join(self, group: AddressLike) -> None:
         """Join a multicast (topic) or anycast (pool) group."""
-        address = as_address(group)
+        address = _group_address(group)
 
         def joined(_: object) -> None:
             self._groups.add(address)
@@ -451,7 +501,7 @@ class Service:
 
     async def leave(self, group: AddressLike) -> None:
         """Leave a group; leaving a group the service is not in does nothing."""
-        address = as_address(group)
+        address = _group_address(group)
 
         def left(_: object) -> None:
             self._groups.discard(address)

@@ -118,14 +118,14 @@ async def ask(bus: BusOptions, request: Awaitable[T], doing: str) -> T:
     try:
         async with asyncio.timeout(bus.request_timeout):
             return await request
+    except MeshbusError as exc:  # before TimeoutError: meshbus.Timeout is one too
+        reraise(exc, bus, doing)
     except TimeoutError:
         raise Timeout(
             f"{PREFIX} (brokers {bus.brokers}), {doing}: no answer within "
             f"{bus.request_timeout} s (option 'requestTimeout')",
             bus.request_timeout,
         ) from None
-    except MeshbusError as exc:
-        reraise(exc, bus, doing)
 
 
 def call(bus: BusOptions, use: Callable[[meshbus.Connector], Awaitable[T]]) -> T:
