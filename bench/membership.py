@@ -82,7 +82,8 @@ class FailoverRun:
 
 async def _peer_gone(poller: meshbus.Connector, name: str) -> float:
     """Poll ``stat`` back to back until broker ``name`` is no longer a peer. The broker
-    drops a peer's routes in the same step as the peer (Broker.link_closed)."""
+    drops a peer's routes in the same step as the peer (``Broker._link_closed`` in
+    meshbus.broker.server)."""
     while name in (await poller.stat(detail=False))["peers"]:
         pass
     return now()
