@@ -409,8 +409,8 @@ async def test_connector_killed_mid_burst(broker, healthy_pair):
         for i in range(count):
             await sender.send(victim_rx.address, seq(i))
             if i == count // 2:
-                assert doomed._keeper.link is not None
-                doomed._keeper.link.abort()
+                assert doomed._parts.links.current is not None
+                doomed._parts.links.current.abort()
                 break
         await wait_service_gone(healthy_pair.conn_a, "doomed:5")
 

@@ -84,7 +84,7 @@ async def test_each_group_lands_on_one_member_in_order_and_is_unbound_after_fina
         for conn in sender_conns:
             await conn.wait_acked(ACK_TIMEOUT)
             assert conn.unacked == 0
-            assert conn._reliable.given_up == 0
+            assert conn._parts.unacked.given_up == 0
         await total(inboxes, 400)
         for inbox in inboxes:
             await inbox.settle(senders[0])
@@ -207,14 +207,14 @@ async def test_a_group_moves_to_another_member_when_its_member_dies(death: str) 
         assert not any(m.group_reassigned for m in before)
 
         if death == "connector":
-            conns[first]._abort()  # a TCP reset: the broker sees no BYE
+            conns[first]._parts.abort()  # a TCP reset: the broker sees no BYE
         else:
             member_brokers[first].process.kill()
             assert await member_brokers[first].process.wait() == -9
         for i in range(10, 20):
             await sender.send(pool, b"%d" % i, group="G", final=i == 19)
         await sender_conn.wait_acked(ACK_TIMEOUT)
-        assert sender_conn._reliable.given_up == 0
+        assert sender_conn._parts.unacked.given_up == 0
         await total(inboxes, 20)
         survivors = [n for n, inbox in enumerate(inboxes) if n != first and inbox.messages]
         assert len(survivors) == 1, f"the rest of the group went to members {survivors}"

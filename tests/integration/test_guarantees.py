@@ -80,7 +80,7 @@ async def test_reliable_unicast_across_two_brokers_exactly_once_in_order(
         await sender_conn.wait_acked(ACK_TIMEOUT)
         assert sender_conn.unacked == 0
         assert await collector.settle(sender) == expected
-        assert sender_conn._reliable.given_up == 0
+        assert sender_conn._parts.unacked.given_up == 0
         collector.stop()
     finally:
         await sender_conn.close()
@@ -111,7 +111,7 @@ async def _stream_through_a_crash(mesh: list[BrokerProcess], kill_sender_side: b
         assert doomed.failovers == 1
         assert doomed.broker_name in (b.name, c.name)
         assert_exactly_once(await collector.settle(sender), expected)
-        assert sender_conn._reliable.given_up == 0
+        assert sender_conn._parts.unacked.given_up == 0
         collector.stop()
     finally:
         await doomed.close()
@@ -296,7 +296,7 @@ async def test_reliable_multicast_and_anycast_across_three_brokers(
         for collector in collectors[3:]:
             union += await collector.settle(sender)
         assert_exactly_once(union, expected_any)
-        assert sender_conn._reliable.given_up == 0
+        assert sender_conn._parts.unacked.given_up == 0
     finally:
         for collector in collectors:
             collector.stop()
@@ -328,7 +328,7 @@ async def test_a_publish_id_is_delivered_once_across_senders(mesh2: list[BrokerP
         for collector in collectors:
             got = await collector.settle(try2)
             assert_exactly_once(got, rows)
-        assert receiver_conn._reliable.duplicates == 2 * 30
+        assert receiver_conn._parts.receiving.duplicates == 2 * 30
     finally:
         for conn in (first, retry, receiver_conn):
             await conn.close()
@@ -379,7 +379,7 @@ async def test_give_up_raises_calls_back_and_suspects_the_dead(broker: BrokerPro
         victim = await victim_conn.register()
         sender = await conn.register()
         await wait_routes([broker], victim.address)
-        victim_conn._abort()  # the transport is reset: no BYE, no UNREGISTER
+        victim_conn._parts.abort()  # the transport is reset: no BYE, no UNREGISTER
 
         async def gone() -> bool:
             return str(victim.address) not in (await stat(broker))["service_addresses"]

@@ -107,5 +107,5 @@ async def test_brokers_record_telemetry_and_every_hop_of_traced_sends(
 async def test_without_telemetry_nothing_is_traced_or_stored(mesh2: list[BrokerProcess]) -> None:
     a, _ = mesh2
     async with await meshbus.connect(a.address, server="quiet") as conn:
-        assert conn._trace_every == 0
+        assert conn._parts.sampler.every == 0
         assert await conn.streams.list() == []

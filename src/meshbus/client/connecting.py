@@ -7,14 +7,13 @@ linked (failover, redirects, moves) in meshbus.client.keeper.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Sequence
 
 from meshbus.address import Unicast
-from meshbus.client.connector import Connector
+from meshbus.client.connector import Connector, ConnectorParts
 from meshbus.client.reliable import ReliableConfig
-from meshbus.errors import ConnectionLost, InvalidArgument
+from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.util import parse_hostport
 
@@ -97,28 +96,17 @@ async def connect(
     Unicast(server, 1)  # a bad server name fails here, before any I/O
     addresses = broker_list(broker)
     _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
-    connector = Connector(
-        server,
-        name or server,
-        max_frame,
-        max_inbox,
-        addresses,
-        failover_timeout if failover and not operator else 0.0,
-        keepalive,
-        operator,
-        reliable or ReliableConfig(),
-        request_timeout,
+    parts = ConnectorParts(
+        server=server,
+        name=name or server,
+        brokers=addresses,
+        max_frame=max_frame,
+        max_inbox=max_inbox,
+        failover_timeout=failover_timeout if failover and not operator else 0.0,
+        keepalive=keepalive,
+        operator=operator,
+        reliable=reliable or ReliableConfig(),
+        request_timeout=request_timeout,
     )
-    try:
-        async with asyncio.timeout(timeout):
-            link = await connector._keeper.open_any(addresses, random_order=False)
-    except TimeoutError:
-        connector._abort()
-        raise ConnectionLost(
-            f"could not connect to broker {', '.join(addresses)} within {timeout} s"
-        ) from None
-    except ConnectionLost:
-        connector._abort()
-        raise
-    connector._keeper.activate(link)
-    return connector
+    await parts.start(timeout)
+    return Connector(parts)

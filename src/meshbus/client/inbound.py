@@ -1,50 +1,57 @@
-"""Frames from the broker, handed to the connector's services and waiters.
+"""Frames from the broker, handed to the services, the reliable sender and the waiters.
+
+``Inbound`` owns what waits for the broker: the answers to control requests (by
+correlation), the SYNCED that follows a change's answer, and the responses to
+requests (by requester and message id) -- each tied to the link it can only come
+over, so losing that link fails exactly those.
 
 A data frame is a response (to its waiting request), an ACK (to the reliable
-outbox), or a message: fanned out to the connector's members of a group (one
-copy per link comes from the broker), checked for duplicates and acknowledged
-when reliable, put in order when it belongs to a message group. A control frame
-answers a waiting request or brings news: the broker list, a MOVE, LEFT, an
-ERROR before the broker closes the link.
+outbox), or a message: fanned out to the connector's members of a group (one copy
+per link comes from the broker), checked for duplicates and acknowledged when
+reliable, put in order when it belongs to a message group. A control frame answers
+a waiting request or brings news: TIMEOUT and NO_ROUTE for a request or a notified
+send, LEFT for the ``on_service_left`` handlers. The rest -- what the broker says
+to one link, the broker list, MOVE -- is the link's and the keeper's
+(meshbus.client.link).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from meshbus.address import describe_address
-from meshbus.client.service import BROADCAST, Message, Service
-from meshbus.errors import NoRoute, ProtocolError, Timeout
+from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, Multicast, describe_address
+from meshbus.client.callbacks import Callbacks
+from meshbus.client.endpoints import BROADCAST, Endpoint, Services
+from meshbus.client.outbound import Outbound
+from meshbus.client.service import Message
+from meshbus.errors import MeshbusError, NoRoute, ProtocolError, Timeout
 from meshbus.protocol.codec import ControlFrame, DataFrame
-from meshbus.protocol.control import (
-    Brokers,
-    Bye,
-    DeliveryFailure,
-    Error,
-    Left,
-    Move,
-    TraceReport,
-)
+from meshbus.protocol.control import DeliveryFailure, Left, TraceReport
 from meshbus.protocol.ext import Ext, split
-from meshbus.protocol.layout import ControlType, DataFlags
+from meshbus.protocol.layout import (
+    FLAG_ACK,
+    FLAG_ECHO,
+    FLAG_EXT,
+    FLAG_RELIABLE,
+    FLAG_RESPONSE,
+    FLAG_TRACE,
+    ControlType,
+)
+from meshbus.util import BackgroundTasks
 
 if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
     from meshbus.client.link import BrokerLink
+    from meshbus.client.receiving import Receiving
+    from meshbus.client.reliable import Unacked
 
 log = logging.getLogger("meshbus.client")
-
-_RESPONSE = int(DataFlags.RESPONSE)
-_ECHO = int(DataFlags.ECHO)
-_ACK = int(DataFlags.ACK)
-_EXT = int(DataFlags.EXT)
-_RELIABLE = int(DataFlags.RELIABLE)
-_TRACE = int(DataFlags.TRACE)
-_CAST_MULTICAST = 2
-_CAST_ANYCAST = 3
 
 
 @dataclass(frozen=True)
@@ -57,143 +64,223 @@ class Undeliverable:
     reason: str
 
 
-def on_data(conn: Connector, frame: DataFrame) -> None:
-    """A data frame from the broker: a response, an ACK, or a message for services."""
-    flags = frame.flags
-    if flags & _RESPONSE:
-        waiting = conn._requests.get((frame.dst, frame.response_for))
-        if waiting is not None and not waiting[0].done():
-            waiting[0].set_result(
-                Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, None)
-            )
-        else:
-            conn.dropped += 1
-        return
-    reliable = conn._reliable
-    if flags & _ACK:
-        reliable.on_ack(frame)
-        return
-    reliable.suspicion.heard(frame.src)
-    ext: Ext | None = None
-    if flags & _EXT:
-        try:
-            ext, frame.payload = split(frame.payload)
-        except ProtocolError as exc:
-            # Another service's bytes, not the broker's: drop the message, keep the link.
-            log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
-            conn.dropped += 1
-            return
-        if flags & _TRACE:
-            report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
-            conn._send_control(ControlType.TRACE, report)
-    cast = frame.dst[0]
-    members: list[Service] | tuple[Service, ...]
-    if cast in (_CAST_MULTICAST, _CAST_ANYCAST):
-        members = conn._members.get(frame.dst, ())
-        if frame.dst == BROADCAST:  # sent with ECHO: other services here get it too
-            members = [s for s in conn._services.values() if s._raw != frame.src]
-        elif not flags & _ECHO:
-            members = [m for m in members if m._raw != frame.src]
-        if not members:
-            conn.dropped += 1
-            return
-        if cast == _CAST_ANYCAST:
-            members = [conn._rng.choice(members)]
-    else:
-        service = conn._services.get(frame.dst)
-        if service is None:
-            conn.dropped += 1
-            return
-        members = (service,)
-    for member in members:
-        if ext is not None and ext.group and not member._member_of(ext.origin):
-            # It left the anycast group: unacknowledged, so the sender asks the group's
-            # home again, which moves the group to a member.
-            conn.dropped += 1
-            continue
-        if flags & _RELIABLE and not reliable.accept(member, frame):
-            continue
-        if ext is None:
-            member._deliver(
-                Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
-            )
-        elif ext.group:
-            # A group's sequence must see every frame, a repeated publish id too (a retry
-            # from a new connector numbers the group afresh): the check is on release.
-            for (to, done, done_ext), reassigned in reliable.in_order(member, frame, ext):
-                if not done_ext.publish_id or reliable.first_publish(to, done_ext.publish_id):
-                    to._deliver(Message.of(done, to, done_ext, reassigned))
-        elif ext.publish_id and not reliable.first_publish(member, ext.publish_id):
-            continue
-        elif ext.command:
-            conn._spawn(member._obey(ext.command, frame.payload), "subscribe-other")
-        else:
-            member._deliver(Message.of(frame, member, ext, False))
+class Inbound:
+    """The connector's dispatch of what its links read, and the waiters for it.
 
+    ``undeliverable`` and ``left`` are the handlers of ``Connector.on_undeliverable``
+    and ``on_service_left``; ``dropped`` counts messages nobody here could take."""
 
-def on_control(conn: Connector, link: BrokerLink, frame: ControlFrame) -> None:
-    """A control frame from the broker: an answer, a SYNCED, or news (BROKERS, MOVE, ...)."""
-    ctype = frame.type
-    body = frame.body
-    if ctype in (ControlType.TIMEOUT, ControlType.NO_ROUTE):
-        assert isinstance(body, DeliveryFailure)
-        _delivery_failure(conn, ctype, body)
-        return
-    if ctype == ControlType.SYNCED:
-        synced = conn._synced_waiters.get(frame.correlation)
-        if synced is not None and not synced[0].done():
-            synced[0].set_result(frame)
-        return
-    waiting = conn._control_waiters.get(frame.correlation) if frame.correlation else None
-    if waiting is not None:
-        if not waiting[0].done():
-            waiting[0].set_result(frame)
-        return
-    if ctype == ControlType.BROKERS:
-        assert isinstance(body, Brokers)
-        if link is conn._keeper.link:
-            conn._keeper.set_brokers(body.brokers)
-    elif ctype == ControlType.MOVE:
-        assert isinstance(body, Move)
-        # Also from a broker this connector is still restoring onto (a failover or a
-        # move): the move waits for that to finish, and happens if the link took over.
-        if link not in conn._keeper.old:
-            conn._keeper.move(body.address, body.reason, link)
-    elif ctype == ControlType.ERROR:
-        assert isinstance(body, Error)
-        link.error = body.message
-        log.warning("broker error", extra={"code": body.code, "error": body.message})
-    elif ctype == ControlType.BYE:
-        assert isinstance(body, Bye)
-        link.error = f"the broker said goodbye: {body.reason}"
-    elif ctype == ControlType.LEFT:
-        assert isinstance(body, Left)
-        left = [describe_address(address) for address in body.addresses]
-        for handler in conn._left_handlers:
-            handler(left)
+    def __init__(
+        self,
+        services: Services,
+        receiving: Receiving,
+        unacked: Unacked,
+        outbound: Outbound,
+        tasks: BackgroundTasks,
+    ) -> None:
+        self._services = services
+        self._receiving = receiving
+        self._unacked = unacked
+        self._outbound = outbound
+        self._tasks = tasks
+        self._answers: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
+        # SYNCED after the answer to a change: the change is known mesh-wide.
+        self._synced: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
+        self._responses: dict[tuple[bytes, int], tuple[asyncio.Future[Message], BrokerLink]] = {}
+        self.undeliverable: Callbacks[Callable[[Undeliverable], object]] = Callbacks()
+        self.left: Callbacks[Callable[[list[str]], object]] = Callbacks()
+        self.dropped = 0
+        self._rng = random.Random()
 
+    # -- waiters -------------------------------------------------------------------------
 
-def _delivery_failure(conn: Connector, ctype: int, body: DeliveryFailure) -> None:
-    dst = describe_address(body.dst)
-    reason = body.reason or f"no service is registered at or member of {dst}"
-    waiting = conn._requests.get((body.src, body.msg_id))
-    if waiting is not None:
-        future = waiting[0]
-        if not future.done():
-            if ctype == ControlType.TIMEOUT:
-                future.set_exception(Timeout(f"no response from {dst} before the deadline"))
+    def answer(
+        self, correlation: int, link: BrokerLink
+    ) -> contextlib.AbstractContextManager[asyncio.Future[ControlFrame]]:
+        """The future of the answer with ``correlation`` over ``link``, while in the block."""
+        return _waiting(self._answers, correlation, link)
+
+    def expect_synced(
+        self, correlation: int, link: BrokerLink, future: asyncio.Future[ControlFrame]
+    ) -> None:
+        """``future`` gets the SYNCED with ``correlation`` over ``link``; it stops waiting
+        for it once it is done (or cancelled)."""
+        self._synced[correlation] = (future, link)
+        future.add_done_callback(lambda _: self._synced.pop(correlation, None))
+
+    def response(
+        self, key: tuple[bytes, int], link: BrokerLink
+    ) -> contextlib.AbstractContextManager[asyncio.Future[Message]]:
+        """The future of the response to request ``key`` (requester, message id) over
+        ``link``, while in the block."""
+        return _waiting(self._responses, key, link)
+
+    def fail(self, error: MeshbusError, link: BrokerLink | None = None) -> None:
+        """Fail what waits for an answer (a control answer, a SYNCED, a response) that can
+        only come over ``link``; over any link when it is None."""
+        waiting: list[tuple[asyncio.Future[Any], BrokerLink]] = [
+            *self._answers.values(),
+            *self._synced.values(),
+            *self._responses.values(),
+        ]
+        for future, via in waiting:
+            if (link is None or via is link) and not future.done():
+                future.set_exception(error)
+
+    # -- data frames -----------------------------------------------------------------
+
+    def on_data(self, frame: DataFrame) -> None:
+        """A response, an ACK, or a message for services."""
+        flags = frame.flags
+        if flags & FLAG_RESPONSE:
+            waiting = self._responses.get((frame.dst, frame.response_for))
+            if waiting is not None and not waiting[0].done():
+                waiting[0].set_result(
+                    Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, None)
+                )
             else:
-                future.set_exception(NoRoute(f"no route to {dst}: {reason}", dst))
-        return
-    if ctype != ControlType.NO_ROUTE:
-        return  # a TIMEOUT for a request this side already gave up on
-    if conn._reliable.no_route(body.msg_id):
-        return  # tried again by the resend timer
-    report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
-    if not conn._undeliverable_handlers:
-        log.warning(
-            "undeliverable message",
-            extra={"src": report.src, "dst": report.dst, "reason": reason},
-        )
-    for handler in conn._undeliverable_handlers:
-        handler(report)
+                self.dropped += 1
+            return
+        if flags & FLAG_ACK:
+            self._unacked.on_ack(frame)
+            return
+        self._unacked.heard(frame.src)
+        ext: Ext | None = None
+        if flags & FLAG_EXT:
+            try:
+                ext, frame.payload = split(frame.payload)
+            except ProtocolError as exc:
+                # Another service's bytes, not the broker's: drop the message, keep the link.
+                log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
+                self.dropped += 1
+                return
+            if flags & FLAG_TRACE:
+                report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
+                self._outbound.send_control(ControlType.TRACE, report)
+        members = self._receivers(frame)
+        if not members:
+            self.dropped += 1
+            return
+        receiving = self._receiving
+        for member in members:
+            if ext is not None and ext.group and not member.member_of(ext.origin):
+                # It left the anycast group: unacknowledged, so the sender asks the group's
+                # home again, which moves the group to a member.
+                self.dropped += 1
+                continue
+            if flags & FLAG_RELIABLE and not receiving.accept(member, frame):
+                continue
+            if ext is None:
+                member.deliver(
+                    Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
+                )
+            elif ext.group:
+                # A group's sequence must see every frame, a repeated publish id too (a retry
+                # from a new connector numbers the group afresh): the check is on release.
+                for (to, done, done_ext), reassigned in receiving.in_order(member, frame, ext):
+                    if not done_ext.publish_id or receiving.first_publish(to, done_ext.publish_id):
+                        to.deliver(Message.of(done, to, done_ext, reassigned))
+            elif ext.publish_id and not receiving.first_publish(member, ext.publish_id):
+                continue
+            elif ext.command:
+                self._tasks.spawn(_obey(member, ext.command, frame.payload), "subscribe-other")
+            else:
+                member.deliver(Message.of(frame, member, ext, False))
+
+    def _receivers(self, frame: DataFrame) -> Sequence[Endpoint]:
+        """The services here that get the frame: a group's members (one random one of an
+        anycast group; not the sender, unless it asked for ECHO), or the unicast owner."""
+        cast = frame.dst[0]
+        if cast in (CAST_MULTICAST, CAST_ANYCAST):
+            members: Sequence[Endpoint]
+            if frame.dst == BROADCAST:  # sent with ECHO: other services here get it too
+                members = [s for s in self._services.all() if s.raw != frame.src]
+            elif frame.flags & FLAG_ECHO:
+                members = self._services.members(frame.dst)
+            else:
+                members = [m for m in self._services.members(frame.dst) if m.raw != frame.src]
+            if cast == CAST_ANYCAST and members:
+                return [self._rng.choice(members)]
+            return members
+        endpoint = self._services.get(frame.dst)
+        return () if endpoint is None else (endpoint,)
+
+    # -- control frames --------------------------------------------------------------
+
+    def on_control(self, link: BrokerLink, frame: ControlFrame) -> bool:
+        """An answer, a SYNCED, a failed request or send, or LEFT; False for any other
+        frame (the link's to handle)."""
+        ctype = frame.type
+        body = frame.body
+        if isinstance(body, DeliveryFailure):  # TIMEOUT, NO_ROUTE
+            self._delivery_failure(ctype, body)
+            return True
+        if ctype == ControlType.SYNCED:
+            synced = self._synced.get(frame.correlation)
+            if synced is not None and not synced[0].done():
+                synced[0].set_result(frame)
+            return True
+        waiting = self._answers.get(frame.correlation) if frame.correlation else None
+        if waiting is not None:
+            if not waiting[0].done():
+                waiting[0].set_result(frame)
+            return True
+        if isinstance(body, Left):
+            left = [describe_address(address) for address in body.addresses]
+            for handler in self.left:
+                handler(left)
+            return True
+        return False
+
+    def _delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
+        dst = describe_address(body.dst)
+        reason = body.reason or f"no service is registered at or member of {dst}"
+        waiting = self._responses.get((body.src, body.msg_id))
+        if waiting is not None:
+            future = waiting[0]
+            if not future.done():
+                if ctype == ControlType.TIMEOUT:
+                    future.set_exception(Timeout(f"no response from {dst} before the deadline"))
+                else:
+                    future.set_exception(NoRoute(f"no route to {dst}: {reason}", dst))
+            return
+        if ctype != ControlType.NO_ROUTE:
+            return  # a TIMEOUT for a request this side already gave up on
+        if self._unacked.no_route(body.msg_id):
+            return  # tried again by the resend timer
+        report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
+        if not self.undeliverable:
+            log.warning(
+                "undeliverable message",
+                extra={"src": report.src, "dst": report.dst, "reason": reason},
+            )
+        for handler in self.undeliverable:
+            handler(report)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+@contextlib.contextmanager
+def _waiting(
+    table: dict[K, tuple[asyncio.Future[V], BrokerLink]], key: K, link: BrokerLink
+) -> Iterator[asyncio.Future[V]]:
+    future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
+    table[key] = (future, link)
+    try:
+        yield future
+    finally:
+        table.pop(key, None)
+
+
+async def _obey(member: Endpoint, command: str, topic: bytes) -> None:
+    """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``."""
+    try:
+        group = Multicast(topic.decode())
+        if command == "subscribe":
+            await member.service.join(group)
+        elif command == "unsubscribe":
+            await member.service.leave(group)
+    except (MeshbusError, UnicodeDecodeError) as exc:
+        log.warning("could not obey", extra={"command": command, "error": str(exc)})

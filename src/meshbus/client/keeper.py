@@ -1,16 +1,15 @@
 """Keeping a connector linked to the mesh: which broker, and getting back to one.
 
-Failover (ARCHITECTURE.md section 5). The connector knows every broker that
-takes connectors: the addresses it was given, then the list the brokers push
-(in WELCOME and BROKERS frames). When its broker dies, it drops that broker
-from the list, picks another at random, reconnects, and registers every service
-again *with the same address* and the same group memberships -- the broker sees
-the connector's session id and lets it take its own addresses back. Meanwhile
-sends wait (up to ``failover_timeout``); requests that were in flight through
-the dead broker fail with ``ConnectionLost``, since their pending entries died
-with it. With no other broker to go to, the link is simply lost. A broker that
-refuses a connector (full, joining, draining) names one that has room, and the
-connector goes there.
+Failover (docs/mesh.md). The connector knows every broker that takes connectors:
+the addresses it was given, then the list the brokers push (in WELCOME and
+BROKERS frames). When its broker dies, it drops that broker from the list, picks
+another at random, reconnects, and registers every service again *with the same
+address* and the same group memberships -- the broker sees the connector's session
+id and lets it take its own addresses back. Meanwhile sends wait (up to
+``failover_timeout``); requests that were in flight through the dead broker fail
+with ``ConnectionLost``, since their pending entries died with it. With no other
+broker to go to, the link is simply lost. A broker that refuses a connector (full,
+joining, draining) names one that has room, and the connector goes there.
 
 Moves (rebalancing after a join, or a drain): the broker sends MOVE; the
 connector opens a link to the new broker, registers everything there, switches
@@ -20,6 +19,9 @@ broker closes it -- make before break.
 Keepalive: a link silent for ``keepalive`` seconds is pinged; three silent
 intervals mean the broker is gone (one that hangs, or a host that vanished: a
 killed process closes its sockets itself).
+
+Service changes (``Changes``): register, unregister, join and leave go through the
+``Gate``, so none slips in while the services are copied to a new broker.
 """
 
 from __future__ import annotations
@@ -29,32 +31,37 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from meshbus.address import Unicast
-from meshbus.client.link import BrokerLink
-from meshbus.errors import ConnectionLost, RemoteProtocolError
+from meshbus.client.endpoints import Endpoint, Services
+from meshbus.client.inbound import Inbound
+from meshbus.client.link import BrokerLink, Links
+from meshbus.client.outbound import Outbound, TraceSampler
+from meshbus.client.requester import Requester
+from meshbus.errors import ConnectionLost, MeshbusError, RemoteProtocolError
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
-    ROLE_CONNECTOR,
-    ROLE_OPERATOR,
+    AddressBody,
     Body,
     BrokerInfo,
+    Brokers,
     Bye,
     Empty,
     Hello,
     Membership,
+    Move,
     Register,
 )
 from meshbus.protocol.handshake import DiallingHandshake, Refused
 from meshbus.protocol.layout import ControlType, ErrorCode
-from meshbus.util import parse_hostport
-
-if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
+from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.client")
+
+T = TypeVar("T")
+B = TypeVar("B", bound=Body)
 
 # Brokers that refuse us in a row while naming another one before we give up on that chain.
 _MAX_REDIRECTS = 8
@@ -110,27 +117,121 @@ class Gate:
                 self._cond.notify_all()
 
 
+class Changes:
+    """Register, unregister, join and leave: each made on the current broker, never
+    interleaved with copying the services to a new one, and done once the whole mesh
+    knows it."""
+
+    def __init__(self, links: Links, gate: Gate, requester: Requester) -> None:
+        self._links = links
+        self._gate = gate
+        self._requester = requester
+
+    async def change(
+        self,
+        type_: ControlType,
+        body: Body,
+        answer: type[B],
+        apply: Callable[[B], T],
+        subject: str = "",
+    ) -> T:
+        """Make the change and ``apply`` its answer.
+
+        It returns once the broker says every broker of the mesh knows the change
+        (SYNCED), so a message sent through any broker afterwards sees it. One whose
+        broker dies before it answers is made again on the new broker: each of them is
+        safe to repeat there (a service the old broker registered but never confirmed
+        is not in ``services``, so the copy did not bring it along)."""
+        links = self._links
+        while True:
+            link = await links.usable()
+            synced: asyncio.Future[ControlFrame] = asyncio.get_running_loop().create_future()
+            try:
+                async with self._gate.change():
+                    # A failover may have begun while we waited: wait it out.
+                    if links.current is link and links.connected.is_set():
+                        result = apply(
+                            await self._requester.ask(
+                                type_, body, answer, subject, link=link, synced=synced
+                            )
+                        )
+                        try:
+                            await synced
+                        except ConnectionLost:
+                            pass  # done here; the failover copies it to the next broker
+                        return result
+            except ConnectionLost:
+                if links.closed:
+                    raise
+            finally:
+                synced.cancel()
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the connector tells every broker in its HELLO."""
+
+    name: str
+    role: str  # ROLE_CONNECTOR or ROLE_OPERATOR
+    session: bytes  # the same across failover and moves
+
+
 class LinkKeeper:
+    """Opens the connector's links, fails over, moves, and keeps the link alive.
+
+    Besides the links it changes, it uses: the inbound dispatcher (every link's
+    frames; the waiters a lost link fails; whether anyone watches for LEFT), the
+    requester and the registry of services (to copy them to a new broker), the
+    outbound (woken when a socket takes bytes again), the trace sampler (each
+    WELCOME sets its rate), and three things of the whole connector: resending the
+    unacknowledged messages after a failover, forgetting a service that cannot come
+    back, and ending the connector when the mesh is lost."""
+
     def __init__(
-        self, connector: Connector, brokers: list[str], failover_timeout: float, keepalive: float
+        self,
+        *,
+        identity: Identity,
+        brokers: list[str],
+        failover_timeout: float,
+        keepalive: float,
+        request_timeout: float,
+        links: Links,
+        gate: Gate,
+        inbound: Inbound,
+        requester: Requester,
+        services: Services,
+        outbound: Outbound,
+        sampler: TraceSampler,
+        tasks: BackgroundTasks,
+        resend_all: Callable[[], None],
+        forget: Callable[[Endpoint], None],
+        shutdown: Callable[[MeshbusError], None],
     ) -> None:
-        self.connector = connector
         self.brokers = list(brokers)
-        self.failover_timeout = failover_timeout
-        self.keepalive = keepalive
-        self.link: BrokerLink | None = None
-        self.old: set[BrokerLink] = set()  # links being left after a move
-        self.connected = asyncio.Event()
         self.failovers = 0
         self.moves = 0
-        self.gate = Gate()
+        self._identity = identity
+        self._failover_timeout = failover_timeout
+        self._keepalive = keepalive
+        self._request_timeout = request_timeout
+        self._links = links
+        self._gate = gate
+        self._inbound = inbound
+        self._requester = requester
+        self._services = services
+        self._outbound = outbound
+        self._sampler = sampler
+        self._tasks = tasks
+        self._resend_all = resend_all
+        self._forget = forget
+        self._shutdown = shutdown
         self._rng = random.Random()
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def links(self) -> list[BrokerLink]:
-        return [link for link in (self.link, *self.old) if link is not None]
 
     # -- opening a link ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Link to one of the brokers the connector was given, in their order."""
+        self.activate(await self.open_any(self.brokers, random_order=False))
 
     async def open_any(self, addresses: list[str], *, random_order: bool) -> BrokerLink:
         """A handshaken link to one of ``addresses``, following redirects; ConnectionLost
@@ -156,24 +257,36 @@ class LinkKeeper:
     async def _open(self, address: str) -> BrokerLink:
         """A link to ``address`` that the broker welcomed; Redirected when the broker
         refuses us naming another, ConnectionLost for anything else that goes wrong."""
-        conn = self.connector
         try:
             host, port = parse_hostport(address)
         except ValueError as exc:  # from a broker list the mesh sent
             raise ConnectionLost(f"cannot connect to broker address {exc}") from exc
+        links = self._links
+        identity = self._identity
         handshake = DiallingHandshake(
             Hello(
-                role=ROLE_OPERATOR if conn.operator else ROLE_CONNECTOR,
-                name=conn.name,
-                max_frame=conn.max_frame,
-                session=conn.session,
+                role=identity.role,
+                name=identity.name,
+                max_frame=links.max_frame,
+                session=identity.session,
                 synced=True,
             )
         )
         loop = asyncio.get_running_loop()
         try:
             _, link = await loop.create_connection(
-                lambda: BrokerLink(conn, address, conn.max_frame, handshake), host, port
+                lambda: BrokerLink(
+                    address,
+                    handshake,
+                    max_frame=links.max_frame,
+                    reader=self._inbound,
+                    full_inboxes=self._services.full,
+                    on_news=self._on_news,
+                    on_lost=self._link_lost,
+                    on_writable=self._outbound.resume_writing,
+                ),
+                host,
+                port,
             )
         except OSError as exc:
             # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
@@ -182,7 +295,7 @@ class LinkKeeper:
                 f"could not connect to broker {address}: {why} (is a broker running there?)"
             ) from exc
         link.write(handshake.hello())
-        limit = conn._request_timeout
+        limit = self._request_timeout
         try:
             async with asyncio.timeout(limit or None):
                 outcome = await link.welcomed
@@ -202,55 +315,63 @@ class LinkKeeper:
                 raise Redirected(outcome.message, outcome.redirect)
             raise ConnectionLost(f"lost the link to broker {address}: {outcome.message}")
         welcome = outcome.welcome
-        conn.max_frame = min(conn.max_frame, welcome.max_frame)
-        conn._trace_every = conn._trace_left = welcome.trace_every
-        self.set_brokers(welcome.brokers)
+        links.max_frame = min(links.max_frame, welcome.max_frame)
+        self._sampler.reset(welcome.trace_every)
+        self._set_brokers(welcome.brokers)
         return link
 
     def activate(self, link: BrokerLink) -> None:
-        self.link = link
-        self.connected.set()
-        if self.keepalive and not any(t.get_name() == "keepalive" for t in self._tasks):
-            self._spawn(self._keep_alive(), "keepalive")
+        self._links.current = link
+        self._links.connected.set()
+        if self._keepalive and "keepalive" not in self._tasks.names():
+            self._tasks.spawn(self._keep_alive(), "keepalive")
 
-    def set_brokers(self, infos: list[BrokerInfo]) -> None:
+    def _set_brokers(self, infos: list[BrokerInfo]) -> None:
         if infos:
             self.brokers = [info.address for info in infos]
 
-    async def usable(self) -> BrokerLink:
-        """The link to send on; waits while the connector fails over."""
-        self.connector._check_usable()
-        if not self.connected.is_set():
-            await self.connected.wait()
-            self.connector._check_usable()
-        assert self.link is not None
-        return self.link
+    def _on_news(self, link: BrokerLink, frame: ControlFrame) -> None:
+        """The broker list changed, or a broker asks the connector to move."""
+        body = frame.body
+        if isinstance(body, Brokers):
+            if link is self._links.current:
+                self._set_brokers(body.brokers)
+        # Also from a broker this connector is still restoring onto (a failover or a move):
+        # the move waits for that to finish, and happens if the link took over.
+        elif isinstance(body, Move) and link not in self._links.old:
+            self._tasks.spawn(self._move(body.address, body.reason, link), "move")
 
     # -- losing it ---------------------------------------------------------------------------
 
-    def lost(self, link: BrokerLink, error: ConnectionLost) -> bool:
+    def _link_lost(self, link: BrokerLink, lost: ConnectionLost) -> None:
+        self._inbound.fail(lost, link)
+        if not self._links.closed and not self._fail_over_from(link, lost):
+            self._shutdown(self._links.lost or lost)
+
+    def _fail_over_from(self, link: BrokerLink, error: ConnectionLost) -> bool:
         """``link`` closed. True if the connector is failing over (or the link was one it
         was leaving anyway); False if the connector has lost the mesh for good."""
-        if link in self.old:
-            self.old.discard(link)  # a move finished
+        links = self._links
+        if link in links.old:
+            links.old.discard(link)  # a move finished
             return True
-        if link is not self.link:
+        if link is not links.current:
             return True
         if link.address in self.brokers:
             self.brokers.remove(link.address)
-        if not self.failover_timeout or not self.brokers:
+        if not self._failover_timeout or not self.brokers:
             return False  # no failover, or no other broker to go to (the seed's rule)
-        self.connected.clear()
+        links.connected.clear()
         log.info("broker lost, failing over", extra={"broker": link.broker_name, "why": str(error)})
-        self._spawn(self._fail_over(error), "failover")
+        self._tasks.spawn(self._fail_over(error), "failover")
         return True
 
     async def _fail_over(self, lost: ConnectionLost) -> None:
         """Reconnect to another broker and bring every service back, same addresses."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.failover_timeout
+        deadline = loop.time() + self._failover_timeout
         reasons = ""
-        async with self.gate.copy():
+        async with self._gate.copy():
             while loop.time() < deadline:
                 try:
                     async with asyncio.timeout(max(0.05, deadline - loop.time())):
@@ -262,27 +383,25 @@ class LinkKeeper:
                     continue
                 self.failovers += 1
                 self.activate(link)
-                self.connector._reliable.resend_all()
+                self._resend_all()
                 log.info("failed over", extra={"broker": link.broker_name})
                 return
-        self.connector._shutdown(
+        self._shutdown(
             ConnectionLost(
                 f"{lost}; no other broker took this connector within "
-                f"{self.failover_timeout} s ({reasons})"
+                f"{self._failover_timeout} s ({reasons})"
             )
         )
 
     # -- moving ----------------------------------------------------------------------------
 
-    def move(self, address: str, reason: str, via: BrokerLink) -> None:
-        self._spawn(self._move(address, reason, via), "move")
-
     async def _move(self, address: str, reason: str, via: BrokerLink) -> None:
         """MOVE (that came on ``via``): link to ``address``, bring the services there,
         switch, then leave."""
-        async with self.gate.copy():
-            old = self.link
-            if old is not via or self.connector._closed or not self.connected.is_set():
+        links = self._links
+        async with self._gate.copy():
+            old = links.current
+            if old is not via or links.closed or not links.connected.is_set():
                 return  # from a link that did not take over, or no longer ours
             try:
                 link = await self.open_any([address], random_order=False)
@@ -290,11 +409,11 @@ class LinkKeeper:
             except (ConnectionLost, RemoteProtocolError) as exc:
                 log.warning("could not move", extra={"to": address, "error": str(exc)})
                 return
-            if self.connector._closed:
+            if links.closed:
                 link.abort()
                 return
             self.moves += 1
-            self.old.add(old)
+            links.old.add(old)
             self.activate(link)
             old.write(encode_control(ControlType.BYE, Bye(reason=f"moved: {reason}")))
         log.info("moved", extra={"to": link.broker_name, "reason": reason})
@@ -309,47 +428,51 @@ class LinkKeeper:
         the addresses over only once this one's ADDs have reached it, so none arrives
         late, reads as the connector moving back, and is undone by the REMOVE that
         follows."""
-        conn = self.connector
-        services = conn.services
+        endpoints = self._services.all()
         loop = asyncio.get_running_loop()
         synced: list[asyncio.Future[ControlFrame]] = []
+        ask = self._requester.ask
 
-        def request(
-            type_: ControlType, body: Body, subject: str = ""
-        ) -> Coroutine[Any, Any, ControlFrame]:
+        def change(
+            type_: ControlType, body: Body, answer: type[Body], subject: str = ""
+        ) -> Coroutine[Any, Any, Body]:
             future: asyncio.Future[ControlFrame] = loop.create_future()
             synced.append(future)
-            return conn._control(type_, body, subject, link=link, synced=future)
+            return ask(type_, body, answer, subject, link=link, synced=future)
 
         answers = await asyncio.gather(
             *(
-                request(
+                change(
                     ControlType.REGISTER,
-                    Register(server=s.address.server, instance=s.address.instance),
-                    str(s.address),
+                    Register(server=e.address.server, instance=e.address.instance),
+                    AddressBody,
+                    str(e.address),
                 )
-                for s in services
-                if isinstance(s.address, Unicast)
+                for e in endpoints
             ),
             return_exceptions=True,
         )
-        joins: list[Coroutine[Any, Any, ControlFrame]] = []
-        for service, answer in zip(services, answers, strict=True):
+        joins: list[Coroutine[Any, Any, Body]] = []
+        for endpoint, answer in zip(endpoints, answers, strict=True):
             if isinstance(answer, ConnectionLost):
                 raise answer
             if isinstance(answer, BaseException):
                 log.error(
                     "a service could not be registered again after failover",
-                    extra={"address": str(service.address), "error": str(answer)},
+                    extra={"address": str(endpoint.address), "error": str(answer)},
                 )
-                conn._forget(service)
+                self._forget(endpoint)
                 continue
             joins.extend(
-                request(ControlType.JOIN, Membership(member=service._raw, group=group.to_bytes()))
-                for group in service.groups
+                change(
+                    ControlType.JOIN,
+                    Membership(member=endpoint.raw, group=group.to_bytes()),
+                    Empty,
+                )
+                for group in endpoint.groups
             )
-        if conn._left_handlers:
-            joins.append(conn._control(ControlType.WATCH, Empty(), link=link))
+        if self._inbound.left:
+            joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))
         for answer in await asyncio.gather(*joins, return_exceptions=True):
             if isinstance(answer, ConnectionLost):
                 raise answer
@@ -362,35 +485,21 @@ class LinkKeeper:
 
     async def _keep_alive(self) -> None:
         loop = asyncio.get_running_loop()
-        interval = self.keepalive
+        interval = self._keepalive
+        links = self._links
         ticked = loop.time()
-        while not self.connector._closed:
+        while not links.closed:
             await asyncio.sleep(interval)
             # A tick far later than asked: this process's loop was blocked (a long
             # synchronous call), so the link could not be read -- the silence is ours.
             now = loop.time()
             blocked = now - ticked > 2 * interval
             ticked = now
-            link = self.link
-            if (
-                link is None
-                or link.closed
-                or not self.connected.is_set()
-                or self.connector._full_inboxes
-            ):
+            link = links.current
+            if link is None or link.closed or not links.connected.is_set() or self._services.full:
                 continue
             silent = now - link.heard_at
             if silent > 3 * interval and not blocked:
-                link.error = f"no answer for {silent:.1f} s"
-                link.abort()
+                link.abort(f"no answer for {silent:.1f} s")
             elif silent > interval:
                 link.write(encode_control(ControlType.PING, Empty()))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def cancel(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()

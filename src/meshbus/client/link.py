@@ -1,56 +1,83 @@
-"""One TCP link from a connector to a broker: bytes in, frames handed to the connector.
+"""One TCP link from a connector to a broker, and the state of the connector's links.
 
-A link starts with the handshake (meshbus.protocol.handshake): the first frame
-from the broker answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed
-or Refused -- or ConnectionLost when the link closes first. Frames behind the
-WELCOME are the connector's, as is everything after.
+``BrokerLink`` turns bytes into frames and hands each to the part that reads it. A
+link starts with the handshake (meshbus.protocol.handshake): the broker's first
+frame answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed or Refused
+-- or ConnectionLost when the link closes first. After that, data frames and the
+answers to requests go to the inbound dispatcher (meshbus.client.inbound); what the
+broker says to the link itself before it closes it (an ERROR, a BYE) the link keeps,
+to say why it was lost; news for the keeper (BROKERS, MOVE) goes to the keeper.
 
-A connector normally has one link. While it moves to another broker it has two
-for a moment: the new one carries everything it sends, the old one is read
-until the old broker closes it, so nothing already routed to it is lost.
+``Links`` is which link the connector sends on, the links it is leaving, and
+whether it may send at all. A connector normally has one link. While it moves to
+another broker it has two for a moment: the new one carries everything it sends,
+the old one is read until the old broker closes it, so nothing already routed to it
+is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, cast
+import logging
+from collections.abc import Callable, Collection
+from typing import Protocol, cast
 
-from meshbus.client.inbound import on_control, on_data
-from meshbus.errors import ConnectionLost, ProtocolError
-from meshbus.protocol.codec import DataFrame, FrameDecoder
-from meshbus.protocol.handshake import (
-    DiallingHandshake,
-    HandshakeState,
-    Refused,
-    Welcomed,
-)
+from meshbus.errors import ConnectionLost, NotConnected, ProtocolError
+from meshbus.protocol.codec import ControlFrame, DataFrame, FrameDecoder
+from meshbus.protocol.control import Bye, Error
+from meshbus.protocol.handshake import DiallingHandshake, Refused, Welcomed
+from meshbus.protocol.layout import ControlType
+
+log = logging.getLogger("meshbus.client")
 
 # Writes are gathered and handed to the socket once per loop turn, or as soon as this
 # many bytes wait: one syscall for a burst of sends instead of one per frame, while a
 # sender that never yields still reaches the transport (and its write pausing) often.
 _FLUSH_BYTES = 1 << 16
 
-if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
+
+class FrameReader(Protocol):
+    """Where a link's frames go once it is open (meshbus.client.inbound.Inbound)."""
+
+    def on_data(self, frame: DataFrame) -> None: ...
+
+    def on_control(self, link: BrokerLink, frame: ControlFrame) -> bool:
+        """True if it took the frame; the link handles the rest."""
+        ...
 
 
 class BrokerLink(asyncio.Protocol):
+    """One link to one broker. ``full_inboxes`` is the connector's set of services whose
+    inbox is full: while it is not empty, the link hands out no frame and reads nothing."""
+
     def __init__(
-        self, connector: Connector, address: str, max_frame: int, handshake: DiallingHandshake
+        self,
+        address: str,
+        handshake: DiallingHandshake,
+        *,
+        max_frame: int,
+        reader: FrameReader,
+        full_inboxes: Collection[object],
+        on_news: Callable[[BrokerLink, ControlFrame], None],
+        on_lost: Callable[[BrokerLink, ConnectionLost], None],
+        on_writable: Callable[[], None],
     ) -> None:
-        self.connector = connector
         self.address = address
         self.broker_name = ""
         self.transport: asyncio.Transport | None = None
-        self.decoder = FrameDecoder(max_frame)
         self.closed = False
         self.error = ""  # what the broker said before it closed the link (ERROR, BYE)
         self.heard_at = 0.0
         self.write_paused = False
-        self._handshake = handshake
         self._loop = asyncio.get_running_loop()
         self.welcomed: asyncio.Future[Welcomed | Refused] = self._loop.create_future()
-        self.lost: asyncio.Future[None] = self._loop.create_future()
+        self._handshake: DiallingHandshake | None = handshake  # None once answered
+        self._decoder = FrameDecoder(max_frame)
+        self._reader = reader
+        self._full_inboxes = full_inboxes
+        self._on_news = on_news
+        self._on_lost = on_lost
+        self._on_writable = on_writable
         self._out: list[bytes] = []
         self._out_bytes = 0
 
@@ -62,16 +89,16 @@ class BrokerLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        self.heard_at = asyncio.get_running_loop().time()
-        if self.connector._full_inboxes:
+        self.heard_at = self._loop.time()
+        if self._full_inboxes:
             self.transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
-        self.heard_at = asyncio.get_running_loop().time()
+        self.heard_at = self._loop.time()
         try:
-            self.decoder.feed(data)
+            self._decoder.feed(data)
         except ProtocolError as exc:
-            self.connector._protocol_error(self, exc)
+            self._protocol_error(exc)
             return
         self.dispatch()
 
@@ -80,44 +107,44 @@ class BrokerLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.lost.done():
-            self.lost.set_result(None)
         reason = self.error or (str(exc) if exc else "the broker closed the connection")
         error = ConnectionLost(
             f"lost the link to broker {self.broker_name or self.address}: {reason}"
         )
         if not self.welcomed.done():
             self.welcomed.set_exception(error)
-        self.connector._link_lost(self, error)
+        self._on_lost(self, error)
 
     def pause_writing(self) -> None:
         self.write_paused = True
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        self.connector._resume_writing()
+        self._on_writable()
 
     # -- frames ----------------------------------------------------------------------
 
     def dispatch(self) -> None:
         """Hand out the buffered frames, stopping while an inbox is full: the rest stay
         in the decoder, so an inbox never holds more than ``max_inbox`` messages."""
-        connector = self.connector
-        decoder = self.decoder
+        full = self._full_inboxes
+        decoder = self._decoder
+        reader = self._reader
         try:
-            while not connector._full_inboxes and (frame := decoder.next_frame()) is not None:
-                if self._handshake.state is HandshakeState.AWAIT_WELCOME:
+            while not full and (frame := decoder.next_frame()) is not None:
+                if self._handshake is not None:
                     if not self._answered(self._handshake.receive(frame)):
                         return
                 elif isinstance(frame, DataFrame):
-                    on_data(connector, frame)
-                else:
-                    on_control(connector, self, frame)
+                    reader.on_data(frame)
+                elif not reader.on_control(self, frame):
+                    self._notice(frame)
         except ProtocolError as exc:
-            connector._protocol_error(self, exc)
+            self._protocol_error(exc)
 
     def _answered(self, outcome: Welcomed | Refused) -> bool:
         """The broker answered the HELLO; True if the link is open."""
+        self._handshake = None
         if isinstance(outcome, Welcomed):
             self.broker_name = outcome.welcome.broker
         else:
@@ -125,6 +152,24 @@ class BrokerLink(asyncio.Protocol):
         if not self.welcomed.done():
             self.welcomed.set_result(outcome)
         return isinstance(outcome, Welcomed)
+
+    def _notice(self, frame: ControlFrame) -> None:
+        """A frame nobody waited for: what the broker says before it closes the link,
+        or news for the keeper."""
+        body = frame.body
+        if isinstance(body, Error):
+            self.error = body.message
+            log.warning("broker error", extra={"code": body.code, "error": body.message})
+        elif frame.type == ControlType.BYE and isinstance(body, Bye):
+            self.error = f"the broker said goodbye: {body.reason}"
+        else:
+            self._on_news(self, frame)
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        log.warning("broker broke the protocol", extra={"error": str(exc)})
+        self.abort(f"the broker sent an invalid frame: {exc}")
+
+    # -- writing ---------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -146,6 +191,11 @@ class BrokerLink(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
+    @property
+    def writable(self) -> bool:
+        """The socket takes bytes (not closed, not closing)."""
+        return self.transport is not None and not self.transport.is_closing()
+
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
@@ -159,8 +209,56 @@ class BrokerLink(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def abort(self) -> None:
+    def abort(self, why: str = "") -> None:
+        """Close the link at once, dropping what is not sent; ``why`` becomes the reason
+        it was lost."""
+        if why:
+            self.error = why
         self.closed = True
         self._out.clear()
         if self.transport is not None:
             self.transport.abort()
+
+
+class Links:
+    """Which link the connector sends on (``current``), the links it is leaving after a
+    move (``old``), and whether it may send: ``connected`` is clear while it fails
+    over, ``closed`` once it ended -- ``lost`` then says why, if the mesh was lost
+    rather than the connector closed. ``max_frame`` is the frame size limit in force:
+    the smallest that any broker agreed to so far. The keeper changes the links and
+    the limit; the end of the connector sets ``closed`` and ``lost``."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.current: BrokerLink | None = None
+        self.old: set[BrokerLink] = set()
+        self.connected = asyncio.Event()
+        self.closed = False
+        self.lost: ConnectionLost | None = None
+        self.max_frame = max_frame
+
+    def all(self) -> list[BrokerLink]:
+        return [link for link in (self.current, *self.old) if link is not None]
+
+    def check_usable(self) -> None:
+        """ConnectionLost if the mesh was lost, NotConnected if the connector is closed."""
+        if self.lost is not None:
+            raise self.lost
+        if self.closed or self.current is None:
+            raise NotConnected("the connector is closed")
+
+    async def usable(self) -> BrokerLink:
+        """The link to send on; waits while the connector fails over."""
+        self.check_usable()
+        if not self.connected.is_set():
+            await self.connected.wait()
+            self.check_usable()
+        assert self.current is not None
+        return self.current
+
+    def sendable(self) -> BrokerLink | None:
+        """The link a frame may go out on right now, without waiting: None while the
+        connector fails over or after it ended (the frame is not sent)."""
+        link = self.current
+        if self.closed or link is None or link.closed or not self.connected.is_set():
+            return None
+        return link

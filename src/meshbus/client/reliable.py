@@ -1,6 +1,6 @@
 """Reliable sends and message groups: the connector's side of the guarantees.
 
-Sending (ARCHITECTURE.md section 6). A reliable frame carries the RELIABLE flag;
+Sending (docs/guarantees.md). A reliable frame carries the RELIABLE flag;
 the sender keeps it in its ``Outbox`` until the receiving connector acknowledges
 it with an ACK frame (a 64-byte data frame from the receiving service back to
 the sender, ``response_for`` = the message id), resends it after an ack timeout
@@ -24,9 +24,11 @@ and calls the ``on_delivery_failed`` handlers; it also adds a suspicion against
 the receiver (``Suspicion``), and one declared dead is reported to the
 ``on_suspected_dead`` handlers.
 
-Receiving: each reliable frame is acknowledged -- also a duplicate, whose first
-ack may have been lost -- and delivered only if its (receiving service, source,
-message id) is not in the ``SeenWindow``.
+``Unacked`` is what a connector sent reliably and has not had acknowledged yet,
+and what happens when an ACK or a NO_ROUTE comes for it, or it is given up: the
+inbound dispatcher reports those to it. ``Reliable`` sends, resends and binds
+message groups, asking the broker through meshbus.client.requester. The receiving
+side is meshbus.client.receiving.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from meshbus.address import describe_address
-from meshbus.client.delivery import GroupOrder, Outbox, RetryPolicy, SeenWindow, Suspicion
+from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, describe_address
+from meshbus.client.callbacks import Callbacks
+from meshbus.client.delivery import Outbox, RetryPolicy, Suspicion
+from meshbus.client.outbound import Outbound
+from meshbus.client.requester import Requester
 from meshbus.errors import (
     DeliveryFailed,
     InvalidArgument,
@@ -50,25 +54,27 @@ from meshbus.errors import (
 )
 from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import GroupBind, GroupBound, GroupEnd, MemberList, MembersRequest
-from meshbus.protocol.ext import Ext, ack_frames, unpack_acks, wrap
-from meshbus.protocol.layout import ControlType, DataFlags
-
-if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
-    from meshbus.client.service import Service
+from meshbus.protocol.ext import Ext, unpack_acks, wrap
+from meshbus.protocol.layout import (
+    FLAG_ECHO,
+    FLAG_EXT,
+    FLAG_NOTIFY_DROP,
+    FLAG_RELIABLE,
+    ControlType,
+)
+from meshbus.util import BackgroundTasks
 
 log = logging.getLogger("meshbus.client")
 
-_RELIABLE = int(DataFlags.RELIABLE | DataFlags.NOTIFY_DROP)
-_EXT = int(DataFlags.EXT)
-_ECHO = int(DataFlags.ECHO)
-_CAST_MULTICAST = 2
-_CAST_ANYCAST = 3
+# A reliable frame that finds no route is reported (NO_ROUTE), so it is resent at once.
+_RELIABLE = FLAG_RELIABLE | FLAG_NOTIFY_DROP
 # The finest the resend timer ticks; an ack timeout is at least this late.
 _TICK = 0.01
 # How long a multicast's member list is reused: a member that joined since is not waited
 # for (it still gets the message if it joined before the broker routed it).
 _MEMBERS_TTL = 1.0
+
+GroupKey = tuple[bytes, bytes, bytes]  # (sending service, anycast address, group id)
 
 
 @dataclass(eq=False)
@@ -94,7 +100,7 @@ class _Pending:
     payload: bytes
     flags: int
     ext: Ext | None
-    group: tuple[bytes, bytes, bytes] | None = None  # (src, anycast, group key)
+    group: GroupKey | None = None
     seq: int = 0
     future: asyncio.Future[None] | None = None
 
@@ -124,38 +130,154 @@ class ReliableConfig:
             raise InvalidArgument("group_expiry must be a positive number of seconds")
 
 
-class Reliable:
-    """One connector's outbox, duplicate window, group tables and suspicion list."""
+class Unacked:
+    """The reliable messages sent and not acknowledged yet, by message id, with the
+    message groups they belong to and the suspicion list.
 
-    def __init__(self, connector: Connector, config: ReliableConfig) -> None:
-        self.conn = connector
-        self.policy = policy = config.retry
-        self.outbox = Outbox(policy)
-        self.seen: SeenWindow[tuple[bytes, bytes, int]] = SeenWindow(config.dedupe_window)
-        # A publish id names a message across senders: a retried job (a Spark
-        # micro-batch) resends from a new connector with new message ids.
-        self.published: SeenWindow[tuple[bytes, bytes]] = SeenWindow(config.dedupe_window)
-        self.order: GroupOrder[tuple[Service, DataFrame, Ext]] = GroupOrder(
-            idle_timeout=config.group_expiry
-        )
+    ``failed`` and ``dead`` are the handlers of ``Connector.on_delivery_failed`` and
+    ``on_suspected_dead``; ``given_up`` counts the messages given up."""
+
+    def __init__(self, config: ReliableConfig, outbound: Outbound) -> None:
+        self.policy = config.retry
+        self.outbox = Outbox(config.retry)
+        self.messages: dict[int, _Pending] = {}
+        self.groups: dict[GroupKey, _GroupSend] = {}
         self.suspicion = Suspicion(config.suspicion)
-        self.max_unacked = config.max_unacked
-        self.group_expiry = config.group_expiry
-        self.duplicates = 0
         self.given_up = 0
-        self.failed_handlers: list[Callable[[DeliveryFailed], None]] = []
-        self.dead_handlers: list[Callable[[str], None]] = []
-        self._pending: dict[int, _Pending] = {}
-        self._groups: dict[tuple[bytes, bytes, bytes], _GroupSend] = {}
+        self.failed: Callbacks[Callable[[DeliveryFailed], object]] = Callbacks()
+        self.dead: Callbacks[Callable[[str], object]] = Callbacks()
+        self._max = config.max_unacked
+        self._outbound = outbound
         self._room = asyncio.Event()
         self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    async def room(self) -> None:
+        """Wait while ``max_unacked`` messages are unacknowledged."""
+        while len(self.messages) >= self._max:
+            self._room.clear()
+            await self._room.wait()
+
+    async def idle(self) -> None:
+        """Wait until every message sent so far is acknowledged or given up."""
+        await self._idle.wait()
+
+    def add(
+        self, msg_id: int, pending: _Pending, targets: frozenset[bytes] | None, now: float
+    ) -> None:
+        self.messages[msg_id] = pending
+        self._idle.clear()
+        self.outbox.add(msg_id, targets, now)
+
+    def heard(self, address: bytes) -> None:
+        """Any message from ``address`` proves it alive."""
+        self.suspicion.heard(address)
+
+    def on_ack(self, frame: DataFrame) -> None:
+        self.suspicion.heard(frame.src)
+        try:
+            msg_ids = unpack_acks(frame.payload)
+        except ProtocolError as exc:
+            log.warning("dropped a bad ACK", extra={"error": str(exc)})
+            return
+        acker = frame.src
+        for msg_id in msg_ids:
+            if self.outbox.ack(msg_id, acker):
+                pending = self.messages.pop(msg_id, None)
+                if pending is not None:
+                    if pending.future is not None and not pending.future.done():
+                        pending.future.set_result(None)
+                    self._settled(pending)
+
+    def no_route(self, msg_id: int) -> bool:
+        """The broker could not deliver a reliable frame now; the resend timer tries
+        again, and a group send asks its home broker first. False: not ours."""
+        pending = self.messages.get(msg_id)
+        if pending is None:
+            return False
+        if pending.group is not None and (state := self.groups.get(pending.group)) is not None:
+            state.unreachable = True
+        return True
+
+    def give_up(self, msg_id: int) -> None:
+        pending = self.messages.pop(msg_id, None)
+        if pending is None:
+            return
+        self.given_up += 1
+        self._settled(pending)
+        error = DeliveryFailed(
+            f"no acknowledgement for message {msg_id} to {describe_address(pending.origin)} "
+            f"after {self.policy.max_attempts} attempts",
+            describe_address(pending.origin),
+            msg_id,
+        )
+        if pending.future is not None and not pending.future.done():
+            pending.future.set_exception(error)  # send_reliable raises it, instead of handlers
+        elif not self.failed:
+            log.warning("reliable send failed", extra={"error": str(error)})
+        else:
+            for handler in self.failed:
+                handler(error)
+        if pending.dst[0] not in (CAST_MULTICAST, CAST_ANYCAST) and self.suspicion.failed(
+            pending.dst
+        ):
+            for dead in self.dead:
+                dead(describe_address(pending.dst))
+
+    def _settled(self, pending: _Pending) -> None:
+        """The message is acked or given up: its group entry moves on."""
+        if len(self.messages) < self._max:
+            self._room.set()
+        if not self.messages:
+            self._idle.set()
+        if pending.group is None:
+            return
+        state = self.groups.get(pending.group)
+        if state is None:
+            return
+        state.outstanding.pop(pending.seq, None)
+        if state.final_sent and not state.outstanding:
+            del self.groups[pending.group]
+            src, anycast, group = pending.group
+            self._outbound.send_control(
+                ControlType.GROUP_END, GroupEnd(group=anycast, key=group, sender=src)
+            )
+
+    def shutdown(self, error: Exception) -> None:
+        """The connector ended: whoever waits for an acknowledgement gets ``error``."""
+        for pending in self.messages.values():
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
+        self._room.set()
+        self._idle.set()
+
+
+class Reliable:
+    """Sends reliably: asks the broker for the members or the group's holder, sends,
+    and resends what ``Unacked`` still holds when its ack timeout passes."""
+
+    def __init__(
+        self,
+        config: ReliableConfig,
+        *,
+        unacked: Unacked,
+        requester: Requester,
+        outbound: Outbound,
+        tasks: BackgroundTasks,
+    ) -> None:
+        self._unacked = unacked
+        self._requester = requester
+        self._outbound = outbound
+        self._tasks = tasks
+        self._group_expiry = config.group_expiry
         self._timer: asyncio.TimerHandle | None = None
         self._member_cache: dict[bytes, tuple[float, frozenset[bytes]]] = {}
         self._resend_queue: dict[int, None] = {}  # an ordered set
         self._resending = False
-        self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
 
     # -- sending ---------------------------------------------------------------------
 
@@ -173,24 +295,22 @@ class Reliable:
         wait: bool,
         command: str = "",
     ) -> int:
-        conn = self.conn
-        while len(self._pending) >= self.max_unacked:
-            self._room.clear()
-            await self._room.wait()
         cast = dst[0]
+        if group and cast != CAST_ANYCAST:
+            raise InvalidArgument(
+                f"message groups go to an anycast address, not {describe_address(dst)}"
+            )
+        unacked = self._unacked
+        await unacked.room()
         targets: frozenset[bytes] | None = None
         target = dst
         state: _GroupSend | None = None
         key = (src, dst, group)
         if group:
-            if cast != _CAST_ANYCAST:
-                raise InvalidArgument(
-                    f"message groups go to an anycast address, not {describe_address(dst)}"
-                )
             state = await self._bound(key, b"")
             target = state.member
-        elif cast == _CAST_MULTICAST:
-            now = conn._now()
+        elif cast == CAST_MULTICAST:
+            now = _now()
             cached = self._member_cache.get(dst)
             if cached is not None and now - cached[0] < _MEMBERS_TTL:
                 targets = cached[1]  # the usual case, every message of a stream of them
@@ -200,12 +320,12 @@ class Reliable:
                 targets = targets - {src}
             if not targets:
                 return 0  # nobody to deliver to: nothing can be lost
-        elif cast == _CAST_ANYCAST:
+        elif cast == CAST_ANYCAST:
             members = await self._members(dst, pick=True)
             if not members:
                 raise NoRoute(f"no member of {describe_address(dst)}", describe_address(dst))
             target = members[0]
-        msg_id = conn._new_msg_id()
+        msg_id = self._outbound.new_msg_id()
         seq = 0
         ext: Ext | None = None
         if state is not None:
@@ -224,92 +344,93 @@ class Reliable:
                 publish_id=publish_id,
                 command=command,
             )
-        flags = _RELIABLE | (_ECHO if echo else 0) | (_EXT if ext is not None else 0)
+        flags = _RELIABLE | (FLAG_ECHO if echo else 0) | (FLAG_EXT if ext is not None else 0)
         future = asyncio.get_running_loop().create_future() if wait else None
         pending = _Pending(src, dst, target, payload, flags, ext, key if group else None, seq)
         pending.future = future
-        self._pending[msg_id] = pending
-        self._idle.clear()
-        self.outbox.add(msg_id, targets, conn._now())
-        await conn._write_data(target, src, self._payload(pending), flags, msg_id)
+        unacked.add(msg_id, pending, targets, _now())
+        await self._outbound.write_data(target, src, _payload(pending), flags, msg_id)
         self._arm()
         if future is not None:
             await future
         return msg_id
 
-    @staticmethod
-    def _payload(pending: _Pending, ext: Ext | None = None) -> bytes:
-        ext = ext or pending.ext
-        return wrap(ext, pending.payload) if ext is not None else pending.payload
-
     async def _members(self, group: bytes, *, pick: bool) -> list[bytes]:
         """The members of ``group`` -- cached by ``send`` for ``_MEMBERS_TTL``, as a
         reliable multicast needs them for every message -- or the one member an anycast
         send goes to."""
-        now = self.conn._now()
-        frame = await self.conn._control(
-            ControlType.MEMBERS, MembersRequest(group=group, pick=pick)
+        now = _now()
+        answer = await self._requester.ask(
+            ControlType.MEMBERS, MembersRequest(group=group, pick=pick), MemberList
         )
-        assert isinstance(frame.body, MemberList)
-        if not pick and frame.body.members:
+        if not pick and answer.members:
             # An empty list is asked again: a stream or member may be added any moment.
-            self._member_cache[group] = (now, frozenset(frame.body.members))
-        return frame.body.members
+            self._member_cache[group] = (now, frozenset(answer.members))
+        return answer.members
 
-    async def _bound(self, key: tuple[bytes, bytes, bytes], failed: bytes) -> _GroupSend:
+    async def _bound(self, key: GroupKey, failed: bytes) -> _GroupSend:
         """The member holding the group: cached, and asked of the group's home broker when
         new, older than half the idle expiry (which keeps the home's entry alive), or
         after the member could not be reached."""
-        now = self.conn._now()
-        state = self._groups.get(key)
+        now = _now()
+        groups = self._unacked.groups
+        state = groups.get(key)
         if (
             state is not None
             and not failed
             and not state.unreachable
-            and now - state.bound_at < self.group_expiry / 2
+            and now - state.bound_at < self._group_expiry / 2
         ):
             return state
         src, anycast, group = key
-        frame = await self.conn._control(
+        bound = await self._requester.ask(
             ControlType.GROUP_BIND,
             GroupBind(
-                group=anycast, key=group, failed=failed, expiry=self.group_expiry, sender=src
+                group=anycast, key=group, failed=failed, expiry=self._group_expiry, sender=src
             ),
+            GroupBound,
         )
-        assert isinstance(frame.body, GroupBound)
-        member = frame.body.member
-        state = self._groups.get(key)
+        state = groups.get(key)
         if state is None and failed:
             # The group ended while we asked again: our question re-bound it at the home;
             # end it there too, or a later sender of the group could be split from us.
             end = GroupEnd(group=anycast, key=group, sender=src)
-            self.conn._send_control(ControlType.GROUP_END, end)
-            return _GroupSend(member, now)
+            self._outbound.send_control(ControlType.GROUP_END, end)
+            return _GroupSend(bound.member, now)
         if state is None:
-            state = self._groups[key] = _GroupSend(member, now)
+            state = groups[key] = _GroupSend(bound.member, now)
         else:
-            state.member, state.bound_at = member, now
+            state.member, state.bound_at = bound.member, now
             state.unreachable = False
         return state
+
+    # -- resending -------------------------------------------------------------------
 
     def _arm(self) -> None:
         if self._timer is not None:
             return
-        deadline = self.outbox.next_deadline()
+        deadline = self._unacked.outbox.next_deadline()
         if deadline is None:
             return
         loop = asyncio.get_running_loop()
-        delay = max(_TICK, deadline - self.conn._now())
+        delay = max(_TICK, deadline - loop.time())
         self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        resend, given_up = self.outbox.due(self.conn._now())
+        unacked = self._unacked
+        resend, given_up = unacked.outbox.due(_now())
         for msg_id in given_up:
-            self._give_up(msg_id)
+            unacked.give_up(msg_id)
         if resend:
             self._queue_resend(resend)
         self._arm()
+
+    def resend_all(self) -> None:
+        """After a failover: everything unacknowledged goes out again now, in send order."""
+        ids = self._unacked.outbox.ids()
+        if ids:
+            self._queue_resend(ids)
 
     def _queue_resend(self, msg_ids: list[int]) -> None:
         """One resend pass at a time: ids that fall due meanwhile join the queue, so a slow
@@ -317,12 +438,13 @@ class Reliable:
         self._resend_queue.update(dict.fromkeys(msg_ids))
         if not self._resending:
             self._resending = True
-            self.conn._spawn(self._resend(), "resend")
+            self._tasks.spawn(self._resend(), "resend")
 
     async def _resend(self) -> None:
         """Send the queued ids again, in order: group ones to the member holding the group
         now (asked of the homes first, all groups at once, so no send waits behind another
         group's question), multicast ones as one copy to each member that has not acked."""
+        messages = self._unacked.messages
         try:
             while self._resend_queue:
                 msg_ids = sorted(self._resend_queue)
@@ -330,20 +452,20 @@ class Reliable:
                 groups = {
                     p.group
                     for i in msg_ids
-                    if (p := self._pending.get(i)) is not None and p.group is not None
+                    if (p := messages.get(i)) is not None and p.group is not None
                 }
                 # No ack in time: the member may be gone. The home keeps the group where it
                 # is unless the member has left the anycast group for good.
                 await asyncio.gather(*(self._rebind(key) for key in groups))
                 for msg_id in msg_ids:
-                    pending = self._pending.get(msg_id)
+                    pending = messages.get(msg_id)
                     if pending is not None:
                         await self._send_again(msg_id, pending)
         finally:
             self._resending = False
 
-    async def _rebind(self, key: tuple[bytes, bytes, bytes]) -> None:
-        state = self._groups.get(key)
+    async def _rebind(self, key: GroupKey) -> None:
+        state = self._unacked.groups.get(key)
         if state is None:
             return
         try:
@@ -352,152 +474,36 @@ class Reliable:
             log.debug("group rebind failed", extra={"error": str(exc)})
 
     async def _send_again(self, msg_id: int, pending: _Pending) -> None:
-        conn = self.conn
+        write = self._outbound.write_data
         if pending.group is not None:
-            state = self._groups.get(pending.group)
+            state = self._unacked.groups.get(pending.group)
             if state is None:
                 return
             pending.dst = state.member
             assert pending.ext is not None
             ext = msgspec.structs.replace(pending.ext, floor=state.floor())
-            payload = self._payload(pending, ext)
-            await conn._write_data(pending.dst, pending.src, payload, pending.flags, msg_id)
+            await write(pending.dst, pending.src, _payload(pending, ext), pending.flags, msg_id)
             return
-        targets = self.outbox.pending(msg_id)
+        targets = self._unacked.outbox.pending(msg_id)
         if not targets:
-            await conn._write_data(
-                pending.dst, pending.src, self._payload(pending), pending.flags, msg_id
-            )
+            await write(pending.dst, pending.src, _payload(pending), pending.flags, msg_id)
             return
         ext = msgspec.structs.replace(pending.ext or Ext(), origin=pending.origin)
-        payload = self._payload(pending, ext)
+        payload = _payload(pending, ext)
         for member in sorted(targets):
-            await conn._write_data(member, pending.src, payload, pending.flags | _EXT, msg_id)
+            await write(member, pending.src, payload, pending.flags | FLAG_EXT, msg_id)
 
-    async def idle(self) -> None:
-        await self._idle.wait()
-
-    def resend_all(self) -> None:
-        """After a failover: everything unacknowledged goes out again now, in send order."""
-        ids = self.outbox.ids()
-        if ids:
-            self._queue_resend(ids)
-
-    def _give_up(self, msg_id: int) -> None:
-        pending = self._pending.pop(msg_id, None)
-        if pending is None:
-            return
-        self.given_up += 1
-        self._settled(msg_id, pending)
-        error = DeliveryFailed(
-            f"no acknowledgement for message {msg_id} to {describe_address(pending.origin)} "
-            f"after {self.policy.max_attempts} attempts",
-            describe_address(pending.origin),
-            msg_id,
-        )
-        if pending.future is not None and not pending.future.done():
-            pending.future.set_exception(error)  # send_reliable raises it, instead of handlers
-        elif not self.failed_handlers:
-            log.warning("reliable send failed", extra={"error": str(error)})
-        else:
-            for handler in self.failed_handlers:
-                handler(error)
-        if pending.dst[0] not in (_CAST_MULTICAST, _CAST_ANYCAST) and self.suspicion.failed(
-            pending.dst
-        ):
-            for dead in self.dead_handlers:
-                dead(describe_address(pending.dst))
-
-    def _settled(self, msg_id: int, pending: _Pending) -> None:
-        """The message is acked or given up: its group entry moves on."""
-        if len(self._pending) < self.max_unacked:
-            self._room.set()
-        if not self._pending:
-            self._idle.set()
-        if pending.group is None:
-            return
-        state = self._groups.get(pending.group)
-        if state is None:
-            return
-        state.outstanding.pop(pending.seq, None)
-        if state.final_sent and not state.outstanding:
-            del self._groups[pending.group]
-            _, anycast, group = pending.group
-            src = pending.group[0]
-            end = GroupEnd(group=anycast, key=group, sender=src)
-            self.conn._send_control(ControlType.GROUP_END, end)
-
-    def no_route(self, msg_id: int) -> bool:
-        """The broker could not deliver a reliable frame now; the resend timer tries
-        again, and a group send asks its home broker first. False: not ours."""
-        pending = self._pending.get(msg_id)
-        if pending is None:
-            return False
-        if pending.group is not None and (state := self._groups.get(pending.group)) is not None:
-            state.unreachable = True
-        return True
-
-    # -- receiving -----------------------------------------------------------------------
-
-    def on_ack(self, frame: DataFrame) -> None:
-        self.suspicion.heard(frame.src)
-        try:
-            msg_ids = unpack_acks(frame.payload)
-        except ProtocolError as exc:
-            log.warning("dropped a bad ACK", extra={"error": str(exc)})
-            return
-        acker = frame.src
-        for msg_id in msg_ids:
-            if self.outbox.ack(msg_id, acker):
-                pending = self._pending.pop(msg_id, None)
-                if pending is not None:
-                    if pending.future is not None and not pending.future.done():
-                        pending.future.set_result(None)
-                    self._settled(msg_id, pending)
-
-    def accept(self, service: Service, frame: DataFrame) -> bool:
-        """Acknowledge a reliable frame for ``service``; True when it is new to it."""
-        if not self._acks:
-            asyncio.get_running_loop().call_soon(self._flush_acks)
-        self._acks.setdefault((service._raw, frame.src), []).append(frame.msg_id)
-        if self.seen.add((service._raw, frame.src, frame.msg_id)):
-            return True
-        self.duplicates += 1
-        return False
-
-    def first_publish(self, service: Service, publish_id: bytes) -> bool:
-        """True unless ``service`` already got a message with this publish id."""
-        if self.published.add((service._raw, publish_id)):
-            return True
-        self.duplicates += 1
-        return False
-
-    def _flush_acks(self) -> None:
-        acks, self._acks = self._acks, {}
-        link = self.conn._keeper.link
-        if link is None or link.closed:
-            return  # the senders resend; the duplicates are acked then
-        link.write(b"".join(f for (a, s), ids in acks.items() for f in ack_frames(a, s, ids)))
-
-    def in_order(
-        self, service: Service, frame: DataFrame, ext: Ext
-    ) -> list[tuple[tuple[Service, DataFrame, Ext], bool]]:
-        """The group messages deliverable now, in the group's order (with reassigned flags)."""
-        key = service._raw + ext.group
-        ready = self.order.push(
-            frame.src, key, ext.seq, ext.floor, (service, frame, ext), self.conn._now()
-        )
-        for (_, done, done_ext), _ in ready:
-            if done_ext.final:
-                self.order.end(done.src, key)
-        return ready
-
-    def shutdown(self, error: Exception) -> None:
+    def stop(self) -> None:
+        """The connector ended: no more resends."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for pending in self._pending.values():
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(error)
-        self._room.set()
-        self._idle.set()
+
+
+def _payload(pending: _Pending, ext: Ext | None = None) -> bytes:
+    ext = ext or pending.ext
+    return wrap(ext, pending.payload) if ext is not None else pending.payload
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

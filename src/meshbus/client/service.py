@@ -1,38 +1,50 @@
-"""Services and the messages they receive."""
+"""Services and the messages they receive.
+
+A ``Service`` is the public face of one registered address. It sends through the
+connector's parts it is given (``ServiceParts``) and receives through its
+``Endpoint`` (meshbus.client.endpoints), which the inbound dispatcher fills.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import logging
 import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshbus.address import Address, Multicast
+from meshbus.address import Address, Multicast, Unicast
+from meshbus.client.endpoints import BROADCAST, BROADCAST_GROUP, Endpoint, Services
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
     MeshbusError,
-    NoQueue,
     NotConnected,
     RegistrationError,
-    Timeout,
 )
 from meshbus.protocol.codec import DataFrame
-from meshbus.protocol.control import AddressBody, Membership
+from meshbus.protocol.control import AddressBody, Empty, Membership
 from meshbus.protocol.ext import Ext, wrap
-from meshbus.protocol.layout import ControlType, DataFlags
+from meshbus.protocol.layout import (
+    FLAG_ECHO,
+    FLAG_EXT,
+    FLAG_NOTIFY_DROP,
+    FLAG_REQUEST,
+    FLAG_TRACE,
+    ControlType,
+)
 
 if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
+    from meshbus.client.keeper import Changes
+    from meshbus.client.link import Links
+    from meshbus.client.outbound import Outbound, TraceSampler
+    from meshbus.client.reliable import Reliable
+    from meshbus.client.requester import Requester
+    from meshbus.client.streams import StreamClient
+    from meshbus.util import BackgroundTasks
 
 AddressLike = Address | str
-log = logging.getLogger("meshbus.client")
-
-_FLAG_REQUEST = int(DataFlags.REQUEST)
 
 
 def as_address(value: AddressLike) -> Address:
@@ -91,8 +103,6 @@ def _group_key(group: str | bytes | None, final: bool) -> bytes:
 
 
 _NO_EXT = Ext()
-# The multicast address every service can be reached at through ``broadcast``.
-BROADCAST = Multicast("$all").to_bytes()
 
 
 class Message:
@@ -105,8 +115,8 @@ class Message:
 
     __slots__ = (
         "_dst",
+        "_endpoint",
         "_ext",
-        "_service",
         "_src",
         "flags",
         "group_reassigned",
@@ -121,7 +131,7 @@ class Message:
         payload: bytes,
         msg_id: int,
         flags: int,
-        service: Service | None,
+        endpoint: Endpoint | None,
         ext: Ext = _NO_EXT,
         group_reassigned: bool = False,
     ) -> None:
@@ -130,14 +140,21 @@ class Message:
         self.payload = payload
         self.msg_id = msg_id
         self.flags = flags
-        self._service = service
+        self._endpoint = endpoint
         self._ext = ext
         self.group_reassigned = group_reassigned
 
     @classmethod
-    def of(cls, frame: DataFrame, service: Service, ext: Ext, reassigned: bool) -> Message:
+    def of(cls, frame: DataFrame, endpoint: Endpoint, ext: Ext, reassigned: bool) -> Message:
         return cls(
-            frame.src, frame.dst, frame.payload, frame.msg_id, frame.flags, service, ext, reassigned
+            frame.src,
+            frame.dst,
+            frame.payload,
+            frame.msg_id,
+            frame.flags,
+            endpoint,
+            ext,
+            reassigned,
         )
 
     @property
@@ -167,19 +184,35 @@ class Message:
     @property
     def is_request(self) -> bool:
         """True when the sender waits for ``reply``."""
-        return bool(self.flags & _FLAG_REQUEST)
+        return bool(self.flags & FLAG_REQUEST)
 
     async def reply(self, payload: bytes) -> None:
         """Answer a request. The response comes from the service that received the request."""
         if not self.is_request:
             raise MeshbusError("reply() needs a request; this message was a plain send")
-        if self._service is None:
+        if self._endpoint is None:
             raise MeshbusError("this message was not received by a service and cannot be answered")
-        await self._service._respond(self._src, self.msg_id, payload)
+        await self._endpoint.respond(self._src, self.msg_id, payload)
 
     def __repr__(self) -> str:
         kind = "request" if self.is_request else "message"
         return f"<{kind} {self.src} -> {self.dst} {len(self.payload)} bytes>"
+
+
+@dataclass(frozen=True)
+class ServiceParts:
+    """What a service uses of its connector: one set, shared by all of them."""
+
+    links: Links  # whether the connector may still be used
+    services: Services  # the registry its endpoint is in
+    outbound: Outbound  # plain sends and responses
+    sampler: TraceSampler  # which plain sends to trace
+    requester: Requester  # requests
+    reliable: Reliable  # reliable sends, message groups, subscribe_other
+    changes: Changes  # join, leave, unregister
+    forget: Callable[[Endpoint], None]  # once it is unregistered
+    streams: StreamClient  # fetch
+    tasks: BackgroundTasks  # coroutine listeners
 
 
 class Service:
@@ -190,16 +223,24 @@ class Service:
     ``ConnectionLost`` if the link to the broker broke.
     """
 
-    def __init__(self, connector: Connector, address: Address, max_inbox: int) -> None:
-        self._conn = connector
+    def __init__(self, address: Unicast, max_inbox: int, parts: ServiceParts) -> None:
+        """A service the broker just registered; it joins ``parts.services`` at once, so
+        no message to it can arrive before it is there."""
         self.address = address
-        self._raw = address.to_bytes()
-        self._inbox: deque[Message] = deque()
-        self._max_inbox = max_inbox
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._groups: set[Address] = set()
-        self._closed = False
-        self._listeners: list[Callable[[Message], object]] = []
+        self._endpoint = endpoint = Endpoint(
+            self,
+            address,
+            max_inbox,
+            services=parts.services,
+            links=parts.links,
+            outbound=parts.outbound,
+            tasks=parts.tasks,
+        )
+        self._raw = endpoint.raw
+        self._parts = parts
+        self._outbound = parts.outbound
+        self._sampler = parts.sampler
+        parts.services.add(endpoint)
 
     def __repr__(self) -> str:
         return f"<Service {self.address}>"
@@ -207,7 +248,7 @@ class Service:
     @property
     def groups(self) -> frozenset[Address]:
         """The multicast and anycast groups this service is a member of."""
-        return frozenset(g for g in self._groups if g.to_bytes() != BROADCAST)
+        return frozenset(g for g in self._endpoint.groups if g.to_bytes() != BROADCAST)
 
     # -- sending --------------------------------------------------------------
 
@@ -235,16 +276,18 @@ class Service:
 
         ``group`` (to an anycast address): a message group -- every message with this id
         goes to the same member, in the order sent, reliably; ``final=True`` on the last
-        one ends the group. ``priority`` is carried to the receiver (``Message.priority``).
-        ``publish_id``: a name for the message across senders and retries -- a stream
-        stores it, and each receiving service delivers it, once per dedupe window.
+        one ends the group. ``priority`` (a 32-bit signed integer) is carried to the
+        receiver (``Message.priority``). ``publish_id``: a name for the message across
+        senders and retries -- a stream stores it, and each receiving service delivers it,
+        once per dedupe window. Group and publish ids are at most 1024 bytes.
         ``echo``: a group send also reaches this service if it is a member.
         ``notify``: if the broker cannot deliver a plain send, it says so, and the connector
         calls its ``on_undeliverable`` handlers; by default such a send is dropped and
-        counted."""
+        counted. A value it cannot use raises ``meshbus.InvalidArgument`` before anything
+        is sent."""
         raw = as_address(dst).to_bytes()
         if reliable or group is not None:
-            return await self._conn._reliable.send(
+            return await self._parts.reliable.send(
                 self._raw,
                 raw,
                 payload,
@@ -260,16 +303,16 @@ class Service:
         if priority or publish_id:
             _checked_priority(priority)
             _checked_publish_id(publish_id)
-        flags = (DataFlags.ECHO if echo else 0) | (DataFlags.NOTIFY_DROP if notify else 0)
-        conn = self._conn
-        if conn._trace_every and conn._trace_this():
-            flags |= DataFlags.EXT | DataFlags.TRACE
+        flags = (FLAG_ECHO if echo else 0) | (FLAG_NOTIFY_DROP if notify else 0)
+        sampler = self._sampler
+        if sampler.every and sampler.this_one():
+            flags |= FLAG_EXT | FLAG_TRACE
             ext = Ext(priority=priority, publish_id=publish_id, sent_at=time.time())
             payload = wrap(ext, payload)
         elif priority or publish_id:
-            flags |= DataFlags.EXT
+            flags |= FLAG_EXT
             payload = wrap(Ext(priority=priority, publish_id=publish_id), payload)
-        return await conn._send_data(self._raw, raw, payload, int(flags))
+        return await self._outbound.send_data(self._raw, raw, payload, flags)
 
     async def send_reliable(
         self,
@@ -284,7 +327,7 @@ class Service:
     ) -> int:
         """A reliable send that returns once it is acknowledged (by every member, for a
         multicast address); raises ``meshbus.DeliveryFailed`` when it is given up."""
-        return await self._conn._reliable.send(
+        return await self._parts.reliable.send(
             self._raw,
             as_address(dst).to_bytes(),
             payload,
@@ -296,7 +339,7 @@ class Service:
             wait=True,
         )
 
-    # -- the Postina verbs (ARCHITECTURE.md section 7) -----------------------------------
+    # -- the Postina verbs (docs/architecture.md) ------------------------------------------
 
     async def publish(
         self, topic: str, payload: bytes, *, priority: int = 0, reliable: bool = False
@@ -333,7 +376,7 @@ class Service:
 
     async def _command(self, command: str, topic: str, address: AddressLike) -> None:
         Multicast(topic)  # a bad topic fails here
-        await self._conn._reliable.send(
+        await self._parts.reliable.send(
             self._raw,
             as_address(address).to_bytes(),
             topic.encode(),
@@ -346,30 +389,23 @@ class Service:
             command=command,
         )
 
-    async def _obey(self, command: str, topic: bytes) -> None:
-        try:
-            if command == "subscribe":
-                await self.join(Multicast(topic.decode()))
-            elif command == "unsubscribe":
-                await self.leave(Multicast(topic.decode()))
-        except (MeshbusError, UnicodeDecodeError) as exc:
-            log.warning("could not obey", extra={"command": command, "error": str(exc)})
-
     async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
         """Send to every service on the bus (at most once, like ``publish``)."""
-        return await self.send(Address.from_bytes(BROADCAST), payload, priority=priority, echo=True)
+        return await self.send(BROADCAST_GROUP, payload, priority=priority, echo=True)
 
     async def fetch(self, stream: str, from_seq: int = 1, max_count: int = 100) -> list[Any]:
         """Read a durable stream (``Connector.streams.fetch``): ``StreamMessage`` objects
         with ``.seq``, ``.stored_at``, ``.src``, ``.dst`` and ``.payload``."""
-        return await self._conn.streams.fetch(stream, from_seq, max_count)
+        return await self._parts.streams.fetch(stream, from_seq, max_count)
 
-    def add_listener(self, listener: Callable[[Message], object]) -> None:
+    def add_listener(self, listener: Callable[[Message], object]) -> Callable[[], None]:
         """Call ``listener`` with each message (a coroutine function is run as a task).
-        From then on the queue is off: ``next_message``/``recv`` raise ``NoQueue``."""
-        self._listeners.append(listener)
-        while self._inbox:
-            self._dispatch(self._inbox.popleft())
+        From then on the queue is off: ``next_message``/``recv`` raise ``NoQueue``.
+
+        Returns a function that removes the listener again; once the last one is removed,
+        messages queue for ``recv`` as before (the shape of every ``on_...`` here:
+        meshbus.client.callbacks)."""
+        return self._endpoint.add_listener(listener)
 
     async def next_message(self, timeout: float | None = None) -> Message:
         """The next message from the queue (Postina's name for ``recv``)."""
@@ -384,12 +420,7 @@ class Service:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout}")
         timeout_ms = math.ceil(min(timeout, _MAX_TIMEOUT) * 1000)
-        return await self._conn._request(self._raw, as_address(dst), payload, timeout_ms)
-
-    async def _respond(self, requester: bytes, msg_id: int, payload: bytes) -> None:
-        await self._conn._send_data(
-            self._raw, requester, payload, int(DataFlags.RESPONSE), response_for=msg_id
-        )
+        return await self._parts.requester.request(self._raw, as_address(dst), payload, timeout_ms)
 
     # -- receiving --------------------------------------------------------------
 
@@ -397,40 +428,7 @@ class Service:
         """The next message; ``meshbus.Timeout`` if none arrives within ``timeout`` seconds.
 
         Several tasks may wait on one service; each message goes to one of them."""
-        if self._listeners:
-            raise NoQueue(
-                f"{self.address} hands its messages to listeners (add_listener), "
-                "so it has no queue to take them from"
-            )
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while not self._inbox:
-            self._check_open()
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                if deadline is None:
-                    await waiter
-                else:
-                    await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                self._remove_waiter(waiter)
-                if self._inbox:
-                    break  # a message arrived just as the time ran out: take it
-                raise Timeout(
-                    f"no message for {self.address} within {timeout} s", timeout
-                ) from None
-            except BaseException:
-                # Cancelled, perhaps after being woken: hand the wake-up on so the
-                # message that woke this task is not stranded in the inbox.
-                self._remove_waiter(waiter)
-                if self._inbox:
-                    self._wake_one()
-                raise
-        message = self._inbox.popleft()
-        if len(self._inbox) == self._max_inbox // 2:
-            self._conn._inbox_drained(self)
-        return message
+        return await self._endpoint.take(timeout)
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iterate()
@@ -442,86 +440,37 @@ class Service:
             except NotConnected:
                 return
 
-    def _check_open(self) -> None:
-        if self._closed:
-            self._conn._check_usable()
-            raise NotConnected(f"service {self.address} is unregistered")
-        self._conn._check_usable()
-
-    def _deliver(self, message: Message) -> None:
-        if self._listeners:
-            self._dispatch(message)
-            return
-        self._inbox.append(message)
-        self._wake_one()
-        if len(self._inbox) == self._max_inbox:
-            self._conn._inbox_full(self)
-
-    def _dispatch(self, message: Message) -> None:
-        for listener in self._listeners:
-            try:
-                result = listener(message)
-                if asyncio.iscoroutine(result):
-                    self._conn._spawn(result, "listener")
-            except Exception:
-                log.exception("a message listener failed", extra={"service": str(self.address)})
-
-    def _wake_one(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def _remove_waiter(self, waiter: asyncio.Future[None]) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-
     # -- membership ---------------------------------------------------------------
 
     async def join(self, group: AddressLike) -> None:
         """Join a multicast (topic) or anycast (pool) group."""
-        address = _group_address(group)
-
-        def joined(_: object) -> None:
-            self._groups.add(address)
-            self._conn._joined(self, address)
-
-        await self._conn._change(
-            ControlType.JOIN, Membership(member=self._raw, group=address.to_bytes()), joined
-        )
+        await self._change_group(ControlType.JOIN, group, self._parts.services.joined)
 
     async def leave(self, group: AddressLike) -> None:
         """Leave a group; leaving a group the service is not in does nothing."""
+        await self._change_group(ControlType.LEAVE, group, self._parts.services.left)
+
+    async def _change_group(
+        self,
+        type_: ControlType,
+        group: AddressLike,
+        apply: Callable[[Endpoint, Address], None],
+    ) -> None:
         address = _group_address(group)
-
-        def left(_: object) -> None:
-            self._groups.discard(address)
-            self._conn._left(self, address)
-
-        await self._conn._change(
-            ControlType.LEAVE, Membership(member=self._raw, group=address.to_bytes()), left
+        endpoint = self._endpoint
+        await self._parts.changes.change(
+            type_,
+            Membership(member=self._raw, group=address.to_bytes()),
+            Empty,
+            lambda _: apply(endpoint, address),
         )
 
     async def unregister(self) -> None:
         """Remove the service from the bus; its address becomes free."""
-        await self._conn._change(
+        endpoint, forget = self._endpoint, self._parts.forget
+        await self._parts.changes.change(
             ControlType.UNREGISTER,
             AddressBody(address=self._raw),
-            lambda _: self._conn._forget(self),
+            Empty,
+            lambda _: forget(endpoint),
         )
-
-    def _member_of(self, group: bytes) -> bool:
-        return any(g.to_bytes() == group for g in self._groups)
-
-    def _close(self) -> None:
-        self._closed = True
-        self._wake()

@@ -10,19 +10,19 @@ for it), and ``publish_id`` makes a retried publish stored once.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshbus.address import Address
+from meshbus.client.requester import Requester
 from meshbus.client.service import AddressLike, Message, as_address
 from meshbus.protocol.blocks import BlockSlice, slices_of
 from meshbus.protocol.control import StoredRow, StreamReply, StreamRequest
 from meshbus.protocol.ext import Ext
 from meshbus.protocol.layout import ControlType
 
-if TYPE_CHECKING:
-    from meshbus.client.connector import Connector
+AskStream = Callable[[StreamRequest], Awaitable[StreamReply]]
 
 
 class StreamMessage(Message):
@@ -65,16 +65,14 @@ class StreamInfo:
     host: str = ""
 
 
-class Streams:
+class StreamClient:
     """``conn.streams``: the stream requests of one connector."""
 
-    def __init__(self, connector: Connector) -> None:
-        self._conn = connector
+    def __init__(self, requester: Requester) -> None:
+        self._requester = requester
 
     async def _ask(self, request: StreamRequest) -> StreamReply:
-        frame = await self._conn._control(ControlType.STREAM, request, request.stream)
-        assert isinstance(frame.body, StreamReply)
-        return frame.body
+        return await self._requester.ask(ControlType.STREAM, request, StreamReply, request.stream)
 
     async def add(
         self,
@@ -161,20 +159,20 @@ class Streams:
                 start_seq=start_seq,
             )
         )
-        return Consumer(self, stream, name)
+        return Consumer(self._ask, stream, name)
 
 
 class Consumer:
     """Take messages with ``next``, acknowledge them with ``ack``; one not acknowledged
     within ``ack_wait`` comes again, up to ``max_deliver`` times."""
 
-    def __init__(self, streams: Streams, stream: str, name: str) -> None:
-        self._streams = streams
+    def __init__(self, ask: AskStream, stream: str, name: str) -> None:
+        self._ask = ask
         self.stream = stream
         self.name = name
 
     async def next(self, max_count: int = 100) -> list[StreamMessage]:
-        reply = await self._streams._ask(
+        reply = await self._ask(
             StreamRequest(op="next", stream=self.stream, consumer=self.name, max_count=max_count)
         )
         return [StreamMessage(self.stream, row) for row in reply.messages]
@@ -182,13 +180,13 @@ class Consumer:
     async def ack(self, messages: Sequence[StreamMessage | int]) -> int:
         """Acknowledge messages (or their seqs); returns how many were waiting for it."""
         seqs = [m if isinstance(m, int) else m.seq for m in messages]
-        reply = await self._streams._ask(
+        reply = await self._ask(
             StreamRequest(op="ack", stream=self.stream, consumer=self.name, seqs=seqs)
         )
         return reply.acked
 
     async def info(self) -> dict[str, Any]:
-        reply = await self._streams._ask(
+        reply = await self._ask(
             StreamRequest(op="consumer_info", stream=self.stream, consumer=self.name)
         )
         return reply.info

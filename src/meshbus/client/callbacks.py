@@ -1,0 +1,49 @@
+"""Handlers that can be added and removed again: the shape of every ``on_...`` of the client.
+
+``add(handler)`` returns a function of no arguments that removes that handler. The
+caller keeps the remover, not the handler: a handler is often a lambda that the
+caller could not name again to a ``remove_...(handler)``, and one remover can never
+take out an equal handler that was added by someone else. Removing twice does
+nothing. The same shape serves ``on_service_left``, which must ask the broker
+first and so is awaited: ``remove = await conn.on_service_left(handler)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+H = TypeVar("H", bound=Callable[..., object])
+
+
+class Callbacks(Generic[H]):
+    """Handlers in the order they were added. Iterating sees the handlers of the moment
+    it began, so a handler may remove itself (or add another) while it is called."""
+
+    def __init__(self) -> None:
+        self._handlers: tuple[H, ...] = ()
+
+    def add(self, handler: H) -> Callable[[], None]:
+        """Add ``handler``; returns the function that removes it."""
+        self._handlers = (*self._handlers, handler)
+        removed = False
+
+        def remove() -> None:
+            nonlocal removed
+            if removed:
+                return
+            removed = True
+            handlers = list(self._handlers)
+            handlers.remove(handler)
+            self._handlers = tuple(handlers)
+
+        return remove
+
+    def __iter__(self) -> Iterator[H]:
+        return iter(self._handlers)
+
+    def __bool__(self) -> bool:
+        return bool(self._handlers)
+
+    def __len__(self) -> int:
+        return len(self._handlers)

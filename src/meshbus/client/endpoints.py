@@ -1,0 +1,282 @@
+"""The connector's side of its services: where their messages arrive, and who is in which group.
+
+``Endpoint`` is the receiving side of one registered service: its address, the
+groups it joined, and the inbox its messages wait in -- or the listeners they go
+to instead. The public ``Service`` (meshbus.client.service) sends and receives
+through its endpoint; the inbound dispatcher delivers to endpoints.
+
+``Services`` is the registry of the connector's endpoints and the members of each
+group. It also holds backpressure: each inbox holds at most ``max_inbox``
+messages, and while any is full the links hand out no frame and read nothing,
+until it drains to half -- so a slow service slows its sender through TCP rather
+than growing memory without bound (the broker closes a link that falls more than
+its ``max_pending_bytes`` behind: a slow consumer, as in NATS).
+
+``Broadcasts`` keeps one service of the connector in the broadcast group, so the
+mesh sends the connector one copy of each broadcast, which it hands to every
+service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from meshbus.address import Address, Multicast, Unicast
+from meshbus.client.callbacks import Callbacks
+from meshbus.client.link import Links
+from meshbus.client.outbound import Outbound
+from meshbus.errors import MeshbusError, NoQueue, NotConnected, Timeout
+from meshbus.protocol.layout import FLAG_RESPONSE
+from meshbus.util import BackgroundTasks
+
+if TYPE_CHECKING:
+    from meshbus.client.service import Message, Service
+
+log = logging.getLogger("meshbus.client")
+
+# The multicast address every service can be reached at through ``Service.broadcast``.
+BROADCAST_GROUP = Multicast("$all")
+BROADCAST = BROADCAST_GROUP.to_bytes()
+
+Listener = Callable[["Message"], object]
+
+
+class Endpoint:
+    """The receiving side of one service. ``service`` is the public object it belongs to."""
+
+    def __init__(
+        self,
+        service: Service,
+        address: Unicast,
+        max_inbox: int,
+        *,
+        services: Services,
+        links: Links,
+        outbound: Outbound,
+        tasks: BackgroundTasks,
+    ) -> None:
+        self.service = service
+        self.address = address
+        self.raw = address.to_bytes()
+        self.groups: set[Address] = set()  # changed by Services.joined / left
+        self.closed = False
+        self.listeners: Callbacks[Listener] = Callbacks()
+        self._inbox: deque[Message] = deque()
+        self._max_inbox = max_inbox
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._services = services
+        self._links = links
+        self._outbound = outbound
+        self._tasks = tasks
+
+    def member_of(self, group: bytes) -> bool:
+        return any(g.to_bytes() == group for g in self.groups)
+
+    # -- arriving ------------------------------------------------------------------
+
+    def deliver(self, message: Message) -> None:
+        if self.listeners:
+            self._hand_to_listeners(message)
+            return
+        self._inbox.append(message)
+        self._wake_one()
+        if len(self._inbox) == self._max_inbox:
+            self._services.inbox_full(self)
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """From now on messages go to the listeners (what waits in the inbox too); the
+        returned function removes this one, and with the last one gone they queue again."""
+        remove = self.listeners.add(listener)
+        while self._inbox:
+            self._hand_to_listeners(self._inbox.popleft())
+        self._services.inbox_drained(self)
+        return remove
+
+    def _hand_to_listeners(self, message: Message) -> None:
+        for listener in self.listeners:
+            try:
+                result = listener(message)
+                if asyncio.iscoroutine(result):
+                    self._tasks.spawn(result, "listener")
+            except Exception:
+                log.exception("a message listener failed", extra={"service": str(self.address)})
+
+    # -- taking ----------------------------------------------------------------------
+
+    async def take(self, timeout: float | None) -> Message:
+        """The next message of the inbox (``Service.recv``)."""
+        if self.listeners:
+            raise NoQueue(
+                f"{self.address} hands its messages to listeners (add_listener), "
+                "so it has no queue to take them from"
+            )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._inbox:
+            self._check_open()
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                if deadline is None:
+                    await waiter
+                else:
+                    await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                self._remove_waiter(waiter)
+                if self._inbox:
+                    break  # a message arrived just as the time ran out: take it
+                raise Timeout(
+                    f"no message for {self.address} within {timeout} s", timeout
+                ) from None
+            except BaseException:
+                # Cancelled, perhaps after being woken: hand the wake-up on so the
+                # message that woke this task is not stranded in the inbox.
+                self._remove_waiter(waiter)
+                if self._inbox:
+                    self._wake_one()
+                raise
+        message = self._inbox.popleft()
+        if len(self._inbox) == self._max_inbox // 2:
+            self._services.inbox_drained(self)
+        return message
+
+    def _check_open(self) -> None:
+        self._links.check_usable()
+        if self.closed:
+            raise NotConnected(f"service {self.address} is unregistered")
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _remove_waiter(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    # -- answering ---------------------------------------------------------------------
+
+    async def respond(self, requester: bytes, msg_id: int, payload: bytes) -> None:
+        await self._outbound.send_data(
+            self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
+        )
+
+    def close(self) -> None:
+        """Unregistered, or the connector ended: waiting receivers wake and find out."""
+        self.closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class Services:
+    """The connector's endpoints by address, the members of each group, and ``full``:
+    the endpoints whose inbox is full (the links read it before every frame)."""
+
+    def __init__(self, links: Links) -> None:
+        self._by_address: dict[bytes, Endpoint] = {}
+        self._members: dict[bytes, list[Endpoint]] = {}
+        self.full: set[Endpoint] = set()
+        self._links = links
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def __contains__(self, raw: bytes) -> bool:
+        return raw in self._by_address
+
+    def all(self) -> list[Endpoint]:
+        return list(self._by_address.values())
+
+    def get(self, raw: bytes) -> Endpoint | None:
+        return self._by_address.get(raw)
+
+    def members(self, group: bytes) -> Sequence[Endpoint]:
+        return self._members.get(group, ())
+
+    def add(self, endpoint: Endpoint) -> None:
+        self._by_address[endpoint.raw] = endpoint
+
+    def joined(self, endpoint: Endpoint, group: Address) -> None:
+        endpoint.groups.add(group)
+        members = self._members.setdefault(group.to_bytes(), [])
+        if endpoint not in members:
+            members.append(endpoint)
+
+    def left(self, endpoint: Endpoint, group: Address) -> None:
+        endpoint.groups.discard(group)
+        raw = group.to_bytes()
+        members = self._members.get(raw)
+        if members and endpoint in members:
+            members.remove(endpoint)
+            if not members:
+                del self._members[raw]
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """The service is unregistered (or could not come back after a failover)."""
+        for group in list(endpoint.groups):
+            self.left(endpoint, group)
+        self._by_address.pop(endpoint.raw, None)
+        self.inbox_drained(endpoint)
+        endpoint.close()
+
+    def close_all(self) -> None:
+        for endpoint in self._by_address.values():
+            endpoint.close()
+
+    def inbox_full(self, endpoint: Endpoint) -> None:
+        self.full.add(endpoint)
+        for link in self._links.all():
+            link.pause_reading()
+
+    def inbox_drained(self, endpoint: Endpoint) -> None:
+        if endpoint in self.full:
+            self.full.discard(endpoint)
+            if not self.full:
+                for link in self._links.all():
+                    link.resume_reading()
+                    link.dispatch()
+
+
+class Broadcasts:
+    """Keeps one of the connector's services a member of the broadcast group."""
+
+    def __init__(self, services: Services, links: Links, tasks: BackgroundTasks) -> None:
+        self._services = services
+        self._links = links
+        self._tasks = tasks
+        self._member: Endpoint | None = None
+
+    async def reach(self) -> None:
+        """Make a service the member, if none is and there is a service."""
+        if self._member is not None or not self._services:
+            return
+        member = self._member = self._services.all()[0]
+        try:
+            await member.service.join(BROADCAST_GROUP)
+        except MeshbusError:
+            self._member = None
+            raise
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """The service is gone: out of the registry, and if it was the member, another one
+        takes its place."""
+        self._services.remove(endpoint)
+        if endpoint is self._member and not self._links.closed:
+            self._member = None
+            self._tasks.spawn(self._rejoin(), "broadcast-member")
+
+    async def _rejoin(self) -> None:
+        try:
+            await self.reach()
+        except MeshbusError as exc:  # that service went too; the next register tries again
+            log.debug("no broadcast member", extra={"error": str(exc)})

@@ -1,0 +1,145 @@
+"""Requests that wait for an answer: control requests to the broker, data requests to services.
+
+``ask`` sends a control request (REGISTER, JOIN, STAT, MEMBERS, STREAM, ...) and
+returns the body of its answer, of the type the caller expects; an ERROR answer
+becomes the matching MeshbusError, and an answer of another type is the broker
+breaking the protocol. A broker that is alive and does not answer within
+``request_timeout`` raises ``Timeout`` (a dead one is the keepalive's to find).
+
+``request`` sends a data frame with the REQUEST flag and waits for the RESPONSE,
+or for the broker's TIMEOUT or NO_ROUTE; a local guard of the deadline plus a
+second covers a broker that died or stalled, so a request never hangs.
+
+The waiting itself -- the futures, and failing them when their link is lost -- is
+the inbound dispatcher's (meshbus.client.inbound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from meshbus.address import Address
+from meshbus.client.inbound import Inbound
+from meshbus.client.link import BrokerLink, Links
+from meshbus.client.outbound import Outbound
+from meshbus.client.service import Message
+from meshbus.errors import (
+    AddressInUse,
+    ConnectionLost,
+    MeshbusError,
+    NoRoute,
+    ProtocolError,
+    RegistrationError,
+    RemoteProtocolError,
+    StreamError,
+    Timeout,
+)
+from meshbus.protocol.codec import ControlFrame, describe, encode_control, encode_data
+from meshbus.protocol.control import Body, Error
+from meshbus.protocol.layout import FATAL_ERRORS, FLAG_REQUEST, ControlType, ErrorCode
+
+B = TypeVar("B", bound=Body)
+
+# How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
+_LOCAL_TIMEOUT_GRACE = 1.0
+
+
+class Requester:
+    def __init__(
+        self, links: Links, outbound: Outbound, inbound: Inbound, request_timeout: float
+    ) -> None:
+        self._links = links
+        self._outbound = outbound
+        self._inbound = inbound
+        self._request_timeout = request_timeout
+        self._next_correlation = 1
+
+    async def ask(
+        self,
+        type_: ControlType,
+        body: Body,
+        answer: type[B],
+        subject: str = "",
+        *,
+        link: BrokerLink | None = None,
+        synced: asyncio.Future[ControlFrame] | None = None,
+    ) -> B:
+        """Send a control request and return its answer's body, an ``answer``.
+
+        Without ``link`` it goes to the current broker (waiting out a failover). With
+        ``synced``, that future gets the SYNCED frame that follows a change's answer.
+        ``subject`` names what the request is about, for the error messages."""
+        if link is None:
+            link = await self._links.usable()
+        correlation = self._next_correlation
+        self._next_correlation = correlation % 0xFFFFFFFF + 1
+        if synced is not None:
+            self._inbound.expect_synced(correlation, link, synced)
+        limit = self._request_timeout
+        with self._inbound.answer(correlation, link) as future:
+            if link.closed:
+                future.set_exception(ConnectionLost(f"the link to {link.address} is closed"))
+            else:
+                link.write(encode_control(type_, body, correlation))
+            try:
+                # A dead broker is the keepalive's to find; this is for one that is alive
+                # and does not answer (a relay that went wrong, a bug): never wait forever.
+                async with asyncio.timeout(limit or None):
+                    frame = await future
+            except TimeoutError:
+                raise Timeout(
+                    f"broker {link.address} did not answer {describe(type_)}"
+                    + (f" for {subject}" if subject else "")
+                    + f" within {limit} s (connect(request_timeout=...))",
+                    limit,
+                ) from None
+        reply = frame.body
+        if isinstance(reply, Error):
+            if synced is not None:
+                synced.cancel()  # no change, so no SYNCED
+            raise _error_from(reply, type_, subject)
+        if not isinstance(reply, answer):
+            raise ProtocolError(
+                f"broker {link.address} answered {describe(type_)} with {describe(frame.type)}"
+            )
+        return reply
+
+    async def request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
+        """Send a request from ``src`` and wait for its response."""
+        link = await self._links.usable()
+        msg_id = self._outbound.new_msg_id()
+        frame = encode_data(
+            dst.to_bytes(),
+            src,
+            payload,
+            msg_id=msg_id,
+            flags=FLAG_REQUEST,
+            timeout_ms=timeout_ms,
+            max_frame=self._links.max_frame,
+        )
+        timeout = timeout_ms / 1000
+        with self._inbound.response((src, msg_id), link) as future:
+            link.write(frame)
+            try:
+                # The broker sends TIMEOUT at the deadline; the local guard covers a broker
+                # that died or stalled, so a request can never hang.
+                return await asyncio.wait_for(future, timeout + _LOCAL_TIMEOUT_GRACE)
+            except Timeout as exc:  # the broker's TIMEOUT (before the guard: it is one too)
+                exc.timeout = timeout
+                raise
+            except TimeoutError:
+                raise Timeout(f"no response from {dst} within {timeout} s", timeout) from None
+
+
+def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError:
+    code = body.code
+    if code == ErrorCode.ADDRESS_IN_USE:
+        return AddressInUse(body.message, subject, code)
+    if code in FATAL_ERRORS:
+        return RemoteProtocolError(code, body.message)
+    if request == ControlType.STREAM:
+        return StreamError(body.message, code)
+    if request == ControlType.GROUP_BIND and code == ErrorCode.UNAVAILABLE:
+        return NoRoute(body.message)
+    return RegistrationError(f"{request.name.lower()} refused: {body.message}", code)
