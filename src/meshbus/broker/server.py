@@ -223,10 +223,13 @@ class Broker:
         self.config.advertise = advertise
         self.sync.start()
 
-    async def run_mesh(self) -> None:
-        """Start the background work, then found or join the mesh."""
-        self._tasks.spawn(self._sweep_pending(), "pending-sweeper")
-        self._tasks.spawn(self._housekeeping(), "housekeeping")
+    async def run_mesh(self, *, timers: bool = True) -> None:
+        """Start the background work, then found or join the mesh. With ``timers`` False
+        nothing calls ``expire_requests`` and ``housekeeping``: the caller does (tests
+        drive them on a fake clock)."""
+        if timers:
+            self._tasks.spawn(self._sweep_pending(), "pending-sweeper")
+            self._tasks.spawn(self._housekeeping(), "housekeeping")
         if self.config.seeds:
             await self.mesh.join(self.config.seeds)
         else:
