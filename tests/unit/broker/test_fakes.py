@@ -194,7 +194,9 @@ def test_awaiting_what_only_time_brings_stalls_at_once() -> None:
     """A plain test with a loop of its own: the stall ends that loop's run."""
 
     async def wait_a_second() -> None:
-        await asyncio.sleep(1)
+        later = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(1.0, later.set_result, None)
+        await later
 
     stalled = SimLoop()
     try:
