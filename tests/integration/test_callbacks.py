@@ -134,3 +134,23 @@ async def test_a_listener_can_be_removed_and_the_queue_comes_back(
     await sender.send(svc.address, b"three")
     assert (await svc.recv(timeout=IO_TIMEOUT)).payload == b"three"
     assert len(kept.calls) == 2
+
+
+async def test_a_listener_added_to_a_full_inbox_gets_the_rest_too(broker: BrokerProcess) -> None:
+    """The inbox empties into the listener, so the links that stopped reading while it was
+    full read again."""
+    async with (
+        await meshbus.connect(broker.address, server="sender") as sending,
+        await meshbus.connect(broker.address, server="reader", max_inbox=5) as reading,
+    ):
+        sender, reader = await sending.register(), await reading.register()
+        total = 50
+        for i in range(total):
+            await sender.send(reader.address, b"%d" % i)
+        async with asyncio.timeout(IO_TIMEOUT):
+            while len(reader._endpoint._inbox) < 5:  # noqa: ASYNC110 - no event for "full"
+                await asyncio.sleep(0.01)
+        got = Counted(target=total)
+        reader.add_listener(got)
+        await until(got.reached)
+        assert [m.payload for m in got.calls] == [b"%d" % i for i in range(total)]  # type: ignore[attr-defined]
