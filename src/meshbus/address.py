@@ -1,6 +1,6 @@
 """Service addresses: 16 bytes on the wire, readable strings for people.
 
-Layout (ARCHITECTURE.md section 2): one cast-type byte, then 15 bytes.
+Layout (docs/protocol.md §3): one cast-type byte, then 15 bytes.
 
 * Unicast: server name (at most 11 bytes, NUL-padded) + instance id (4 bytes,
   big-endian). Ids 1..65535 are fixed, well-known ids chosen by the service;
