@@ -11,8 +11,10 @@ arbitrates with the same rule, ``ClaimTable.reserve``:
   claimant's name is smaller, the claimant wins: the reservation passes to it, and
   our own claim fails when its answers are counted (``held_by``).
 
-So of two brokers claiming one key at the same moment exactly one wins, and of
-three the smallest name wins. A grant never needs a second round: the loser
+So of two brokers claiming one key at the same moment the smaller name wins in
+the first round. Of three or more, never two win, but in some orders of the
+messages none does (each arbiter granted another first); the claimants then try
+again after a random pause (meshbus.broker.control), and one gets there. A loser
 finds out from the refusal it gets. A connector's own session never conflicts
 with itself, which is what lets it take its addresses along when it moves.
 

@@ -196,6 +196,8 @@ class ControlHandler:
         self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
 
     def _claim(self, link: Link, wanted: Unicast, correlation: int, attempt: int) -> None:
+        if link.state is not LinkState.OPEN:
+            return  # left while waiting to try again
         raw = wanted.to_bytes()
         routing = self._routing
         owner = routing.owner(raw)
@@ -212,6 +214,10 @@ class ControlHandler:
         raw = wanted.to_bytes()
         loop = asyncio.get_running_loop()
         if link.state is not LinkState.OPEN:
+            if granted:
+                # Nobody will use it: without this the peers hold the address reserved,
+                # and refuse it to everyone, until a broker link breaks.
+                self._sync.give_back(raw)
             return
         owner = self._routing.owner(raw)
         if not granted and owner is None and attempt < CLAIM_ATTEMPTS:

@@ -55,6 +55,8 @@ _PER_FRAME = FLAG_REQUEST | FLAG_RESPONSE | FLAG_NOTIFY_DROP | FLAG_TRACE
 _TELL_SENDER = FLAG_REQUEST | FLAG_NOTIFY_DROP
 _PEER_PER_FRAME = _TELL_SENDER | FLAG_TRACE
 _REQUEST_RESPONSE = FLAG_REQUEST | FLAG_RESPONSE
+# A request's decision is cached unless it is traced: a traced one records its hops here.
+_REQUEST_OR_TRACE = FLAG_REQUEST | FLAG_TRACE
 _unpack_header = DATA_HEADER.unpack_from
 _unpack_response_for = struct.Struct(">Q").unpack_from
 _unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
@@ -195,7 +197,7 @@ class Forwarder:
                 outbox.no_route(link, msg_id, src, dst)
             return None
         if (
-            flags & FLAG_REQUEST
+            flags & _REQUEST_OR_TRACE == FLAG_REQUEST
             and cast_type != CAST_ANYCAST
             and all(total <= target.max_frame for target in found)
         ):

@@ -172,6 +172,7 @@ class Broker:
             _C.TRACE: self.telemetry.on_trace,
         }
         peer = {
+            _C.HELLO: control.on_second_hello,
             _C.LOAD: self._on_load,
             _C.BROKERS: mesh.on_brokers,
             _C.READY: mesh.on_ready,

@@ -337,6 +337,12 @@ class RouteSync:
             self.stats.claims_refused += 1
         claim.future.set_result(won)
 
+    def give_back(self, key: bytes) -> None:
+        """A claim was won but will not be used (its connector left while it was out):
+        end the peers' reservations, as the ADD that would have used it does."""
+        frame = encode_control(ControlType.RELEASE, Claim(key=key))
+        self._peers.send_all(frame)
+
     # -- claims: theirs --------------------------------------------------------------------
 
     def on_claim(self, link: Link, correlation: int, body: Body) -> None:

@@ -18,6 +18,7 @@ from meshbus.protocol.layout import (
     FLAG_NOTIFY_DROP,
     FLAG_REQUEST,
     FLAG_RESPONSE,
+    FLAG_TRACE,
     ControlType,
 )
 from tests.unit.broker.fakes import FakeClock, Hub
@@ -158,6 +159,23 @@ async def test_a_request_decision_is_reused_and_records_each_request(
     assert len(hub.pending) == 3
     expired = hub.pending.expire(hub.clock() + 30.0)  # timeout_ms 0: the default, 30 s
     assert sorted(e.msg_id for e in expired) == [1, 2, 3]
+
+
+async def test_every_traced_request_records_its_hops(hub: Hub) -> None:
+    """A traced request is carried out one frame at a time, never by a cached request
+    decision, which would skip its entry and exit hops (docs/report.md)."""
+    a, b = hub.connector("a"), hub.connector("b")
+    register(hub, a, A1)
+    register(hub, b, B1)
+    for msg_id in (1, 2):
+        hub.feed(a, encode_data(B1, A1, b"q", msg_id=msg_id, flags=FLAG_REQUEST | FLAG_TRACE))
+    assert [(hop, msg_id) for hop, _, msg_id, _ in hub.traced] == [
+        ("entry", 1),
+        ("exit", 1),
+        ("entry", 2),
+        ("exit", 2),
+    ]
+    assert len(hub.pending) == 2
 
 
 @pytest.mark.parametrize(

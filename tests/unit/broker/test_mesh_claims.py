@@ -157,12 +157,6 @@ async def test_a_peer_that_knows_the_owner_refuses_the_claim(network: FakeNetwor
     assert routes_everywhere(brokers, address) == {"a": "local", "b": "a", "c": None}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ControlHandler._claimed returns early when the connector's link closed while "
-    "its claim was out, without the ADD or RELEASE that ends the peers' reservations: "
-    "a claim won then leaves the address reserved at every peer until a broker link breaks",
-)
 async def test_a_claim_won_after_its_connector_left_leaves_no_reservation(
     network: FakeNetwork,
 ) -> None:
