@@ -10,18 +10,17 @@ Handler = Callable[[str], object]
 
 
 def call_all(callbacks: Callbacks[Handler], value: str) -> None:
-    for handler in callbacks:
+    for handler in callbacks.handlers:
         handler(value)
 
 
 def test_handlers_are_called_in_order_until_removed() -> None:
     got: list[str] = []
     callbacks: Callbacks[Handler] = Callbacks()
-    assert not callbacks
+    assert callbacks.handlers == ()
     remove_a = callbacks.add(lambda v: got.append(f"a{v}"))
     callbacks.add(lambda v: got.append(f"b{v}"))
-    assert callbacks
-    assert len(callbacks) == 2
+    assert len(callbacks.handlers) == 2
     call_all(callbacks, "1")
     remove_a()
     call_all(callbacks, "2")
@@ -53,4 +52,4 @@ def test_a_handler_may_remove_itself_while_called() -> None:
     call_all(callbacks, "1")
     call_all(callbacks, "2")
     assert got == ["once 1", "always 1", "always 2"]
-    assert len(callbacks) == 1
+    assert len(callbacks.handlers) == 1

@@ -10,22 +10,24 @@ first and so is awaited: ``remove = await conn.on_service_left(handler)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 H = TypeVar("H", bound=Callable[..., object])
 
 
 class Callbacks(Generic[H]):
-    """Handlers in the order they were added. Iterating sees the handlers of the moment
-    it began, so a handler may remove itself (or add another) while it is called."""
+    """``handlers``: the handlers in the order they were added. It is a tuple, replaced on
+    every change: a loop over it sees the handlers of the moment it began, so a handler
+    may remove itself (or add another) while it is called -- and checking it for
+    handlers costs no call, where a message passes."""
 
     def __init__(self) -> None:
-        self._handlers: tuple[H, ...] = ()
+        self.handlers: tuple[H, ...] = ()
 
     def add(self, handler: H) -> Callable[[], None]:
         """Add ``handler``; returns the function that removes it."""
-        self._handlers = (*self._handlers, handler)
+        self.handlers = (*self.handlers, handler)
         removed = False
 
         def remove() -> None:
@@ -33,17 +35,8 @@ class Callbacks(Generic[H]):
             if removed:
                 return
             removed = True
-            handlers = list(self._handlers)
+            handlers = list(self.handlers)
             handlers.remove(handler)
-            self._handlers = tuple(handlers)
+            self.handlers = tuple(handlers)
 
         return remove
-
-    def __iter__(self) -> Iterator[H]:
-        return iter(self._handlers)
-
-    def __bool__(self) -> bool:
-        return bool(self._handlers)
-
-    def __len__(self) -> int:
-        return len(self._handlers)

@@ -334,7 +334,7 @@ class Connector:
         or their connector died without a goodbye (a failover leaves and comes back).
         Returns a function that removes it again."""
         inbound = self._parts.inbound
-        if not inbound.left:
+        if not inbound.left.handlers:
             await self._parts.requester.ask(ControlType.WATCH, Empty(), Empty)
         return inbound.left.add(handler)
 

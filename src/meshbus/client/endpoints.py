@@ -79,7 +79,7 @@ class Endpoint:
     # -- arriving ------------------------------------------------------------------
 
     def deliver(self, message: Message) -> None:
-        if self.listeners:
+        if self.listeners.handlers:
             self._hand_to_listeners(message)
             return
         self._inbox.append(message)
@@ -97,7 +97,7 @@ class Endpoint:
         return remove
 
     def _hand_to_listeners(self, message: Message) -> None:
-        for listener in self.listeners:
+        for listener in self.listeners.handlers:
             try:
                 result = listener(message)
                 if asyncio.iscoroutine(result):
@@ -109,7 +109,7 @@ class Endpoint:
 
     async def take(self, timeout: float | None) -> Message:
         """The next message of the inbox (``Service.recv``)."""
-        if self.listeners:
+        if self.listeners.handlers:
             raise NoQueue(
                 f"{self.address} hands its messages to listeners (add_listener), "
                 "so it has no queue to take them from"
@@ -187,6 +187,9 @@ class Services:
         self._members: dict[bytes, list[Endpoint]] = {}
         self.full: set[Endpoint] = set()
         self._links = links
+        # The endpoint of a 16-byte address, or None: the dict's own lookup, since every
+        # unicast message asks it.
+        self.get: Callable[[bytes], Endpoint | None] = self._by_address.get
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -196,9 +199,6 @@ class Services:
 
     def all(self) -> list[Endpoint]:
         return list(self._by_address.values())
-
-    def get(self, raw: bytes) -> Endpoint | None:
-        return self._by_address.get(raw)
 
     def members(self, group: bytes) -> Sequence[Endpoint]:
         return self._members.get(group, ())

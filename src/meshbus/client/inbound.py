@@ -157,7 +157,12 @@ class Inbound:
             if flags & FLAG_TRACE:
                 report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
                 self._outbound.send_control(ControlType.TRACE, report)
-        members = self._receivers(frame)
+        dst = frame.dst
+        if dst[0] in (CAST_MULTICAST, CAST_ANYCAST):
+            members = self._members(frame)
+        else:
+            endpoint = self._services.get(dst)
+            members = () if endpoint is None else (endpoint,)
         if not members:
             self.dropped += 1
             return
@@ -187,23 +192,20 @@ class Inbound:
             else:
                 member.deliver(Message.of(frame, member, ext, False))
 
-    def _receivers(self, frame: DataFrame) -> Sequence[Endpoint]:
-        """The services here that get the frame: a group's members (one random one of an
-        anycast group; not the sender, unless it asked for ECHO), or the unicast owner."""
-        cast = frame.dst[0]
-        if cast in (CAST_MULTICAST, CAST_ANYCAST):
-            members: Sequence[Endpoint]
-            if frame.dst == BROADCAST:  # sent with ECHO: other services here get it too
-                members = [s for s in self._services.all() if s.raw != frame.src]
-            elif frame.flags & FLAG_ECHO:
-                members = self._services.members(frame.dst)
-            else:
-                members = [m for m in self._services.members(frame.dst) if m.raw != frame.src]
-            if cast == CAST_ANYCAST and members:
-                return [self._rng.choice(members)]
-            return members
-        endpoint = self._services.get(frame.dst)
-        return () if endpoint is None else (endpoint,)
+    def _members(self, frame: DataFrame) -> Sequence[Endpoint]:
+        """The services here that get a group's frame: its members (one random one of an
+        anycast group), not the sender unless it asked for ECHO."""
+        dst = frame.dst
+        members: Sequence[Endpoint]
+        if dst == BROADCAST:  # sent with ECHO: other services here get it too
+            members = [s for s in self._services.all() if s.raw != frame.src]
+        elif frame.flags & FLAG_ECHO:
+            members = self._services.members(dst)
+        else:
+            members = [m for m in self._services.members(dst) if m.raw != frame.src]
+        if dst[0] == CAST_ANYCAST and members:
+            return [self._rng.choice(members)]
+        return members
 
     # -- control frames --------------------------------------------------------------
 
@@ -227,7 +229,7 @@ class Inbound:
             return True
         if isinstance(body, Left):
             left = [describe_address(address) for address in body.addresses]
-            for handler in self.left:
+            for handler in self.left.handlers:
                 handler(left)
             return True
         return False
@@ -249,12 +251,12 @@ class Inbound:
         if self._unacked.no_route(body.msg_id):
             return  # tried again by the resend timer
         report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
-        if not self.undeliverable:
+        if not self.undeliverable.handlers:
             log.warning(
                 "undeliverable message",
                 extra={"src": report.src, "dst": report.dst, "reason": reason},
             )
-        for handler in self.undeliverable:
+        for handler in self.undeliverable.handlers:
             handler(report)
 
 

@@ -471,7 +471,7 @@ class LinkKeeper:
                 )
                 for group in endpoint.groups
             )
-        if self._inbound.left:
+        if self._inbound.left.handlers:
             joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))
         for answer in await asyncio.gather(*joins, return_exceptions=True):
             if isinstance(answer, ConnectionLost):

@@ -217,15 +217,15 @@ class Unacked:
         )
         if pending.future is not None and not pending.future.done():
             pending.future.set_exception(error)  # send_reliable raises it, instead of handlers
-        elif not self.failed:
+        elif not self.failed.handlers:
             log.warning("reliable send failed", extra={"error": str(error)})
         else:
-            for handler in self.failed:
+            for handler in self.failed.handlers:
                 handler(error)
         if pending.dst[0] not in (CAST_MULTICAST, CAST_ANYCAST) and self.suspicion.failed(
             pending.dst
         ):
-            for dead in self.dead:
+            for dead in self.dead.handlers:
                 dead(describe_address(pending.dst))
 
     def _settled(self, pending: _Pending) -> None:
