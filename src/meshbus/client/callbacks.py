@@ -1,10 +1,10 @@
 """Handlers that can be added and removed again: the shape of every ``on_...`` of the client.
 
 ``add(handler)`` returns a function of no arguments that removes that handler. The
-caller keeps the remover, not the handler: a handler is often a lambda that the
-caller could not name again to a ``remove_...(handler)``, and one remover can never
-take out an equal handler that was added by someone else. Removing twice does
-nothing. The same shape serves ``on_service_left``, which must ask the broker
+caller keeps the remover, not the handler: a handler is often a lambda or a bound
+method made on the spot, which the caller could not hand again to a
+``remove_...(handler)``. Each remover takes out one handler, once: removing twice
+does nothing. The same shape serves ``on_service_left``, which must ask the broker
 first and so is awaited: ``remove = await conn.on_service_left(handler)``.
 """
 
