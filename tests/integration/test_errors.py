@@ -48,6 +48,10 @@ CALLS: dict[str, Callable[[Bus], Awaitable[object]]] = {
     "drain_broker, NaN grace": lambda b: b.conn.drain_broker(grace=math.nan),
     "wait_acked, negative timeout": lambda b: b.conn.wait_acked(timeout=-1),
     "streams.add, capture not an address": lambda b: b.conn.streams.add("s", "nocolon"),
+    "streams.add, a limit beyond 64 bits": lambda b: b.conn.streams.add(
+        "s", "multicast:s", max_msgs=1 << 70
+    ),
+    "streams.fetch, a seq beyond 64 bits": lambda b: b.conn.streams.fetch("s", from_seq=1 << 70),
     # Service: sending
     "send, address without ':'": lambda b: b.svc.send("nocolon", b"x"),
     "send, instance 0": lambda b: b.svc.send("game01:0", b"x"),

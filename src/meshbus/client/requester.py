@@ -27,6 +27,7 @@ from meshbus.client.service import Message
 from meshbus.errors import (
     AddressInUse,
     ConnectionLost,
+    InvalidArgument,
     MeshbusError,
     NoRoute,
     ProtocolError,
@@ -70,10 +71,14 @@ class Requester:
         Without ``link`` it goes to the current broker (waiting out a failover). With
         ``synced``, that future gets the SYNCED frame that follows a change's answer.
         ``subject`` names what the request is about, for the error messages."""
-        if link is None:
-            link = await self._links.usable()
         correlation = self._next_correlation
         self._next_correlation = correlation % 0xFFFFFFFF + 1
+        try:
+            request = encode_control(type_, body, correlation)
+        except OverflowError as exc:  # msgpack carries integers of at most 64 bits
+            raise InvalidArgument(f"a number in the {describe(type_)} request: {exc}") from exc
+        if link is None:
+            link = await self._links.usable()
         if synced is not None:
             self._inbound.expect_synced(correlation, link, synced)
         limit = self._request_timeout
@@ -81,7 +86,7 @@ class Requester:
             if link.closed:
                 future.set_exception(ConnectionLost(f"the link to {link.address} is closed"))
             else:
-                link.write(encode_control(type_, body, correlation))
+                link.write(request)
             try:
                 # A dead broker is the keepalive's to find; this is for one that is alive
                 # and does not answer (a relay that went wrong, a bug): never wait forever.
