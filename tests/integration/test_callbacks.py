@@ -148,7 +148,7 @@ async def test_a_listener_added_to_a_full_inbox_gets_the_rest_too(broker: Broker
         for i in range(total):
             await sender.send(reader.address, b"%d" % i)
         async with asyncio.timeout(IO_TIMEOUT):
-            while len(reader._endpoint._inbox) < 5:  # noqa: ASYNC110 - no event for "full"
+            while len(reader._mailbox._inbox) < 5:  # noqa: ASYNC110 - no event for "full"
                 await asyncio.sleep(0.01)
         got = Counted(target=total)
         reader.add_listener(got)

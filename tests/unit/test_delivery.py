@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from meshbus.client.delivery import (
     COMPACT_SLACK,
+    AckTable,
     GroupOrder,
-    Outbox,
     RetryPolicy,
     SeenWindow,
     Suspicion,
@@ -137,13 +137,13 @@ def test_policy_interval_rejects_attempt_zero() -> None:
         RetryPolicy().interval(0)
 
 
-# --- Outbox -------------------------------------------------------------------------------
+# --- AckTable -------------------------------------------------------------------------------
 
 P = RetryPolicy(ack_timeout=1.0, backoff=2.0, max_interval=4.0, max_attempts=4)
 
 
 def test_outbox_unicast_first_ack_completes() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     assert 1 in o
     assert len(o) == 1
@@ -157,7 +157,7 @@ def test_outbox_unicast_first_ack_completes() -> None:
 
 
 def test_outbox_multicast_needs_every_target() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(7, frozenset({A, B, C}), now=0.0)
     assert not o.ack(7, A)
     assert o.pending(7) == frozenset({B, C})
@@ -170,7 +170,7 @@ def test_outbox_multicast_needs_every_target() -> None:
 
 
 def test_outbox_unknown_ids() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     assert not o.ack(99, A)
     o.remove(99)  # a no-op
     with pytest.raises(KeyError):
@@ -178,7 +178,7 @@ def test_outbox_unknown_ids() -> None:
 
 
 def test_outbox_rejects_duplicate_id_and_empty_targets() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     with pytest.raises(ValueError, match="already"):
         o.add(1, None, now=0.0)
@@ -187,7 +187,7 @@ def test_outbox_rejects_duplicate_id_and_empty_targets() -> None:
 
 
 def test_outbox_resend_then_give_up_exact_schedule() -> None:
-    o = Outbox(P)  # intervals 1, 2, 4, 4; four attempts
+    o = AckTable(P)  # intervals 1, 2, 4, 4; four attempts
     o.add(1, None, now=10.0)
     assert o.next_deadline() == 11.0
     assert o.due(10.999) == ([], [])
@@ -208,34 +208,34 @@ def test_outbox_resend_then_give_up_exact_schedule() -> None:
 
 
 def test_outbox_late_timer_waits_full_interval_from_now() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     assert o.due(5.0) == ([1], [])  # deadline was 1.0; the timer fired late
     assert o.next_deadline() == 7.0
 
 
 def test_outbox_single_attempt_gives_up_at_first_deadline() -> None:
-    o = Outbox(RetryPolicy(ack_timeout=0.5, max_attempts=1))
+    o = AckTable(RetryPolicy(ack_timeout=0.5, max_attempts=1))
     o.add(3, frozenset({A}), now=0.0)
     assert o.due(0.5) == ([], [3])
 
 
 def test_outbox_due_lists_are_ascending() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     # Later ids with earlier deadlines: the heap pops them first, due still sorts.
     for msg_id, now in ((5, 3.0), (4, 2.0), (3, 1.0), (2, 0.5), (1, 0.0)):
         o.add(msg_id, None, now)
     resend, given_up = o.due(10.0)
     assert resend == [1, 2, 3, 4, 5]
     assert given_up == []
-    one_shot = Outbox(RetryPolicy(max_attempts=1))
+    one_shot = AckTable(RetryPolicy(max_attempts=1))
     for msg_id in (9, 3, 6):
         one_shot.add(msg_id, None, now=float(-msg_id))
     assert one_shot.due(1.0) == ([], [3, 6, 9])
 
 
 def test_outbox_due_mixes_resend_and_give_up() -> None:
-    o = Outbox(RetryPolicy(ack_timeout=1.0, backoff=1.0, max_attempts=2))
+    o = AckTable(RetryPolicy(ack_timeout=1.0, backoff=1.0, max_attempts=2))
     o.add(1, None, now=0.0)
     assert o.due(1.0) == ([1], [])
     o.add(2, None, now=1.0)
@@ -244,7 +244,7 @@ def test_outbox_due_mixes_resend_and_give_up() -> None:
 
 
 def test_outbox_next_deadline_after_acks_and_removes() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     o.add(2, None, now=1.0)
     o.add(3, frozenset({A, B}), now=2.0)
@@ -261,7 +261,7 @@ def test_outbox_next_deadline_after_acks_and_removes() -> None:
 
 
 def test_outbox_acked_entry_is_not_resent() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     o.add(2, None, now=0.0)
     o.ack(1, A)
@@ -269,7 +269,7 @@ def test_outbox_acked_entry_is_not_resent() -> None:
 
 
 def test_outbox_readded_id_is_tracked_once() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     o.add(1, None, now=0.0)
     o.remove(1)
     o.add(1, None, now=0.0)  # same id, same deadline: a stale twin sits in the heap
@@ -278,7 +278,7 @@ def test_outbox_readded_id_is_tracked_once() -> None:
 
 
 def test_outbox_ids_ascending() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     for msg_id in (5, 1, 9, 3):
         o.add(msg_id, None, now=0.0)
     o.ack(9, A)
@@ -286,7 +286,7 @@ def test_outbox_ids_ascending() -> None:
 
 
 def test_outbox_heap_stays_bounded_without_timer() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     for i in range(20_000):
         o.add(i, None, now=float(i))
         assert o.ack(i, A)
@@ -297,7 +297,7 @@ def test_outbox_heap_stays_bounded_without_timer() -> None:
 
 
 def test_outbox_many_entries_few_due() -> None:
-    o = Outbox(P)
+    o = AckTable(P)
     n = 100_000
     for i in range(n):
         o.add(i, None, now=float(i))

@@ -7,7 +7,7 @@ closing it, and the ordered end of everything when the mesh is lost. The parts:
 
 * ``Links`` (meshbus.client.link): which link it sends on, and whether it may;
 * ``Outbound`` (meshbus.client.outbound): frames that wait for no answer;
-* ``Services`` / ``Endpoint`` / ``Broadcasts`` (meshbus.client.endpoints): the
+* ``Services`` / ``Mailbox`` / ``Broadcasts`` (meshbus.client.mailboxes): the
   registered services, the members of each group, the inboxes, backpressure;
 * ``Inbound`` (meshbus.client.inbound): what the links read, and the waiters for it;
 * ``Requester`` (meshbus.client.requester): requests that wait for an answer;
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from meshbus.address import Address, Unicast
-from meshbus.client.endpoints import Broadcasts, Services
 from meshbus.client.inbound import Inbound, Undeliverable
 from meshbus.client.keeper import Changes, Gate, Identity, LinkKeeper
 from meshbus.client.link import Links
+from meshbus.client.mailboxes import Broadcasts, Services
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.receiving import Receiving
 from meshbus.client.reliable import Reliable, ReliableConfig, Unacked
@@ -214,7 +214,7 @@ class Connector:
 
     @property
     def services(self) -> list[Service]:
-        return [endpoint.service for endpoint in self._parts.services.all()]
+        return [mailbox.service for mailbox in self._parts.services.all()]
 
     @property
     def max_frame(self) -> int:

@@ -11,7 +11,7 @@ each deleted entry and ``next(iter(d))`` walks over all of them, so at 100k
 keys each eviction costs ~17 us instead of ~0.2 us (measured on 3.11). Nor is it
 a linked list, whose per-node overhead a thesis measured at 10% CPU.
 
-``Outbox`` is the sender's table of unacknowledged messages. Deadlines live in
+``AckTable`` is the sender's table of unacknowledged messages. Deadlines live in
 a heap with lazy deletion (an ack leaves a stale item that is skipped later),
 so ``due`` and ``next_deadline`` cost O(log n) per due entry rather than a scan
 of 100k entries on every timer tick. The heap is rebuilt when stale items
@@ -113,7 +113,7 @@ class _Sent:
     deadline: float
 
 
-class Outbox:
+class AckTable:
     """The sender's unacknowledged reliable messages, keyed by message id."""
 
     def __init__(self, policy: RetryPolicy) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, Multicast, describe_address
 from meshbus.client.callbacks import Callbacks
-from meshbus.client.endpoints import BROADCAST, Endpoint, Services
+from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
 from meshbus.client.outbound import Outbound
 from meshbus.client.service import Message
 from meshbus.errors import MeshbusError, NoRoute, ProtocolError, Timeout
@@ -161,8 +161,8 @@ class Inbound:
         if dst[0] in (CAST_MULTICAST, CAST_ANYCAST):
             members = self._members(frame)
         else:
-            endpoint = self._services.get(dst)
-            members = () if endpoint is None else (endpoint,)
+            mailbox = self._services.get(dst)
+            members = () if mailbox is None else (mailbox,)
         if not members:
             self.dropped += 1
             return
@@ -192,11 +192,11 @@ class Inbound:
             else:
                 member.deliver(Message.of(frame, member, ext, False))
 
-    def _members(self, frame: DataFrame) -> Sequence[Endpoint]:
+    def _members(self, frame: DataFrame) -> Sequence[Mailbox]:
         """The services here that get a group's frame: its members (one random one of an
         anycast group), not the sender unless it asked for ECHO."""
         dst = frame.dst
-        members: Sequence[Endpoint]
+        members: Sequence[Mailbox]
         if dst == BROADCAST:  # sent with ECHO: other services here get it too
             members = [s for s in self._services.all() if s.raw != frame.src]
         elif frame.flags & FLAG_ECHO:
@@ -276,7 +276,7 @@ def _waiting(
         table.pop(key, None)
 
 
-async def _obey(member: Endpoint, command: str, topic: bytes) -> None:
+async def _obey(member: Mailbox, command: str, topic: bytes) -> None:
     """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``."""
     try:
         group = Multicast(topic.decode())

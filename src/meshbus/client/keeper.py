@@ -35,9 +35,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from meshbus.client.endpoints import Endpoint, Services
 from meshbus.client.inbound import Inbound
 from meshbus.client.link import BrokerLink, Links
+from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.requester import Requester
 from meshbus.errors import ConnectionLost, MeshbusError, RemoteProtocolError
@@ -204,7 +204,7 @@ class LinkKeeper:
         sampler: TraceSampler,
         tasks: BackgroundTasks,
         resend_all: Callable[[], None],
-        forget: Callable[[Endpoint], None],
+        forget: Callable[[Mailbox], None],
         shutdown: Callable[[MeshbusError], None],
     ) -> None:
         self.brokers = list(brokers)
@@ -428,7 +428,7 @@ class LinkKeeper:
         the addresses over only once this one's ADDs have reached it, so none arrives
         late, reads as the connector moving back, and is undone by the REMOVE that
         follows."""
-        endpoints = self._services.all()
+        mailboxes = self._services.all()
         loop = asyncio.get_running_loop()
         synced: list[asyncio.Future[ControlFrame]] = []
         ask = self._requester.ask
@@ -448,28 +448,28 @@ class LinkKeeper:
                     AddressBody,
                     str(e.address),
                 )
-                for e in endpoints
+                for e in mailboxes
             ),
             return_exceptions=True,
         )
         joins: list[Coroutine[Any, Any, Body]] = []
-        for endpoint, answer in zip(endpoints, answers, strict=True):
+        for mailbox, answer in zip(mailboxes, answers, strict=True):
             if isinstance(answer, ConnectionLost):
                 raise answer
             if isinstance(answer, BaseException):
                 log.error(
                     "a service could not be registered again after failover",
-                    extra={"address": str(endpoint.address), "error": str(answer)},
+                    extra={"address": str(mailbox.address), "error": str(answer)},
                 )
-                self._forget(endpoint)
+                self._forget(mailbox)
                 continue
             joins.extend(
                 change(
                     ControlType.JOIN,
-                    Membership(member=endpoint.raw, group=group.to_bytes()),
+                    Membership(member=mailbox.raw, group=group.to_bytes()),
                     Empty,
                 )
-                for group in endpoint.groups
+                for group in mailbox.groups
             )
         if self._inbound.left.handlers:
             joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))

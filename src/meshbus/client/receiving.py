@@ -21,10 +21,10 @@ from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.ext import Ext, ack_frames
 
 if TYPE_CHECKING:
-    from meshbus.client.endpoints import Endpoint
+    from meshbus.client.mailboxes import Mailbox
     from meshbus.client.reliable import ReliableConfig
 
-Released = tuple["Endpoint", DataFrame, Ext]
+Released = tuple["Mailbox", DataFrame, Ext]
 
 
 class Receiving:
@@ -41,7 +41,7 @@ class Receiving:
         self._outbound = outbound
         self._acks: dict[tuple[bytes, bytes], list[int]] = {}  # (acker, sender) -> ids
 
-    def accept(self, member: Endpoint, frame: DataFrame) -> bool:
+    def accept(self, member: Mailbox, frame: DataFrame) -> bool:
         """Acknowledge a reliable frame for ``member``; True when it is new to it."""
         if not self._acks:
             asyncio.get_running_loop().call_soon(self._flush_acks)
@@ -51,14 +51,14 @@ class Receiving:
         self.duplicates += 1
         return False
 
-    def first_publish(self, member: Endpoint, publish_id: bytes) -> bool:
+    def first_publish(self, member: Mailbox, publish_id: bytes) -> bool:
         """True unless ``member`` already got a message with this publish id."""
         if self.published.add((member.raw, publish_id)):
             return True
         self.duplicates += 1
         return False
 
-    def in_order(self, member: Endpoint, frame: DataFrame, ext: Ext) -> list[tuple[Released, bool]]:
+    def in_order(self, member: Mailbox, frame: DataFrame, ext: Ext) -> list[tuple[Released, bool]]:
         """The group messages deliverable now, in the group's order (with reassigned flags)."""
         key = member.raw + ext.group
         now = asyncio.get_running_loop().time()

@@ -1,7 +1,7 @@
 """Reliable sends and message groups: the connector's side of the guarantees.
 
 Sending (docs/guarantees.md). A reliable frame carries the RELIABLE flag;
-the sender keeps it in its ``Outbox`` until the receiving connector acknowledges
+the sender keeps it in its ``AckTable`` until the receiving connector acknowledges
 it with an ACK frame (a 64-byte data frame from the receiving service back to
 the sender, ``response_for`` = the message id), resends it after an ack timeout
 with backoff, and gives up after ``RetryPolicy.max_attempts``:
@@ -42,7 +42,7 @@ import msgspec
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, describe_address
 from meshbus.client.callbacks import Callbacks
-from meshbus.client.delivery import Outbox, RetryPolicy, Suspicion
+from meshbus.client.delivery import AckTable, RetryPolicy, Suspicion
 from meshbus.client.outbound import Outbound
 from meshbus.client.requester import Requester
 from meshbus.errors import (
@@ -139,7 +139,7 @@ class Unacked:
 
     def __init__(self, config: ReliableConfig, outbound: Outbound) -> None:
         self.policy = config.retry
-        self.outbox = Outbox(config.retry)
+        self.outbox = AckTable(config.retry)
         self.messages: dict[int, _Pending] = {}
         self.groups: dict[GroupKey, _GroupSend] = {}
         self.suspicion = Suspicion(config.suspicion)

@@ -2,7 +2,7 @@
 
 A ``Service`` is the public face of one registered address. It sends through the
 connector's parts it is given (``ServiceParts``) and receives through its
-``Endpoint`` (meshbus.client.endpoints), which the inbound dispatcher fills.
+``Mailbox`` (meshbus.client.mailboxes), which the inbound dispatcher fills.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address, Multicast, Unicast
-from meshbus.client.endpoints import BROADCAST, BROADCAST_GROUP, Endpoint, Services
+from meshbus.client.mailboxes import BROADCAST, BROADCAST_GROUP, Mailbox, Services
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
@@ -115,8 +115,8 @@ class Message:
 
     __slots__ = (
         "_dst",
-        "_endpoint",
         "_ext",
+        "_mailbox",
         "_src",
         "flags",
         "group_reassigned",
@@ -131,7 +131,7 @@ class Message:
         payload: bytes,
         msg_id: int,
         flags: int,
-        endpoint: Endpoint | None,
+        mailbox: Mailbox | None,
         ext: Ext = _NO_EXT,
         group_reassigned: bool = False,
     ) -> None:
@@ -140,19 +140,19 @@ class Message:
         self.payload = payload
         self.msg_id = msg_id
         self.flags = flags
-        self._endpoint = endpoint
+        self._mailbox = mailbox
         self._ext = ext
         self.group_reassigned = group_reassigned
 
     @classmethod
-    def of(cls, frame: DataFrame, endpoint: Endpoint, ext: Ext, reassigned: bool) -> Message:
+    def of(cls, frame: DataFrame, mailbox: Mailbox, ext: Ext, reassigned: bool) -> Message:
         return cls(
             frame.src,
             frame.dst,
             frame.payload,
             frame.msg_id,
             frame.flags,
-            endpoint,
+            mailbox,
             ext,
             reassigned,
         )
@@ -190,9 +190,9 @@ class Message:
         """Answer a request. The response comes from the service that received the request."""
         if not self.is_request:
             raise MeshbusError("reply() needs a request; this message was a plain send")
-        if self._endpoint is None:
+        if self._mailbox is None:
             raise MeshbusError("this message was not received by a service and cannot be answered")
-        await self._endpoint.respond(self._src, self.msg_id, payload)
+        await self._mailbox.respond(self._src, self.msg_id, payload)
 
     def __repr__(self) -> str:
         kind = "request" if self.is_request else "message"
@@ -204,19 +204,19 @@ class ServiceParts:
     """What a service uses of its connector: one set, shared by all of them."""
 
     links: Links  # whether the connector may still be used
-    services: Services  # the registry its endpoint is in
+    services: Services  # the registry its mailbox is in
     outbound: Outbound  # plain sends and responses
     sampler: TraceSampler  # which plain sends to trace
     requester: Requester  # requests
     reliable: Reliable  # reliable sends, message groups, subscribe_other
     changes: Changes  # join, leave, unregister
-    forget: Callable[[Endpoint], None]  # once it is unregistered
+    forget: Callable[[Mailbox], None]  # once it is unregistered
     streams: StreamClient  # fetch
     tasks: BackgroundTasks  # coroutine listeners
 
 
 class Service:
-    """An addressable endpoint registered through a connector.
+    """An addressable mailbox registered through a connector.
 
     Receive with ``await svc.recv()`` or ``async for msg in svc``; the iteration
     ends when the service is unregistered or its connector closed, and raises
@@ -227,7 +227,7 @@ class Service:
         """A service the broker just registered; it joins ``parts.services`` at once, so
         no message to it can arrive before it is there."""
         self.address = address
-        self._endpoint = endpoint = Endpoint(
+        self._mailbox = mailbox = Mailbox(
             self,
             address,
             max_inbox,
@@ -236,11 +236,11 @@ class Service:
             outbound=parts.outbound,
             tasks=parts.tasks,
         )
-        self._raw = endpoint.raw
+        self._raw = mailbox.raw
         self._parts = parts
         self._outbound = parts.outbound
         self._sampler = parts.sampler
-        parts.services.add(endpoint)
+        parts.services.add(mailbox)
 
     def __repr__(self) -> str:
         return f"<Service {self.address}>"
@@ -248,7 +248,7 @@ class Service:
     @property
     def groups(self) -> frozenset[Address]:
         """The multicast and anycast groups this service is a member of."""
-        return frozenset(g for g in self._endpoint.groups if g.to_bytes() != BROADCAST)
+        return frozenset(g for g in self._mailbox.groups if g.to_bytes() != BROADCAST)
 
     # -- sending --------------------------------------------------------------
 
@@ -405,7 +405,7 @@ class Service:
         Returns a function that removes the listener again; once the last one is removed,
         messages queue for ``recv`` as before (the shape of every ``on_...`` here:
         meshbus.client.callbacks)."""
-        return self._endpoint.add_listener(listener)
+        return self._mailbox.add_listener(listener)
 
     async def next_message(self, timeout: float | None = None) -> Message:
         """The next message from the queue (Postina's name for ``recv``)."""
@@ -428,7 +428,7 @@ class Service:
         """The next message; ``meshbus.Timeout`` if none arrives within ``timeout`` seconds.
 
         Several tasks may wait on one service; each message goes to one of them."""
-        return await self._endpoint.take(timeout)
+        return await self._mailbox.take(timeout)
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iterate()
@@ -454,23 +454,23 @@ class Service:
         self,
         type_: ControlType,
         group: AddressLike,
-        apply: Callable[[Endpoint, Address], None],
+        apply: Callable[[Mailbox, Address], None],
     ) -> None:
         address = _group_address(group)
-        endpoint = self._endpoint
+        mailbox = self._mailbox
         await self._parts.changes.change(
             type_,
             Membership(member=self._raw, group=address.to_bytes()),
             Empty,
-            lambda _: apply(endpoint, address),
+            lambda _: apply(mailbox, address),
         )
 
     async def unregister(self) -> None:
         """Remove the service from the bus; its address becomes free."""
-        endpoint, forget = self._endpoint, self._parts.forget
+        mailbox, forget = self._mailbox, self._parts.forget
         await self._parts.changes.change(
             ControlType.UNREGISTER,
             AddressBody(address=self._raw),
             Empty,
-            lambda _: forget(endpoint),
+            lambda _: forget(mailbox),
         )

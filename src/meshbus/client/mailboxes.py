@@ -1,11 +1,11 @@
 """The connector's side of its services: where their messages arrive, and who is in which group.
 
-``Endpoint`` is the receiving side of one registered service: its address, the
+``Mailbox`` is the receiving side of one registered service: its address, the
 groups it joined, and the inbox its messages wait in -- or the listeners they go
 to instead. The public ``Service`` (meshbus.client.service) sends and receives
-through its endpoint; the inbound dispatcher delivers to endpoints.
+through its mailbox; the inbound dispatcher delivers to mailboxes.
 
-``Services`` is the registry of the connector's endpoints and the members of each
+``Services`` is the registry of the connector's mailboxes and the members of each
 group. It also holds backpressure: each inbox holds at most ``max_inbox``
 messages, and while any is full the links hand out no frame and read nothing,
 until it drains to half -- so a slow service slows its sender through TCP rather
@@ -45,7 +45,7 @@ BROADCAST = BROADCAST_GROUP.to_bytes()
 Listener = Callable[["Message"], object]
 
 
-class Endpoint:
+class Mailbox:
     """The receiving side of one service. ``service`` is the public object it belongs to."""
 
     def __init__(
@@ -179,17 +179,17 @@ class Endpoint:
 
 
 class Services:
-    """The connector's endpoints by address, the members of each group, and ``full``:
-    the endpoints whose inbox is full (the links read it before every frame)."""
+    """The connector's mailboxes by address, the members of each group, and ``full``:
+    the mailboxes whose inbox is full (the links read it before every frame)."""
 
     def __init__(self, links: Links) -> None:
-        self._by_address: dict[bytes, Endpoint] = {}
-        self._members: dict[bytes, list[Endpoint]] = {}
-        self.full: set[Endpoint] = set()
+        self._by_address: dict[bytes, Mailbox] = {}
+        self._members: dict[bytes, list[Mailbox]] = {}
+        self.full: set[Mailbox] = set()
         self._links = links
-        # The endpoint of a 16-byte address, or None: the dict's own lookup, since every
+        # The mailbox of a 16-byte address, or None: the dict's own lookup, since every
         # unicast message asks it.
-        self.get: Callable[[bytes], Endpoint | None] = self._by_address.get
+        self.get: Callable[[bytes], Mailbox | None] = self._by_address.get
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -197,50 +197,50 @@ class Services:
     def __contains__(self, raw: bytes) -> bool:
         return raw in self._by_address
 
-    def all(self) -> list[Endpoint]:
+    def all(self) -> list[Mailbox]:
         return list(self._by_address.values())
 
-    def members(self, group: bytes) -> Sequence[Endpoint]:
+    def members(self, group: bytes) -> Sequence[Mailbox]:
         return self._members.get(group, ())
 
-    def add(self, endpoint: Endpoint) -> None:
-        self._by_address[endpoint.raw] = endpoint
+    def add(self, mailbox: Mailbox) -> None:
+        self._by_address[mailbox.raw] = mailbox
 
-    def joined(self, endpoint: Endpoint, group: Address) -> None:
-        endpoint.groups.add(group)
+    def joined(self, mailbox: Mailbox, group: Address) -> None:
+        mailbox.groups.add(group)
         members = self._members.setdefault(group.to_bytes(), [])
-        if endpoint not in members:
-            members.append(endpoint)
+        if mailbox not in members:
+            members.append(mailbox)
 
-    def left(self, endpoint: Endpoint, group: Address) -> None:
-        endpoint.groups.discard(group)
+    def left(self, mailbox: Mailbox, group: Address) -> None:
+        mailbox.groups.discard(group)
         raw = group.to_bytes()
         members = self._members.get(raw)
-        if members and endpoint in members:
-            members.remove(endpoint)
+        if members and mailbox in members:
+            members.remove(mailbox)
             if not members:
                 del self._members[raw]
 
-    def remove(self, endpoint: Endpoint) -> None:
+    def remove(self, mailbox: Mailbox) -> None:
         """The service is unregistered (or could not come back after a failover)."""
-        for group in list(endpoint.groups):
-            self.left(endpoint, group)
-        self._by_address.pop(endpoint.raw, None)
-        self.inbox_drained(endpoint)
-        endpoint.close()
+        for group in list(mailbox.groups):
+            self.left(mailbox, group)
+        self._by_address.pop(mailbox.raw, None)
+        self.inbox_drained(mailbox)
+        mailbox.close()
 
     def close_all(self) -> None:
-        for endpoint in self._by_address.values():
-            endpoint.close()
+        for mailbox in self._by_address.values():
+            mailbox.close()
 
-    def inbox_full(self, endpoint: Endpoint) -> None:
-        self.full.add(endpoint)
+    def inbox_full(self, mailbox: Mailbox) -> None:
+        self.full.add(mailbox)
         for link in self._links.all():
             link.pause_reading()
 
-    def inbox_drained(self, endpoint: Endpoint) -> None:
-        if endpoint in self.full:
-            self.full.discard(endpoint)
+    def inbox_drained(self, mailbox: Mailbox) -> None:
+        if mailbox in self.full:
+            self.full.discard(mailbox)
             if not self.full:
                 for link in self._links.all():
                     link.resume_reading()
@@ -254,7 +254,7 @@ class Broadcasts:
         self._services = services
         self._links = links
         self._tasks = tasks
-        self._member: Endpoint | None = None
+        self._member: Mailbox | None = None
 
     async def reach(self) -> None:
         """Make a service the member, if none is and there is a service."""
@@ -267,11 +267,11 @@ class Broadcasts:
             self._member = None
             raise
 
-    def forget(self, endpoint: Endpoint) -> None:
+    def forget(self, mailbox: Mailbox) -> None:
         """The service is gone: out of the registry, and if it was the member, another one
         takes its place."""
-        self._services.remove(endpoint)
-        if endpoint is self._member and not self._links.closed:
+        self._services.remove(mailbox)
+        if mailbox is self._member and not self._links.closed:
             self._member = None
             self._tasks.spawn(self._rejoin(), "broadcast-member")
 
