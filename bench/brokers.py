@@ -43,7 +43,7 @@ class MeshbusProcess:
         return None
 
 
-class Brokers:
+class MeshbusProcesses:
     """The broker processes of one command; ``close`` stops every one still running.
 
     A start that fails or is cancelled leaves nothing behind (``spawn_broker`` kills

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import click
 
 import meshbus
-from bench.brokers import Brokers, MeshbusProcess
+from bench.brokers import MeshbusProcess, MeshbusProcesses
 from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
 
@@ -193,7 +193,7 @@ async def _send_all(
         traffic.sent += 1
 
 
-async def _start(brokers: Brokers, data_dir: str, *args: str) -> MeshbusProcess:
+async def _start(brokers: MeshbusProcesses, data_dir: str, *args: str) -> MeshbusProcess:
     return await asyncio.wait_for(brokers.start("--data-dir", data_dir, *args), _STEP_LIMIT)
 
 
@@ -218,7 +218,7 @@ async def _formed(mesh: list[MeshbusProcess]) -> None:
 
 
 async def _shake(
-    brokers: Brokers,
+    brokers: MeshbusProcesses,
     dirs: dict[str, str],
     mesh: list[MeshbusProcess],
     traffic: Traffic,
@@ -297,7 +297,9 @@ class Outcome:
     landed: Counter[str]
 
 
-async def _run(brokers: Brokers, workdir: str, count: int, groups: int, group_size: int) -> Outcome:
+async def _run(
+    brokers: MeshbusProcesses, workdir: str, count: int, groups: int, group_size: int
+) -> Outcome:
     dirs = {name: os.path.join(workdir, name) for name in "abcd"}
     first = await _start(brokers, dirs["a"])
     rest = await asyncio.gather(*(_start(brokers, dirs[n], "--seed", first.address) for n in "bc"))

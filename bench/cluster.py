@@ -1,7 +1,7 @@
 """Start and stop what the multi-server benchmarks measure: an N-broker meshbus mesh and
 an N-node nats-server cluster, each formed in full before it is handed out.
 
-The meshbus mesh is started by ``brokers.Brokers``, the same code that starts the
+The meshbus mesh is started by ``brokers.MeshbusProcesses``, the same code that starts the
 mesh-operation benchmarks' brokers (asyncio subprocesses from ``spawn_broker``,
 joined with ``--seed``). The traffic benchmarks that use it here are thread-based
 and blocking, so ``meshbus_mesh`` runs that code on an event loop of its own, which
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import meshbus
-from bench.brokers import Brokers
+from bench.brokers import MeshbusProcesses
 from bench.servers import BenchSetupError, Server, find_nats_server
 from meshbus.broker.process import BrokerStartError, stop_process
 from meshbus.util import parse_hostport
@@ -88,7 +88,7 @@ def meshbus_mesh(size: int, *extra: str) -> Iterator[Cluster]:
     exit, however it ends."""
     import uvloop
 
-    brokers = Brokers()
+    brokers = MeshbusProcesses()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
             try:

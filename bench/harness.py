@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 
 import meshbus
-from bench.brokers import Brokers, MeshbusProcess
+from bench.brokers import MeshbusProcess, MeshbusProcesses
 from meshbus.broker.process import BrokerStartError
 
 T = TypeVar("T")
@@ -49,12 +49,12 @@ def ms(seconds: float) -> float:
     return seconds * 1000.0
 
 
-def run_on_brokers(main: Callable[[Brokers], Coroutine[Any, Any, T]]) -> T:
+def run_on_brokers(main: Callable[[MeshbusProcesses], Coroutine[Any, Any, T]]) -> T:
     """Run a benchmark on a fresh uvloop loop with the brokers it starts, and stop every
     one of them however it ends; setup and mesh errors become click errors."""
     import uvloop
 
-    brokers = Brokers()
+    brokers = MeshbusProcesses()
 
     async def guarded() -> T:
         try:
@@ -134,8 +134,8 @@ class MeshRun:
 
 
 @contextlib.asynccontextmanager
-async def fresh_mesh(brokers: Brokers, size: int) -> AsyncIterator[MeshRun]:
-    """A new mesh of ``size`` brokers (``Brokers.mesh``) with an empty fleet; on exit the
+async def fresh_mesh(brokers: MeshbusProcesses, size: int) -> AsyncIterator[MeshRun]:
+    """A new mesh of ``size`` brokers (``MeshbusProcesses.mesh``) with an empty fleet; on exit the
     fleet, the pollers and every broker are closed, in that order."""
     run = MeshRun(await brokers.mesh(size), Fleet(), [])
     try:

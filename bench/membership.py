@@ -1,4 +1,4 @@
-"""Brokers leaving and joining a running mesh, timed with real broker processes.
+"""MeshbusProcesses leaving and joining a running mesh, timed with real broker processes.
 
 ``failover``: one of 3 brokers is killed (kill -9) and its connectors move to the
 survivors. ``join``: a 4th broker joins and takes its share of the connectors.
@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import meshbus
-from bench.brokers import Brokers
+from bench.brokers import MeshbusProcesses
 from bench.harness import (
     SETTLE_LIMIT,
     CheckFailed,
@@ -101,7 +101,7 @@ async def _all_failed_over(conns: Sequence[meshbus.Connector]) -> float:
 
 
 async def _failover_run(
-    brokers: Brokers, connectors: int, services_per_connector: int
+    brokers: MeshbusProcesses, connectors: int, services_per_connector: int
 ) -> FailoverRun:
     async with fresh_mesh(brokers, 3) as mesh_run:
         mesh, fleet, probe_conns = mesh_run.mesh, mesh_run.fleet, mesh_run.pollers
@@ -176,7 +176,7 @@ def failover(runs: int, connectors: int, services_per_connector: int) -> None:
     Last line: `failover_ms_median=<ms> failover_ms_max=<ms>`.
     """
 
-    async def main(brokers: Brokers) -> list[FailoverRun]:
+    async def main(brokers: MeshbusProcesses) -> list[FailoverRun]:
         return [
             await _failover_run(brokers, connectors, services_per_connector) for _ in range(runs)
         ]
@@ -228,7 +228,9 @@ class JoinRun:
         return max(self.counts) - min(self.counts)
 
 
-async def _join_run(brokers: Brokers, connectors: int, services_per_connector: int) -> JoinRun:
+async def _join_run(
+    brokers: MeshbusProcesses, connectors: int, services_per_connector: int
+) -> JoinRun:
     async with fresh_mesh(brokers, 3) as mesh_run:
         mesh, fleet, pollers = mesh_run.mesh, mesh_run.fleet, mesh_run.pollers
         # Pollers first: a broker hands its newest connectors to a newcomer, so the
@@ -274,7 +276,7 @@ def join(runs: int, connectors: int, services_per_connector: int) -> None:
     Last line: `join_ms_median=<ms of (a)+(b)> spread=<largest final spread of any run>`.
     """
 
-    async def main(brokers: Brokers) -> list[JoinRun]:
+    async def main(brokers: MeshbusProcesses) -> list[JoinRun]:
         return [await _join_run(brokers, connectors, services_per_connector) for _ in range(runs)]
 
     results = run_on_brokers(main)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import click
 
 import meshbus
-from bench.brokers import Brokers
+from bench.brokers import MeshbusProcesses
 from bench.harness import (
     PROBE_TIMEOUT,
     SETTLE_LIMIT,
@@ -155,7 +155,7 @@ async def _change(
 
 
 async def _routes_run(
-    brokers: Brokers, services: int, per_broker: int, batch: int, changes: int
+    brokers: MeshbusProcesses, services: int, per_broker: int, batch: int, changes: int
 ) -> RoutesResult:
     async with fresh_mesh(brokers, 3) as mesh_run:
         mesh, fleet, pollers = mesh_run.mesh, mesh_run.fleet, mesh_run.pollers
@@ -290,7 +290,7 @@ def routes(services: int, connectors_per_broker: int, batch: int, changes: int) 
             param_hint="'--connectors-per-broker'",
         )
 
-    async def main(brokers: Brokers) -> RoutesResult:
+    async def main(brokers: MeshbusProcesses) -> RoutesResult:
         return await _routes_run(brokers, services, connectors_per_broker, batch, changes)
 
     r = run_on_brokers(main)

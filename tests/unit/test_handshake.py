@@ -43,7 +43,7 @@ from meshbus.protocol.handshake import (
     HandshakeState,
     HandshakeStateError,
     HelloReceived,
-    Refused,
+    HelloRefused,
     Welcomed,
     negotiated_max_frame,
 )
@@ -235,25 +235,27 @@ def test_a_welcome_that_answers_the_hello_opens_the_link() -> None:
     [
         (
             Error(code=ErrorCode.REDIRECT, message="full", redirect="127.0.0.1:7401"),
-            Refused(ErrorCode.REDIRECT, "full", "127.0.0.1:7401"),
+            HelloRefused(ErrorCode.REDIRECT, "full", "127.0.0.1:7401"),
         ),
         (
             Error(code=ErrorCode.NAME_IN_USE, message="mine"),
-            Refused(ErrorCode.NAME_IN_USE, "mine", ""),
+            HelloRefused(ErrorCode.NAME_IN_USE, "mine", ""),
         ),
         (
             Error(code=ErrorCode.UNSUPPORTED_VERSION, message="protocol 2"),
-            Refused(ErrorCode.UNSUPPORTED_VERSION, "protocol 2", ""),
+            HelloRefused(ErrorCode.UNSUPPORTED_VERSION, "protocol 2", ""),
         ),
         (
             Bye(reason="broker shutting down"),
-            Refused(ErrorCode.SHUTTING_DOWN, "the broker said goodbye: broker shutting down", ""),
+            HelloRefused(
+                ErrorCode.SHUTTING_DOWN, "the broker said goodbye: broker shutting down", ""
+            ),
         ),
     ],
 )
 @pytest.mark.parametrize("correlation", [0, 1])
 def test_an_error_or_a_goodbye_refuses_the_link(
-    answer: Error | Bye, refused: Refused, correlation: int
+    answer: Error | Bye, refused: HelloRefused, correlation: int
 ) -> None:
     dialling = awaiting_welcome()
     ctype = ControlType.ERROR if isinstance(answer, Error) else ControlType.BYE
@@ -404,7 +406,7 @@ def test_a_refusal_over_bytes_then_the_close(
     refusal = accepting.refuse(ErrorCode.REDIRECT, "full", "127.0.0.1:7401")
     (frame,) = feed(refusal, FrameDecoder())
     dialling = awaiting_welcome(correlation=1)
-    assert dialling.receive(frame) == Refused(ErrorCode.REDIRECT, "full", "127.0.0.1:7401")
+    assert dialling.receive(frame) == HelloRefused(ErrorCode.REDIRECT, "full", "127.0.0.1:7401")
 
 
 @pytest.mark.parametrize(
@@ -572,6 +574,6 @@ def test_arbitrary_frames_get_an_event_or_a_frame_error(frame: Frame) -> None:
         pass
     dialling = awaiting_welcome(correlation=1)
     try:
-        assert isinstance(dialling.receive(frame), Welcomed | Refused)
+        assert isinstance(dialling.receive(frame), Welcomed | HelloRefused)
     except FrameError:
         pass

@@ -55,7 +55,7 @@ from meshbus.protocol.control import (
     Ready,
     Welcome,
 )
-from meshbus.protocol.handshake import Refused, Welcomed, negotiated_max_frame
+from meshbus.protocol.handshake import HelloRefused, Welcomed, negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks, parse_hostport
 
@@ -306,7 +306,7 @@ class Mesh:
         self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, max_frame)
         return None
 
-    def on_answer(self, link: Link, answer: Welcomed | Refused) -> None:
+    def on_answer(self, link: Link, answer: Welcomed | HelloRefused) -> None:
         """The answer to the HELLO of a link this broker dialled."""
         if isinstance(answer, Welcomed):
             self._welcomed(link, answer.welcome)

@@ -54,7 +54,7 @@ from meshbus.protocol.control import (
     Move,
     Register,
 )
-from meshbus.protocol.handshake import DiallingHandshake, Refused
+from meshbus.protocol.handshake import DiallingHandshake, HelloRefused
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks, parse_hostport
 
@@ -308,7 +308,7 @@ class LinkKeeper:
         except BaseException:
             link.abort()
             raise
-        if isinstance(outcome, Refused):
+        if isinstance(outcome, HelloRefused):
             # A broker that refuses us (full, joining, draining) names one with room.
             link.abort()
             if outcome.code == ErrorCode.REDIRECT:

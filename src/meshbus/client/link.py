@@ -2,7 +2,7 @@
 
 ``BrokerLink`` turns bytes into frames and hands each to the part that reads it. A
 link starts with the handshake (meshbus.protocol.handshake): the broker's first
-frame answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed or Refused
+frame answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed or HelloRefused
 -- or ConnectionLost when the link closes first. After that, data frames and the
 answers to requests go to the inbound dispatcher (meshbus.client.inbound); what the
 broker says to the link itself before it closes it (an ERROR, a BYE) the link keeps,
@@ -25,7 +25,7 @@ from typing import Protocol, cast
 from meshbus.errors import ConnectionLost, NotConnected, ProtocolError
 from meshbus.protocol.codec import ControlFrame, DataFrame, FrameDecoder
 from meshbus.protocol.control import Bye, Error
-from meshbus.protocol.handshake import DiallingHandshake, Refused, Welcomed
+from meshbus.protocol.handshake import DiallingHandshake, HelloRefused, Welcomed
 from meshbus.protocol.layout import ControlType
 
 log = logging.getLogger("meshbus.client")
@@ -70,7 +70,7 @@ class BrokerLink(asyncio.Protocol):
         self.heard_at = 0.0
         self.write_paused = False
         self._loop = asyncio.get_running_loop()
-        self.welcomed: asyncio.Future[Welcomed | Refused] = self._loop.create_future()
+        self.welcomed: asyncio.Future[Welcomed | HelloRefused] = self._loop.create_future()
         self._handshake: DiallingHandshake | None = handshake  # None once answered
         self._decoder = FrameDecoder(max_frame)
         self._reader = reader
@@ -142,7 +142,7 @@ class BrokerLink(asyncio.Protocol):
         except ProtocolError as exc:
             self._protocol_error(exc)
 
-    def _answered(self, outcome: Welcomed | Refused) -> bool:
+    def _answered(self, outcome: Welcomed | HelloRefused) -> bool:
         """The broker answered the HELLO; True if the link is open."""
         self._handshake = None
         if isinstance(outcome, Welcomed):

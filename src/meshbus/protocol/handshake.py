@@ -42,7 +42,7 @@ Transitions (``HandshakeState``)::
     dialling side (DiallingHandshake)
       IDLE          --hello()---------------------> AWAIT_WELCOME  the HELLO frame
       AWAIT_WELCOME --receive(a valid WELCOME)----> OPEN           Welcomed
-      AWAIT_WELCOME --receive(ERROR or BYE)-------> CLOSED         Refused
+      AWAIT_WELCOME --receive(ERROR or BYE)-------> CLOSED         HelloRefused
       AWAIT_WELCOME --receive(anything else)------> CLOSED         FrameError
 
 Every other (state, call) pair raises ``HandshakeStateError``.
@@ -102,7 +102,7 @@ class Welcomed:
 
 
 @dataclass(frozen=True)
-class Refused:
+class HelloRefused:
     """The dialling side's HELLO was refused; the peer closes the link. With code
     ``REDIRECT``, ``redirect`` names a broker that takes connectors ("" if none)."""
 
@@ -184,16 +184,16 @@ class DiallingHandshake:
         self.state = HandshakeState.AWAIT_WELCOME
         return encode_control(ControlType.HELLO, self._hello, self._correlation)
 
-    def receive(self, frame: Frame) -> Welcomed | Refused:
+    def receive(self, frame: Frame) -> Welcomed | HelloRefused:
         """The answer to the HELLO."""
         _expect(self.state, HandshakeState.AWAIT_WELCOME, "receive")
         self.state = HandshakeState.CLOSED  # until the answer passes every check
         if isinstance(frame, ControlFrame):
             body = frame.body
             if frame.type == ControlType.ERROR and isinstance(body, Error):
-                return Refused(body.code, body.message, body.redirect)
+                return HelloRefused(body.code, body.message, body.redirect)
             if frame.type == ControlType.BYE and isinstance(body, Bye):
-                return Refused(
+                return HelloRefused(
                     ErrorCode.SHUTTING_DOWN, f"the broker said goodbye: {body.reason}", ""
                 )
             if frame.type == ControlType.WELCOME and isinstance(body, Welcome):
