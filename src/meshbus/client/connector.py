@@ -154,11 +154,7 @@ class ConnectorParts:
     def shutdown(self, error: MeshbusError) -> None:
         """The end: closed (by the user) or lost (the mesh). Everything that waits gets
         ``error``, in order: the link state first, so nothing starts anew meanwhile."""
-        links = self.links
-        links.closed = True
-        if isinstance(error, ConnectionLost):
-            links.lost = error
-        links.connected.set()  # wake senders waiting out a failover: they raise now
+        self.links.end(error if isinstance(error, ConnectionLost) else None)
         self.inbound.fail(error)
         self.outbound.fail(error)
         self.reliable.stop()
@@ -180,7 +176,7 @@ class ConnectorParts:
 
     def abort(self) -> None:
         """Drop every link at once, no goodbye (a connect that failed)."""
-        self.links.closed = True
+        self.links.end(None)
         for link in self.links.all():
             link.abort()
         self.tasks.cancel_now()

@@ -315,14 +315,13 @@ class LinkKeeper:
                 raise Redirected(outcome.message, outcome.redirect)
             raise ConnectionLost(f"lost the link to broker {address}: {outcome.message}")
         welcome = outcome.welcome
-        links.max_frame = min(links.max_frame, welcome.max_frame)
+        links.agreed(welcome.max_frame)
         self._sampler.reset(welcome.trace_every)
         self._set_brokers(welcome.brokers)
         return link
 
     def activate(self, link: BrokerLink) -> None:
-        self._links.current = link
-        self._links.connected.set()
+        self._links.take_over(link)
         if self._keepalive and "keepalive" not in self._tasks.names():
             self._tasks.spawn(self._keep_alive(), "keepalive")
 
@@ -352,16 +351,15 @@ class LinkKeeper:
         """``link`` closed. True if the connector is failing over (or the link was one it
         was leaving anyway); False if the connector has lost the mesh for good."""
         links = self._links
-        if link in links.old:
-            links.old.discard(link)  # a move finished
-            return True
+        if links.left(link):
+            return True  # a move finished
         if link is not links.current:
             return True
         if link.address in self.brokers:
             self.brokers.remove(link.address)
         if not self._failover_timeout or not self.brokers:
             return False  # no failover, or no other broker to go to (the seed's rule)
-        links.connected.clear()
+        links.failing_over()
         log.info("broker lost, failing over", extra={"broker": link.broker_name, "why": str(error)})
         self._tasks.spawn(self._fail_over(error), "failover")
         return True
@@ -413,7 +411,7 @@ class LinkKeeper:
                 link.abort()
                 return
             self.moves += 1
-            links.old.add(old)
+            links.leaving(old)
             self.activate(link)
             old.write(encode_control(ControlType.BYE, Bye(reason=f"moved: {reason}")))
         log.info("moved", extra={"to": link.broker_name, "reason": reason})

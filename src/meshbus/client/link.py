@@ -225,8 +225,9 @@ class Links:
     move (``old``), and whether it may send: ``connected`` is clear while it fails
     over, ``closed`` once it ended -- ``lost`` then says why, if the mesh was lost
     rather than the connector closed. ``max_frame`` is the frame size limit in force:
-    the smallest that any broker agreed to so far. The keeper changes the links and
-    the limit; the end of the connector sets ``closed`` and ``lost``."""
+    the smallest that any broker agreed to so far. Its state changes only through the
+    methods below: the keeper's (``take_over``, ``failing_over``, ``leaving``,
+    ``left``, ``agreed``) and the connector's end (``end``)."""
 
     def __init__(self, max_frame: int) -> None:
         self.current: BrokerLink | None = None
@@ -235,6 +236,38 @@ class Links:
         self.closed = False
         self.lost: ConnectionLost | None = None
         self.max_frame = max_frame
+
+    def take_over(self, link: BrokerLink) -> None:
+        """Send on ``link`` from now on (connected, failed over or moved)."""
+        self.current = link
+        self.connected.set()
+
+    def failing_over(self) -> None:
+        """The current link is lost: senders wait until another takes over."""
+        self.connected.clear()
+
+    def leaving(self, link: BrokerLink) -> None:
+        """``link`` is being left after a move: read until its broker closes it."""
+        self.old.add(link)
+
+    def left(self, link: BrokerLink) -> bool:
+        """``link`` closed; True if it was one being left (the move is over)."""
+        if link in self.old:
+            self.old.discard(link)
+            return True
+        return False
+
+    def agreed(self, max_frame: int) -> None:
+        """A broker agreed to this frame size limit: the smallest so far holds."""
+        self.max_frame = min(self.max_frame, max_frame)
+
+    def end(self, lost: ConnectionLost | None) -> None:
+        """The connector ended: closed by the user, or (``lost``) the mesh was lost.
+        Senders waiting out a failover wake up, and raise."""
+        self.closed = True
+        if lost is not None:
+            self.lost = lost
+        self.connected.set()
 
     def all(self) -> list[BrokerLink]:
         return [link for link in (self.current, *self.old) if link is not None]
