@@ -71,12 +71,18 @@ def register(hub: Hub, link: Link, *addresses: bytes) -> None:
         hub.routing.add_service(address, link, link.session)
 
 
-async def test_a_unicast_decision_is_cached_and_reused_for_its_routing_key(
-    hub: Hub, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def a_and_b(hub: Hub) -> tuple[Link, Link]:
+    """Two connectors: a owns A1, b owns B1."""
     a, b = hub.connector("a"), hub.connector("b")
     register(hub, a, A1)
     register(hub, b, B1)
+    return a, b
+
+
+async def test_a_unicast_decision_is_cached_and_reused_for_its_routing_key(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = a_and_b(hub)
     spy = Spy(hub, monkeypatch)
     hub.feed(a, encode_data(B1, A1, b"one", msg_id=1))
     hub.feed(a, encode_data(B1, A1, b"two", msg_id=2), encode_data(B1, A1, b"six", msg_id=3))
@@ -129,9 +135,7 @@ async def test_a_multicast_goes_once_per_link_with_members_and_not_back_to_the_s
 
 
 async def test_a_response_goes_back_along_the_pending_entry(hub: Hub) -> None:
-    a, b = hub.connector("a"), hub.connector("b")
-    register(hub, a, A1)
-    register(hub, b, B1)
+    a, b = a_and_b(hub)
     hub.feed(a, encode_data(B1, A1, b"ask", msg_id=7, flags=FLAG_REQUEST, timeout_ms=1500))
     assert payloads(hub.received(b)) == [b"ask"]
     assert len(hub.pending) == 1
@@ -148,9 +152,7 @@ async def test_a_response_goes_back_along_the_pending_entry(hub: Hub) -> None:
 async def test_a_request_decision_is_reused_and_records_each_request(
     hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a, b = hub.connector("a"), hub.connector("b")
-    register(hub, a, A1)
-    register(hub, b, B1)
+    a, b = a_and_b(hub)
     spy = Spy(hub, monkeypatch)
     for msg_id in (1, 2, 3):
         hub.feed(a, encode_data(B1, A1, b"q", msg_id=msg_id, flags=FLAG_REQUEST))
@@ -164,9 +166,7 @@ async def test_a_request_decision_is_reused_and_records_each_request(
 async def test_every_traced_request_records_its_hops(hub: Hub) -> None:
     """A traced request is carried out one frame at a time, never by a cached request
     decision, which would skip its entry and exit hops (docs/report.md)."""
-    a, b = hub.connector("a"), hub.connector("b")
-    register(hub, a, A1)
-    register(hub, b, B1)
+    a, _ = a_and_b(hub)
     for msg_id in (1, 2):
         hub.feed(a, encode_data(B1, A1, b"q", msg_id=msg_id, flags=FLAG_REQUEST | FLAG_TRACE))
     assert [(hop, msg_id) for hop, _, msg_id, _ in hub.traced] == [
