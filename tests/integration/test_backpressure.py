@@ -55,10 +55,10 @@ async def test_full_inbox_pauses_the_link_and_loses_nothing(broker) -> None:  # 
         # The reader has not called recv yet: its inbox fills to max_inbox and stops there;
         # the rest waits in the decoder, TCP and broker buffers until it drains.
         async with asyncio.timeout(IO_TIMEOUT):
-            while len(reader._endpoint._inbox) < 50:  # noqa: ASYNC110 - no event exists for "inbox full"
+            while reader.queued < 50:  # noqa: ASYNC110 - no event exists for "inbox full"
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # not synchronisation: time for an overflow to show
-        assert len(reader._endpoint._inbox) == 50
+        assert reader.queued == 50
         got = [
             int.from_bytes((await reader.recv(timeout=IO_TIMEOUT)).payload, "big")
             for _ in range(total)

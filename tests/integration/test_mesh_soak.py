@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import sys
 
 import pytest
 
 import meshbus
-from meshbus.broker.process import child_env, parse_ready_line
+from meshbus.broker.process import spawn_broker
 from tests.conftest import BrokerProcess, stop_all
 from tests.integration.helpers import stat
 
@@ -25,16 +24,9 @@ ROUNDS = 8
 
 async def broker_at(listen: str, name: str, *seed: str) -> BrokerProcess:
     """A broker on a given address (a restart comes back where it was)."""
-    argv = [sys.executable, "-m", "meshbus", "broker", "--listen", listen, "--name", name]
-    for address in seed:
-        argv += ["--seed", address]
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, env=child_env()
-    )
-    assert process.stdout is not None
-    ready = parse_ready_line((await asyncio.wait_for(process.stdout.readline(), 20)).decode())
-    assert ready is not None, f"{name} did not start"
-    return BrokerProcess(process, ready[0], ready[1])
+    seeds = [arg for address in seed for arg in ("--seed", address)]
+    process, ready_name, address = await spawn_broker("--name", name, *seeds, listen=listen)
+    return BrokerProcess(process, ready_name, address)
 
 
 async def echo(service: meshbus.Service) -> None:

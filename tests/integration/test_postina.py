@@ -153,7 +153,7 @@ async def test_listeners_get_messages_and_the_queue_is_off(bus: Bus) -> None:
     await bus.pub.send(bus.s2.address, b"queued")
 
     async def queued() -> bool:
-        return len(bus.s2._endpoint._inbox) == 1
+        return bus.s2.queued == 1
 
     await wait_until(queued, "the first message to be queued", IO_TIMEOUT)
     sync_got: list[bytes] = []

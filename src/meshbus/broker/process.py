@@ -49,9 +49,9 @@ def broker_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "meshbus", "broker", *args]
 
 
-def broker_command(*args: str) -> list[str]:
-    """The command line of a broker on a free loopback port, plus ``args``."""
-    return broker_argv("--listen", "127.0.0.1:0", *args)
+def broker_command(*args: str, listen: str = "127.0.0.1:0") -> list[str]:
+    """The command line of a broker on ``listen`` (a free loopback port), plus ``args``."""
+    return broker_argv("--listen", listen, *args)
 
 
 def child_env() -> dict[str, str]:
@@ -59,15 +59,15 @@ def child_env() -> dict[str, str]:
 
 
 async def spawn_broker(
-    *args: str, timeout: float = 20.0
+    *args: str, listen: str = "127.0.0.1:0", timeout: float = 20.0
 ) -> tuple[asyncio.subprocess.Process, str, str]:
-    """Start a broker and wait for its ready line: (process, NAME, HOST:PORT).
+    """Start a broker on ``listen`` and wait for its ready line: (process, NAME, HOST:PORT).
 
     If it does not come up, or the wait ends any other way (cancelled, Ctrl-C), the
     child is killed and reaped before the exception goes on: no broker outlives a
     failed call."""
     process = await asyncio.create_subprocess_exec(
-        *broker_command(*args), stdout=asyncio.subprocess.PIPE, env=child_env()
+        *broker_command(*args, listen=listen), stdout=asyncio.subprocess.PIPE, env=child_env()
     )
     try:
         assert process.stdout is not None

@@ -76,6 +76,10 @@ class Mailbox:
     def member_of(self, group: bytes) -> bool:
         return any(g.to_bytes() == group for g in self.groups)
 
+    @property
+    def queued(self) -> int:
+        return len(self._inbox)
+
     # -- arriving ------------------------------------------------------------------
 
     def deliver(self, message: Message) -> None:

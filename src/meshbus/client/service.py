@@ -250,6 +250,12 @@ class Service:
         """The multicast and anycast groups this service is a member of."""
         return frozenset(g for g in self._mailbox.groups if g.to_bytes() != BROADCAST)
 
+    @property
+    def queued(self) -> int:
+        """Messages waiting in this service's inbox for ``recv`` (at most ``max_inbox``:
+        a full inbox pauses the link)."""
+        return self._mailbox.queued
+
     # -- sending --------------------------------------------------------------
 
     async def send(
