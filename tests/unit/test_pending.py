@@ -215,3 +215,87 @@ def test_drop_via_removes_what_only_that_link_could_answer() -> None:
     assert table.resolve(b"r1", 1) is None
     assert table.drop_via("peer-b") == []
     assert table.expire(10.0)[0].msg_id in (1, 2)  # the rest still expire as usual
+
+
+class CountingLink:
+    """A link that counts how often it is compared: what a scan of the table costs."""
+
+    compared = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        CountingLink.compared += 1
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def test_drop_link_and_drop_via_touch_only_that_links_entries() -> None:
+    """Closing a link costs what it held: 10,000 other requests are never looked at."""
+    t: PendingTable[CountingLink] = PendingTable()
+    busy, idle, peer = CountingLink("busy"), CountingLink("idle"), CountingLink("peer")
+    for i in range(10_000):
+        t.add(R1, i, busy, 10.0, DST, peer if i % 2 else None)
+    t.add(R2, 1, idle, 10.0, DST)
+    t.add(R2, 2, idle, 10.0, DST, peer)
+    CountingLink.compared = 0
+    assert t.drop_link(idle) == 2
+    assert CountingLink.compared <= 2
+    assert len(t) == 10_000
+    CountingLink.compared = 0
+    gone = t.drop_via(peer)
+    assert len(gone) == 5_000
+    assert CountingLink.compared <= 5_000
+    assert {e.link for e in gone} == {busy}
+    assert t.count(busy) == 5_000
+    assert t.drop_link(busy) == 5_000
+    assert len(t) == 0
+
+
+def test_count_follows_add_resolve_expire_replace_and_drop() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST)
+    t.add(R1, 2, "a", 20.0, DST, "peer")
+    t.add(R2, 1, "b", 10.0, DST)
+    assert (t.count("a"), t.count("b"), t.count("nobody")) == (2, 1, 0)
+    assert t.resolve(R1, 1) == "a"
+    assert t.count("a") == 1
+    t.add(R1, 2, "b", 30.0, DST)  # the same key, now b's and out on no single peer
+    assert (t.count("a"), t.count("b")) == (0, 2)
+    assert t.drop_via("peer") == []
+    assert keys(t.expire(10.0)) == [(R2, 1)]
+    assert t.count("b") == 1
+    assert t.drop_link("a") == 0
+    assert t.drop_link("b") == 1
+    assert len(t) == 0
+    assert t.count("b") == 0
+
+
+def test_indexes_match_the_entries_under_random_operations() -> None:
+    rng = random.Random(7)
+    t: PendingTable[str] = PendingTable()
+    links = ["a", "b", "c"]
+    vias: list[str | None] = [None, "p", "q"]
+    now = 0.0
+    for _ in range(5_000):
+        op = rng.random()
+        if op < 0.5:
+            t.add(
+                R1, rng.randrange(200), rng.choice(links), now + rng.random(), DST, rng.choice(vias)
+            )
+        elif op < 0.8:
+            t.resolve(R1, rng.randrange(200))
+        elif op < 0.9:
+            now += 0.1
+            t.expire(now)
+        elif op < 0.95:
+            t.drop_via(rng.choice(["p", "q"]))
+        else:
+            t.drop_link(rng.choice(links))
+        for link in links:
+            assert t.count(link) == sum(1 for e in t._entries.values() if e[0] == link)
+        for via in ("p", "q"):
+            assert t._by_via.get(via, set()) == {k for k, e in t._entries.items() if e[4] == via}

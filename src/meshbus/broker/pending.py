@@ -12,6 +12,13 @@ is rebuilt when stale items outnumber live ones by more than two to one (plus
 ``COMPACT_SLACK``); an item
 is live only if its sequence number is the one its entry was added with, so an
 entry replaced under the same key leaves nothing behind either.
+
+Each link has the set of keys of its requests (``_by_link``), and each peer link the
+set of keys of the requests that went out on it alone (``_by_via``): closing a link
+costs what that link had in the table, never a scan of the whole table, and
+``count`` (the broker's cap on a connector's requests in flight) is one lookup.
+The sets are kept in step with the entries on add, resolve, expire and drop, and
+a link's sets go when the link is dropped.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class PendingTable(Generic[L]):
         self._entries: dict[Key, tuple[L, float, bytes, int, L | None]] = {}
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
+        self._by_link: dict[L, set[Key]] = {}  # the keys of each link's requests
+        self._by_via: dict[L, set[Key]] = {}  # the keys of requests out on one peer alone
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,15 +73,47 @@ class PendingTable(Generic[L]):
         request with the same key replaces the first."""
         key = (requester, msg_id)
         seq = self._seq = self._seq + 1
-        self._entries[key] = (link, deadline, dst, seq, via)
+        entries = self._entries
+        old = entries.get(key)
+        if old is not None:
+            self._unindex(key, old)
+        entries[key] = (link, deadline, dst, seq, via)
+        keys = self._by_link.get(link)
+        if keys is None:
+            keys = self._by_link[link] = set()
+        keys.add(key)
+        if via is not None:
+            vias = self._by_via.get(via)
+            if vias is None:
+                vias = self._by_via[via] = set()
+            vias.add(key)
         heapq.heappush(self._heap, (deadline, seq, key))
-        if len(self._heap) > COMPACT_SLACK + 3 * len(self._entries):
+        if len(self._heap) > COMPACT_SLACK + 3 * len(entries):
             self._compact()
+
+    def count(self, link: L) -> int:
+        """How many requests made over ``link`` are waiting."""
+        keys = self._by_link.get(link)
+        return 0 if keys is None else len(keys)
 
     def resolve(self, requester: bytes, msg_id: int) -> L | None:
         """Pop the entry a response for (requester, msg_id) answers; None if there is none."""
-        entry = self._entries.pop((requester, msg_id), None)
-        return None if entry is None else entry[0]
+        key = (requester, msg_id)
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self._unindex(key, entry)
+        return entry[0]
+
+    def _unindex(self, key: Key, entry: tuple[L, float, bytes, int, L | None]) -> None:
+        keys = self._by_link.get(entry[0])
+        if keys is not None:
+            keys.discard(key)
+        via = entry[4]
+        if via is not None:
+            vias = self._by_via.get(via)
+            if vias is not None:
+                vias.discard(key)
 
     def expire(self, now: float) -> list[PendingEntry[L]]:
         """Remove and return every entry whose deadline is at or before ``now``."""
@@ -83,6 +124,7 @@ class PendingTable(Generic[L]):
             entry = self._entries.get(key)
             if entry is not None and entry[3] == seq:
                 del self._entries[key]
+                self._unindex(key, entry)
                 link, deadline, dst, _, _ = entry
                 expired.append(PendingEntry(key[0], key[1], link, deadline, dst, seq))
         return expired
@@ -91,10 +133,17 @@ class PendingTable(Generic[L]):
         """Remove and return the requests that went out on ``via`` alone: the peer broker
         behind it is gone, so no response can come, and the requesters can be told now
         rather than at their deadlines."""
-        gone = [(k, e) for k, e in self._entries.items() if e[4] == via]
-        for key, _ in gone:
-            del self._entries[key]
-        return [PendingEntry(k[0], k[1], e[0], e[1], e[2], e[3]) for k, e in gone]
+        entries = self._entries
+        gone: list[PendingEntry[L]] = []
+        for key in self._by_via.pop(via, ()):
+            entry = entries.pop(key, None)
+            if entry is None:  # never: the sets follow the entries
+                continue
+            keys = self._by_link.get(entry[0])
+            if keys is not None:
+                keys.discard(key)
+            gone.append(PendingEntry(key[0], key[1], entry[0], entry[1], entry[2], entry[3]))
+        return gone
 
     def next_deadline(self) -> float | None:
         """The earliest deadline in the heap (possibly of a resolved entry), or None."""
@@ -102,10 +151,16 @@ class PendingTable(Generic[L]):
 
     def drop_link(self, link: L) -> int:
         """Forget the requests made over ``link`` (its requester is gone); returns how many."""
-        gone = [k for k, e in self._entries.items() if e[0] == link]
-        for key in gone:
-            del self._entries[key]
-        return len(gone)
+        entries = self._entries
+        keys = self._by_link.pop(link, ())
+        for key in keys:
+            entry = entries.pop(key, None)
+            via = None if entry is None else entry[4]
+            if via is not None:
+                vias = self._by_via.get(via)
+                if vias is not None:
+                    vias.discard(key)
+        return len(keys)
 
     def _compact(self) -> None:
         entries = self._entries
