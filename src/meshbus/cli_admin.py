@@ -164,6 +164,65 @@ if TYPE_CHECKING:
     show_default=True,
     help="A link with more unsent output than this is closed as a slow consumer.",
 )
+# -- limits: what one client can take from the broker (docs/architecture.md, the limits)
+@click.option(
+    "--max-services",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    help="Services one connector may register; past it REGISTER is refused (LIMIT_EXCEEDED).",
+)
+@click.option(
+    "--max-groups-per-service",
+    type=click.IntRange(1),
+    default=1_000,
+    show_default=True,
+    help="Groups one service may be a member of; past it JOIN is refused (LIMIT_EXCEEDED).",
+)
+@click.option(
+    "--max-groups",
+    type=click.IntRange(1),
+    default=100_000,
+    show_default=True,
+    help="Group memberships of all the services of one connector; past it JOIN is refused.",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    help="Requests of one connector waiting for a response; past it a request is answered "
+    "NO_ROUTE at once.",
+)
+@click.option(
+    "--max-request-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=3600.0,
+    show_default=True,
+    help="Longest request timeout in seconds; a request asking for longer gets this.",
+)
+@click.option(
+    "--max-handshaking",
+    type=click.IntRange(1),
+    default=1_000,
+    show_default=True,
+    help="Connections that have not sent HELLO yet; past it a new connection is closed at once.",
+)
+@click.option(
+    "--handshake-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds a new connection has to send HELLO before it is closed "
+    "(checked every --heartbeat-interval).",
+)
+@click.option(
+    "--max-operators",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="Operator links (meshbus stat, drain) open at once; past it one is refused.",
+)
 def broker(
     listen: str,
     seeds: tuple[str, ...],
@@ -184,6 +243,14 @@ def broker(
     trace_sample: float,
     max_frame: int,
     max_pending_bytes: int,
+    max_services: int,
+    max_groups_per_service: int,
+    max_groups: int,
+    max_requests: int,
+    max_request_timeout: float,
+    max_handshaking: int,
+    handshake_timeout: float,
+    max_operators: int,
 ) -> None:
     """Run a broker in the foreground until SIGINT or SIGTERM.
 
@@ -222,6 +289,15 @@ def broker(
         group_grace=group_grace,
         telemetry_interval=telemetry_interval,
         trace_sample=trace_sample,
+        # the limits
+        max_services=max_services,
+        max_groups_per_service=max_groups_per_service,
+        max_groups=max_groups,
+        max_requests=max_requests,
+        max_request_timeout=max_request_timeout,
+        max_handshaking=max_handshaking,
+        handshake_timeout=handshake_timeout,
+        max_operators=max_operators,
     )
     try:
         uvloop.run(serve(config))

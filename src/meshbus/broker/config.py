@@ -45,3 +45,14 @@ class BrokerConfig:
     # share of sends connectors trace while it is on.
     telemetry_interval: float = 0.0
     trace_sample: float = 0.001
+    # -- Limits: what one client can take from this broker (docs/architecture.md §7).
+    # Past a per-connector limit the request is refused (ERROR LIMIT_EXCEEDED, or NO_ROUTE
+    # for a request) and the link stays usable; past a per-link limit the link is closed.
+    max_services: int = 10_000  # services registered per connector
+    max_groups_per_service: int = 1_000  # groups one service is a member of
+    max_groups: int = 100_000  # group memberships per connector, over all its services
+    max_requests: int = 10_000  # requests per connector waiting for a response
+    max_request_timeout: float = 3600.0  # a request's longer timeout_ms is cut to this
+    max_handshaking: int = 1_000  # accepted connections that have not sent HELLO yet
+    handshake_timeout: float = 5.0  # seconds a connection may take to send its HELLO
+    max_operators: int = 16  # operator links (meshbus stat, drain) open at once

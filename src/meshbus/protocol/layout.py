@@ -149,6 +149,9 @@ class ErrorCode(IntEnum):
     NO_STREAM = 18  # no such stream (or consumer) in the mesh
     STREAM_ERROR = 19  # a stream request was refused (bad config, storage error)
     UNAVAILABLE = 20  # the broker that would answer is not reachable now; try again
+    # A limit of the broker (its message names the limit and its flag) was reached: the
+    # request is refused and the link stays open (docs/architecture.md, the limits).
+    LIMIT_EXCEEDED = 21
 
 
 # Errors after which the sender of the offending frame is disconnected.
