@@ -31,6 +31,9 @@ class BrokerConfig:
     boost_window: float = 30.0
     heartbeat_interval: float = 0.5
     heartbeat_misses: int = 3  # a silent peer is dead after 1.5 s
+    # A broker this one lost (or heard of) is dialled again, with a backoff capped at two
+    # heartbeat intervals, until it is back, has left, or this many seconds passed.
+    peer_forget: float = 600.0
     drain_grace: float = 10.0
     join_timeout: float = 30.0
     data_dir: str = ""

@@ -37,6 +37,7 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
 from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.redial import RedialTable
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sync import RouteSync
@@ -63,8 +64,6 @@ log = logging.getLogger("meshbus.broker")
 
 # Route operations per ROUTES frame: about 40 bytes each, well under the default frame limit.
 ROUTES_CHUNK = 10_000
-# A broker that could not be dialled is not dialled again from gossip for this long.
-_DIAL_COOLDOWN = 2.0
 _DIAL_TIMEOUT = 5.0
 # After BYE, how long a stopping broker waits for its peers to close their side.
 _BYE_TIMEOUT = 1.0
@@ -134,7 +133,13 @@ class Mesh:
         self.draining = False
         self._dialling: dict[str, str] = {}  # address -> expected name ("" unknown)
         self._dial_waiters: dict[Link, asyncio.Future[bool]] = {}
-        self._dial_failed: dict[str, float] = {}  # address -> when
+        # Brokers to link to and not linked to (meshbus.broker.redial): lost peers, brokers
+        # heard of in gossip, and the seeds while this broker is alone.
+        interval = config.heartbeat_interval
+        self.redials = RedialTable(
+            base=interval / 2, cap=2 * interval, forget_after=config.peer_forget
+        )
+        self.redials.add_seeds(config.seeds, clock())
         self._lists_scheduled = False
         self._pushed: tuple[str, ...] = ()
         self._gossip = asyncio.Event()
@@ -259,7 +264,7 @@ class Mesh:
                 )
                 return await opened
         except (OSError, TimeoutError, ValueError) as exc:
-            self._dial_failed[address] = self._clock()
+            self.redials.failed(expected, address, self._clock())
             for name, info in list(self.known.items()):
                 if info.address == address and name not in self.peers:
                     del self.known[name]  # heard of, but not there
@@ -346,6 +351,7 @@ class Mesh:
         state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))
         state.address = listen
         state.slot = slot
+        self.redials.linked(name, listen)
         self._greet_peer(link)
         self.peers.add(link)
         link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self.brokers())))
@@ -371,23 +377,29 @@ class Mesh:
             self.lists_changed()
 
     def on_brokers(self, link: Link, correlation: int, body: Body) -> None:
-        """Gossip: link to every broker we hear of and are not linked to."""
+        """Gossip (with every heartbeat): every ready broker we hear of and are not linked
+        to becomes a candidate to dial (a joining broker dials us itself); one that
+        announces its drain is leaving."""
         assert isinstance(body, Brokers)
         now = self._clock()
         for info in body.brokers:
             if info.name == self.name or info.name in self.peers:
                 continue
             self.known[info.name] = info
-            failed = self._dial_failed.get(info.address)
-            # A joining broker dials us itself; we dial the ready ones we are missing.
-            if (
-                info.ready
-                and self.ready
-                and not self.draining
-                and (failed is None or now - failed > _DIAL_COOLDOWN)
-            ):
-                self._tasks.spawn(self.dial(info.address, info.name), f"dial-{info.name}")
+            if info.draining:
+                self.redials.left(info.name)
+            elif info.ready:
+                self.redials.want(info.name, info.address, now)
         self._gossip.set()
+        self._dial_due()
+
+    def _dial_due(self) -> None:
+        """Dial the candidates whose time has come (meshbus.broker.redial)."""
+        if not self.ready or self.draining:
+            return
+        for candidate in self.redials.due(self._clock(), isolated=not self.peers):
+            name = candidate.name or candidate.address
+            self._tasks.spawn(self.dial(candidate.address, candidate.name), f"dial-{name}")
 
     def on_ready(self, link: Link, correlation: int, body: Body) -> None:
         """A broker joined: hand it our share of connectors (the seed's join step)."""
@@ -502,6 +514,13 @@ class Mesh:
         graceful = (
             reason in _GRACEFUL or leaving is not None or (state is not None and state.draining)
         )
+        if reason is CloseReason.DUPLICATE_LINK or not graceful:
+            # Replaced by another link, or lost without a goodbye: it may be back (or
+            # be reachable again) at any moment, and one of us must dial.
+            assert link.peer is not None
+            self.redials.want(link.name, link.peer.listen, self._clock())
+        else:
+            self.redials.left(link.name)
         if not graceful:
             self.stats.peers_crashed += 1
             self._boost_until = self._clock() + self.config.boost_window
@@ -515,8 +534,11 @@ class Mesh:
     # -- heartbeats -----------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
-        """Once per ``heartbeat_interval``: a peer silent for ``heartbeat_misses``
-        intervals is dead; every peer gets our LOAD (which is our heartbeat)."""
+        """Once per ``heartbeat_interval``: the candidates due are dialled; a peer silent
+        for ``heartbeat_misses`` intervals is dead (and a candidate from the next
+        interval on); every peer gets our LOAD (which is our heartbeat) and our list of
+        brokers."""
+        self._dial_due()
         for link in self.peers.links():
             peer = link.peer
             assert peer is not None
@@ -532,6 +554,10 @@ class Mesh:
                         CloseReason.HEARTBEAT_TIMEOUT,
                     )
         self._send_all(ControlType.LOAD, self._load())
+        # The broker list travels with every heartbeat, not only when it changes: a link
+        # between two brokers that both reach a third is repaired within an interval or
+        # two of the network working again.
+        self._send_all(ControlType.BROKERS, Brokers(brokers=self.brokers()))
 
     # -- drain and stop -------------------------------------------------------------------------
 

@@ -563,6 +563,7 @@ class FakeNetwork:
         self._pump_scheduled = False
         self._ids = itertools.count(1)
         self._apart: set[frozenset[str]] = set()
+        self._paused: set[str] = set()
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -595,6 +596,8 @@ class FakeNetwork:
             ((host, int(port)), (origin_host, 40000 + wire_id)),
         )
         self.wires.append(wire)
+        if origin in self._paused or address in self._paused:
+            wire.hold()  # the kernel takes the connection; the stopped process reads nothing
         accepted.connection_made(wire.transports[1])
         protocol.connection_made(wire.transports[0])
         return wire
@@ -637,6 +640,20 @@ class FakeNetwork:
 
     def heal(self, one: str, other: str) -> None:
         self._apart.discard(frozenset((one, other)))
+
+    def pause(self, address: str) -> None:
+        """The process at ``address`` stops (SIGSTOP): its wires, and any made to it
+        meanwhile, carry nothing until ``resume``; connections to it still succeed."""
+        self._paused.add(address)
+        for wire in self.wires_of(address):
+            wire.hold()
+
+    def resume(self, address: str) -> None:
+        """SIGCONT: what piled up on its wires is delivered, in order."""
+        self._paused.discard(address)
+        for wire in self.wires_of(address):
+            if not self._paused & set(wire.labels):
+                wire.release()
 
     def crash(self, address: str) -> None:
         """The host at ``address`` is gone: every wire of it breaks, nothing is accepted."""

@@ -1,0 +1,150 @@
+"""A mesh that heals: brokers re-link after a partition, a pause or an island, within a
+few heartbeat intervals of the network working again, and never dial one that left.
+
+Every broker's timers are driven by the test: ``tick`` moves the fake clock one
+heartbeat interval and runs every live broker's housekeeping, as its own timer would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshbus.broker.server import Broker
+from tests.unit.broker.fakes import (
+    FakeClock,
+    FakeNetwork,
+    address_of,
+    build_mesh,
+    connector,
+    routes_everywhere,
+)
+
+INTERVAL = 0.5
+MISSES = 3
+# The goal: whole again within 3 heartbeat intervals + 1 s of the network working again.
+HEAL_BUDGET = 3 * INTERVAL + 1.0
+
+
+async def tick(network: FakeNetwork, clock: FakeClock, brokers: list[Broker]) -> None:
+    clock.advance(INTERVAL)
+    for broker in brokers:
+        broker.housekeeping()
+    await network.settle()
+
+
+def linked(brokers: list[Broker]) -> dict[str, list[str]]:
+    return {b.config.name: b.peers.names() for b in brokers}
+
+
+def full_mesh(brokers: list[Broker]) -> dict[str, list[str]]:
+    names = [b.config.name for b in brokers]
+    return {n: sorted(set(names) - {n}) for n in names}
+
+
+async def ticks_until_whole(
+    network: FakeNetwork, clock: FakeClock, brokers: list[Broker], budget: float
+) -> float:
+    """Tick until every broker is linked to every other; the time it took."""
+    start = clock.now
+    while linked(brokers) != full_mesh(brokers):
+        assert clock.now - start <= budget, f"not whole after {budget} s: {linked(brokers)}"
+        await tick(network, clock, brokers)
+    return clock.now - start
+
+
+@pytest.fixture
+async def mesh3(network: FakeNetwork) -> list[Broker]:
+    return await build_mesh(network, 3, heartbeat_interval=INTERVAL, heartbeat_misses=MISSES)
+
+
+async def test_a_cut_link_between_two_brokers_that_both_reach_a_third_is_repaired(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    a, b, c = mesh3
+    on_b = await connector(network, b, "on-b")
+    address = await on_b.register("svc", 1)
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    assert linked(mesh3) == {"a": ["c"], "b": ["c"], "c": ["a", "b"]}
+    assert routes_everywhere(mesh3, address)["a"] is None  # one hop only: a cannot reach it
+    for _ in range(8):  # apart for 4 s: the dials fail, the backoff stays capped
+        await tick(network, clock, mesh3)
+    assert linked(mesh3)["a"] == ["c"]
+    network.heal(address_of("a"), address_of("b"))
+    await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
+    assert routes_everywhere(mesh3, address) == {"a": "b", "b": "local", "c": "b"}
+
+
+async def test_a_broker_paused_past_its_heartbeat_budget_is_linked_again_when_it_resumes(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    a, b, c = mesh3
+    on_b = await connector(network, b, "on-b")
+    address = await on_b.register("svc", 1)
+    # A pause (SIGSTOP): b reads nothing, writes nothing and runs no timer for 3 s.
+    network.pause(address_of("b"))
+    for _ in range(6):
+        await tick(network, clock, [a, c])
+    assert linked([a, c]) == {"a": ["c"], "c": ["a"]}, "its peers declared it dead"
+    assert routes_everywhere([a, c], address) == {"a": None, "c": None}
+    network.resume(address_of("b"))  # it reads what piled up: goodbyes, and new HELLOs
+    await network.settle()
+    await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
+    assert routes_everywhere(mesh3, address) == {"a": "b", "b": "local", "c": "b"}
+
+
+async def test_pausing_each_broker_in_turn_leaves_one_mesh_not_islands(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    for paused in mesh3:
+        others = [b for b in mesh3 if b is not paused]
+        network.pause(paused.config.advertise)
+        for _ in range(6):
+            await tick(network, clock, others)
+        network.resume(paused.config.advertise)
+        await network.settle()
+        await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
+
+
+async def test_a_broker_cut_off_from_everyone_dials_its_seed_again(
+    network: FakeNetwork, clock: FakeClock
+) -> None:
+    a, b = await build_mesh(network, 2, heartbeat_interval=INTERVAL, peer_forget=1.0)
+    network.partition(address_of("a"), address_of("b"))
+    # Long enough that b forgets a as a lost peer: only its seed is left to find it by.
+    for _ in range(10):
+        await tick(network, clock, [a, b])
+    assert linked([a, b]) == {"a": [], "b": []}
+    assert len(b.mesh.redials) == 0
+    network.heal(address_of("a"), address_of("b"))
+    await ticks_until_whole(network, clock, [a, b], HEAL_BUDGET)
+
+
+async def test_a_broker_that_drained_is_not_dialled_again(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    a, b, c = mesh3
+    await c.mesh.drain(0.0)
+    await c.mesh.stop()
+    await network.settle()
+    network.crash(address_of("c"))
+    for _ in range(4):
+        await tick(network, clock, [a, b])
+    assert linked([a, b]) == {"a": ["b"], "b": ["a"]}
+    assert "c" not in a.mesh.redials.names()
+    assert "c" not in b.mesh.redials.names()
+
+
+async def test_a_crashed_broker_stays_a_candidate_until_forgotten(
+    network: FakeNetwork, clock: FakeClock
+) -> None:
+    a, b = await build_mesh(network, 2, heartbeat_interval=INTERVAL, peer_forget=3.0)
+    network.crash(address_of("b"))
+    await network.settle()
+    assert a.mesh.redials.names() == ["b"]
+    for _ in range(4):  # 2 s: still dialled, with a capped backoff
+        await tick(network, clock, [a])
+    assert a.mesh.redials.names() == ["b"]
+    for _ in range(4):  # past peer_forget
+        await tick(network, clock, [a])
+    assert a.mesh.redials.names() == []
