@@ -60,7 +60,7 @@ async def mesh3(network: FakeNetwork) -> list[Broker]:
 async def test_a_cut_link_between_two_brokers_that_both_reach_a_third_is_repaired(
     network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
 ) -> None:
-    a, b, c = mesh3
+    _, b, _ = mesh3
     on_b = await connector(network, b, "on-b")
     address = await on_b.register("svc", 1)
     network.partition(address_of("a"), address_of("b"))
@@ -138,7 +138,7 @@ async def test_a_broker_that_drained_is_not_dialled_again(
 async def test_a_crashed_broker_stays_a_candidate_until_forgotten(
     network: FakeNetwork, clock: FakeClock
 ) -> None:
-    a, b = await build_mesh(network, 2, heartbeat_interval=INTERVAL, peer_forget=3.0)
+    a, _ = await build_mesh(network, 2, heartbeat_interval=INTERVAL, peer_forget=3.0)
     network.crash(address_of("b"))
     await network.settle()
     assert a.mesh.redials.names() == ["b"]
