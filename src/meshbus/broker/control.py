@@ -121,6 +121,8 @@ class ControlHandler:
             return
         assert link.accepting is not None
         hello = link.accepting.receive(frame).hello
+        links = self._links
+        links.handshake_done(link)
         if hello.role == ROLE_BROKER:
             refused = self._mesh.accept_peer(link, hello)
             if refused is not None:
@@ -128,8 +130,16 @@ class ControlHandler:
             return
         operator = hello.role == ROLE_OPERATOR
         mesh = self._mesh
+        if operator and len(links.operators) >= self._config.max_operators:
+            self._refuse(
+                link,
+                ErrorCode.LIMIT_EXCEEDED,
+                f"limit exceeded: this broker already has {self._config.max_operators} "
+                "operator links open (the broker's --max-operators); try again later",
+            )
+            return
         # An operator asks about *this* broker, full, joining or draining as it may be.
-        refusal = "" if operator else mesh.refusal(len(self._links.connectors))
+        refusal = "" if operator else mesh.refusal(len(links.connectors))
         if refusal:
             self._refuse(link, ErrorCode.REDIRECT, refusal, mesh.redirect())
             return
@@ -138,9 +148,10 @@ class ControlHandler:
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
         if operator:
             link.open_as_operator(hello.name, max_frame)
+            links.operator_opened(link)
         else:
             link.open_as_connector(hello.name, hello.session, max_frame, hello.synced)
-            self._links.connector_opened(link)
+            links.connector_opened(link)
             mesh.lists_changed()
         welcome = Welcome(
             broker=self._config.name,
@@ -165,6 +176,13 @@ class ControlHandler:
     def on_register(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Register)
         routing = self._routing
+        limit = self._config.max_services
+        if routing.owned_count(link) >= limit:
+            raise Refused(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"limit exceeded: this connector already has {limit} services registered "
+                "(the broker's --max-services); unregister some first",
+            )
         try:
             if body.instance == 0:
                 address = routing.allocate_dynamic(
@@ -267,6 +285,7 @@ class ControlHandler:
     def on_join(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Membership)
         self._check_membership(link, body, "join")
+        self._check_group_limits(link, body)
         self._routing.join(body.member, body.group)
         self._sync.announce(OP_JOIN, body.member, body.group)
         self._answer(link, ControlType.OK, Empty(), correlation, True)
@@ -302,6 +321,25 @@ class ControlHandler:
             raise Refused(
                 ErrorCode.NOT_REGISTERED,
                 f"cannot {verb} {describe_address(address)}: this connector has not registered it",
+            )
+
+    def _check_group_limits(self, link: Link, body: Membership) -> None:
+        routing = self._routing
+        if routing.is_member(body.member, body.group):
+            return  # already a member: joining again changes nothing
+        config = self._config
+        if routing.group_count_of(body.member) >= config.max_groups_per_service:
+            raise Refused(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"limit exceeded: {describe_address(body.member)} is already in "
+                f"{config.max_groups_per_service} groups "
+                "(the broker's --max-groups-per-service); leave some first",
+            )
+        if routing.memberships_of(link) >= config.max_groups:
+            raise Refused(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"limit exceeded: this connector's services are already in {config.max_groups} "
+                "groups in all (the broker's --max-groups); leave some first",
             )
 
     def _check_membership(self, link: Link, body: Membership, verb: str) -> None:

@@ -105,10 +105,14 @@ class Forwarder:
         stats: TrafficStats,
         deadline: Callable[[int], float],
         trace: TraceHop,
+        max_requests: int = 10_000,
     ) -> None:
         """``deadline`` turns a request's timeout_ms (0: the default) into a deadline on
-        the broker's clock; ``trace`` records a traced frame's hop (telemetry)."""
+        the broker's clock; ``trace`` records a traced frame's hop (telemetry);
+        ``max_requests`` is how many requests of one link may wait for a response
+        (``--max-requests``): past it a request is answered NO_ROUTE at once."""
         self.routing = routing
+        self._max_requests = max_requests
         self._pending = pending
         self._outbox = outbox
         self._stats = stats
@@ -195,6 +199,9 @@ class Forwarder:
             self._stats.dropped_no_route += 1
             if flags & _TELL_SENDER:
                 outbox.no_route(link, msg_id, src, dst)
+            return None
+        if flags & FLAG_REQUEST and self._pending.count(link) >= self._max_requests:
+            self._too_many_requests(link, msg_id, src, dst)
             return None
         if (
             flags & _REQUEST_OR_TRACE == FLAG_REQUEST
@@ -329,12 +336,28 @@ class Forwarder:
                 outbox.deliver(requester_link, frame)
             return
         msg_id, timeout_ms = _unpack_request_ids(buf, pos + OFF_MSG_ID)
+        if self._pending.count(link) >= self._max_requests:
+            self._too_many_requests(link, msg_id, decision.src, dst)
+            return
         targets = decision.targets
         for target in targets:
             outbox.deliver(target, frame)
         self._stats.requests += 1
         self._pending.add(
             decision.src, msg_id, link, self._deadline(timeout_ms), dst, _via(targets)
+        )
+
+    def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
+        """A request past the link's cap: refused, not forwarded, and the requester told
+        now (its ``request()`` raises NoRoute with this reason)."""
+        self._stats.dropped_no_route += 1
+        self._outbox.no_route(
+            link,
+            msg_id,
+            src,
+            dst,
+            f"limit exceeded: this connector already has {self._max_requests} requests "
+            "waiting for a response (the broker's --max-requests)",
         )
 
 

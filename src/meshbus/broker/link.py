@@ -58,6 +58,10 @@ log = logging.getLogger("meshbus.broker")
 
 _READ_BUFFER = 256 * 1024
 _MIN_READ = 64 * 1024
+# Before its handshake a link has a small buffer, enough for any HELLO or WELCOME: a
+# connection that never says HELLO holds this much, not 256 KiB (_opening grows it).
+_HANDSHAKE_BUFFER = 4 * 1024
+_HANDSHAKE_MIN_READ = 1024
 _NO_KEY = b""  # empty, so falsy: no cached routing decision
 _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
@@ -105,8 +109,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._blocked = False  # reading stopped until a pending REGISTER is decided
         self._eof = False  # our direction ended (half_close): nothing more may be written
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray(_READ_BUFFER)
+        self._buf = bytearray(_HANDSHAKE_BUFFER)
         self._mv = memoryview(self._buf)
+        self._min_read = _HANDSHAKE_MIN_READ
         self._start = 0
         self._end = 0
         # Routing decisions by routing key, valid for one routing-table version; and the
@@ -149,6 +154,14 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.state = LinkState.OPEN
         self.name = name
         self.max_frame = max_frame
+        if len(self._buf) < _READ_BUFFER:
+            # The full buffer now that the link is open. Same offsets: ``_process`` may be
+            # in the middle of this read, and goes on with the old buffer's bytes.
+            buf = bytearray(_READ_BUFFER)
+            buf[: self._end] = self._mv[: self._end]
+            self._buf = buf
+            self._mv = memoryview(buf)
+        self._min_read = _MIN_READ
 
     # -- asyncio callbacks ------------------------------------------------
 
@@ -168,7 +181,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if len(self._buf) - self._end < _MIN_READ:
+        if len(self._buf) - self._end < self._min_read:
             self._make_room()
         return self._mv[self._end :]
 
@@ -419,11 +432,11 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._on_close(self, reason)
 
     def _make_room(self) -> None:
-        """Called when under _MIN_READ bytes are free: move the unread tail to the front,
+        """Called when under ``_min_read`` bytes are free: move the unread tail to the front,
         and grow the buffer if that is not enough (a frame larger than the buffer)."""
         pending = self._end - self._start
         size = len(self._buf)
-        if size - pending < _MIN_READ:
+        if size - pending < self._min_read:
             size = min(2 * size, self.max_frame + _READ_BUFFER)
         # A fresh buffer rather than an in-place move or resize: the loop may still hold
         # views of the old one, and a bytearray with live views cannot be resized.

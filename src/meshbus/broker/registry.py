@@ -19,6 +19,10 @@ class LinkRegistry:
     def __init__(self) -> None:
         self.links: dict[int, Link] = {}
         self.connectors: set[Link] = set()  # open connector links
+        self.operators: set[Link] = set()  # open operator links (--max-operators)
+        # Accepted links that have not sent HELLO yet -> when they must have: in deadline
+        # order, as each gets the same timeout (--max-handshaking, --handshake-timeout).
+        self.handshaking: dict[Link, float] = {}
         self.accepted = 0
         self.closed: Counter[str] = Counter()  # closed links by reason
         # Traffic of links that have closed; open links keep their own counts.
@@ -39,9 +43,27 @@ class LinkRegistry:
     def connector_opened(self, link: Link) -> None:
         self.connectors.add(link)
 
+    def operator_opened(self, link: Link) -> None:
+        self.operators.add(link)
+
+    def handshake_done(self, link: Link) -> None:
+        """``link`` sent its HELLO: no longer waiting for one."""
+        self.handshaking.pop(link, None)
+
+    def late_handshakes(self, now: float) -> list[Link]:
+        """The links still waiting for HELLO at their deadline; costs what is late."""
+        late = []
+        for link, deadline in self.handshaking.items():
+            if deadline > now:
+                break
+            late.append(link)
+        return late
+
     def close(self, link: Link, reason: CloseReason) -> bool:
         """Forget ``link``; True when it was a connector."""
         self.links.pop(link.link_id, None)
+        self.handshaking.pop(link, None)
+        self.operators.discard(link)
         self.closed[reason.value] += 1
         self._closed_msgs_in += link.msgs_in
         self._closed_msgs_out += link.msgs_out

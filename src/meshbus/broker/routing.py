@@ -108,6 +108,7 @@ class RoutingTable(Generic[L]):
         self._groups: dict[bytes, _Group[L]] = {}
         self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
         self._memberships = 0
+        self._link_memberships: Counter[L] = Counter()  # memberships per link (the limits)
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
         # Dynamic ids in the table per (server name, slot): a full server name is refused
         # at once instead of after a scan of all 65536 ids.
@@ -194,6 +195,7 @@ class RoutingTable(Generic[L]):
         g.stale = True
         self._joined.setdefault(member, set()).add(group)
         self._memberships += 1
+        self._link_memberships[link] += 1
         self.version += 1
 
     def leave(self, member: bytes, group: bytes) -> None:
@@ -216,6 +218,11 @@ class RoutingTable(Generic[L]):
         if not joined:
             del self._joined[member]
         self._memberships -= 1
+        count = self._link_memberships[link] - 1
+        if count:
+            self._link_memberships[link] = count
+        else:
+            del self._link_memberships[link]
         self.version += 1
 
     def remove_link(self, link: L) -> list[bytes]:
@@ -241,6 +248,17 @@ class RoutingTable(Generic[L]):
     def owned_count(self, link: L) -> int:
         """len(owned_by(link)) without the copy: stat asks this for every link."""
         return len(self._by_link.get(link, ()))
+
+    def memberships_of(self, link: L) -> int:
+        """Group memberships of every service of ``link``, counted once per (member, group)."""
+        return self._link_memberships.get(link, 0)
+
+    def is_member(self, member: bytes, group: bytes) -> bool:
+        return group in self._joined.get(member, ())
+
+    def group_count_of(self, member: bytes) -> int:
+        """How many groups ``member`` is in."""
+        return len(self._joined.get(member, ()))
 
     def route_unicast(self, dst: bytes) -> L | None:
         return self._owner.get(dst)

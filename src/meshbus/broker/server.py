@@ -44,7 +44,7 @@ from meshbus.broker.telemetry import Telemetry
 from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
-from meshbus.protocol.layout import ControlType
+from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks
 
 __all__ = ["Broker", "BrokerConfig", "serve"]
@@ -108,7 +108,13 @@ class Broker:
             counters=self.traffic_counters,
         )
         self.forwarder = Forwarder(
-            self.routing, self.pending, self.outbox, self.stats, self._deadline, self.telemetry.hop
+            self.routing,
+            self.pending,
+            self.outbox,
+            self.stats,
+            self._deadline,
+            self.telemetry.hop,
+            max_requests=config.max_requests,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
@@ -279,12 +285,41 @@ class Broker:
             forwarder=self.forwarder,
             dispatch=self.dispatch,
             outbox=self.outbox,
-            on_open=self.links.opened,
+            on_open=self._link_opened,
             on_close=self._link_closed,
             max_frame=config.max_frame,
             max_pending_bytes=config.max_pending_bytes,
             dialled=dialled,
         )
+
+    def _link_opened(self, link: Link) -> None:
+        """A TCP connection is up. One this broker accepted must say HELLO within
+        ``handshake_timeout`` (``expire_handshakes``), and at most ``max_handshaking``
+        may be waiting to: past that a new one is closed at once."""
+        links = self.links
+        links.opened(link)
+        if link.dialled:
+            return  # the mesh's own dial, with its own timeout
+        config = self.config
+        if len(links.handshaking) >= config.max_handshaking:
+            link.fail(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"limit exceeded: {config.max_handshaking} connections are already waiting "
+                "to send HELLO (the broker's --max-handshaking); try again later",
+                CloseReason.REFUSED,
+            )
+            return
+        links.handshaking[link] = self.clock() + config.handshake_timeout
+
+    def expire_handshakes(self) -> None:
+        """Close the connections that did not send HELLO in time (from ``housekeeping``)."""
+        timeout = self.config.handshake_timeout
+        for link in self.links.late_handshakes(self.clock()):
+            link.fail(
+                ErrorCode.NOT_HANDSHAKEN,
+                f"no HELLO within {timeout:g} s of connecting (the broker's --handshake-timeout)",
+                CloseReason.REFUSED,
+            )
 
     def _link_closed(self, link: Link, reason: CloseReason) -> None:
         """The ordered cleanup of a closed link (docs/architecture.md explains the order):
@@ -321,8 +356,11 @@ class Broker:
     # -- timers --------------------------------------------------------------------
 
     def _deadline(self, timeout_ms: int) -> float:
-        timeout = timeout_ms / 1000 if timeout_ms else self.config.default_request_timeout
-        return self.clock() + timeout
+        config = self.config
+        timeout = timeout_ms / 1000 if timeout_ms else config.default_request_timeout
+        # A longer timeout is cut to the limit (docs/protocol.md): an entry may not sit in
+        # the pending table for weeks.
+        return self.clock() + min(timeout, config.max_request_timeout)
 
     async def _sweep_pending(self) -> None:
         """Expire pending requests. A fixed tick rather than a timer per request: one wake-up
@@ -345,8 +383,10 @@ class Broker:
             self.housekeeping()
 
     def housekeeping(self) -> None:
-        """Once per heartbeat interval: heartbeats, then the group and stream expiries."""
+        """Once per heartbeat interval: heartbeats, the handshake timeout, then the group
+        and stream expiries."""
         self.mesh.heartbeat()
+        self.expire_handshakes()
         self.guarantees.expire()
         self.streams.expire()
 
