@@ -1,0 +1,161 @@
+"""Each limit flag of ``meshbus broker`` is taken by the real broker, and a client sees
+what the limit says (the limits themselves are tested in tests/unit/broker/test_limits.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+import meshbus
+from meshbus.errors import NoRoute, RegistrationError, Timeout
+from meshbus.protocol import ControlFrame, ControlType, ErrorCode, encode_control
+from meshbus.protocol.control import ROLE_OPERATOR, Error, Hello
+from tests.conftest import BrokerProcess, start_broker
+from tests.integration.helpers import RawLink
+
+
+@asynccontextmanager
+async def running(*args: str) -> AsyncIterator[BrokerProcess]:
+    broker = await start_broker(*args)
+    try:
+        yield broker
+    finally:
+        assert await broker.stop() == 0
+
+
+async def only_error(link: RawLink) -> Error:
+    """The one ERROR frame the broker sends before it closes ``link``."""
+    (frame,) = await link.read_until_closed()
+    assert isinstance(frame, ControlFrame)
+    assert frame.type == ControlType.ERROR, frame
+    assert isinstance(frame.body, Error)
+    return frame.body
+
+
+async def joins_until_refused(service: meshbus.Service, flag: str) -> int:
+    """Join new groups until the broker refuses one; returns how many were joined. (The
+    connector may have joined a group of its own too, so the count is at most the limit.)"""
+    refused: RegistrationError | None = None
+    joined = 0
+    while refused is None and joined < 50:
+        try:
+            await service.join(meshbus.Multicast(f"g{joined}"))
+            joined += 1
+        except RegistrationError as exc:
+            refused = exc
+    assert refused is not None, "never refused"
+    assert refused.code == ErrorCode.LIMIT_EXCEEDED
+    assert flag in str(refused)
+    return joined
+
+
+async def test_max_services_flag() -> None:
+    async with (
+        running("--max-services", "2") as broker,
+        await meshbus.connect(broker.address, server="svc") as conn,
+    ):
+        first = await conn.register()
+        await conn.register()
+        with pytest.raises(RegistrationError, match="--max-services") as caught:
+            await conn.register()
+        assert caught.value.code == ErrorCode.LIMIT_EXCEEDED
+        await first.join(meshbus.Multicast("still.usable"))
+
+
+async def test_max_groups_per_service_flag() -> None:
+    async with (
+        running("--max-groups-per-service", "3") as broker,
+        await meshbus.connect(broker.address, server="svc") as conn,
+    ):
+        svc = await conn.register()
+        assert 2 <= await joins_until_refused(svc, "--max-groups-per-service") <= 3
+        other = await conn.register()
+        await other.join(meshbus.Multicast("g40"))
+
+
+async def test_max_groups_flag() -> None:
+    async with (
+        running("--max-groups", "4") as broker,
+        await meshbus.connect(broker.address, server="svc") as conn,
+    ):
+        one, two = await conn.register(), await conn.register()
+        await one.join(meshbus.Multicast("a"))
+        assert 2 <= await joins_until_refused(two, "--max-groups)") <= 3
+        with pytest.raises(RegistrationError, match="--max-groups\\)"):
+            await one.join(meshbus.Multicast("b"))
+
+
+async def test_max_requests_flag() -> None:
+    async with (
+        running("--max-requests", "1") as broker,
+        await meshbus.connect(broker.address, server="svc") as conn,
+    ):
+        silent = await conn.register(instance=1)  # never answers
+        asker = await conn.register()
+        waiting = asyncio.create_task(asker.request(silent.address, b"1", timeout=1.0))
+        await asyncio.sleep(0.2)
+        with pytest.raises(NoRoute, match="--max-requests"):
+            await asker.request(silent.address, b"2", timeout=5.0)
+        with pytest.raises(Timeout):
+            await waiting
+
+
+async def test_max_request_timeout_flag() -> None:
+    async with (
+        running("--max-request-timeout", "0.3") as broker,
+        await meshbus.connect(broker.address, server="svc") as conn,
+    ):
+        silent = await conn.register(instance=1)
+        asker = await conn.register()
+        started = time.monotonic()
+        with pytest.raises(Timeout):
+            await asker.request(silent.address, b"?", timeout=30.0)
+        assert time.monotonic() - started < 5.0, "the broker's TIMEOUT came at 0.3 s"
+
+
+async def test_handshake_timeout_flag() -> None:
+    async with running("--handshake-timeout", "0.3", "--heartbeat-interval", "0.1") as broker:
+        link = await RawLink.open(broker.address)
+        try:
+            error = await only_error(link)
+        finally:
+            await link.close()
+        assert error.code == ErrorCode.NOT_HANDSHAKEN
+        assert "--handshake-timeout" in error.message
+
+
+async def test_max_handshaking_flag() -> None:
+    async with running("--max-handshaking", "1") as broker:
+        waiting = await RawLink.open(broker.address)
+        turned_away = await RawLink.open(broker.address)
+        try:
+            error = await only_error(turned_away)
+            assert error.code == ErrorCode.LIMIT_EXCEEDED
+            assert "--max-handshaking" in error.message
+            await waiting.hello()
+            await waiting.ping()
+        finally:
+            await turned_away.close()
+            await waiting.close()
+
+
+async def test_max_operators_flag() -> None:
+    async with running("--max-operators", "1") as broker:
+        first, second = await RawLink.open(broker.address), await RawLink.open(broker.address)
+        try:
+            for link in (first, second):
+                await link.send(
+                    encode_control(ControlType.HELLO, Hello(role=ROLE_OPERATOR, name="op"), 1)
+                )
+            assert (await first.read_control()).type == ControlType.WELCOME
+            error = await only_error(second)
+            assert error.code == ErrorCode.LIMIT_EXCEEDED
+            assert "--max-operators" in error.message
+            await first.ping()
+        finally:
+            await first.close()
+            await second.close()
