@@ -1,0 +1,212 @@
+"""Faults as production machines have them, on real broker processes: a broker paused past
+its heartbeat budget (SIGSTOP/SIGCONT), and one broker-to-broker link cut while every
+other link works (a TCP proxy on loopback in front of each broker). After each, the
+mesh must be whole again within 3 heartbeat intervals + 1 s of the fault ending, with
+the same routes everywhere (docs/mesh.md, "Healing")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+
+import meshbus
+from meshbus.protocol import ControlFrame, FrameDecoder
+from meshbus.protocol.control import Hello
+from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.integration.helpers import stat
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT = 0.5
+# The goal: whole again within 3 heartbeat intervals + 1 s of connectivity returning; the
+# test allows one more second for its own polling and a loaded CI machine.
+HEAL_BUDGET = 3 * HEARTBEAT + 1.0
+POLL_SLACK = 1.0
+
+
+class BrokerGate:
+    """A TCP proxy in front of one broker, which the other brokers dial (the broker
+    advertises the gate's address). It reads each connection's HELLO to learn who
+    dials, and drops the connections of the brokers it is told to shut out: those
+    open are reset, new ones are closed at once, until ``open_to`` lets them in."""
+
+    def __init__(self) -> None:
+        self.upstream = ""
+        self._shut_out: set[str] = set()
+        self._open: dict[asyncio.StreamWriter, str] = {}
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"{host}:{port}"
+        return self.address
+
+    def shut_out(self, name: str) -> None:
+        self._shut_out.add(name)
+        for writer, who in list(self._open.items()):
+            if who == name:
+                writer.transport.abort()
+
+    def open_to(self, name: str) -> None:
+        self._shut_out.discard(name)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._open):
+            writer.transport.abort()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._open[writer] = ""
+        try:
+            await self._forward(reader, writer)
+        finally:
+            self._handlers.discard(task)
+            self._open.pop(writer, None)
+            writer.transport.abort()
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = FrameDecoder()
+        first = b""
+        name = ""
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while not name:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                first += data
+                decoder.feed(data)
+                frame = decoder.next_frame()
+                if isinstance(frame, ControlFrame) and isinstance(frame.body, Hello):
+                    name = frame.body.name or "?"
+            if name in self._shut_out:
+                return
+            host, port = self.upstream.rsplit(":", 1)
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            up_writer.write(first)
+            self._open[writer] = name
+            self._open[up_writer] = name
+            try:
+                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+            finally:
+                self._open.pop(up_writer, None)
+                up_writer.transport.abort()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.transport.abort()
+
+
+async def gated_mesh(count: int) -> tuple[list[BrokerProcess], list[BrokerGate]]:
+    """``count`` brokers, each behind its own gate; they dial each other through the gates."""
+    gates = [BrokerGate() for _ in range(count)]
+    addresses = [await gate.start() for gate in gates]
+    brokers: list[BrokerProcess] = []
+    for i, gate in enumerate(gates):
+        seed = ["--seed", addresses[0]] if i else []
+        broker = await start_broker(
+            "--name", f"g{i}", "--advertise", addresses[i], "--heartbeat-interval",
+            str(HEARTBEAT), *seed,
+        )  # fmt: skip
+        gate.upstream = broker.address
+        brokers.append(broker)
+    return brokers, gates
+
+
+async def peers_of(brokers: list[BrokerProcess]) -> dict[str, list[str]]:
+    return {b.name: sorted((await stat(b, detail=False))["peers"]) for b in brokers}
+
+
+def whole(brokers: list[BrokerProcess]) -> dict[str, list[str]]:
+    names = [b.name for b in brokers]
+    return {n: sorted(set(names) - {n}) for n in names}
+
+
+async def seconds_until_whole(brokers: list[BrokerProcess], budget: float) -> float:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while (now := loop.time()) - start <= budget:
+        if await peers_of(brokers) == whole(brokers):
+            return now - start
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not whole {budget} s after the fault: {await peers_of(brokers)}")
+
+
+@pytest.fixture
+async def three() -> AsyncIterator[tuple[list[BrokerProcess], list[BrokerGate]]]:
+    brokers, gates = await gated_mesh(3)
+    try:
+        assert await peers_of(brokers) == whole(brokers)
+        yield brokers, gates
+    finally:
+        for broker in brokers:
+            if broker.process.returncode is None:
+                broker.process.send_signal(signal.SIGCONT)
+        await stop_all(brokers)
+        for gate in gates:
+            await gate.close()
+
+
+async def routes_agree(brokers: list[BrokerProcess], address: str) -> bool:
+    for broker in brokers:
+        if address not in (await stat(broker))["service_addresses"]:
+            return False
+    return True
+
+
+async def test_a_broker_paused_past_its_heartbeat_budget_rejoins_the_mesh(
+    three: tuple[list[BrokerProcess], list[BrokerGate]],
+) -> None:
+    brokers, _ = three
+    paused = brokers[1]
+    async with await meshbus.connect(paused.address, server="paused", keepalive=0) as conn:
+        service = await conn.register(instance=1)
+        paused.process.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(3.0)  # twice the 1.5 s budget: its peers declare it dead
+        others = [b for b in brokers if b is not paused]
+        assert await peers_of(others) == {others[0].name: [others[1].name],
+                                          others[1].name: [others[0].name]}  # fmt: skip
+        paused.process.send_signal(signal.SIGCONT)
+        took = await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+        print(f"healed {took:.2f} s after SIGCONT")
+        assert await routes_agree(brokers, str(service.address))
+
+
+async def test_one_cut_link_is_repaired_once_it_works_again(
+    three: tuple[list[BrokerProcess], list[BrokerGate]],
+) -> None:
+    brokers, gates = three
+    a, b, _ = brokers
+    async with await meshbus.connect(b.address, server="onb", keepalive=0) as conn:
+        service = await conn.register(instance=1)
+        gates[0].shut_out(b.name)
+        gates[1].shut_out(a.name)
+        await asyncio.sleep(4.0)
+        peers = await peers_of(brokers)
+        assert a.name not in peers[b.name], peers
+        assert b.name not in peers[a.name], peers
+        assert str(service.address) not in (await stat(a))["service_addresses"]
+        gates[0].open_to(b.name)
+        gates[1].open_to(a.name)
+        took = await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+        print(f"healed {took:.2f} s after the link came back")
+        assert await routes_agree(brokers, str(service.address))
