@@ -263,6 +263,7 @@ def broker(
 
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh import MeshJoinError
+    from meshbus.broker.store import StoreError
     from meshbus.broker.streams import DataDirLocked
 
     host, port = parse_hostport(listen)
@@ -303,7 +304,8 @@ def broker(
         uvloop.run(serve(config))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
-    except (MeshJoinError, DataDirLocked) as exc:
+    except (MeshJoinError, DataDirLocked, StoreError) as exc:
+        # StoreError: the stream store is damaged (StoreDamaged) or of another version.
         raise click.ClickException(str(exc)) from exc
 
 

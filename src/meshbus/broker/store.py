@@ -35,6 +35,7 @@ from itertools import takewhile
 from operator import itemgetter
 from typing import NamedTuple
 
+from meshbus.errors import MeshbusError
 from meshbus.protocol.blocks import BlockSlice, slices_of
 
 ADDRESS_LEN = 16
@@ -50,6 +51,16 @@ def check_name(kind: str, name: str) -> None:
 
 class StoreError(Exception):
     """Base of the store's errors; the message says what to do about it."""
+
+
+class StoreDamaged(StoreError, MeshbusError):
+    """A stream store failed its checks at open: the message names the file, what is
+    wrong and how to recover. The broker refuses to start on it."""
+
+
+class StoreFull(StoreError):
+    """A limit of the broker's (streams, bytes per stream, bytes per data dir) would be
+    passed; the message names the limit and the ``meshbus broker`` flag that sets it."""
 
 
 class StreamNotFound(StoreError):

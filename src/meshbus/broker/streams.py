@@ -135,6 +135,7 @@ class StreamHost:
         self.elsewhere: dict[str, Link] = {}  # streams hosted by peers
         self.stored = 0
         self.dropped = 0
+        self._purging: asyncio.Handle | None = None
 
     def names(self) -> list[str]:
         return list(self.members)
@@ -146,6 +147,25 @@ class StreamHost:
         a slot for their member addresses)."""
         for config in self.store.streams():
             self._host(config)
+        self._purge_later()  # a delete that a restart cut short
+
+    def _purge_later(self) -> None:
+        """Remove deleted streams' blocks a slice per turn of the event loop (a slice
+        takes about 10 ms): deleting a big stream must not stall the broker."""
+        store = self.store
+        if self._purging is None and isinstance(store, SqliteStreamStore) and store.purging:
+            self._purging = asyncio.get_running_loop().call_soon(self._purge_slice)
+
+    def _purge_slice(self) -> None:
+        self._purging = None
+        store = self.store
+        assert isinstance(store, SqliteStreamStore)
+        try:
+            store.purge()
+        except StoreError as exc:
+            log.error("purging a deleted stream failed", extra={"error": str(exc)})
+            return
+        self._purge_later()
 
     def _host(self, config: StreamConfig) -> None:
         if config.name in self.members:
@@ -326,6 +346,7 @@ class StreamHost:
         if op == "delete":
             self._unhost(name)
             store.delete_stream(name)
+            self._purge_later()
             return StreamReply()
         if op == "fetch" and body.columns:
             # At most half the frame for the other fields (their worst case per message,
@@ -388,6 +409,8 @@ class StreamHost:
             log.error("stream retention failed", extra={"error": str(exc)})
 
     def close(self) -> None:
+        if self._purging is not None:
+            self._purging.cancel()  # the rest goes after the next start
         self.store.close()
         if self._lock is not None:
             self._lock.close()

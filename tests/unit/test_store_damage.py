@@ -1,0 +1,188 @@
+"""A damaged stream store is found at open (or, for an old block, when it is read), named
+and refused -- never served altered, never silently emptied."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from meshbus.broker import sqlite_store
+from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
+from meshbus.broker.store import NewMessage, StoreDamaged, StoreError, StreamConfig
+from meshbus.errors import MeshbusError
+
+SRC = bytes(range(16))
+DST = bytes(range(16, 32))
+
+
+def make(
+    path: Path, batches: int = 20, per: int = 50, size: int = 100, window: float = 120.0
+) -> SqliteStreamStore:
+    store = SqliteStreamStore(path)
+    store.add_stream(StreamConfig("orders", (DST,), dedupe_window=window))
+    for b in range(batches):
+        payloads = [b"%05d:" % (b * per + i) + b"P" * size for i in range(per)]
+        store.append_batch("orders", [NewMessage(SRC, DST, p) for p in payloads], float(b))
+    return store
+
+
+def flip(path: Path, at: int, count: int = 64) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(count)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def refused(path: Path) -> str:
+    with pytest.raises(StoreDamaged) as error:
+        SqliteStreamStore(path)
+    message = str(error.value)
+    assert isinstance(error.value, MeshbusError)
+    assert message.startswith(f"the stream store {path} is damaged: ")
+    assert f"meshbus stream salvage --data-dir {path.parent}" in message
+    return message
+
+
+@pytest.fixture
+def closed(tmp_path: Path) -> Path:
+    path = tmp_path / "streams.db"
+    make(path).close()
+    assert not os.path.exists(f"{path}-wal")  # closing checkpoints: one file
+    return path
+
+
+def test_truncated_by_8_kib(closed: Path) -> None:
+    os.truncate(closed, os.path.getsize(closed) - 8192)
+    assert "it was cut short" in refused(closed)
+
+
+def test_cut_in_half(closed: Path) -> None:
+    os.truncate(closed, os.path.getsize(closed) // 2)
+    assert "it was cut short" in refused(closed)
+
+
+def test_header_overwritten(closed: Path) -> None:
+    flip(closed, 0, 100)
+    assert "its first bytes are not an SQLite header" in refused(closed)
+
+
+def test_64_flipped_bytes_in_a_payload(closed: Path) -> None:
+    at = closed.read_bytes().find(b"P" * 100)
+    flip(closed, at)
+    assert "of stream 'orders' is damaged (its CRC32 does not match its bytes)" in refused(closed)
+
+
+def test_64_flipped_bytes_in_the_btree(closed: Path) -> None:
+    flip(closed, 4096 * 2 + 8)  # a page's header: SQLite's own structure
+    message = refused(closed)
+    assert "SQLite" in message
+
+
+def test_an_old_damaged_block_is_found_when_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed = tmp_path / "streams.db"
+    make(closed, window=0).close()  # no publish ids to read back at open
+    monkeypatch.setattr(sqlite_store, "VERIFY_BYTES", 1)  # only the newest block at open
+    at = closed.read_bytes().find(b"00003:")
+    flip(closed, at + 10)
+    store = SqliteStreamStore(closed)
+    try:
+        assert [m.seq for m in store.read("orders", 900, 100)] == list(range(900, 1000))
+        expected = "the block of messages 1..50 of stream 'orders' is damaged"
+        with pytest.raises(StoreError, match=expected):
+            store.read("orders", 1, 10)
+        with pytest.raises(StoreError, match=expected):
+            store.read_blocks("orders", 1, 10)
+        reader = SqliteStreamReader(closed)
+        with pytest.raises(StoreError, match=expected):
+            reader.read_blocks("orders", 1, 10)
+        reader.close()
+    finally:
+        store.close()
+
+
+def crash_image(tmp_path: Path) -> Path:
+    """The files a broker killed with kill -9 leaves: the database and its WAL."""
+    live = tmp_path / "live" / "streams.db"
+    live.parent.mkdir()
+    store = make(live, batches=200)
+    image = tmp_path / "crashed" / "streams.db"
+    image.parent.mkdir()
+    shutil.copy(live, image)
+    shutil.copy(f"{live}-wal", f"{image}-wal")
+    store.close()
+    return image
+
+
+def test_a_crash_image_opens_whole(tmp_path: Path) -> None:
+    store = SqliteStreamStore(crash_image(tmp_path))
+    assert store.info("orders").messages == 10_000
+    store.close()
+
+
+def test_64_flipped_bytes_in_the_wal(tmp_path: Path) -> None:
+    image = crash_image(tmp_path)
+    wal = Path(f"{image}-wal")
+    flip(wal, 32 + (24 + 4096) * 3 + 24)  # the page of the fourth frame
+    message = refused(image)
+    assert f"its write-ahead log {wal} is damaged at frame 4 of " in message
+    assert "committed transactions since the last checkpoint" in message
+    assert wal.stat().st_size > 32  # SQLite never got to cut it short
+
+
+def test_a_damaged_wal_header(tmp_path: Path) -> None:
+    image = crash_image(tmp_path)
+    flip(Path(f"{image}-wal"), 0, 8)
+    assert "has a damaged header" in refused(image)
+
+
+def test_an_older_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=3")
+    db.close()
+    with pytest.raises(StoreError, match=r"schema version 3 is not 4.*checksum"):
+        SqliteStreamStore(path)
+
+
+def test_deleting_a_big_stream_does_not_grow_the_data_dir(tmp_path: Path) -> None:
+    path = tmp_path / "streams.db"
+    store = make(path, batches=40, per=100, size=4000)  # 16 MB
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def disk() -> int:
+        return sum(os.path.getsize(p) for p in tmp_path.iterdir())
+
+    before = disk()
+    store.delete_stream("orders")
+    slices = 0
+    while store.purge(max_rows=4):
+        slices += 1
+        assert disk() < before * 1.2
+    assert slices >= 9
+    assert store._db.execute("SELECT count(*) FROM blocks").fetchone() == (0,)
+    store.add_stream(StreamConfig("orders", (DST,)))  # a new id: nothing of the old one
+    assert store.read("orders", 1, 10) == []
+    store.append_batch("orders", [NewMessage(SRC, DST, b"x" * 4000)] * 1000, 99.0)
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert disk() <= before  # the freed pages are used again
+    store.close()
+
+
+def test_a_purge_cut_short_by_a_restart_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "streams.db"
+    store = make(path)
+    store.delete_stream("orders")
+    store.close()
+    store = SqliteStreamStore(path)
+    assert store.purging
+    while store.purge():
+        pass
+    assert store._db.execute("SELECT count(*) FROM blocks").fetchone() == (0,)
+    store.close()
