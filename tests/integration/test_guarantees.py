@@ -479,3 +479,27 @@ async def test_watchers_are_told_of_dead_and_unregistered_services(
             await victim.wait()
         await watcher.close()
         await leaver_conn.close()
+
+
+async def test_a_reliable_send_on_a_lost_connector_leaves_nothing_pending() -> None:
+    """The link is lost for good (no failover): a reliable send raises ConnectionLost and
+    is not counted as unacknowledged, and what was unacknowledged when the link broke is
+    not either -- no acknowledgement can come, so ``wait_acked`` returns at once."""
+    broker = await start_broker()
+    conn = await meshbus.connect(broker.address, server="lost", failover=False, keepalive=0)
+    try:
+        sender = await conn.register()
+        # Sent to a service that never acks (nobody registered it): pending until the loss.
+        await sender.send(meshbus.Unicast("lost", 9), b"never acked", reliable=True)
+        assert conn.unacked == 1
+        broker.process.kill()
+        await broker.process.wait()
+        with pytest.raises(meshbus.ConnectionLost):
+            await sender.recv(timeout=5)
+        assert conn.unacked == 0
+        with pytest.raises(meshbus.ConnectionLost):
+            await sender.send(meshbus.Unicast("lost", 9), b"after the loss", reliable=True)
+        assert conn.unacked == 0
+        await conn.wait_acked(timeout=1)
+    finally:
+        await conn.close()

@@ -203,6 +203,13 @@ class Unacked:
             state.unreachable = True
         return True
 
+    def withdraw(self, msg_id: int) -> None:
+        """A message that was never sent: it is not pending, nor counted as given up."""
+        pending = self.messages.pop(msg_id, None)
+        self.outbox.remove(msg_id)
+        if pending is not None:
+            self._settled(pending)
+
     def give_up(self, msg_id: int) -> None:
         pending = self.messages.pop(msg_id, None)
         if pending is None:
@@ -248,10 +255,14 @@ class Unacked:
             )
 
     def shutdown(self, error: Exception) -> None:
-        """The connector ended: whoever waits for an acknowledgement gets ``error``."""
+        """The connector ended: whoever waits for an acknowledgement gets ``error``, and
+        nothing is pending any more (no acknowledgement can come)."""
         for pending in self.messages.values():
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(error)
+        self.messages.clear()
+        for msg_id in self.outbox.ids():
+            self.outbox.remove(msg_id)
         self._room.set()
         self._idle.set()
 
@@ -349,7 +360,12 @@ class Reliable:
         pending = _Pending(src, dst, target, payload, flags, ext, key if group else None, seq)
         pending.future = future
         unacked.add(msg_id, pending, targets, _now())
-        await self._outbound.write_data(target, src, _payload(pending), flags, msg_id)
+        try:
+            await self._outbound.write_data(target, src, _payload(pending), flags, msg_id)
+        except MeshbusError:
+            # Never written (the connector is closed or lost): nothing to wait for.
+            unacked.withdraw(msg_id)
+            raise
         self._arm()
         if future is not None:
             await future
