@@ -7,12 +7,27 @@ does not send takes its default. Addresses travel as their 16 raw bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from meshbus.protocol.blocks import BlockSlice
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ControlType
+
+# Bounds on what a body's numbers may be: a value outside them is a decode error (the
+# sender's PROTOCOL_ERROR), never an OverflowError deep in the broker or a number SQLite
+# cannot store. Sized to the fields they stand for on the wire and on disk.
+U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
+U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries no more; msgspec bounds stop at int64
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # connectors, messages per call
+Counter = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # a sequence of route operations
+# A stream's seqs: the SQLite store packs (stream id, seq) into one key, 2**40 seqs each.
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+# Seconds: a limit, a wait, a grace period (about 31 years at most; NaN is refused).
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 
 
 class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -37,14 +52,14 @@ class Hello(Body):
     frame it sends back on this link).
     """
 
-    protocol: int = PROTOCOL_VERSION
+    protocol: U16 = PROTOCOL_VERSION
     role: str = ROLE_CONNECTOR
     name: str = ""
-    max_frame: int = DEFAULT_MAX_FRAME
+    max_frame: U32 = DEFAULT_MAX_FRAME
     session: bytes = b""
     listen: str = ""
-    slot: int = 0
-    tag: int = 0
+    slot: U16 = 0
+    tag: U32 = 0
     # A connector that wants SYNCED after the answer to each change it makes.
     synced: bool = False
 
@@ -54,9 +69,9 @@ class BrokerInfo(Body):
 
     name: str
     address: str
-    slot: int = 0
-    connectors: int = 0
-    capacity: int = 0
+    slot: U16 = 0
+    connectors: Count = 0
+    capacity: Count = 0
     ready: bool = False
     draining: bool = False
 
@@ -66,21 +81,21 @@ class Welcome(Body):
     connectors (later changes come as BROKERS); to a dialling broker the accepting
     broker's ``listen`` address and the link ``tag`` it assigned to the dialler."""
 
-    protocol: int = PROTOCOL_VERSION
+    protocol: U16 = PROTOCOL_VERSION
     broker: str = ""
-    slot: int = 1
-    max_frame: int = DEFAULT_MAX_FRAME
+    slot: U16 = 1
+    max_frame: U32 = DEFAULT_MAX_FRAME
     listen: str = ""
-    tag: int = 0
+    tag: U32 = 0
     brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
-    trace_every: int = 0  # a connector traces one send in this many (0: none)
+    trace_every: U32 = 0  # a connector traces one send in this many (0: none)
 
 
 class Register(Body):
     """Register a service: ``instance`` 0 asks the broker for a dynamic id."""
 
     server: str
-    instance: int = 0
+    instance: U32 = 0
 
 
 class AddressBody(Body):
@@ -109,7 +124,7 @@ class StatRequest(Body):
 class Error(Body):
     """``redirect`` (with code REDIRECT) names a broker that takes connectors."""
 
-    code: int
+    code: U16
     message: str = ""
     redirect: str = ""
 
@@ -117,7 +132,7 @@ class Error(Body):
 class DeliveryFailure(Body):
     """TIMEOUT / NO_ROUTE: the request (or notified send) ``msg_id`` from ``src`` failed."""
 
-    msg_id: int
+    msg_id: U64
     src: bytes
     dst: bytes
     reason: str = ""  # why, when it is not the obvious one (e.g. a frame too large)
@@ -145,7 +160,7 @@ OP_ADD = 1
 OP_REMOVE = 2
 OP_JOIN = 3
 OP_LEAVE = 4
-RouteOp = tuple[int, bytes, bytes]
+RouteOp = tuple[U8, bytes, bytes]
 
 
 class Routes(Body):
@@ -157,13 +172,13 @@ class Routes(Body):
     ops: list[RouteOp] = msgspec.field(default_factory=list)
     snapshot: bool = False
     complete: bool = False
-    seq: int = 0
+    seq: Counter = 0
 
 
 class Routed(Body):
     """ROUTED: every route operation up to ``seq`` from the receiver is applied here."""
 
-    seq: int
+    seq: Counter
 
 
 class Claim(Body):
@@ -178,9 +193,9 @@ class Claim(Body):
 class Load(Body):
     """LOAD: a broker's state, sent to its peers on change and as the heartbeat."""
 
-    connectors: int = 0
-    capacity: int = 0
-    slot: int = 0
+    connectors: Count = 0
+    capacity: Count = 0
+    slot: U16 = 0
     ready: bool = False
     draining: bool = False
     streams: list[str] = msgspec.field(default_factory=list)  # the streams it hosts
@@ -190,7 +205,7 @@ class Ready(Body):
     """READY: a joined broker takes connectors now. ``counts`` is the connector count per
     broker it saw (itself included): every broker computes its excess from this one view."""
 
-    counts: dict[str, int] = msgspec.field(default_factory=dict)
+    counts: dict[str, Count] = msgspec.field(default_factory=dict)
 
 
 class Move(Body):
@@ -203,7 +218,7 @@ class Move(Body):
 class Drain(Body):
     """DRAIN: ask the broker to drain; ``grace`` 0 uses its configured grace period."""
 
-    grace: float = 0.0
+    grace: Seconds = 0.0
 
 
 class MembersRequest(Body):
@@ -226,7 +241,7 @@ class GroupBind(Body):
     group: bytes
     key: bytes
     failed: bytes = b""
-    expiry: float = 0.0
+    expiry: Seconds = 0.0
     sender: bytes = b""  # the service sending: the group ends when all its senders ended it
 
 
@@ -245,7 +260,7 @@ class GroupEnd(Body):
 
 
 # (anycast group, group key, member -- b"" to unbind --, idle expiry in seconds)
-GroupOp = tuple[bytes, bytes, bytes, float]
+GroupOp = tuple[bytes, bytes, bytes, Seconds]
 
 
 class Groups(Body):
@@ -258,7 +273,7 @@ class Relayed(Body):
     """RELAYED: the answer (a control frame of ``type`` with body bytes ``body``) to a
     request this broker relayed on behalf of one of its connectors."""
 
-    type: int
+    type: U16
     body: bytes = b""
 
 
@@ -272,7 +287,7 @@ class TraceReport(Body):
     """TRACE: a connector got a traced frame (``sent_at`` from its EXT block)."""
 
     src: bytes = b""
-    msg_id: int = 0
+    msg_id: U64 = 0
     dst: bytes = b""
     sent_at: float = 0.0
     received_at: float = 0.0
@@ -285,17 +300,17 @@ class StreamRequest(Body):
     op: str
     stream: str = ""
     captures: list[bytes] = msgspec.field(default_factory=list)
-    max_msgs: int = 0
-    max_bytes: int = 0
-    max_age: float = 0.0
-    dedupe_window: float = 120.0
-    from_seq: int = 1
-    max_count: int = 100
+    max_msgs: Seq = 0
+    max_bytes: ByteCount = 0
+    max_age: Seconds = 0.0
+    dedupe_window: Seconds = 120.0
+    from_seq: Seq = 1
+    max_count: Count = 100
     consumer: str = ""
-    ack_wait: float = 30.0
-    max_deliver: int = 5
-    start_seq: int = 0
-    seqs: list[int] = msgspec.field(default_factory=list)
+    ack_wait: Seconds = 30.0
+    max_deliver: Count = 5
+    start_seq: Seq = 0
+    seqs: list[Seq] = msgspec.field(default_factory=list)
     columns: bool = False  # fetch: answer in StreamReply.blocks, not .messages
 
 
@@ -307,7 +322,7 @@ class StreamReply(Body):
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     streams: list[dict[str, Any]] = msgspec.field(default_factory=list)
     messages: list[StoredRow] = msgspec.field(default_factory=list)
-    acked: int = 0
+    acked: Count = 0
     # A columnar fetch: stored blocks as they are (meshbus.protocol.blocks), a bulk
     # reader's fast path with no work per message on either end.
     blocks: list[BlockSlice] = msgspec.field(default_factory=list)
