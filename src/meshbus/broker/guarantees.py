@@ -121,13 +121,21 @@ class Guarantees:
             self._peers.send_all(encode_control(ControlType.GROUPS, Groups(ops=ops)))
 
     def on_groups(self, link: Link, correlation: int, body: Body) -> None:
+        """Bindings from a peer. The group's home decides: a binding this broker holds is
+        replaced only by its home's. Two sides of a split may each have bound a group
+        (each side had its own home for it); when they link again each sends all it
+        holds, and without this rule each would take the other's -- swapped, not one."""
         assert isinstance(body, Groups)
         now = self._clock()
+        brokers = [self._name(), *self._peers]
         for anycast, group, member, expiry in body.ops:
+            key = (anycast, group)
+            if self.groups.get(key) is not None and home_of(anycast + group, brokers) != link.name:
+                continue
             if member:
-                self.groups.put((anycast, group), member, expiry, now)
+                self.groups.put(key, member, expiry, now)
             else:
-                self.groups.drop((anycast, group))
+                self.groups.drop(key)
 
     def expire(self) -> None:
         """The seed's deletion process, on every broker; what it drops, it drops everywhere

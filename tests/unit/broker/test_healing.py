@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from meshbus.address import Anycast
+from meshbus.broker.groups import home_of
 from meshbus.broker.server import Broker
+from meshbus.protocol.control import GroupBind, GroupBound
+from meshbus.protocol.layout import ControlType
 from tests.unit.broker.fakes import (
     FakeClock,
     FakeNetwork,
@@ -23,6 +27,7 @@ INTERVAL = 0.5
 MISSES = 3
 # The goal: whole again within 3 heartbeat intervals + 1 s of the network working again.
 HEAL_BUDGET = 3 * INTERVAL + 1.0
+POOL = Anycast("pool").to_bytes()
 
 
 async def tick(network: FakeNetwork, clock: FakeClock, brokers: list[Broker]) -> None:
@@ -148,3 +153,32 @@ async def test_a_crashed_broker_stays_a_candidate_until_forgotten(
     for _ in range(4):  # past peer_forget
         await tick(network, clock, [a])
     assert a.mesh.redials.names() == []
+
+
+async def test_a_group_bound_on_both_sides_of_a_split_converges_to_one_member(
+    network: FakeNetwork, clock: FakeClock
+) -> None:
+    """Apart, each broker is the home of every group it sees and binds the group to a
+    member of its own; linked again, every broker keeps the binding of the group's home
+    in the whole mesh -- one member, not one each, and not swapped."""
+    brokers = await build_mesh(network, 2, heartbeat_interval=INTERVAL)
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    bound: dict[str, bytes] = {}
+    for broker in brokers:
+        name = broker.config.name
+        client = await connector(network, broker, f"on-{name}")
+        member = await client.register(f"m{name}")
+        await client.join(member, POOL)
+        answer = await client.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
+        assert isinstance(answer.body, GroupBound)
+        bound[name] = answer.body.member
+    assert bound["a"] != bound["b"], "each side bound the group to its own member"
+    network.heal(address_of("a"), address_of("b"))
+    await ticks_until_whole(network, clock, brokers, HEAL_BUDGET)
+    home = home_of(POOL + b"g", ["a", "b"])
+    held = {bx.config.name: bx.guarantees.groups.get((POOL, b"g")) for bx in brokers}
+    assert {name: binding.member for name, binding in held.items() if binding} == {
+        "a": bound[home],
+        "b": bound[home],
+    }
