@@ -120,6 +120,29 @@ if TYPE_CHECKING:
     "(kill -9); 'always' also through an OS crash or power loss, at a throughput cost.",
 )
 @click.option(
+    "--max-streams",
+    type=click.IntRange(0),
+    default=1000,
+    show_default=True,
+    help="Streams: the most this broker hosts; adding one more is refused.",
+)
+@click.option(
+    "--max-stream-bytes",
+    type=click.IntRange(1, 2**62),
+    default=1 << 30,
+    show_default=True,
+    help="Streams: the largest max_bytes a stream may have; a stream added without "
+    "max_bytes gets this one.",
+)
+@click.option(
+    "--max-store-bytes",
+    type=click.IntRange(1, 2**62),
+    default=10 << 30,
+    show_default=True,
+    help="Streams: payload bytes all streams of --data-dir may hold together; an append "
+    "that would pass it is refused (reliable sends are then not acknowledged).",
+)
+@click.option(
     "--group-expiry",
     type=click.FloatRange(0, min_open=True),
     default=300.0,
@@ -237,6 +260,9 @@ def broker(
     join_timeout: float,
     data_dir: str | None,
     fsync: str,
+    max_streams: int,
+    max_stream_bytes: int,
+    max_store_bytes: int,
     group_expiry: float,
     group_grace: float,
     telemetry_interval: float,
@@ -286,6 +312,9 @@ def broker(
         join_timeout=join_timeout,
         data_dir=data_dir or "",
         fsync=fsync,
+        max_streams=max_streams,
+        max_stream_bytes=max_stream_bytes,
+        max_store_bytes=max_store_bytes,
         group_expiry=group_expiry,
         group_grace=group_grace,
         telemetry_interval=telemetry_interval,

@@ -83,7 +83,7 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "bytes": 17,
         "consumers": [],
         "max_msgs": 50,
-        "max_bytes": 0,
+        "max_bytes": 1 << 30,  # none given: the broker's --max-stream-bytes
         "max_age": 0.0,
         "dedupe_window": 120.0,
         "store": "",  # this broker keeps its streams in memory

@@ -44,6 +44,12 @@ class BrokerConfig:
     # Streams under data_dir: "normal" survives the broker being killed (kill -9),
     # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
     fsync: str = "normal"
+    # Stream limits (docs/guarantees.md): streams hosted; the largest max_bytes a stream
+    # may have (and the one a stream created without max_bytes gets); payload bytes of all
+    # streams in data_dir together -- an append that would pass it is refused.
+    max_streams: int = 1000
+    max_stream_bytes: int = 1 << 30
+    max_store_bytes: int = 10 << 30
     # Telemetry (broker/telemetry.py): seconds between records, 0 for none; and the
     # share of sends connectors trace while it is on.
     telemetry_interval: float = 0.0

@@ -365,6 +365,22 @@ class MirroredStore(StreamStore):
     def streams(self) -> list[StreamConfig]:
         return [self._streams[name].config for name in sorted(self._streams)]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._streams
+
+    def total_bytes(self) -> int:
+        """Payload bytes of every stream."""
+        return sum(st.bytes for st in self._streams.values())
+
+    def growth(self, name: str, payload_bytes: int) -> int:
+        """How much appending ``payload_bytes`` to stream ``name`` would add to
+        ``total_bytes`` at most (retention keeps a stream under its max_bytes)."""
+        st = self._stream(name)
+        cap = st.config.max_bytes
+        if not cap:
+            return payload_bytes
+        return max(0, min(st.bytes + payload_bytes, cap) - st.bytes)
+
     def info(self, name: str) -> StreamStatus:
         st = self._stream(name)
         return StreamStatus(

@@ -27,6 +27,7 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from operator import itemgetter
 from typing import IO, Any
 
 from meshbus.address import CAST_MULTICAST, describe_address
@@ -41,13 +42,14 @@ from meshbus.broker.store import (
     ConsumerConfig,
     ConsumerNotFound,
     MemoryStreamStore,
+    MirroredStore,
     NewMessage,
     StoredMessage,
     StoreError,
+    StoreFull,
     StreamConfig,
     StreamNotFound,
     StreamStatus,
-    StreamStore,
 )
 from meshbus.broker.sync import RouteSync
 from meshbus.errors import MeshbusError, ProtocolError
@@ -69,6 +71,7 @@ _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
 # NewMessage is a NamedTuple: tuple.__new__ builds one without its Python-level __new__.
 _new_message = tuple.__new__
+_payload_of = itemgetter(2)  # NewMessage.payload
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
@@ -117,7 +120,7 @@ class StreamHost:
         self._outbox = outbox
         self._hosted_changed = hosted_changed
         data_dir = config.data_dir
-        self.store: StreamStore
+        self.store: MirroredStore
         self._lock: IO[bytes] | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
@@ -253,9 +256,18 @@ class StreamHost:
     def _commit(self) -> None:
         batch, self._batch = self._batch, {}
         now = time.time()
+        store = self.store
+        limit = self._config.max_store_bytes
         for name, (messages, acks) in batch.items():
             try:
-                self.store.append_batch(name, messages, now)
+                size = sum(map(len, map(_payload_of, messages)))
+                if store.total_bytes() + store.growth(name, size) > limit:
+                    raise StoreFull(
+                        f"the streams of this broker hold {store.total_bytes()} payload bytes; "
+                        f"{size} more would pass its limit of {limit} bytes per data dir "
+                        "(meshbus broker --max-store-bytes): delete or trim a stream"
+                    )
+                store.append_batch(name, messages, now)
             except StoreError as exc:
                 # Not acknowledged, so reliable senders try again; plain sends are lost.
                 log.error("could not store", extra={"stream": name, "error": str(exc)})
@@ -296,7 +308,7 @@ class StreamHost:
             code = ErrorCode.NO_STREAM if missing else ErrorCode.STREAM_ERROR
             self._refuse(link, code, str(exc), correlation)
             return
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
             return
         if body.op != "add":
@@ -321,11 +333,23 @@ class StreamHost:
         if op == "add":
             if name in self.elsewhere:
                 raise ValueError(f"stream {name!r} is hosted by broker {self.elsewhere[name].name}")
+            cap = self._config.max_stream_bytes
+            if body.max_bytes > cap:
+                raise StoreFull(
+                    f"stream {name!r}: max_bytes {body.max_bytes} is more than this broker "
+                    f"allows a stream, {cap} bytes (meshbus broker --max-stream-bytes)"
+                )
+            hosted = len(store.streams())
+            if name not in store and hosted >= self._config.max_streams:
+                raise StoreFull(
+                    f"this broker hosts {hosted} streams, its limit (meshbus broker "
+                    "--max-streams); delete one first or add the stream on another broker"
+                )
             config = StreamConfig(
                 name=name,
                 captures=tuple(body.captures),
                 max_msgs=body.max_msgs,
-                max_bytes=body.max_bytes,
+                max_bytes=body.max_bytes or cap,  # every stream has a cap
                 max_age=body.max_age,
                 dedupe_window=body.dedupe_window,
             )
