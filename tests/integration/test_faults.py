@@ -210,3 +210,45 @@ async def test_one_cut_link_is_repaired_once_it_works_again(
         took = await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
         print(f"healed {took:.2f} s after the link came back")
         assert await routes_agree(brokers, str(service.address))
+
+
+async def test_a_fixed_address_registered_on_both_sides_of_a_split_keeps_one_owner() -> None:
+    """Apart, each side takes ``game01:1`` for a connector of its own. Linked again, the
+    mesh keeps one, and the other service ends with AddressInUse -- an error it can act
+    on, never silence -- while its connector and its other services carry on."""
+    brokers, gates = await gated_mesh(2)
+    a, b = brokers
+    try:
+        gates[0].shut_out(b.name)
+        gates[1].shut_out(a.name)
+        await wait_apart(a, b)
+        on_a = await meshbus.connect(a.address, server="game01", keepalive=0)
+        on_b = await meshbus.connect(b.address, server="game01", keepalive=0)
+        try:
+            kept = await on_a.register(instance=1)
+            lost = await on_b.register(instance=1)
+            other = await on_b.register()
+            gates[0].open_to(b.name)
+            gates[1].open_to(a.name)
+            await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+            with pytest.raises(meshbus.AddressInUse, match="split"):
+                await lost.recv(timeout=5)
+            assert lost not in on_b.services
+            await other.send(kept.address, b"to the one that kept it")
+            message = await kept.recv(timeout=5)
+            assert message.payload == b"to the one that kept it"
+        finally:
+            await on_a.close()
+            await on_b.close()
+    finally:
+        await stop_all(brokers)
+        for gate in gates:
+            await gate.close()
+
+
+async def wait_apart(a: BrokerProcess, b: BrokerProcess) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while b.name in (await stat(a, detail=False))["peers"]:
+        assert loop.time() < deadline, "a and b did not come apart"
+        await asyncio.sleep(0.1)

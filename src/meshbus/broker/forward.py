@@ -161,6 +161,10 @@ class Forwarder:
         if routing.owner(src) is not link and (
             not link.session or routing.session_of(src) != link.session
         ):
+            if src in link.revoked:
+                link.msgs_in += 1
+                self._stats.dropped_revoked += 1
+                return None
             raise FrameError(
                 ErrorCode.ADDRESS_NOT_OWNED,
                 f"data frame from source {describe_address(src)}, "

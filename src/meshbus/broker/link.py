@@ -95,6 +95,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.session = b""  # a connector's session (see meshbus.broker.routing)
         self.wants_synced = False  # a connector that asked for SYNCED after each change
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
+        # Addresses this connector registered and lost to another after a split (REVOKED):
+        # its frames from them, sent before it heard, are dropped, not a protocol error.
+        self.revoked: set[bytes] = set()
         # The handshake (meshbus.protocol.handshake): an accepted link waits for HELLO;
         # a dialled one gets its DiallingHandshake with the HELLO it sends (``dial``).
         self.accepting = None if dialled else AcceptingHandshake()

@@ -37,6 +37,7 @@ class TrafficStats:
     dropped_no_route: int = 0
     dropped_too_large: int = 0
     dropped_bad_hop: int = 0  # frames from a peer with a wrong hop count or link tag
+    dropped_revoked: int = 0  # frames from an address its connector lost (REVOKED)
 
 
 class Outbox:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST
+from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
 from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import Endpoint
@@ -51,6 +51,7 @@ from meshbus.protocol.control import (
     Claim,
     Empty,
     Error,
+    Revoked,
     Routed,
     RouteOp,
     Routes,
@@ -247,25 +248,22 @@ class RouteSync:
                 routing.leave(address, extra)
 
     def _conflict(self, link: Link, address: bytes, session: bytes, owner: Endpoint) -> None:
-        """Two brokers registered one address for different sessions (claims make this
-        all but impossible). Every broker keeps the owner with the smaller name, so the
-        tables still converge; a local loser's connector is told."""
+        """Two brokers registered one address for different sessions: both sides of a
+        split took it (claims prevent it while the mesh is whole). Every broker keeps the
+        owner whose broker has the smaller name, so the tables converge; a local loser's
+        connector is told (REVOKED), and its service ends with an error it can act on."""
         self.stats.route_conflicts += 1
         current = owner.name if owner.is_peer else self._config.name
         if link.name >= current:
             return
         self._routing.take_over(address, link, session)
-        if not owner.is_peer:
-            owner.send(
-                encode_control(
-                    ControlType.ERROR,
-                    Error(
-                        code=ErrorCode.ADDRESS_IN_USE,
-                        message="this address was registered at the same moment through "
-                        f"broker {link.name}, which keeps it",
-                    ),
-                )
+        if isinstance(owner, Link):
+            owner.revoked.add(address)
+            reason = (
+                f"{describe_address(address)} was registered through broker {link.name} too "
+                "while the mesh was split, and the mesh keeps that one"
             )
+            owner.send(encode_control(ControlType.REVOKED, Revoked(address=address, reason=reason)))
 
     # -- claims: ours -------------------------------------------------------------------------
 

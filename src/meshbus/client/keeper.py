@@ -40,7 +40,7 @@ from meshbus.client.link import BrokerLink, Links
 from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.requester import Requester
-from meshbus.errors import ConnectionLost, MeshbusError, RemoteProtocolError
+from meshbus.errors import AddressInUse, ConnectionLost, MeshbusError, RemoteProtocolError
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     AddressBody,
@@ -53,6 +53,7 @@ from meshbus.protocol.control import (
     Membership,
     Move,
     Register,
+    Revoked,
 )
 from meshbus.protocol.handshake import DiallingHandshake, HelloRefused
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -204,7 +205,7 @@ class LinkKeeper:
         sampler: TraceSampler,
         tasks: BackgroundTasks,
         resend_all: Callable[[], None],
-        forget: Callable[[Mailbox], None],
+        forget: Callable[[Mailbox, MeshbusError | None], None],
         shutdown: Callable[[MeshbusError], None],
     ) -> None:
         self.brokers = list(brokers)
@@ -330,9 +331,16 @@ class LinkKeeper:
             self.brokers = [info.address for info in infos]
 
     def _on_news(self, link: BrokerLink, frame: ControlFrame) -> None:
-        """The broker list changed, or a broker asks the connector to move."""
+        """The broker list changed, a broker asks the connector to move, or a service's
+        address was taken by another after a split."""
         body = frame.body
-        if isinstance(body, Brokers):
+        if isinstance(body, Revoked):
+            mailbox = self._services.get(body.address)
+            if mailbox is not None:
+                log.error("a service lost its address", extra={"error": body.reason})
+                address = str(mailbox.address)
+                self._forget(mailbox, AddressInUse(f"{body.reason}; register again", address))
+        elif isinstance(body, Brokers):
             if link is self._links.current:
                 self._set_brokers(body.brokers)
         # Also from a broker this connector is still restoring onto (a failover or a move):
@@ -459,7 +467,7 @@ class LinkKeeper:
                     "a service could not be registered again after failover",
                     extra={"address": str(mailbox.address), "error": str(answer)},
                 )
-                self._forget(mailbox)
+                self._forget(mailbox, answer if isinstance(answer, MeshbusError) else None)
                 continue
             joins.extend(
                 change(

@@ -64,6 +64,7 @@ class Mailbox:
         self.raw = address.to_bytes()
         self.groups: set[Address] = set()  # changed by Services.joined / left
         self.closed = False
+        self._ended_by: MeshbusError | None = None  # why it ended, if not unregistered
         self.listeners: Callbacks[Listener] = Callbacks()
         self._inbox: deque[Message] = deque()
         self._max_inbox = max_inbox
@@ -151,7 +152,7 @@ class Mailbox:
     def _check_open(self) -> None:
         self._links.check_usable()
         if self.closed:
-            raise NotConnected(f"service {self.address} is unregistered")
+            raise self._ended_by or NotConnected(f"service {self.address} is unregistered")
 
     def _wake_one(self) -> None:
         while self._waiters:
@@ -173,9 +174,11 @@ class Mailbox:
             self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
         )
 
-    def close(self) -> None:
-        """Unregistered, or the connector ended: waiting receivers wake and find out."""
+    def close(self, error: MeshbusError | None = None) -> None:
+        """Unregistered, or the connector ended, or (``error``) the service lost its
+        address: waiting receivers wake and find out, and ``recv`` raises ``error``."""
         self.closed = True
+        self._ended_by = error
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -225,13 +228,14 @@ class Services:
             if not members:
                 del self._members[raw]
 
-    def remove(self, mailbox: Mailbox) -> None:
-        """The service is unregistered (or could not come back after a failover)."""
+    def remove(self, mailbox: Mailbox, error: MeshbusError | None = None) -> None:
+        """The service is unregistered, or (``error``) lost its address: it could not come
+        back after a failover, or another took it after a split."""
         for group in list(mailbox.groups):
             self.left(mailbox, group)
         self._by_address.pop(mailbox.raw, None)
         self.inbox_drained(mailbox)
-        mailbox.close()
+        mailbox.close(error)
 
     def close_all(self) -> None:
         for mailbox in self._by_address.values():
@@ -271,10 +275,10 @@ class Broadcasts:
             self._member = None
             raise
 
-    def forget(self, mailbox: Mailbox) -> None:
-        """The service is gone: out of the registry, and if it was the member, another one
-        takes its place."""
-        self._services.remove(mailbox)
+    def forget(self, mailbox: Mailbox, error: MeshbusError | None = None) -> None:
+        """The service is gone (``error``: why, when it did not unregister): out of the
+        registry, and if it was the member, another one takes its place."""
+        self._services.remove(mailbox, error)
         if mailbox is self._member and not self._links.closed:
             self._member = None
             self._tasks.spawn(self._rejoin(), "broadcast-member")

@@ -283,6 +283,14 @@ class Left(Body):
     addresses: list[bytes] = msgspec.field(default_factory=list)
 
 
+class Revoked(Body):
+    """REVOKED: ``address``, which the connector registered, is another service's now:
+    it was registered twice while the mesh was split, and the mesh kept the other."""
+
+    address: bytes
+    reason: str = ""
+
+
 class TraceReport(Body):
     """TRACE: a connector got a traced frame (``sent_at`` from its EXT block)."""
 
@@ -368,6 +376,7 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.WATCH: Empty,
     ControlType.LEFT: Left,
     ControlType.TRACE: TraceReport,
+    ControlType.REVOKED: Revoked,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

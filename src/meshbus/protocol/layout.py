@@ -124,6 +124,7 @@ class ControlType(IntEnum):
     WATCH = 37  # connector -> broker: tell me when services leave (LEFT)
     LEFT = 38  # broker -> connector: these services left the mesh
     TRACE = 39  # connector -> broker: a traced frame arrived (no answer)
+    REVOKED = 40  # broker -> connector: an address of yours is another's now (after a split)
 
 
 class ErrorCode(IntEnum):

@@ -12,7 +12,8 @@ import pytest
 from meshbus.address import Anycast
 from meshbus.broker.groups import home_of
 from meshbus.broker.server import Broker
-from meshbus.protocol.control import GroupBind, GroupBound
+from meshbus.protocol.codec import ControlFrame
+from meshbus.protocol.control import GroupBind, GroupBound, Revoked
 from meshbus.protocol.layout import ControlType
 from tests.unit.broker.fakes import (
     FakeClock,
@@ -182,3 +183,32 @@ async def test_a_group_bound_on_both_sides_of_a_split_converges_to_one_member(
         "a": bound[home],
         "b": bound[home],
     }
+
+
+async def test_a_fixed_address_taken_on_both_sides_of_a_split_has_one_owner_after(
+    network: FakeNetwork, clock: FakeClock
+) -> None:
+    """Apart, each broker grants ``game01:1`` to its own connector (no peer to ask).
+    Linked again, every broker keeps one owner -- the one on the broker with the smaller
+    name -- and the other connector is told (REVOKED); its frames from the address, sent
+    before it heard, are dropped and counted, not a reason to close its link."""
+    brokers = await build_mesh(network, 2, heartbeat_interval=INTERVAL)
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    on_a = await connector(network, brokers[0], "on-a")
+    on_b = await connector(network, brokers[1], "on-b")
+    wanted = await on_a.register("game01", 1)
+    assert await on_b.register("game01", 1) == wanted
+    network.heal(address_of("a"), address_of("b"))
+    await ticks_until_whole(network, clock, brokers, HEAL_BUDGET)
+    assert routes_everywhere(brokers, wanted) == {"a": "local", "b": "a"}
+    [revoked] = on_b.take(ControlType.REVOKED)
+    assert isinstance(revoked, ControlFrame)
+    assert isinstance(revoked.body, Revoked)
+    assert revoked.body.address == wanted
+    assert "split" in revoked.body.reason
+    assert on_a.take(ControlType.REVOKED) == []
+    on_b.send_data(Anycast("nobody").to_bytes(), wanted, b"sent before it heard")
+    await network.settle()
+    assert brokers[1].stats.dropped_revoked == 1
+    assert brokers[1].links.connectors, "on-b's link stays open"
