@@ -61,6 +61,7 @@ from meshbus.protocol.control import (
     Ready,
     Register,
     Relayed,
+    Revoked,
     Routed,
     Routes,
     StatRequest,
@@ -316,6 +317,7 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.WATCH: Empty(),
     ControlType.LEFT: Left(addresses=[b"\x01" + bytes(15)]),
     ControlType.TRACE: TraceReport(src=SRC, msg_id=7, dst=DST, sent_at=1.5, received_at=1.75),
+    ControlType.REVOKED: Revoked(address=SRC, reason="split"),
 }
 
 
@@ -354,7 +356,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 40, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 41, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

@@ -85,6 +85,7 @@ from meshbus.protocol.control import (
     Move,
     Register,
     Relayed,
+    Revoked,
     Routed,
     StreamRequest,
     Welcome,
@@ -881,6 +882,7 @@ _SAMPLES: dict[ControlType, Body] = {
     ControlType.GROUP_END: GroupEnd(group=_SAMPLE_GROUP, key=b"k"),
     ControlType.RELAYED: Relayed(type=int(ControlType.OK)),
     ControlType.STREAM: StreamRequest(op="list"),
+    ControlType.REVOKED: Revoked(address=_SAMPLE_ADDRESS),
 }
 
 
