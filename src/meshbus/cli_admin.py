@@ -91,6 +91,14 @@ if TYPE_CHECKING:
     help="A peer silent for this many intervals is considered dead.",
 )
 @click.option(
+    "--peer-forget",
+    type=click.FloatRange(0),
+    default=600.0,
+    show_default=True,
+    help="Seconds a lost broker is still dialled again (a crash, a pause, a cut link) "
+    "before it is forgotten; it comes back the moment a peer lists it or it dials in.",
+)
+@click.option(
     "--drain-grace",
     type=click.FloatRange(0),
     default=10.0,
@@ -256,6 +264,7 @@ def broker(
     boost_window: float,
     heartbeat_interval: float,
     heartbeat_misses: int,
+    peer_forget: float,
     drain_grace: float,
     join_timeout: float,
     data_dir: str | None,
@@ -308,6 +317,7 @@ def broker(
         boost_window=boost_window,
         heartbeat_interval=heartbeat_interval,
         heartbeat_misses=heartbeat_misses,
+        peer_forget=peer_forget,
         drain_grace=drain_grace,
         join_timeout=join_timeout,
         data_dir=data_dir or "",
