@@ -98,6 +98,13 @@ class Address:
         return _from_bytes_cached(bytes(raw))
 
     @staticmethod
+    def from_bytes_uncached(raw: bytes) -> Address:
+        """``from_bytes`` that leaves the cache alone: for addresses a client may choose
+        by the hundred thousand (the groups it joins), which would otherwise fill the
+        cache and pin the memory around them after the client is gone."""
+        return _from_bytes_cached.__wrapped__(bytes(raw))
+
+    @staticmethod
     def parse(text: str) -> Address:
         """Parse the text form: ``server:instance``, ``multicast:NAME`` or ``anycast:NAME``."""
         kind, sep, rest = text.partition(":")

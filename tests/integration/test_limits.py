@@ -13,7 +13,7 @@ import pytest
 import meshbus
 from meshbus.errors import NoRoute, RegistrationError, Timeout
 from meshbus.protocol import ControlFrame, ControlType, ErrorCode, encode_control
-from meshbus.protocol.control import ROLE_OPERATOR, Error, Hello
+from meshbus.protocol.control import ROLE_OPERATOR, AddressBody, Error, Hello, Membership, Register
 from tests.conftest import BrokerProcess, start_broker
 from tests.integration.helpers import RawLink
 
@@ -159,3 +159,93 @@ async def test_max_operators_flag() -> None:
         finally:
             await first.close()
             await second.close()
+
+
+# -- memory comes back ------------------------------------------------------------------------
+
+ABUSE_SERVICES = 200_000
+ABUSE_GROUPS = 100_000
+GROUPS_PER_MEMBER = 1_000
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def answers(link: RawLink, count: int, expected: ControlType) -> list[ControlFrame]:
+    frames = []
+    for _ in range(count):
+        frame = await link.read_control(timeout=60)
+        assert frame.type == expected, frame
+        frames.append(frame)
+    return frames
+
+
+async def abuse(address: str) -> tuple[RawLink, int]:
+    """A connector that registers ABUSE_SERVICES services and joins ABUSE_GROUPS groups
+    (pipelined, in batches), left open; and how many routes it made."""
+    link = await RawLink.open(address)
+    await link.hello("abuser")
+    members: list[bytes] = []
+    batch = 5_000
+    for start in range(0, ABUSE_SERVICES, batch):
+        await link.send(
+            b"".join(
+                encode_control(ControlType.REGISTER, Register(server=f"s{i % 50}"), i + 1)
+                for i in range(start, start + batch)
+            )
+        )
+        for frame in await answers(link, batch, ControlType.REGISTERED):
+            assert isinstance(frame.body, AddressBody)
+            members.append(frame.body.address)
+    for start in range(0, ABUSE_GROUPS, batch):
+        await link.send(
+            b"".join(
+                encode_control(
+                    ControlType.JOIN,
+                    Membership(
+                        member=members[i // GROUPS_PER_MEMBER],
+                        group=meshbus.Multicast(f"g{i}").to_bytes(),
+                    ),
+                    i + 1,
+                )
+                for i in range(start, start + batch)
+            )
+        )
+        await answers(link, batch, ControlType.OK)
+    return link, len(members)
+
+
+@pytest.mark.slow
+async def test_memory_comes_back_after_an_abusive_connector_leaves() -> None:
+    """A broker's RSS after a connector with 200,000 services in 100,000 groups has left is
+    back near where it was (docs/architecture.md, the limits: what is kept), and a second
+    such connector takes no more than the first."""
+    limits = ("--max-services", "1000000", "--max-groups", "1000000")
+    async with running(*limits) as broker:
+        pid = broker.process.pid
+        # A connector that comes and goes first: the baseline is a broker that has served.
+        warm = await RawLink.open(broker.address)
+        await warm.hello("warm")
+        await warm.register("warm")
+        await warm.close()
+        await asyncio.sleep(0.5)
+        baseline = rss_kib(pid)
+        figures = []
+        for _ in range(2):
+            link, services = await abuse(broker.address)
+            assert services == ABUSE_SERVICES
+            during = rss_kib(pid)
+            await link.close()
+            await asyncio.sleep(1.0)
+            figures.append((during, rss_kib(pid)))
+        print(f"VmRSS KiB: baseline {baseline}, (during, after) x2: {figures}")
+        (during, after), (_, after_again) = figures
+        assert during > baseline + 50 * 1024, "the abuse took memory"
+        # 20 % plus 16 MiB: what the allocator keeps (pymalloc arenas a few survivors pin).
+        assert after <= baseline * 1.2 + 16 * 1024, (baseline, figures)
+        assert after_again <= after + 4 * 1024, ("it grows with each abuser", figures)

@@ -15,7 +15,13 @@ from meshbus.address import (
     dynamic_instance,
     server_name_bytes,
 )
-from meshbus.broker.routing import AddressTaken, NotOwned, RoutingError, RoutingTable
+from meshbus.broker.routing import (
+    COMPACT_AFTER,
+    AddressTaken,
+    NotOwned,
+    RoutingError,
+    RoutingTable,
+)
 
 A1 = Unicast("game01", 1).to_bytes()
 A2 = Unicast("game01", 2).to_bytes()
@@ -499,3 +505,28 @@ def test_no_dynamic_ids_without_a_slot() -> None:
     rt = table(slot=0)
     with pytest.raises(RoutingError, match="joining"):
         rt.allocate_dynamic(SERVER, "a")
+
+
+def test_the_dicts_shrink_back_after_a_big_link_leaves() -> None:
+    """Python dicts keep their size on delete: the table rebuilds them once deletions
+    outnumber what is left, so a connector's 40,000 services do not stay in memory (what
+    is left is at most sized for ``COMPACT_AFTER`` entries)."""
+    import sys
+
+    t: RoutingTable[str] = RoutingTable(slot=1)
+    t.allocate_dynamic(b"keep".ljust(11, b"\x00"), "small")
+    names = ("_owner", "_session", "_groups", "_joined")
+    for i in range(40_000):
+        address = t.allocate_dynamic(b"s%d".ljust(11, b"\x00") % (i % 7), "big", b"session")
+        if i < 20_000:
+            t.join(address, Multicast(f"g{i}").to_bytes())
+    peak = {name: sys.getsizeof(getattr(t, name)) for name in names}
+    bound = sys.getsizeof({i: i for i in range(COMPACT_AFTER)})
+    t.remove_link("big")
+    assert t.service_count == 1
+    assert t.group_count == 0
+    for name in names:
+        size = sys.getsizeof(getattr(t, name))
+        assert size <= bound, (name, size, bound)
+        assert size * 8 <= peak[name], (name, size, peak[name])
+    assert set(t._dynamic_used) == {b"keep".ljust(11, b"\x00") + b"\x00\x01"}

@@ -345,7 +345,7 @@ class ControlHandler:
     def _check_membership(self, link: Link, body: Membership, verb: str) -> None:
         self._check_owned(link, body.member, verb)
         try:
-            group = Address.from_bytes(body.group)
+            group = Address.from_bytes_uncached(body.group)
         except ValueError as exc:
             raise Refused(ErrorCode.INVALID_ADDRESS, f"cannot {verb}: {exc}") from None
         if not group.is_group:

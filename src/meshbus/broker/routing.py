@@ -25,6 +25,14 @@ a conflict.
 
 ``version`` changes on every mutation; the broker's hot path caches routing
 decisions per frame header and drops the cache when the version moves.
+
+Python dicts never shrink when entries are deleted: a connector that registered
+200,000 services and left would leave tables sized for them behind. So the table
+counts deletions, and once they outnumber what is left (and ``COMPACT_AFTER``),
+copies its dicts into right-sized ones -- amortised O(1) per deletion
+(``_maybe_compact``). Kept as they are: a group's own member dicts (freed with the
+group when its last member leaves) and where each server name's next dynamic id
+is (``_next_seq``: one small entry per server name ever used).
 """
 
 from __future__ import annotations
@@ -60,6 +68,10 @@ def _exhausted() -> RoutingError:
         "all 65536 dynamic instance ids of this server name are in use on this broker; "
         "unregister some or use another server name"
     )
+
+
+# Deletions before the dicts are rebuilt right-sized, at the least (see the docstring).
+COMPACT_AFTER = 4096
 
 
 def _never_remote(link: object) -> bool:
@@ -109,6 +121,7 @@ class RoutingTable(Generic[L]):
         self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
         self._memberships = 0
         self._link_memberships: Counter[L] = Counter()  # memberships per link (the limits)
+        self._deleted = 0  # deletions since the dicts were last rebuilt
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
         # Dynamic ids in the table per (server name, slot): a full server name is refused
         # at once instead of after a scan of all 65536 ids.
@@ -174,12 +187,19 @@ class RoutingTable(Generic[L]):
         del self._owner[address]
         self._session.pop(address, None)
         if address[12:14] != b"\x00\x00":
-            self._dynamic_used[address[1:14]] -= 1
+            name = address[1:14]
+            left = self._dynamic_used[name] - 1
+            if left:
+                self._dynamic_used[name] = left
+            else:
+                del self._dynamic_used[name]
         owned = self._by_link[link]
         owned.discard(address)
         if not owned:
             del self._by_link[link]
         self.version += 1
+        self._deleted += 1
+        self._maybe_compact()
 
     def join(self, member: bytes, group: bytes) -> None:
         link = self._owner.get(member)
@@ -224,6 +244,22 @@ class RoutingTable(Generic[L]):
         else:
             del self._link_memberships[link]
         self.version += 1
+        self._deleted += 1
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Rebuild the dicts right-sized once deletions outnumber the entries left."""
+        deleted = self._deleted
+        if deleted < COMPACT_AFTER or deleted < len(self._owner) + self._memberships:
+            return
+        self._deleted = 0
+        self._owner = dict(self._owner)
+        self._session = dict(self._session)
+        self._by_link = dict(self._by_link)
+        self._groups = dict(self._groups)
+        self._joined = dict(self._joined)
+        self._link_memberships = Counter(self._link_memberships)
+        self._dynamic_used = Counter(self._dynamic_used)
 
     def remove_link(self, link: L) -> list[bytes]:
         """Drop every service of ``link`` (a connector or a peer broker went away);
