@@ -14,6 +14,7 @@ import pytest
 import meshbus
 from tests.conftest import start_broker, stop_all
 from tests.integration.helpers import start_broker_process
+from tests.integration.test_streams import fetch_all
 
 COUNT = 2000
 
@@ -106,3 +107,49 @@ async def test_a_damaged_wal_of_a_killed_broker_stops_the_broker(tmp_path: Path)
     assert f"its write-ahead log {wal} is damaged at frame 1 of " in text
     assert "committed transactions since the last checkpoint" in text
     assert wal.stat().st_size == size  # nothing cut: salvage or moving it aside can decide
+
+
+async def test_salvage_copies_every_intact_block(tmp_path: Path) -> None:
+    from tests.integration.test_cli_stream import stream_cli
+
+    data_dir = tmp_path / "data"
+    await stored(data_dir, kill=False)
+    db = data_dir / "streams.db"
+    flip(db, db.read_bytes().find(b"entry-01000|") + 20)
+    assert "is damaged" in await refused(data_dir)
+    before = db.read_bytes()
+    out = tmp_path / "new"
+    result = await stream_cli("salvage", "--data-dir", str(data_dir), "--out", str(out))
+    assert result.code == 0, result.err
+    assert db.read_bytes() == before  # the damaged store is left as it was
+    lines = result.out.splitlines()
+    assert lines[0] == f"salvaged {db} into {out / 'streams.db'}"
+    assert lines[1].startswith("checks at open: the block of messages ")
+    summary = lines[2]
+    assert summary.startswith("stream ledger: saved ")
+    assert "of 2000 messages" in summary
+    lost_line = lines[3]
+    assert lost_line.startswith("  lost seqs ")
+    assert lost_line.endswith(": the block's CRC32 does not match its bytes")
+    first, last = map(int, lost_line.split()[2].rstrip(":").split(".."))
+    assert first <= 1001 <= last
+    assert (
+        lines[4]
+        == f"  seqs 1..{first - 1} are in stream ledger.1-{first - 1} (it captures nothing)"
+    )
+    assert lines[-1] == f"start the broker with --data-dir {out}"
+
+    host = await start_broker("--data-dir", str(out))
+    try:
+        async with await meshbus.connect(host.address, server="audit") as conn:
+            newest = await fetch_all(conn, "ledger")
+            assert [m.seq for m in newest] == list(range(last + 1, COUNT + 1))
+            assert all(m.payload.startswith(b"entry-%05d|" % (m.seq - 1)) for m in newest)
+            older = await fetch_all(conn, f"ledger.1-{first - 1}")
+            assert [m.seq for m in older] == list(range(1, first))
+            # the salvaged stream goes on capturing, numbering on
+            publisher = await conn.register()
+            await publisher.send_reliable("multicast:ledger", b"after")
+            assert (await conn.streams.info("ledger")).last_seq == COUNT + 1
+    finally:
+        assert await stop_all([host]) == [0]

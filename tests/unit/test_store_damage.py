@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 
 from meshbus.broker import sqlite_store
-from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
-from meshbus.broker.store import NewMessage, StoreDamaged, StoreError, StreamConfig
+from meshbus.broker.sqlite_store import Lost, SqliteStreamReader, SqliteStreamStore, salvage
+from meshbus.broker.store import (
+    ConsumerConfig,
+    NewMessage,
+    StoreDamaged,
+    StoreError,
+    StreamConfig,
+)
 from meshbus.errors import MeshbusError
 
 SRC = bytes(range(16))
@@ -186,3 +192,34 @@ def test_a_purge_cut_short_by_a_restart_goes_on(tmp_path: Path) -> None:
         pass
     assert store._db.execute("SELECT count(*) FROM blocks").fetchone() == (0,)
     store.close()
+
+
+def test_salvage_keeps_intact_blocks_consumers_and_their_pending(tmp_path: Path) -> None:
+    path = tmp_path / "streams.db"
+    store = make(path, window=0)
+    store.add_consumer("orders", ConsumerConfig("audit", ack_wait=5.0))
+    taken = store.consumer_next("orders", "audit", 120, 100.0)
+    store.consumer_ack("orders", "audit", [d.message.seq for d in taken[:100]])
+    store.close()
+    flip(path, path.read_bytes().find(b"00520:") + 10)  # the block of seqs 501..550
+    report = salvage(str(path), str(tmp_path / "new.db"))
+    assert "501..550 of stream 'orders' is damaged" in report.problem
+    (sv,) = report.streams
+    assert (sv.blocks_saved, sv.blocks_lost, sv.messages_lost) == (19, 1, 50)
+    assert sv.lost == [Lost(501, 550, "the block's CRC32 does not match its bytes")]
+    assert sv.saved == [("orders.1-500", 1, 500), ("orders", 551, 1000)]
+    new = SqliteStreamStore(tmp_path / "new.db")
+    try:
+        assert [(s.name, s.captures) for s in new.streams()] == [
+            ("orders", (DST,)), ("orders.1-500", ())
+        ]  # fmt: skip
+        older = new.read("orders.1-500", 1, 1000)
+        assert [m.payload[:6] for m in older] == [b"%05d:" % i for i in range(500)]
+        assert new.info("orders").first_seq == 551
+        assert new.info("orders").bytes == 450 * 106
+        info = new.consumer_info("orders", "audit")
+        assert (info.next_seq, info.pending) == (551, 0)  # 101..120: in orders.1-500
+        assert [m.seq for m in new.read("orders", 551, 2)] == [551, 552]
+    finally:
+        new.close()
+    assert path.read_bytes().find(b"00520:") > 0  # the source is as it was

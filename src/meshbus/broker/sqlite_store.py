@@ -49,8 +49,10 @@ import zlib
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
+from typing import NamedTuple
 
 from meshbus.broker.store import (
     ADDRESS_LEN,
@@ -143,7 +145,7 @@ class SqliteStreamStore(MirroredStore):
         # Before SQLite opens the file: once it has, a damaged WAL is cut short for good.
         problem = check_files(self.path)
         if problem:
-            raise StoreDamaged(damaged(self.path, problem))
+            raise _damaged(self.path, problem)
         # Autocommit mode (isolation_level=None): transactions are the explicit ones in _tx.
         # check_same_thread=False lets the broker move the store to a worker thread (for
         # fsync="always"), as long as one thread at a time uses it.
@@ -152,10 +154,10 @@ class SqliteStreamStore(MirroredStore):
             self._open(_SYNCHRONOUS[fsync])
         except sqlite3.DatabaseError as exc:
             self._db.close()
-            raise StoreDamaged(damaged(self.path, f"SQLite cannot read it ({exc})")) from None
+            raise _damaged(self.path, f"SQLite cannot read it ({exc})") from None
         except BlockDamaged as exc:
             self._db.close()
-            raise StoreDamaged(damaged(self.path, exc.problem)) from None
+            raise _damaged(self.path, exc.problem) from None
         except BaseException:
             self._db.close()
             raise
@@ -186,9 +188,7 @@ class SqliteStreamStore(MirroredStore):
             # the two small UNIQUE indexes match their tables.
             problems = [row[0] for row in db.execute("PRAGMA integrity_check(5)")]
             if problems != ["ok"]:
-                raise StoreDamaged(
-                    damaged(self.path, "SQLite's integrity check failed: " + "; ".join(problems))
-                )
+                raise _damaged(self.path, "SQLite's integrity check failed: " + "; ".join(problems))
         with self._tx():
             for statement in filter(None, (part.strip() for part in _SCHEMA.split(";"))):
                 db.execute(statement)  # not executescript: that commits first
@@ -685,6 +685,10 @@ def _check_block(path: str, stream: str, key: int, last: int, crc: int, data: by
         raise BlockDamaged(path, stream, key & SEQ_MASK, last)
 
 
+def _damaged(path: str, problem: str) -> StoreDamaged:
+    return StoreDamaged(damaged(path, problem), problem)
+
+
 def damaged(path: str, problem: str) -> str:
     """The message of ``StoreDamaged``: the file, what is wrong, how to recover."""
     data_dir = os.path.dirname(os.path.abspath(path))
@@ -782,3 +786,214 @@ def _wal_sum(data: bytes, s0: int, s1: int, big: bool) -> tuple[int, int]:
         s0 = (s0 + a + s1) & mask
         s1 = (s1 + b + s0) & mask
     return s0, s1
+
+
+# -- salvage -----------------------------------------------------------------------------
+
+
+class Lost(NamedTuple):
+    first: int
+    last: int
+    why: str
+
+
+@dataclass
+class StreamSalvage:
+    name: str
+    first_seq: int
+    last_seq: int
+    saved: list[tuple[str, int, int]] = field(default_factory=list)  # (stream, first, last)
+    lost: list[Lost] = field(default_factory=list)
+    blocks_saved: int = 0
+    blocks_lost: int = 0
+
+    @property
+    def messages_lost(self) -> int:
+        return sum(lost.last - lost.first + 1 for lost in self.lost)
+
+
+@dataclass
+class Salvage:
+    """What ``salvage`` copied and what it could not."""
+
+    source: str
+    out: str
+    problem: str  # what the checks at open find in the source ("": nothing)
+    streams: list[StreamSalvage] = field(default_factory=list)
+
+
+def salvage(source: str, out: str) -> Salvage:
+    """Copy every intact block of every stream of the store ``source`` into a new store
+    ``out`` (which must not exist), with the streams' configs and consumers. The source
+    is not changed: SQLite reads a copy of it. A stream whose lost blocks leave a hole
+    keeps its name for the newest run of seqs it kept; each older run becomes a stream of
+    its own, ``NAME.FIRST-LAST``, capturing nothing (a stream has no holes)."""
+    if os.path.exists(out):
+        raise StoreError(f"{out} exists: salvage writes a new store")
+    report = Salvage(source, out, check_files(source))
+    work = out + ".source"
+    os.makedirs(work, exist_ok=True)
+    copy = os.path.join(work, "streams.db")
+    try:
+        for suffix in ("", "-wal"):
+            if os.path.exists(source + suffix):
+                with open(source + suffix, "rb") as src, open(copy + suffix, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+        if not report.problem:
+            try:
+                SqliteStreamStore(copy).close()  # the checks at open, on the copy
+            except StoreDamaged as exc:
+                report.problem = exc.problem
+        db = sqlite3.connect(copy, isolation_level=None)
+        try:
+            _salvage(db, out, report)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"{source}: SQLite cannot read even its list of streams ({exc}), so nothing "
+                "can be salvaged from it; restore it from a backup"
+            ) from None
+        finally:
+            db.close()
+    finally:
+        for name in os.listdir(work):
+            os.remove(os.path.join(work, name))
+        os.rmdir(work)
+    return report
+
+
+def _salvage(db: sqlite3.Connection, out: str, report: Salvage) -> None:
+    streams = db.execute(
+        "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
+        " first_seq, last_seq FROM streams ORDER BY name"
+    ).fetchall()
+    consumers = db.execute(
+        "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped"
+        " FROM consumers"
+    ).fetchall()
+    new = SqliteStreamStore(out)
+    try:
+        for sid, name, caps, max_msgs, max_bytes, max_age, window, first, last in streams:
+            sv = StreamSalvage(name, first, last)
+            report.streams.append(sv)
+            runs = _salvage_blocks(db, sid, first, last, sv)
+            captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
+            for i, (run_first, run) in enumerate(runs):
+                newest = i == len(runs) - 1
+                run_last = run[-1][1]
+                run_name = name if newest else f"{name}.{run_first}-{run_last}"[:64]
+                new.add_stream(
+                    StreamConfig(
+                        run_name, captures if newest else (), max_msgs, max_bytes, max_age, window
+                    )
+                )
+                sv.saved.append((run_name, run_first, run_last))
+                _put_run(new, run_name, run_first, run)
+            if not runs:  # nothing kept: the stream, empty, numbering on from where it was
+                new.add_stream(StreamConfig(name, captures, max_msgs, max_bytes, max_age, window))
+                new._db.execute(
+                    "UPDATE streams SET first_seq = ?, last_seq = ? WHERE name = ?",
+                    (last + 1, last, name),
+                )
+            new_sid = new._stream(name).key
+            for cid, c_sid, c_name, ack_wait, max_deliver, start, next_seq, dropped in consumers:
+                if c_sid != sid:
+                    continue
+                new._db.execute(
+                    "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+                    (new_sid, c_name, ack_wait, max_deliver, start, next_seq, dropped),
+                )
+                new_cid = new._db.execute("SELECT last_insert_rowid()").fetchone()[0]
+                # Pending deliveries of seqs the stream still holds (those of older runs
+                # are read from their streams: NAME.FIRST-LAST).
+                pending = db.execute(
+                    "SELECT seq, delivery, deadline FROM pending"
+                    " WHERE consumer_id = ? AND seq >= ?",
+                    (cid, runs[-1][0] if runs else last + 1),
+                ).fetchall()
+                new._db.executemany(
+                    _PUT_PENDING, [(new_cid, seq, count, at) for seq, count, at in pending]
+                )
+    finally:
+        new.close()
+
+
+# (first seq, last seq, stored_at, crc, data) of one intact block
+_Kept = tuple[int, int, float, int, bytes]
+
+
+def _salvage_blocks(
+    db: sqlite3.Connection, sid: int, first: int, last: int, sv: StreamSalvage
+) -> list[tuple[int, list[_Kept]]]:
+    """The intact blocks holding ``first..last``, as runs of consecutive seqs: (the run's
+    first seq, its blocks)."""
+    runs: list[tuple[int, list[_Kept]]] = []
+    pos = first
+    joined = False  # the next intact block continues the last run
+
+    def lose(begin: int, end: int, why: str) -> None:
+        nonlocal joined
+        sv.lost.append(Lost(begin, end, why))
+        joined = False
+
+    while pos <= last:
+        try:
+            row = db.execute(_SELECT_BLOCKS + " LIMIT 1", (
+                _key(sid, 0), _key(sid, pos), _key(sid, last)
+            )).fetchone()  # fmt: skip
+        except sqlite3.DatabaseError:
+            # The pages that lead to the next block are lost: skip ahead until SQLite
+            # finds blocks again.
+            step = 1
+            while pos + step <= last:
+                try:
+                    db.execute(_SELECT_BLOCKS + " LIMIT 1", (
+                        _key(sid, 0), _key(sid, pos + step), _key(sid, last)
+                    )).fetchone()  # fmt: skip
+                    break
+                except sqlite3.DatabaseError:
+                    step *= 2
+            end = min(last, pos + step - 1)
+            sv.blocks_lost += 1
+            lose(pos, end, "SQLite cannot read the pages that hold them")
+            pos = end + 1
+            continue
+        if row is None:
+            lose(pos, last, "no block holds them")
+            break
+        key, _, block_last = row
+        block_first = key & SEQ_MASK
+        if block_first > pos:
+            lose(pos, block_first - 1, "no block holds them")
+            pos = block_first
+        try:
+            crc, data = _block_data(db, key)
+            intact = _crc(data) == crc
+            why = "" if intact else "the block's CRC32 does not match its bytes"
+        except sqlite3.DatabaseError as exc:
+            why = f"SQLite cannot read the block ({exc})"
+        if why:
+            sv.blocks_lost += 1
+            lose(pos, block_last, why)
+        else:
+            if not joined:
+                runs.append((pos, []))
+            runs[-1][1].append((block_first, block_last, row[1], crc, data))
+            sv.blocks_saved += 1
+            joined = True
+        pos = block_last + 1
+    return runs
+
+
+def _put_run(store: SqliteStreamStore, name: str, first: int, run: list[_Kept]) -> None:
+    """The blocks of one run into stream ``name`` of a new store, and its counters."""
+    sid = store._stream(name).key
+    db = store._db
+    size = sum(decode_block(run[0][4]).payload_sizes()[first - run[0][0] :])
+    size += sum(sum(decode_block(data).payload_sizes()) for *_, data in run[1:])
+    with store._tx():
+        db.executemany(
+            _INSERT_BLOCK,
+            [(_key(sid, b_first), b_last, at, crc, data) for b_first, b_last, at, crc, data in run],
+        )
+        db.execute(_UPDATE_COUNTERS, (first, run[-1][1], size, sid))

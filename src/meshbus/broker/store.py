@@ -57,6 +57,10 @@ class StoreDamaged(StoreError, MeshbusError):
     """A stream store failed its checks at open: the message names the file, what is
     wrong and how to recover. The broker refuses to start on it."""
 
+    def __init__(self, message: str, problem: str = "") -> None:
+        super().__init__(message)
+        self.problem = problem  # what is wrong, without the file or the way out
+
 
 class StoreFull(StoreError):
     """A limit of the broker's (streams, bytes per stream, bytes per data dir) would be
