@@ -60,8 +60,8 @@ _CONNECTOR, _OPERATOR, _PEER = (
 )
 
 
-# A link that held this many services gives their memory back to the system when it
-# closes (docs/architecture.md, the limits).
+# A link that held this many routes (services and memberships) gives their memory back
+# to the system when it closes (docs/architecture.md, the limits).
 _RELEASE_AFTER = 4096
 
 
@@ -342,6 +342,7 @@ class Broker:
         its services leave the table, and the watchers and peers hear of it; then what
         waited on it -- requests, relayed answers, streams -- is answered or forgotten."""
         was_connector = self.links.close(link, reason)
+        held = self.routing.memberships_of(link)
         gone = self.routing.remove_link(link)
         self.watch.services_left(gone)
         self.watch.link_closed(link)
@@ -359,7 +360,7 @@ class Broker:
         # Requests relayed to the peer get their answer; its streams are gone.
         self.relay.peer_lost(link)
         self.streams.peer_lost(link)
-        if len(gone) >= _RELEASE_AFTER:
+        if len(gone) + held >= _RELEASE_AFTER:
             _release_memory()
         log.debug(
             "link closed",
