@@ -4,9 +4,9 @@ link stays usable unless the limit is about the link itself."""
 
 from __future__ import annotations
 
-from meshbus.address import Anycast, Multicast
+from meshbus.address import Anycast, Multicast, Unicast
 from meshbus.broker.server import Broker
-from meshbus.protocol.codec import ControlFrame
+from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
 from meshbus.protocol.control import (
     ROLE_OPERATOR,
     DeliveryFailure,
@@ -17,6 +17,7 @@ from meshbus.protocol.control import (
     Register,
 )
 from meshbus.protocol.layout import (
+    FLAG_ECHO,
     FLAG_REQUEST,
     FLAG_RESPONSE,
     ControlType,
@@ -247,3 +248,32 @@ async def test_operator_links_past_max_operators_are_refused(network: FakeNetwor
     await network.settle()
     third = connect_client(network, broker, "op3")
     await third.hello(ROLE_OPERATOR)
+
+
+async def test_frames_pipelined_behind_hello_outgrow_the_small_buffer(
+    network: FakeNetwork,
+) -> None:
+    """HELLO, REGISTER, JOIN and a 40 KiB send in one write: the link starts with its
+    small buffer, takes the big one at HELLO, and loses nothing of the read."""
+    broker = await start_broker(network, "a")
+    client = connect_client(network, broker, "eager")
+    own = Unicast("eager", 1).to_bytes()
+    topic = group(1)
+    payload = bytes(range(256)) * 160
+    await network.settle()
+    assert len(broker_side(client)._buf) <= 4096
+    client.send(
+        encode_control(ControlType.HELLO, Hello(name="eager"), 1)
+        + encode_control(ControlType.REGISTER, Register(server="eager", instance=1), 2)
+        + encode_control(ControlType.JOIN, Membership(member=own, group=topic), 3)
+        + encode_data(topic, own, payload, flags=FLAG_ECHO)
+    )
+    await network.settle()
+    assert [f.type for f in client.controls()] == [
+        ControlType.WELCOME,
+        ControlType.REGISTERED,
+        ControlType.OK,
+    ]
+    assert [f.payload for f in client.take_data()] == [payload]
+    assert not client.closed
+    assert len(broker_side(client)._buf) >= 256 * 1024
