@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,28 @@ def test_deleting_a_big_stream_does_not_grow_the_data_dir(tmp_path: Path) -> Non
     store.append_batch("orders", [NewMessage(SRC, DST, b"x" * 4000)] * 1000, 99.0)
     store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert disk() <= before  # the freed pages are used again
+    store.close()
+
+
+def test_a_delete_is_sliced_into_short_transactions(tmp_path: Path) -> None:
+    """The broker runs one slice per turn of its event loop: none may stall it 50 ms."""
+    path = tmp_path / "streams.db"
+    store = make(path, batches=100, per=100, size=4000)  # 40 MB, 200 blocks
+    slowest = 0.0
+    started = time.perf_counter()
+    store.delete_stream("orders")
+    slowest = time.perf_counter() - started
+    slices = 0
+    while True:
+        started = time.perf_counter()
+        more = store.purge()
+        slowest = max(slowest, time.perf_counter() - started)
+        slices += 1
+        if not more:
+            break
+    assert store._db.execute("SELECT count(*) FROM blocks").fetchone() == (0,)
+    assert slowest < 0.05, (slowest, slices)
+    assert slices > 1
     store.close()
 
 

@@ -124,7 +124,7 @@ VERIFY_BYTES = 64 * 1024 * 1024
 # A deleted stream's blocks go in slices of one transaction each, StreamHost running one
 # per turn of the event loop; a slice's row count adapts to take about PURGE_SECONDS
 # (a 256 KiB block takes 0.1 ms, a small one far less).
-PURGE_ROWS = 256
+PURGE_ROWS = 64
 PURGE_SECONDS = 0.01
 # The WAL is cut back to this size after a checkpoint (it would stay at its peak).
 _WAL_LIMIT = 64 * 1024 * 1024
