@@ -299,3 +299,15 @@ def test_indexes_match_the_entries_under_random_operations() -> None:
             assert t.count(link) == sum(1 for e in t._entries.values() if e[0] == link)
         for via in ("p", "q"):
             assert t._by_via.get(via, set()) == {k for k, e in t._entries.items() if e[4] == via}
+
+
+def test_add_refuses_past_max_per_link() -> None:
+    t: PendingTable[str] = PendingTable(max_per_link=2)
+    assert t.add(R1, 1, "a", 10.0, DST)
+    assert t.add(R1, 2, "a", 10.0, DST)
+    assert not t.add(R1, 3, "a", 10.0, DST)
+    assert t.add(R2, 3, "b", 10.0, DST), "another link has its own room"
+    assert t.resolve(R1, 3) is None, "nothing was recorded"
+    assert t.resolve(R1, 1) == "a"
+    assert t.add(R1, 3, "a", 10.0, DST)
+    assert (t.count("a"), len(t)) == (2, 3)

@@ -105,14 +105,12 @@ class Forwarder:
         stats: TrafficStats,
         deadline: Callable[[int], float],
         trace: TraceHop,
-        max_requests: int = 10_000,
     ) -> None:
         """``deadline`` turns a request's timeout_ms (0: the default) into a deadline on
-        the broker's clock; ``trace`` records a traced frame's hop (telemetry);
-        ``max_requests`` is how many requests of one link may wait for a response
-        (``--max-requests``): past it a request is answered NO_ROUTE at once."""
+        the broker's clock; ``trace`` records a traced frame's hop (telemetry). A request
+        past the pending table's ``max_per_link`` (``--max-requests``) is answered
+        NO_ROUTE at once."""
         self.routing = routing
-        self._max_requests = max_requests
         self._pending = pending
         self._outbox = outbox
         self._stats = stats
@@ -204,9 +202,6 @@ class Forwarder:
             if flags & _TELL_SENDER:
                 outbox.no_route(link, msg_id, src, dst)
             return None
-        if flags & FLAG_REQUEST and self._pending.count(link) >= self._max_requests:
-            self._too_many_requests(link, msg_id, src, dst)
-            return None
         if (
             flags & _REQUEST_OR_TRACE == FLAG_REQUEST
             and cast_type != CAST_ANYCAST
@@ -214,6 +209,10 @@ class Forwarder:
         ):
             link.msgs_in -= 1  # counted again when the decision is carried out
             return Decision(total, found, Carry.REQUEST, src, dst)
+        pending = self._pending
+        if flags & FLAG_REQUEST and pending.count(link) >= pending.max_per_link:
+            self._too_many_requests(link, msg_id, src, dst)  # anycast or traced
+            return None
         delivered = 0
         for target in found:
             delivered += outbox.deliver(target, frame)
@@ -340,16 +339,16 @@ class Forwarder:
                 outbox.deliver(requester_link, frame)
             return
         msg_id, timeout_ms = _unpack_request_ids(buf, pos + OFF_MSG_ID)
-        if self._pending.count(link) >= self._max_requests:
+        targets = decision.targets
+        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests).
+        if not self._pending.add(
+            decision.src, msg_id, link, self._deadline(timeout_ms), dst, _via(targets)
+        ):
             self._too_many_requests(link, msg_id, decision.src, dst)
             return
-        targets = decision.targets
         for target in targets:
             outbox.deliver(target, frame)
         self._stats.requests += 1
-        self._pending.add(
-            decision.src, msg_id, link, self._deadline(timeout_ms), dst, _via(targets)
-        )
 
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
         """A request past the link's cap: refused, not forwarded, and the requester told
@@ -360,7 +359,7 @@ class Forwarder:
             msg_id,
             src,
             dst,
-            f"limit exceeded: this connector already has {self._max_requests} requests "
+            f"limit exceeded: this connector already has {self._pending.max_per_link} requests "
             "waiting for a response (the broker's --max-requests)",
         )
 

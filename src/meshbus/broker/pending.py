@@ -24,6 +24,7 @@ a link's sets go when the link is dropped.
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -31,6 +32,8 @@ from typing import Generic, TypeVar
 L = TypeVar("L", bound=Hashable)
 
 Key = tuple[bytes, int]
+# An entry: (link, deadline, dst, seq, via, the link's key set).
+_Entry = tuple[L, float, bytes, int, "L | None", set[Key]]
 # Stale heap items tolerated on top of 3x the live entries before a rebuild; the slack
 # keeps a small table (a few requests in flight) from rebuilding every few adds.
 COMPACT_SLACK = 1024
@@ -47,10 +50,13 @@ class PendingEntry(Generic[L]):
 
 
 class PendingTable(Generic[L]):
-    def __init__(self) -> None:
-        # key -> (link, deadline, dst, seq, via): a plain tuple, the cheapest thing to build
-        # on every request; PendingEntry objects are made only for the few that fail.
-        self._entries: dict[Key, tuple[L, float, bytes, int, L | None]] = {}
+    def __init__(self, max_per_link: int = sys.maxsize) -> None:
+        """``max_per_link``: how many requests of one link may wait (``add`` refuses more)."""
+        self.max_per_link = max_per_link
+        # key -> (link, deadline, dst, seq, via, the link's key set): a plain tuple, the
+        # cheapest thing to build on every request; PendingEntry objects are made only for
+        # the few that fail. The key set in the entry spares resolve a lookup.
+        self._entries: dict[Key, _Entry[L]] = {}
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
         self._by_link: dict[L, set[Key]] = {}  # the keys of each link's requests
@@ -67,29 +73,35 @@ class PendingTable(Generic[L]):
         deadline: float,
         dst: bytes,
         via: L | None = None,
-    ) -> None:
+    ) -> bool:
         """Record a request that came in on ``link``; ``via`` is the one link it went out
         on when that is all that can answer it (a peer broker: see ``drop_via``). A second
-        request with the same key replaces the first."""
-        key = (requester, msg_id)
-        seq = self._seq = self._seq + 1
-        entries = self._entries
-        old = entries.get(key)
-        if old is not None:
-            self._unindex(key, old)
-        entries[key] = (link, deadline, dst, seq, via)
+        request with the same key replaces the first. False, and nothing recorded, when
+        ``link`` already has ``max_per_link`` requests waiting."""
         keys = self._by_link.get(link)
         if keys is None:
             keys = self._by_link[link] = set()
+        elif len(keys) >= self.max_per_link:
+            return False
+        key = (requester, msg_id)
+        seq = self._seq = self._seq + 1
+        entry = (link, deadline, dst, seq, via, keys)
+        entries = self._entries
+        old = entries.setdefault(key, entry)
+        if old is not entry:  # a replacement: rare, so one lookup on the common path
+            self._unindex(key, old)
+            entries[key] = entry
         keys.add(key)
         if via is not None:
             vias = self._by_via.get(via)
             if vias is None:
                 vias = self._by_via[via] = set()
             vias.add(key)
-        heapq.heappush(self._heap, (deadline, seq, key))
-        if len(self._heap) > COMPACT_SLACK + 3 * len(entries):
+        heap = self._heap
+        heapq.heappush(heap, (deadline, seq, key))
+        if len(heap) > COMPACT_SLACK + 3 * len(entries):
             self._compact()
+        return True
 
     def count(self, link: L) -> int:
         """How many requests made over ``link`` are waiting."""
@@ -102,18 +114,20 @@ class PendingTable(Generic[L]):
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self._unindex(key, entry)
+        entry[5].discard(key)
+        if entry[4] is not None:
+            self._unindex_via(key, entry[4])
         return entry[0]
 
-    def _unindex(self, key: Key, entry: tuple[L, float, bytes, int, L | None]) -> None:
-        keys = self._by_link.get(entry[0])
-        if keys is not None:
-            keys.discard(key)
-        via = entry[4]
-        if via is not None:
-            vias = self._by_via.get(via)
-            if vias is not None:
-                vias.discard(key)
+    def _unindex(self, key: Key, entry: _Entry[L]) -> None:
+        entry[5].discard(key)
+        if entry[4] is not None:
+            self._unindex_via(key, entry[4])
+
+    def _unindex_via(self, key: Key, via: L) -> None:
+        vias = self._by_via.get(via)
+        if vias is not None:
+            vias.discard(key)
 
     def expire(self, now: float) -> list[PendingEntry[L]]:
         """Remove and return every entry whose deadline is at or before ``now``."""
@@ -125,7 +139,7 @@ class PendingTable(Generic[L]):
             if entry is not None and entry[3] == seq:
                 del self._entries[key]
                 self._unindex(key, entry)
-                link, deadline, dst, _, _ = entry
+                link, deadline, dst, _, _, _ = entry
                 expired.append(PendingEntry(key[0], key[1], link, deadline, dst, seq))
         return expired
 
@@ -139,9 +153,7 @@ class PendingTable(Generic[L]):
             entry = entries.pop(key, None)
             if entry is None:  # never: the sets follow the entries
                 continue
-            keys = self._by_link.get(entry[0])
-            if keys is not None:
-                keys.discard(key)
+            entry[5].discard(key)
             gone.append(PendingEntry(key[0], key[1], entry[0], entry[1], entry[2], entry[3]))
         return gone
 
@@ -155,11 +167,8 @@ class PendingTable(Generic[L]):
         keys = self._by_link.pop(link, ())
         for key in keys:
             entry = entries.pop(key, None)
-            via = None if entry is None else entry[4]
-            if via is not None:
-                vias = self._by_via.get(via)
-                if vias is not None:
-                    vias.discard(key)
+            if entry is not None and entry[4] is not None:
+                self._unindex_via(key, entry[4])
         return len(keys)
 
     def _compact(self) -> None:

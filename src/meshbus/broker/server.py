@@ -93,7 +93,7 @@ class Broker:
         self.peers = Peers()
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
         self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer)
-        self.pending: PendingTable[Endpoint] = PendingTable()
+        self.pending: PendingTable[Endpoint] = PendingTable(config.max_requests)
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
@@ -130,7 +130,6 @@ class Broker:
             self.stats,
             self._deadline,
             self.telemetry.hop,
-            max_requests=config.max_requests,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
