@@ -7,6 +7,7 @@ import os
 import shutil
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,30 @@ def test_salvage_keeps_intact_blocks_consumers_and_their_pending(tmp_path: Path)
     finally:
         new.close()
     assert path.read_bytes().find(b"00520:") > 0  # the source is as it was
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda p: flip(p, 0, 100), "its first bytes are not an SQLite header"),
+        (lambda p: os.truncate(p, os.path.getsize(p) // 2), "it was cut short"),
+    ],
+    ids=["header", "half"],
+)
+def test_salvage_of_a_store_sqlite_cannot_open(
+    tmp_path: Path, damage: Callable[[Path], None], problem: str
+) -> None:
+    path = tmp_path / "streams.db"
+    make(path, window=0).close()
+    damage(path)
+    report = salvage(str(path), str(tmp_path / "new.db"))
+    assert problem in report.problem
+    (sv,) = report.streams
+    new = SqliteStreamStore(tmp_path / "new.db")
+    try:
+        kept = [m for name, _, _ in sv.saved for m in new.read(name, 1, 2000)]
+        assert len(kept) + sv.messages_lost == 1000
+        assert kept  # something was saved
+        assert all(m.payload.startswith(b"%05d:" % (m.seq - 1)) for m in kept)
+    finally:
+        new.close()

@@ -840,6 +840,11 @@ def salvage(source: str, out: str) -> Salvage:
                 with open(source + suffix, "rb") as src, open(copy + suffix, "wb") as dst:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
+        if report.problem.startswith("its first bytes are not an SQLite header"):
+            report.problem += "; salvage wrote a new header on its copy"
+            _new_header(copy)
+        elif "it was cut short" in report.problem:
+            _fit_header(copy)  # else SQLite refuses to read any page of it
         if not report.problem:
             try:
                 SqliteStreamStore(copy).close()  # the checks at open, on the copy
@@ -860,6 +865,44 @@ def salvage(source: str, out: str) -> Salvage:
             os.remove(os.path.join(work, name))
         os.rmdir(work)
     return report
+
+
+def _new_header(path: str) -> None:
+    """Give the file ``path`` the 100-byte header of a store of this schema, with its page
+    count from its size and an empty free list (pages on the lost one are not read)."""
+    size = os.path.getsize(path)
+    page_size = 4096  # SQLite's default, and what every store is made with
+    fresh = path + ".header"
+    db = sqlite3.connect(fresh, isolation_level=None)
+    try:
+        db.execute(f"PRAGMA page_size={page_size}")
+        db.execute("PRAGMA journal_mode=WAL")
+        for statement in filter(None, (part.strip() for part in _SCHEMA.split(";"))):
+            db.execute(statement)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    finally:
+        db.close()
+    with open(fresh, "rb") as f:
+        header = bytearray(f.read(100))
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(fresh + suffix):
+            os.remove(fresh + suffix)
+    header[28:32] = (size // page_size).to_bytes(4, "big")
+    header[32:40] = bytes(8)  # no free list
+    with open(path, "r+b") as f:
+        f.write(header)
+
+
+def _fit_header(path: str) -> None:
+    """Make the header's page count that of a file cut short (whole pages only)."""
+    with open(path, "r+b") as f:
+        header = f.read(100)
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = os.path.getsize(path) // page_size
+        f.truncate(pages * page_size)
+        f.seek(28)
+        f.write(pages.to_bytes(4, "big"))
 
 
 def _salvage(db: sqlite3.Connection, out: str, report: Salvage) -> None:
