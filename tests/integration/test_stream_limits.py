@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 import meshbus
 from meshbus import Timeout
 from meshbus.errors import StreamError
-from tests.conftest import start_broker, stop_all
+from meshbus.protocol.layout import ControlType, ErrorCode
+from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.integration.helpers import RawLink
+from tests.integration.test_bad_input import assert_rejected, control_raw
 
 
 async def test_streams_per_broker_and_bytes_per_stream(tmp_path: Path) -> None:
@@ -62,3 +66,28 @@ async def test_an_append_past_the_data_dir_limit_is_not_acknowledged(tmp_path: P
             await conn.ping()
     finally:
         assert await stop_all([broker]) == [0]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"op": "add", "stream": "huge", "captures": [], "max_msgs": 2**64 - 1},
+        {"op": "consumer_add", "stream": "s", "consumer": "c", "start_seq": 2**64 - 1},
+        {"op": "fetch", "stream": "s", "from_seq": 2**63},
+    ],
+    ids=["max_msgs", "start_seq", "from_seq"],
+)
+async def test_a_number_out_of_range_is_a_protocol_error(
+    broker: BrokerProcess, body: dict[str, object]
+) -> None:
+    link = await RawLink.open(broker.address)
+    try:
+        await link.hello("bad")
+        await link.send(control_raw(int(ControlType.STREAM), msgspec.msgpack.encode(body)))
+        error = await assert_rejected(link, ErrorCode.PROTOCOL_ERROR)
+        assert error.message.startswith("malformed STREAM body: Expected `int` <= ")
+    finally:
+        await link.close()
+    async with await meshbus.connect(broker.address, server="still") as conn:
+        await conn.streams.add("s", "multicast:s")
+        await conn.ping()
