@@ -84,7 +84,7 @@ class Decision:
     until the routing table changes: the frame size, the target links, how to carry
     it out, and the frame's source and destination."""
 
-    __slots__ = ("carry", "dst", "size", "src", "targets")
+    __slots__ = ("carry", "dst", "size", "src", "targets", "via")
 
     def __init__(
         self, size: int, targets: tuple[Endpoint, ...], carry: Carry, src: bytes, dst: bytes
@@ -94,6 +94,7 @@ class Decision:
         self.carry = carry
         self.src = src
         self.dst = dst
+        self.via = _via(targets)  # for a request: the pending entry's ``via``
 
 
 class Forwarder:
@@ -342,7 +343,7 @@ class Forwarder:
         targets = decision.targets
         # Recorded first: refused, and not forwarded, past the link's cap (--max-requests).
         if not self._pending.add(
-            decision.src, msg_id, link, self._deadline(timeout_ms), dst, _via(targets)
+            decision.src, msg_id, link, self._deadline(timeout_ms), dst, decision.via
         ):
             self._too_many_requests(link, msg_id, decision.src, dst)
             return

@@ -376,9 +376,11 @@ class Broker:
     def _deadline(self, timeout_ms: int) -> float:
         config = self.config
         timeout = timeout_ms / 1000 if timeout_ms else config.default_request_timeout
-        # A longer timeout is cut to the limit (docs/protocol.md): an entry may not sit in
-        # the pending table for weeks.
-        return self.clock() + min(timeout, config.max_request_timeout)
+        if timeout > config.max_request_timeout:
+            # Cut to the limit (docs/protocol.md): no entry sits in the pending table for
+            # weeks.
+            timeout = config.max_request_timeout
+        return self.clock() + timeout
 
     async def _sweep_pending(self) -> None:
         """Expire pending requests. A fixed tick rather than a timer per request: one wake-up
