@@ -252,3 +252,39 @@ async def wait_apart(a: BrokerProcess, b: BrokerProcess) -> None:
     while b.name in (await stat(a, detail=False))["peers"]:
         assert loop.time() < deadline, "a and b did not come apart"
         await asyncio.sleep(0.1)
+
+
+async def test_stat_shows_the_loops_lag_and_a_pause_shows_in_it() -> None:
+    """A broker measures how late its loop runs; a pause of 0.4 s is a lag of about that."""
+    broker = await start_broker()
+    try:
+        await asyncio.sleep(0.2)
+        quiet = (await stat(broker, detail=False))["loop_lag_ms"]
+        assert quiet["samples"] > 0
+        broker.process.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.4)
+        broker.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.1)
+        after = (await stat(broker, detail=False))["loop_lag_ms"]
+        assert after["max"] >= 300, after
+        assert after["samples"] > quiet["samples"]
+    finally:
+        await stop_all([broker])
+
+
+async def test_a_crashed_peer_is_dialled_again_until_peer_forget() -> None:
+    a = await start_broker("--peer-forget", "1.5")
+    b = await start_broker("--seed", a.address)
+    try:
+        b.process.kill()
+        await b.process.wait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await stat(a, detail=False))["redialling"] != [b.name]:
+            assert loop.time() < deadline, "a did not start dialling b again"
+            await asyncio.sleep(0.05)
+        while (await stat(a, detail=False))["redialling"]:
+            assert loop.time() < deadline, "a never forgot b"
+            await asyncio.sleep(0.1)
+    finally:
+        await stop_all([a])

@@ -31,6 +31,7 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.forward import Forwarder
 from meshbus.broker.groups import GroupTable
 from meshbus.broker.guarantees import Guarantees
+from meshbus.broker.lag import LoopLag
 from meshbus.broker.link import Link
 from meshbus.broker.mesh import Dialer, Mesh, dial_tcp
 from meshbus.broker.outbox import Outbox, TrafficStats
@@ -75,6 +76,11 @@ def _release_memory() -> None:
         pass
 
 
+# How often the loop's lag is sampled: 50 wake-ups a second cost nothing measurable, and
+# a stall anywhere between two of them shows in full.
+_LAG_INTERVAL = 0.02
+
+
 class Broker:
     def __init__(
         self,
@@ -89,6 +95,7 @@ class Broker:
         self.clock = clock
         self.started_at = time.time()
         self.stats = TrafficStats()
+        self.lag = LoopLag()
         self.links = LinkRegistry()
         self.peers = Peers()
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
@@ -252,6 +259,7 @@ class Broker:
         if timers:
             self._tasks.spawn(self._sweep_pending(), "pending-sweeper")
             self._tasks.spawn(self._housekeeping(), "housekeeping")
+            self._tasks.spawn(self._measure_lag(), "loop-lag")
         if self.config.seeds:
             await self.mesh.join(self.config.seeds)
         else:
@@ -396,6 +404,16 @@ class Broker:
             self.stats.timeouts += 1
             self.outbox.tell_requester(entry, ControlType.TIMEOUT)
 
+    async def _measure_lag(self) -> None:
+        """Wake every ``_LAG_INTERVAL`` and record how late (meshbus.broker.lag). The loop's
+        own clock, not ``self.clock``: the lag is the real loop's, whatever the broker's
+        time is."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + _LAG_INTERVAL
+            await asyncio.sleep(_LAG_INTERVAL)
+            self.lag.record(loop.time() - asked)
+
     async def _housekeeping(self) -> None:
         interval = self.config.heartbeat_interval
         while True:
@@ -483,6 +501,8 @@ class Broker:
             "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
             "streams": self.streams.snapshot(),
             "groups_bound": len(self.guarantees.groups),
+            "loop_lag_ms": self.lag.snapshot(),
+            "redialling": self.mesh.redials.names(),
             "counters": self.traffic_counters()
             | {
                 "pending": len(self.pending),

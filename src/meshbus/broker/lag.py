@@ -1,0 +1,52 @@
+"""How late the event loop runs: the one number that says whether a broker stalls.
+
+Everything a broker does runs on one event loop; while one callback runs, no frame
+is read, no heartbeat sent. A timer asks to wake every ``interval`` seconds and
+records how much later than asked it woke: that is the loop's lag, the longest
+any callback (a burst of frames, a big table change, a store operation) kept the
+loop. ``meshbus stat`` shows the maximum and the 99th percentile since the
+broker started; the goal is a maximum under 50 ms (docs/architecture.md §4.4).
+
+The samples go into fixed buckets, so the memory is constant and a percentile is
+the upper bound of the bucket it falls in.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+# Bucket upper bounds in milliseconds; the last bucket takes everything above.
+BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000)
+
+
+class LoopLag:
+    def __init__(self) -> None:
+        self.max_ms = 0.0
+        self.samples = 0
+        self._counts = [0] * (len(BOUNDS_MS) + 1)
+
+    def record(self, lag_s: float) -> None:
+        ms = max(0.0, lag_s * 1000)
+        self.max_ms = max(self.max_ms, ms)
+        self.samples += 1
+        self._counts[bisect.bisect_left(BOUNDS_MS, ms)] += 1
+
+    def percentile(self, fraction: float) -> float:
+        """The upper bound (ms) of the bucket holding the ``fraction`` quantile; the
+        maximum itself for the last bucket, and 0 with no sample."""
+        if not self.samples:
+            return 0.0
+        rank = fraction * self.samples
+        seen = 0
+        for i, count in enumerate(self._counts):
+            seen += count
+            if seen >= rank and count:
+                return float(BOUNDS_MS[i]) if i < len(BOUNDS_MS) else self.max_ms
+        return self.max_ms
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "max": round(self.max_ms, 3),
+            "p99": self.percentile(0.99),
+            "samples": self.samples,
+        }
