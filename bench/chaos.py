@@ -10,6 +10,9 @@ every event. While the traffic runs:
 
 * at 20% of the sends, broker A is killed (kill -9) and restarted on its port and
   data dir, joining through C;
+* at 32%, broker C is paused (SIGSTOP) for ``PAUSE`` seconds, twice the heartbeat
+  budget, then resumed: its peers declare it dead meanwhile, and the mesh must heal
+  (``healed_s``: from SIGCONT until every broker links to every other again);
 * at 45%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
 * at 70%, a 4th broker D joins through C, and the mesh rebalances onto it.
 
@@ -21,8 +24,10 @@ its sends to be acknowledged, and the receivers are drained.
 Every payload carries (id, sender, group, seq), and the receiving application counts:
 lost -- ids sent (``send`` returned) never received; duplicated -- ids received more
 than once; out_of_order -- group messages received below a seq already received from
-that (sender, group). A send that raised is not counted as sent: the application was
-told; such errors are shown in the table.
+that (sender, group); two_members -- groups of which one message reached two
+members (processed twice: what a paused member's broker can cause). A send that
+raised is not counted as sent: the application was told; such errors are shown in
+the table.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), se
 NO_GROUP = 0xFFFF
 _POOL = meshbus.Anycast("chaos")
 _CONNECTORS_PER_KIND = 3  # senders, and receivers: one of each per founding broker
-# The share of the sends at which each event begins: kill, drain, join.
-_MARKS = (0.20, 0.45, 0.70)
+# The share of the sends at which each event begins: kill, pause, drain, join.
+_MARKS = (0.20, 0.32, 0.45, 0.70)
+PAUSE = 3.0  # seconds broker C stays stopped: twice the default 1.5 s heartbeat budget
 # Give-up bounds: far above anything healthy, they only turn a hang into a clear result.
 _STEP_LIMIT = 30.0  # a broker starting, forming the mesh, draining
 _ACK_LIMIT = 120.0  # every send acknowledged (or given up: ~15 s after its first attempt)
@@ -106,6 +112,8 @@ class Tally:
         self._holder: dict[tuple[int, int], str] = {}
         self.switches = 0  # a group's next message came to another member
         self.unflagged = 0  # ... without group_reassigned set on it
+        self._member_of: dict[int, str] = {}  # group message id -> the member it reached
+        self.two_members: set[tuple[int, int]] = set()  # (sender, group)
 
     def listener(self, member: str) -> Callable[[meshbus.Message], None]:
         def on_message(message: meshbus.Message) -> None:
@@ -113,6 +121,8 @@ class Tally:
             seen = self.counts[msg_id]
             self.counts[msg_id] = min(seen + 1, 255)
             self.last_at = time.perf_counter()
+            if group != NO_GROUP and self._member_of.setdefault(msg_id, member) != member:
+                self.two_members.add((sender, group))
             if seen:
                 return  # a duplicate: counted once, in duplicated, not in the order
             self.received += 1
@@ -138,6 +148,7 @@ class Timeline:
     def __init__(self) -> None:
         self.began = time.perf_counter()
         self.rows: list[tuple[float, str, str]] = []
+        self.healed_s = -1.0  # after the pause; -1: not measured
 
     def now(self) -> float:
         return time.perf_counter() - self.began
@@ -235,9 +246,21 @@ async def _shake(
     timeline.add("restarted", f"{again.name} at {again.address}, ready in {again.start_ms:.0f} ms")
 
     await traffic.marks[1].reached.wait()
+    c.process.send_signal(signal.SIGSTOP)
+    timeline.add("SIGSTOP (pause)", f"{c.name} for {PAUSE:.0f} s")
+    traffic.marks[1].begun.set()
+    await asyncio.sleep(PAUSE)
+    c.process.send_signal(signal.SIGCONT)
+    resumed = time.perf_counter()
+    timeline.add("SIGCONT", c.name)
+    await _formed([again, b, c])
+    timeline.healed_s = time.perf_counter() - resumed
+    timeline.add("healed", f"a full mesh again {timeline.healed_s:.2f} s after SIGCONT")
+
+    await traffic.marks[2].reached.wait()
     b.process.send_signal(signal.SIGTERM)
     timeline.add("SIGTERM (drain)", b.name)
-    traffic.marks[1].begun.set()
+    traffic.marks[2].begun.set()
     try:
         code = await asyncio.wait_for(b.process.wait(), _STEP_LIMIT)
         timeline.add("drained, exited", f"{b.name}, exit code {code}")
@@ -245,12 +268,12 @@ async def _shake(
         # What the mesh did, not a failed setup: reported, and the traffic goes on.
         timeline.add("still running", f"{b.name}, {_STEP_LIMIT:.0f} s after SIGTERM")
 
-    await traffic.marks[2].reached.wait()
+    await traffic.marks[3].reached.wait()
     timeline.add("join", "a 4th broker, seed " + c.name)
     joined = await _start(brokers, dirs["d"], "--seed", c.address)
     timeline.add("joined", f"{joined.name}, ready in {joined.start_ms:.0f} ms")
     # Only now: the rest of the traffic runs while connectors move onto the newcomer.
-    traffic.marks[2].begun.set()
+    traffic.marks[3].begun.set()
     await _rebalanced([again, c, joined], timeline)
 
 
@@ -405,13 +428,15 @@ async def _run(
 )
 def chaos(count: int, groups: int, group_size: int) -> None:
     """Reliable traffic through a 3-broker mesh while one broker is killed and restarted,
-    one drains and a 4th joins: count lost, duplicated and out-of-order messages.
+    one is paused past its heartbeat budget, one drains and a 4th joins: count lost,
+    duplicated and out-of-order messages, groups that reached two members, and how
+    long the mesh took to heal after the pause.
 
     Progress goes to stderr as it runs, then a table of events and counts. The counts
     are the result, so the command exits 0 whatever they are (non-zero only when the
     mesh cannot be set up).
 
-    Last line: `lost=<n> duplicated=<n> out_of_order=<n>`.
+    Last line: `lost=<n> duplicated=<n> out_of_order=<n> two_members=<n> healed_s=<s>`.
     """
     with tempfile.TemporaryDirectory(prefix="meshbus-chaos-") as workdir:
         outcome = run_on_brokers(lambda brokers: _run(brokers, workdir, count, groups, group_size))
@@ -436,7 +461,11 @@ def chaos(count: int, groups: int, group_size: int) -> None:
         ("connectors at the end", landed),
         ("group member switches", f"{tally.switches} ({tally.unflagged} without group_reassigned)"),
         ("lost / duplicated / out of order", f"{lost} / {duplicated} / {tally.out_of_order}"),
+        ("groups that reached two members", str(len(tally.two_members))),
     ):
         events.add_row("", event, detail)
     print_tables(events)
-    click.echo(f"lost={lost} duplicated={duplicated} out_of_order={tally.out_of_order}")
+    click.echo(
+        f"lost={lost} duplicated={duplicated} out_of_order={tally.out_of_order} "
+        f"two_members={len(tally.two_members)} healed_s={outcome.timeline.healed_s:.2f}"
+    )

@@ -31,14 +31,25 @@ def test_reliable_last_line() -> None:
     assert ratio == pytest.approx(reliable_ / plain, rel=0.01)
 
 
+# The healing goal after the pause: whole within 3 heartbeat intervals + 1 s.
+_HEAL_GOAL_S = 3 * 0.5 + 1.0
+
+
+def _check_chaos(line: str) -> None:
+    fields = dict(item.split("=") for item in line.split())
+    assert list(fields) == ["lost", "duplicated", "out_of_order", "two_members", "healed_s"]
+    assert (fields["lost"], fields["duplicated"], fields["out_of_order"]) == ("0", "0", "0")
+    assert 0 <= float(fields["healed_s"]) <= _HEAL_GOAL_S
+    # Not yet 0 by design: fencing a paused member's groups is still to come (docs/mesh.md).
+    assert int(fields["two_members"]) >= 0
+
+
 def test_chaos_in_process() -> None:
-    line = last_line(chaos, "--count", "3000", "--groups", "5")
-    assert line == "lost=0 duplicated=0 out_of_order=0"
+    _check_chaos(last_line(chaos, "--count", "3000", "--groups", "5"))
 
 
 def test_chaos_as_a_command() -> None:
-    line = run_bench("chaos", "--count", "3000", "--groups", "7", "--group-size", "4")
-    assert line == "lost=0 duplicated=0 out_of_order=0"
+    _check_chaos(run_bench("chaos", "--count", "3000", "--groups", "7", "--group-size", "4"))
 
 
 # -- the counting -------------------------------------------------------------------------
@@ -83,3 +94,15 @@ def test_plans_send_every_id_once(count: int, groups: int, size: int) -> None:
                 seqs.setdefault(group, []).append(seq)
                 assert final == (seq == size)
         assert all(found == list(range(1, size + 1)) for found in seqs.values())
+
+
+def test_tally_counts_a_group_whose_message_reached_two_members() -> None:
+    tally = Tally(10)
+    first, second = tally.listener("receiver 0"), tally.listener("receiver 1")
+    first(_message(1, group=3, seq=1))
+    first(_message(1, group=3, seq=1))  # the same member again: a duplicate, not two
+    assert tally.two_members == set()
+    second(_message(1, group=3, seq=1))
+    first(_message(5))  # a unicast message is no group's
+    second(_message(5))
+    assert tally.two_members == {(0, 3)}
