@@ -383,3 +383,14 @@ DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {
     int(t): msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()
 }
 ENCODER = msgspec.msgpack.Encoder()
+
+
+def check_bounds(ctype: ControlType, body: Body) -> None:
+    """ValueError naming the field when a number of ``body`` is outside its bounds -- what
+    the receiver's decoder refuses as a PROTOCOL_ERROR, closing the link -- for a sender
+    that would rather refuse it itself (a client's InvalidArgument). It encodes the body
+    once more: for requests, not for the hot path."""
+    try:
+        DECODERS[int(ctype)].decode(ENCODER.encode(body))
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"a number out of range in the {ctype.name} request: {exc}") from None
