@@ -22,6 +22,7 @@ from meshbus.broker.store import (
     StreamConfig,
 )
 from meshbus.errors import MeshbusError
+from meshbus.protocol.blocks import encode_block
 
 SRC = bytes(range(16))
 DST = bytes(range(16, 32))
@@ -272,5 +273,31 @@ def test_salvage_of_a_store_sqlite_cannot_open(
         assert len(kept) + sv.messages_lost == 1000
         assert kept  # something was saved
         assert all(m.payload.startswith(b"%05d:" % (m.seq - 1)) for m in kept)
+    finally:
+        new.close()
+
+
+def test_salvage_brings_a_version_3_store_to_version_4(tmp_path: Path) -> None:
+    path = tmp_path / "streams.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    schema = sqlite_store._SCHEMA.replace(" AUTOINCREMENT", "").replace(
+        "crc INTEGER NOT NULL, ", ""
+    )
+    for statement in filter(None, (part.strip() for part in schema.split(";"))):
+        db.execute(statement)
+    db.execute("PRAGMA user_version=3")
+    db.execute("INSERT INTO streams VALUES (1, 'old', ?, 0, 0, 0.0, 120.0, 1, 3, 3)", (DST,))
+    block = encode_block([SRC] * 3, [DST] * 3, [b"a", b"b", b"c"], [b""] * 3, [0] * 3, [b""] * 3)
+    db.execute("INSERT INTO blocks VALUES (?, 3, 7.0, ?)", (1 << 40 | 1, block))
+    db.close()
+    with pytest.raises(StoreError, match="schema version 3 is not 4"):
+        SqliteStreamStore(path)
+    report = salvage(str(path), str(tmp_path / "new.db"))
+    assert report.problem.startswith("it is of schema version 3")
+    assert report.streams[0].saved == [("old", 1, 3)]
+    new = SqliteStreamStore(tmp_path / "new.db")
+    try:
+        assert [m.payload for m in new.read("old", 1, 10)] == [b"a", b"b", b"c"]
     finally:
         new.close()

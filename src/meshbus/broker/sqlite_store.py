@@ -54,6 +54,8 @@ from itertools import accumulate
 from operator import itemgetter
 from typing import NamedTuple
 
+import msgspec
+
 from meshbus.broker.store import (
     ADDRESS_LEN,
     Appended,
@@ -180,7 +182,9 @@ class SqliteStreamStore(MirroredStore):
             raise StoreError(
                 f"{self.path}: stream store schema version {version} is not {SCHEMA_VERSION}; "
                 "it was written by another meshbus version (version 4 added a checksum to "
-                "every block); move it aside to start with an empty store"
+                "every block); `meshbus stream salvage --data-dir "
+                f"{os.path.dirname(os.path.abspath(self.path))} --out NEW_DIR` copies a "
+                "version 3 store into a new one, or move it aside to start with an empty store"
             )
         if version:
             # integrity_check, not quick_check: the same pass over the b-trees (its cost
@@ -845,6 +849,12 @@ def salvage(source: str, out: str) -> Salvage:
             _new_header(copy)
         elif "it was cut short" in report.problem:
             _fit_header(copy)  # else SQLite refuses to read any page of it
+        legacy = _version(copy) == 3
+        if legacy:
+            report.problem = (
+                "it is of schema version 3, whose blocks have no checksums: each is copied "
+                "if it decodes, and gets its CRC32 in the new store"
+            )
         if not report.problem:
             try:
                 SqliteStreamStore(copy).close()  # the checks at open, on the copy
@@ -852,7 +862,7 @@ def salvage(source: str, out: str) -> Salvage:
                 report.problem = exc.problem
         db = sqlite3.connect(copy, isolation_level=None)
         try:
-            _salvage(db, out, report)
+            _salvage(db, out, report, legacy)
         except sqlite3.DatabaseError as exc:
             raise StoreError(
                 f"{source}: SQLite cannot read even its list of streams ({exc}), so nothing "
@@ -905,7 +915,19 @@ def _fit_header(path: str) -> None:
         f.write(pages.to_bytes(4, "big"))
 
 
-def _salvage(db: sqlite3.Connection, out: str, report: Salvage) -> None:
+def _version(path: str) -> int:
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            version: int = db.execute("PRAGMA user_version").fetchone()[0]
+            return version
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:
+        return 0
+
+
+def _salvage(db: sqlite3.Connection, out: str, report: Salvage, legacy: bool = False) -> None:
     streams = db.execute(
         "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
         " first_seq, last_seq FROM streams ORDER BY name"
@@ -919,7 +941,7 @@ def _salvage(db: sqlite3.Connection, out: str, report: Salvage) -> None:
         for sid, name, caps, max_msgs, max_bytes, max_age, window, first, last in streams:
             sv = StreamSalvage(name, first, last)
             report.streams.append(sv)
-            runs = _salvage_blocks(db, sid, first, last, sv)
+            runs = _salvage_blocks(db, sid, first, last, sv, legacy)
             captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
             for i, (run_first, run) in enumerate(runs):
                 newest = i == len(runs) - 1
@@ -966,7 +988,7 @@ _Kept = tuple[int, int, float, int, bytes]
 
 
 def _salvage_blocks(
-    db: sqlite3.Connection, sid: int, first: int, last: int, sv: StreamSalvage
+    db: sqlite3.Connection, sid: int, first: int, last: int, sv: StreamSalvage, legacy: bool
 ) -> list[tuple[int, list[_Kept]]]:
     """The intact blocks holding ``first..last``, as runs of consecutive seqs: (the run's
     first seq, its blocks)."""
@@ -1010,11 +1032,19 @@ def _salvage_blocks(
             lose(pos, block_first - 1, "no block holds them")
             pos = block_first
         try:
-            crc, data = _block_data(db, key)
+            if legacy:  # no checksum: a block that decodes is taken as intact
+                query = "SELECT messages FROM blocks WHERE key = ?"
+                data = db.execute(query, (key,)).fetchone()[0]
+                crc = _crc(data)
+                decode_block(data)
+            else:
+                crc, data = _block_data(db, key)
             intact = _crc(data) == crc
             why = "" if intact else "the block's CRC32 does not match its bytes"
         except sqlite3.DatabaseError as exc:
             why = f"SQLite cannot read the block ({exc})"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            why = f"the block does not decode ({exc})"
         if why:
             sv.blocks_lost += 1
             lose(pos, block_last, why)
