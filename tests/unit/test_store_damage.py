@@ -301,3 +301,26 @@ def test_salvage_brings_a_version_3_store_to_version_4(tmp_path: Path) -> None:
         assert [m.payload for m in new.read("old", 1, 10)] == [b"a", b"b", b"c"]
     finally:
         new.close()
+
+
+def test_retention_removes_a_damaged_block_instead_of_refusing_appends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "streams.db"
+    make(path, window=0).close()  # 20 blocks of 50
+    flip(path, path.read_bytes().find(b"00060:") + 10)  # the block of seqs 51..100
+    monkeypatch.setattr(sqlite_store, "VERIFY_BYTES", 1)
+    store = SqliteStreamStore(path)
+    try:
+        store._streams["orders"].config = StreamConfig("orders", (DST,), max_msgs=920)
+        store.append_batch("orders", [NewMessage(SRC, DST, b"new")], 50.0)
+        info = store.info("orders")
+        assert (info.first_seq, info.last_seq) == (82, 1001)
+        assert "retention meets a damaged block" in caplog.text
+        with pytest.raises(StoreError, match=r"messages 51\.\.100 of stream 'orders' is damaged"):
+            store.read("orders", 82, 5)
+        store.append_batch("orders", [NewMessage(SRC, DST, b"x")] * 30, 51.0)
+        assert store.info("orders").first_seq == 112  # the damaged block is gone
+        assert store.read("orders", 1, 1)[0].seq == 112
+    finally:
+        store.close()

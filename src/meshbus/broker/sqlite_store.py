@@ -41,6 +41,7 @@ the broker must hold a lock on its data directory.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import struct
@@ -75,6 +76,8 @@ from meshbus.broker.store import (
     fit_bytes,
 )
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block, encode_block
+
+log = logging.getLogger("meshbus.broker")
 
 SCHEMA_VERSION = 4
 SEQ_BITS = 40
@@ -296,16 +299,36 @@ class SqliteStreamStore(MirroredStore):
     def _blocks(self, st: StreamState, first: int, last: int) -> Iterator[tuple[int, float, Block]]:
         """(first seq, stored_at, block) of the blocks that hold ``first..last``, each
         decoded once while it stays among the last ``_DECODED_BLOCKS``."""
-        decoded = self._decoded
         for key, at, block_last in _block_keys(self._db, st.key, first, last):
-            block = decoded.get(key)
-            if block is None:
-                crc, data = _block_data(self._db, key)
-                _check_block(self.path, st.config.name, key, block_last, crc, data)
-                block = decoded[key] = decode_block(data)
-                if len(decoded) > _DECODED_BLOCKS:
-                    del decoded[next(iter(decoded))]
-            yield key & SEQ_MASK, at, block
+            yield key & SEQ_MASK, at, self._block(st, key, block_last)
+
+    def _block(self, st: StreamState, key: int, last: int) -> Block:
+        decoded = self._decoded
+        block = decoded.get(key)
+        if block is None:
+            crc, data = _block_data(self._db, key)
+            _check_block(self.path, st.config.name, key, last, crc, data)
+            block = decoded[key] = decode_block(data)
+            if len(decoded) > _DECODED_BLOCKS:
+                del decoded[next(iter(decoded))]
+        return block
+
+    def _sizes(self, st: StreamState, first: int) -> Iterator[tuple[int, float, int]]:
+        """(seq, stored_at, payload size) from ``first`` on, for retention. A damaged
+        block's sizes are unknown: each of its messages counts as an even share of its
+        bytes, so retention removes it (its messages are lost anyway) instead of failing
+        every append to the stream from then on."""
+        for key, at, block_last in _block_keys(self._db, st.key, first, st.last_seq):
+            block_first = key & SEQ_MASK
+            try:
+                sizes = self._block(st, key, block_last).payload_sizes()
+            except BlockDamaged as exc:
+                log.error("retention meets a damaged block", extra={"error": str(exc)})
+                count = block_last - block_first + 1
+                sizes = [len(_block_data(self._db, key)[1]) // count] * count
+            for seq, size in enumerate(sizes, block_first):
+                if seq >= first:
+                    yield seq, at, size
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -410,13 +433,7 @@ class SqliteStreamStore(MirroredStore):
         if not self._needs_cut(st, now):
             return 0
         sid, old_first = st.key, st.first_seq
-        rows = (
-            (seq, at, size)
-            for first, at, block in self._blocks(st, old_first, st.last_seq)
-            for seq, size in enumerate(block.payload_sizes(), first)
-            if seq >= old_first
-        )
-        self._cut(st, now, rows)
+        self._cut(st, now, self._sizes(st, old_first))
         db.execute(
             "DELETE FROM blocks WHERE key >= ? AND key < ? AND last_seq < ?",
             (_key(sid, 0), _key(sid, st.first_seq), st.first_seq),
