@@ -13,6 +13,7 @@ import pytest
 
 import meshbus
 from tests.conftest import start_broker, stop_all
+from tests.damage import flip
 from tests.integration.helpers import start_broker_process
 from tests.integration.test_streams import fetch_all
 
@@ -54,14 +55,6 @@ async def refused(data_dir: Path) -> str:
     assert text.startswith(f"Error: the stream store {db} is damaged: "), text
     assert f"`meshbus stream salvage --data-dir {data_dir} --out NEW_DIR`" in text
     return text
-
-
-def flip(path: Path, at: int, count: int = 64) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        data = f.read(count)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def truncate_8k(db: Path) -> None:

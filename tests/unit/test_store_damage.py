@@ -23,6 +23,7 @@ from meshbus.broker.store import (
 )
 from meshbus.errors import MeshbusError
 from meshbus.protocol.blocks import encode_block
+from tests.damage import flip
 
 SRC = bytes(range(16))
 DST = bytes(range(16, 32))
@@ -37,14 +38,6 @@ def make(
         payloads = [b"%05d:" % (b * per + i) + b"P" * size for i in range(per)]
         store.append_batch("orders", [NewMessage(SRC, DST, p) for p in payloads], float(b))
     return store
-
-
-def flip(path: Path, at: int, count: int = 64) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        data = f.read(count)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def refused(path: Path) -> str:
