@@ -52,6 +52,14 @@ CALLS: dict[str, Callable[[Bus], Awaitable[object]]] = {
         "s", "multicast:s", max_msgs=1 << 70
     ),
     "streams.fetch, a seq beyond 64 bits": lambda b: b.conn.streams.fetch("s", from_seq=1 << 70),
+    # Within 64 bits, beyond what the broker's decoder takes (its PROTOCOL_ERROR would
+    # close the link): refused before it is sent.
+    "streams.add, a limit the broker refuses": lambda b: b.conn.streams.add(
+        "s", "multicast:s", max_msgs=2**64 - 1
+    ),
+    "streams.consumer, a start the broker refuses": lambda b: b.conn.streams.consumer(
+        "s", "c", start_seq=2**64 - 1
+    ),
     # Service: sending
     "send, address without ':'": lambda b: b.svc.send("nocolon", b"x"),
     "send, instance 0": lambda b: b.svc.send("game01:0", b"x"),

@@ -37,7 +37,7 @@ from meshbus.errors import (
     Timeout,
 )
 from meshbus.protocol.codec import ControlFrame, describe, encode_control, encode_data
-from meshbus.protocol.control import Body, Error
+from meshbus.protocol.control import Body, Error, check_bounds
 from meshbus.protocol.layout import FATAL_ERRORS, FLAG_REQUEST, ControlType, ErrorCode
 
 B = TypeVar("B", bound=Body)
@@ -74,8 +74,11 @@ class Requester:
         correlation = self._next_correlation
         self._next_correlation = correlation % 0xFFFFFFFF + 1
         try:
+            # A number the broker's decoder would refuse costs the link (PROTOCOL_ERROR):
+            # refused here instead, as the caller's mistake.
+            check_bounds(type_, body)
             request = encode_control(type_, body, correlation)
-        except OverflowError as exc:  # msgpack carries integers of at most 64 bits
+        except (OverflowError, ValueError) as exc:  # msgpack: integers of at most 64 bits
             raise InvalidArgument(f"a number in the {describe(type_)} request: {exc}") from exc
         if link is None:
             link = await self._links.usable()
