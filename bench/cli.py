@@ -28,6 +28,7 @@ _ELSEWHERE = {
     "routes": "bench.routes",
     "reliable": "bench.reliable",
     "chaos": "bench.chaos",
+    "bursts": "bench.bursts",
     "stream": "bench.streams",
     "spark": "bench.spark",
 }

@@ -23,6 +23,7 @@ COMMANDS = (
     "routes",
     "reliable",
     "chaos",
+    "bursts",
     "stream",
 )
 

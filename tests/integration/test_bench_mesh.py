@@ -14,6 +14,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from bench.bursts import bursts
 from bench.membership import failover, join
 from bench.routes import routes
 from tests.integration.bench_helpers import last_line, run_bench
@@ -66,3 +67,13 @@ def test_bad_argument_exits_2() -> None:
     result = CliRunner().invoke(failover, ["--connectors", "1"])
     assert result.exit_code == 2
     assert "--connectors" in result.output
+
+
+def test_bursts_reports_the_loop_lag_of_both_brokers() -> None:
+    line = last_line(bursts, "--count", "500")
+    fields = dict(item.split("=") for item in line.split())
+    assert list(fields) == ["entry_max_lag_ms", "peer_max_lag_ms", "entry_p99_ms"]
+    assert float(fields["entry_max_lag_ms"]) >= 0
+    assert float(fields["peer_max_lag_ms"]) >= 0
+    # A p99 of at least the first bucket's bound: the probe took samples through the burst.
+    assert float(fields["entry_p99_ms"]) >= 1, line
