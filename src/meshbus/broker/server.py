@@ -364,9 +364,11 @@ class Broker:
             why = f"broker {link.name}, which had it, left the mesh while the request was out"
             for entry in self.pending.drop_via(link):
                 self.outbox.tell_requester(entry, ControlType.NO_ROUTE, why)
-        # Requests relayed to the peer get their answer; its streams are gone.
-        self.relay.peer_lost(link)
-        self.streams.peer_lost(link)
+        if link.is_peer:
+            # Requests relayed to the peer get their answer; its streams are gone. (Only a
+            # peer's link: both scan their tables, which a connector's close need not pay.)
+            self.relay.peer_lost(link)
+            self.streams.peer_lost(link)
         if len(gone) + held >= _RELEASE_AFTER:
             _release_memory()
         log.debug(
