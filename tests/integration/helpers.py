@@ -122,6 +122,10 @@ class RawLink:
             )
         )
         frame = await self.read_control()
+        # The broker pushes its list of brokers whenever the mesh changes (a peer lost a
+        # moment ago, say): news, not the answer, which a connector reads past.
+        while frame.type == ControlType.BROKERS and frame.correlation == 0:
+            frame = await self.read_control()
         assert frame.type == ControlType.REGISTERED, frame
         assert frame.correlation == correlation
         assert isinstance(frame.body, AddressBody)
