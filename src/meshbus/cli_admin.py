@@ -160,10 +160,11 @@ if TYPE_CHECKING:
 @click.option(
     "--group-grace",
     type=click.FloatRange(0),
-    default=2.0,
+    default=4.0,
     show_default=True,
     help="Message groups: seconds a member may be unreachable (failing over) before "
-    "its groups move to another member.",
+    "its groups move to another member. Keep it above the connectors' failover time "
+    "(3 x keepalive + 1 s), or a member that fails over may find its group moved.",
 )
 @click.option(
     "--telemetry-interval",

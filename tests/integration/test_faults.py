@@ -16,8 +16,8 @@ import pytest
 import meshbus
 from meshbus.protocol import ControlFrame, FrameDecoder
 from meshbus.protocol.control import Hello
-from tests.conftest import BrokerProcess, start_broker, stop_all
-from tests.integration.helpers import stat
+from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
+from tests.integration.helpers import ACK_TIMEOUT, Collector, stat, wait_members
 
 pytestmark = pytest.mark.slow
 
@@ -288,3 +288,61 @@ async def test_a_crashed_peer_is_dialled_again_until_peer_forget() -> None:
             await asyncio.sleep(0.1)
     finally:
         await stop_all([a])
+
+
+async def test_a_group_that_moved_while_its_members_broker_was_paused_is_not_handed_to_it_after() -> (
+    None
+):
+    """Finding 3 of the resilience issue. Member m1 is on broker b and cannot fail over;
+    m2 on c is in the same pool; the sender is on a. b is paused (SIGSTOP) right after the
+    sender sent messages 11-30 of the group to m1: they wait in b's socket. a declares b
+    dead, the group's home moves the group to m2 after the grace, and the sender resends
+    11-30 there. When b resumes it must not hand m1 those messages it read late -- no
+    message of the group may reach two members."""
+    brokers = await start_mesh(
+        3, "--heartbeat-interval", str(HEARTBEAT), "--group-grace", "1.0"
+    )
+    a, b, c = brokers
+    pool = meshbus.Anycast("pool")
+    m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
+    m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
+    sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
+    collectors: list[Collector] = []
+    try:
+        m1 = await m1_conn.register()
+        await m1.join(pool)
+        await wait_members(brokers, pool, 1)
+        sender = await sender_conn.register()
+        collectors = [Collector(m1)]
+        for seq in range(1, 11):  # the group binds to m1, the only member
+            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        m2 = await m2_conn.register()
+        await m2.join(pool)
+        await wait_members(brokers, pool, 2)
+        collectors.append(Collector(m2))
+
+        b.process.send_signal(signal.SIGSTOP)
+        for seq in range(11, 31):
+            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
+        await collectors[1].wait_for(20, timeout=15.0)  # moved: m2 has 11-30
+        b.process.send_signal(signal.SIGCONT)
+        await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        await asyncio.sleep(0.5)  # what b would still hand m1 has come by now
+
+        got_m1, got_m2 = (set(collector.payloads) for collector in collectors)
+        assert got_m1 & got_m2 == set(), "messages of the group reached both members"
+        assert got_m1 == {b"%d" % seq for seq in range(1, 11)}
+        assert got_m2 == {b"%d" % seq for seq in range(11, 31)}
+        assert collectors[1].messages[0].group_reassigned
+        facts = await stat(b, detail=False)
+        assert facts["mesh_counters"]["stalls"] >= 1
+    finally:
+        for collector in collectors:
+            collector.stop()
+        for conn in (m1_conn, m2_conn, sender_conn):
+            await conn.close()
+        with contextlib.suppress(ProcessLookupError):
+            b.process.send_signal(signal.SIGCONT)
+        await stop_all(brokers)

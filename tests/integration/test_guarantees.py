@@ -19,11 +19,17 @@ import meshbus
 from meshbus.client.delivery import RetryPolicy
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import DeliveryFailed
+from meshbus.protocol.codec import DataFrame
+from meshbus.protocol.ext import Ext, unpack_acks, wrap
+from meshbus.protocol.layout import FLAG_ACK, FLAG_EXT, FLAG_RELIABLE
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import (
     ACK_TIMEOUT,
     IO_TIMEOUT,
     Collector,
+    RawLink,
+    data_frame,
+    recv_n,
     stat,
     wait_members,
     wait_routes,
@@ -503,3 +509,40 @@ async def test_a_reliable_send_on_a_lost_connector_leaves_nothing_pending() -> N
         await conn.wait_acked(timeout=1)
     finally:
         await conn.close()
+
+
+async def test_a_group_message_held_back_for_an_earlier_one_is_acked_only_when_delivered(
+    broker: BrokerProcess,
+) -> None:
+    """Message 2 of a group overtakes message 1 (a resend after a failover can): the member
+    holds it back, and does not acknowledge it until it is delivered, after message 1.
+    An ack on arrival would let the sender count it as delivered -- and were the group to
+    move before message 1 came, the new member would never get message 2."""
+    member_conn = await meshbus.connect(broker.address, server="worker", failover=False)
+    sender = await RawLink.open(broker.address)
+    try:
+        member = await member_conn.register()
+        await member.join(meshbus.Anycast("pool"))
+        await sender.hello("raw-sender")
+        src = await sender.register("raw-sender")
+        pool = meshbus.Anycast("pool").to_bytes()
+
+        def message(seq: int) -> bytes:
+            ext = Ext(origin=pool, group=b"g", seq=seq, floor=1)
+            flags = FLAG_RELIABLE | FLAG_EXT
+            return data_frame(member.address, src, wrap(ext, b"m%d" % seq), msg_id=seq, flags=flags)
+
+        await sender.send(message(2))
+        with pytest.raises(TimeoutError):
+            frame = await sender.read_frame(timeout=0.5)
+            pytest.fail(f"something came for a message held back: {frame!r}")
+        await sender.send(message(1))
+        acked: list[int] = []
+        while sorted(acked) != [1, 2]:
+            frame = await sender.read_frame()
+            assert isinstance(frame, DataFrame) and frame.flags & FLAG_ACK, frame
+            acked += unpack_acks(frame.payload)
+        assert [m.payload for m in await recv_n(member, 2)] == [b"m1", b"m2"]
+    finally:
+        await sender.close()
+        await member_conn.close()

@@ -40,7 +40,7 @@ class BrokerConfig:
     # Message groups: idle seconds before a binding goes (the seed's 5 minutes), and how
     # long a member may be missing (failing over) before its groups move.
     group_expiry: float = 300.0
-    group_grace: float = 2.0
+    group_grace: float = 4.0
     # Streams under data_dir: "normal" survives the broker being killed (kill -9),
     # "always" also an OS crash or power loss, at a cost (BENCHMARKS.md).
     fsync: str = "normal"

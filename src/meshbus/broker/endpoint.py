@@ -22,7 +22,8 @@ bookkeeping) lives in ``PeerInfo``, present exactly when the role is PEER.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 class LinkState(enum.Enum):
@@ -53,6 +54,9 @@ class CloseReason(enum.Enum):
     DUPLICATE_LINK = "duplicate-link"
     HEARTBEAT_TIMEOUT = "heartbeat-timeout"
     PEER_BYE = "peer-bye"
+    # Bytes from a peer after a silence past the heartbeat budget: this broker stalled
+    # (or the network held them), and the peer has declared it dead meanwhile.
+    STALLED = "stalled"
 
 
 @dataclass(eq=False)
@@ -61,14 +65,33 @@ class PeerInfo:
 
     Neighbour identifiers: ``tag_in`` is the id this broker gave the peer (our link
     id, expected at offset 40 of its frames); ``tag_out`` the id the peer gave us,
-    stamped on the frames we send it."""
+    stamped on the frames we send it.
+
+    Liveness: a peer silent for ``budget`` seconds is dead. The heartbeat timer finds
+    that; ``hear`` finds it too when bytes come after the silence -- after this
+    broker's own loop stalled, the bytes are read before any timer runs, and the
+    peer has declared this broker dead meanwhile."""
 
     listen: str  # the address the peer advertises
     slot: int  # its dynamic-id slot
     tag_in: int
     tag_out: bytes
-    heard: bool = True  # any bytes since the last heartbeat check
-    misses: int = 0  # heartbeat intervals in a row without a frame
+    clock: Callable[[], float]
+    budget: float  # seconds of silence that mean the peer is dead
+    heard_at: float = field(init=False)  # when bytes last came
+
+    def __post_init__(self) -> None:
+        self.heard_at = self.clock()
+
+    def silence(self) -> float:
+        return self.clock() - self.heard_at
+
+    def hear(self) -> bool:
+        """Bytes came; False when they end a silence past the budget (they are stale)."""
+        now = self.clock()
+        fresh = now - self.heard_at <= self.budget
+        self.heard_at = now
+        return fresh
 
 
 class Endpoint:

@@ -51,8 +51,10 @@ class Guarantees:
         relay: Relay,
         outbox: Outbox,
         clock: Callable[[], float],
+        fenced: Callable[[], bool],
     ) -> None:
-        """``name`` gives this broker's name (known once it listens)."""
+        """``name`` gives this broker's name (known once it listens); ``fenced`` is true
+        while it re-links after a stall (meshbus.broker.mesh), when it binds nothing."""
         self._name = name
         self.groups = groups
         self._routing = routing
@@ -60,6 +62,7 @@ class Guarantees:
         self._relay = relay
         self._outbox = outbox
         self._clock = clock
+        self._fenced = fenced
 
     # -- members ------------------------------------------------------------------------
 
@@ -87,6 +90,16 @@ class Guarantees:
         home = None if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             self._relay.relay(home, ControlType.GROUP_BIND, body, link, correlation)
+            return
+        if self._fenced():
+            # Its peers took this broker for dead while it stalled; the group's home among
+            # them may have moved the group. Binding from what it held could split it.
+            self._relay.refuse(
+                link,
+                ErrorCode.UNAVAILABLE,
+                f"broker {self._name()} is re-linking after a stall; ask again in a moment",
+                correlation,
+            )
             return
         members = self._routing.members(body.group)
         key = (body.group, body.key)

@@ -192,8 +192,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._end += nbytes
         self.bytes_in += nbytes
         peer = self.peer
-        if peer is not None:
-            peer.heard = True
+        if peer is not None and not peer.hear():
+            # Frames that waited out the budget (in the kernel while this loop stalled, or
+            # in a network that held them) are not delivered: the peer took this broker
+            # for dead, and the group or message may have moved on without them.
+            self.fail(
+                ErrorCode.PROTOCOL_ERROR,
+                "frames came after a silence past the heartbeat budget",
+                CloseReason.STALLED,
+            )
+            return
         if not self._blocked:
             self._process()
 

@@ -91,6 +91,7 @@ class MeshStats:
     peers_lost: int = 0
     peers_crashed: int = 0
     moves_sent: int = 0
+    stalls: int = 0  # times this broker found it had stalled past the heartbeat budget
 
 
 class Mesh:
@@ -144,6 +145,7 @@ class Mesh:
         self._pushed: tuple[str, ...] = ()
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
+        self._stalled_at = 0.0  # when this broker last found it had stalled (0: never)
         self.moves = Moves(clock, links, self.stats)
         self._leaving: dict[Link, asyncio.Future[None]] = {}  # peers told BYE, not yet closed
         self._tasks = BackgroundTasks()
@@ -345,7 +347,12 @@ class Mesh:
         self, link: Link, name: str, listen: str, slot: int, tag: int, max_frame: int
     ) -> None:
         info = PeerInfo(
-            listen=listen, slot=slot, tag_in=link.link_id, tag_out=tag.to_bytes(4, "big")
+            listen=listen,
+            slot=slot,
+            tag_in=link.link_id,
+            tag_out=tag.to_bytes(4, "big"),
+            clock=self._clock,
+            budget=self.config.heartbeat_interval * self.config.heartbeat_misses,
         )
         link.open_as_peer(name, info, negotiated_max_frame(max_frame, self.config.max_frame))
         state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))
@@ -508,6 +515,8 @@ class Mesh:
         if not link.is_peer or not self.peers.remove(link):
             return False  # never opened, or a duplicate that lost
         self.stats.peers_lost += 1
+        if reason is CloseReason.STALLED:
+            self.stalled()
         state = self.known.pop(link.name, None)
         # A peer we said goodbye to, or that announced its drain, is leaving, whatever
         # way its link ends.
@@ -531,6 +540,33 @@ class Mesh:
         self.lists_changed()
         return True
 
+    # -- fencing ---------------------------------------------------------------------------------
+
+    @property
+    def budget(self) -> float:
+        """Seconds of silence after which a peer is dead."""
+        return self.config.heartbeat_interval * self.config.heartbeat_misses
+
+    def stalled(self) -> None:
+        """This broker found it stalled past the heartbeat budget (its loop ran late that
+        long, or a peer's frames came after such a silence): its peers took it for dead,
+        and may have moved its groups on meanwhile."""
+        if not self.fenced():
+            self.stats.stalls += 1
+            log.warning("this broker stalled past its heartbeat budget; re-linking")
+        self._stalled_at = self._clock()
+
+    def fenced(self) -> bool:
+        """True while this broker re-links after a stall: it decides nothing for the mesh
+        (binds no message group) until every broker it lost is linked again, or for two
+        budgets at most -- what it holds may be what the others decided without it."""
+        if not self._stalled_at:
+            return False
+        if not self.redials or self._clock() - self._stalled_at > 2 * self.budget:
+            self._stalled_at = 0.0
+            return False
+        return True
+
     # -- heartbeats -----------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
@@ -542,17 +578,13 @@ class Mesh:
         for link in self.peers.links():
             peer = link.peer
             assert peer is not None
-            if peer.heard:
-                peer.heard = False
-                peer.misses = 0
-            else:
-                peer.misses += 1
-                if peer.misses >= self.config.heartbeat_misses:
-                    link.fail(
-                        ErrorCode.PROTOCOL_ERROR,
-                        f"no frame for {peer.misses} heartbeat intervals",
-                        CloseReason.HEARTBEAT_TIMEOUT,
-                    )
+            silence = peer.silence()
+            if silence > peer.budget:
+                link.fail(
+                    ErrorCode.PROTOCOL_ERROR,
+                    f"no frame for {silence:.1f} s (the budget is {peer.budget:g} s)",
+                    CloseReason.HEARTBEAT_TIMEOUT,
+                )
         self._send_all(ControlType.LOAD, self._load())
         # The broker list travels with every heartbeat, not only when it changes: a link
         # between two brokers that both reach a third is repaired within an interval or

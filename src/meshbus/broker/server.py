@@ -113,6 +113,7 @@ class Broker:
             relay=self.relay,
             outbox=self.outbox,
             clock=clock,
+            fenced=lambda: self.mesh.fenced(),
         )
         self.streams = StreamHost(
             config=config,
@@ -414,7 +415,10 @@ class Broker:
         while True:
             asked = loop.time() + _LAG_INTERVAL
             await asyncio.sleep(_LAG_INTERVAL)
-            self.lag.record(loop.time() - asked)
+            late = loop.time() - asked
+            self.lag.record(late)
+            if late > self.mesh.budget and self.peers:
+                self.mesh.stalled()
 
     async def _housekeeping(self) -> None:
         interval = self.config.heartbeat_interval

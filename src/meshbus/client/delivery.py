@@ -246,8 +246,8 @@ class GroupOrder(Generic[T]):
             g = self._groups[key] = _Group(floor, now, {})
         g.last_push = now
         # Nothing below floor will be sent again (acked, or given up), so a raised floor
-        # closes the gap at once. Held items below it are delivered, not dropped: the
-        # connector acks on receipt, so the sender counts them as delivered.
+        # closes the gap at once. Held items below it are delivered, not dropped: they
+        # were given up by the sender, and arrived here all the same.
         out = self._release(g, floor)
         if seq >= g.expected and seq not in g.held:
             g.held[seq] = (item, now)
@@ -257,6 +257,11 @@ class GroupOrder(Generic[T]):
         else:
             self._holding.discard(key)
         return out
+
+    def holds(self, src: bytes, group: bytes, seq: int) -> bool:
+        """True while message ``seq`` waits here for an earlier one."""
+        g = self._groups.get((src, group))
+        return g is not None and seq in g.held
 
     def end(self, src: bytes, group: bytes) -> None:
         """Forget a finished group."""

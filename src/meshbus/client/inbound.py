@@ -173,18 +173,20 @@ class Inbound:
                 # home again, which moves the group to a member.
                 self.dropped += 1
                 continue
+            if ext is not None and ext.group:
+                # A group's sequence must see every frame, a repeated publish id too (a retry
+                # from a new connector numbers the group afresh): the check is on release.
+                released = receiving.in_order(member, frame, ext, bool(flags & FLAG_RELIABLE))
+                for (to, done, done_ext), reassigned in released:
+                    if not done_ext.publish_id or receiving.first_publish(to, done_ext.publish_id):
+                        to.deliver(Message.of(done, to, done_ext, reassigned))
+                continue
             if flags & FLAG_RELIABLE and not receiving.accept(member, frame):
                 continue
             if ext is None:
                 member.deliver(
                     Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
                 )
-            elif ext.group:
-                # A group's sequence must see every frame, a repeated publish id too (a retry
-                # from a new connector numbers the group afresh): the check is on release.
-                for (to, done, done_ext), reassigned in receiving.in_order(member, frame, ext):
-                    if not done_ext.publish_id or receiving.first_publish(to, done_ext.publish_id):
-                        to.deliver(Message.of(done, to, done_ext, reassigned))
             elif ext.publish_id and not receiving.first_publish(member, ext.publish_id):
                 continue
             elif ext.command:

@@ -3,7 +3,10 @@
 Each reliable frame is acknowledged -- also a duplicate, whose first ack may have
 been lost -- and delivered only if its (receiving service, source, message id) is
 not in the ``SeenWindow``; a message with a publish id only if its (receiving
-service, publish id) is not either. Acks are gathered and sent once per loop turn,
+service, publish id) is not either. A message of a message group is acknowledged
+when it is released in the group's order, not when it arrives: one held back for an
+earlier one is not delivered yet, and should the group move to another member
+before the gap fills, the sender must send it there too. Acks are gathered and sent once per loop turn,
 one ACK frame per (acker, sender) pair: an ack per message would cost the sender's
 broker as much routing as the messages themselves. The messages of a message group
 are released in the group's order (``GroupOrder``, meshbus.client.delivery).
@@ -43,13 +46,16 @@ class Receiving:
 
     def accept(self, member: Mailbox, frame: DataFrame) -> bool:
         """Acknowledge a reliable frame for ``member``; True when it is new to it."""
-        if not self._acks:
-            asyncio.get_running_loop().call_soon(self._flush_acks)
-        self._acks.setdefault((member.raw, frame.src), []).append(frame.msg_id)
+        self._ack(member, frame)
         if self.seen.add((member.raw, frame.src, frame.msg_id)):
             return True
         self.duplicates += 1
         return False
+
+    def _ack(self, member: Mailbox, frame: DataFrame) -> None:
+        if not self._acks:
+            asyncio.get_running_loop().call_soon(self._flush_acks)
+        self._acks.setdefault((member.raw, frame.src), []).append(frame.msg_id)
 
     def first_publish(self, member: Mailbox, publish_id: bytes) -> bool:
         """True unless ``member`` already got a message with this publish id."""
@@ -58,14 +64,28 @@ class Receiving:
         self.duplicates += 1
         return False
 
-    def in_order(self, member: Mailbox, frame: DataFrame, ext: Ext) -> list[tuple[Released, bool]]:
-        """The group messages deliverable now, in the group's order (with reassigned flags)."""
+    def in_order(
+        self, member: Mailbox, frame: DataFrame, ext: Ext, reliable: bool
+    ) -> list[tuple[Released, bool]]:
+        """The group messages deliverable now, in the group's order (with reassigned
+        flags); each is acknowledged as it is released."""
         key = member.raw + ext.group
+        if reliable and not self.seen.add((member.raw, frame.src, frame.msg_id)):
+            self.duplicates += 1
+            if not self.order.holds(frame.src, key, ext.seq):
+                self._ack(member, frame)  # released before: its first ack may be lost
+            return []
         now = asyncio.get_running_loop().time()
         ready = self.order.push(frame.src, key, ext.seq, ext.floor, (member, frame, ext), now)
-        for (_, done, done_ext), _ in ready:
+        released_it = False
+        for (to, done, done_ext), _ in ready:
+            released_it = released_it or done is frame
+            if reliable:
+                self._ack(to, done)
             if done_ext.final:
                 self.order.end(done.src, key)
+        if reliable and not released_it and not self.order.holds(frame.src, key, ext.seq):
+            self._ack(member, frame)  # below what the group delivered already: a stale copy
         return ready
 
     def _flush_acks(self) -> None:

@@ -1057,6 +1057,8 @@ class Hub:
             slot=2,
             tag_in=link.link_id,
             tag_out=tag_out.to_bytes(4, "big"),
+            clock=self.clock,
+            budget=1.5,
         )
         link.open_as_peer(name, info, DEFAULT_MAX_FRAME)
         return link
