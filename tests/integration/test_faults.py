@@ -290,18 +290,14 @@ async def test_a_crashed_peer_is_dialled_again_until_peer_forget() -> None:
         await stop_all([a])
 
 
-async def test_a_group_that_moved_while_its_members_broker_was_paused_is_not_handed_to_it_after() -> (
-    None
-):
+async def test_a_group_moved_while_its_members_broker_was_paused_is_not_handed_to_it() -> None:
     """Finding 3 of the resilience issue. Member m1 is on broker b and cannot fail over;
     m2 on c is in the same pool; the sender is on a. b is paused (SIGSTOP) right after the
     sender sent messages 11-30 of the group to m1: they wait in b's socket. a declares b
     dead, the group's home moves the group to m2 after the grace, and the sender resends
     11-30 there. When b resumes it must not hand m1 those messages it read late -- no
     message of the group may reach two members."""
-    brokers = await start_mesh(
-        3, "--heartbeat-interval", str(HEARTBEAT), "--group-grace", "1.0"
-    )
+    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT), "--group-grace", "1.0")
     a, b, c = brokers
     pool = meshbus.Anycast("pool")
     m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
@@ -338,6 +334,49 @@ async def test_a_group_that_moved_while_its_members_broker_was_paused_is_not_han
         assert collectors[1].messages[0].group_reassigned
         facts = await stat(b, detail=False)
         assert facts["mesh_counters"]["stalls"] >= 1
+    finally:
+        for collector in collectors:
+            collector.stop()
+        for conn in (m1_conn, m2_conn, sender_conn):
+            await conn.close()
+        with contextlib.suppress(ProcessLookupError):
+            b.process.send_signal(signal.SIGCONT)
+        await stop_all(brokers)
+
+
+async def test_a_member_that_fails_over_from_a_paused_broker_keeps_its_group() -> None:
+    """m1's broker b is paused for longer than the heartbeat budget plus the old 2 s grace;
+    m1's connector, silent past its keepalive, fails over to c and comes back with the same
+    address. The default --group-grace outlasts that failover, so the group never moves:
+    every message reaches m1, none m2, and the sender's resends are m1's duplicates."""
+    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT))
+    a, b, c = brokers
+    pool = meshbus.Anycast("pool")
+    m1_conn = await meshbus.connect([b.address, c.address], server="m1")
+    m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
+    sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
+    collectors: list[Collector] = []
+    try:
+        m1 = await m1_conn.register()
+        await m1.join(pool)
+        await wait_members(brokers, pool, 1)
+        sender = await sender_conn.register()
+        collectors = [Collector(m1)]
+        await sender.send(pool, b"0", reliable=True, group="g")  # bound to m1, the only one
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        m2 = await m2_conn.register()
+        await m2.join(pool)
+        await wait_members(brokers, pool, 2)
+        collectors.append(Collector(m2))
+        b.process.send_signal(signal.SIGSTOP)
+        for seq in range(1, 61):
+            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
+            await asyncio.sleep(0.075)  # 4.5 s of traffic while b stays stopped
+        b.process.send_signal(signal.SIGCONT)
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        got_m1, got_m2 = (collector.payloads for collector in collectors)
+        assert got_m2 == [], "the group moved although its member came back in time"
+        assert got_m1 == [b"%d" % seq for seq in range(61)]
     finally:
         for collector in collectors:
             collector.stop()

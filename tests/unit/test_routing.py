@@ -490,14 +490,15 @@ def test_take_over_moves_an_address_and_drops_its_memberships() -> None:
 
 
 def test_local_state_lists_local_services_then_memberships() -> None:
-    from meshbus.protocol.control import OP_ADD, OP_JOIN
+    from meshbus.protocol.control import OP_ADD, OP_JOIN, owner_of, split_owner
 
     rt = mesh_table()
-    rt.add_service(A1, "a", session=b"s")
+    rt.add_service(A1, "a", session=b"s", epoch=3)
     rt.add_service(B1, "peer-b")
     rt.join(A1, TOPIC)
     rt.join(B1, TOPIC)
-    assert rt.local_state() == [(OP_ADD, A1, b"s"), (OP_JOIN, A1, TOPIC)]
+    assert rt.local_state() == [(OP_ADD, A1, owner_of(b"s", 3)), (OP_JOIN, A1, TOPIC)]
+    assert split_owner(owner_of(b"s", 3)) == (b"s", 3)
     assert rt.route_count == 4  # two addresses, two memberships
 
 

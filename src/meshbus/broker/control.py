@@ -51,6 +51,7 @@ from meshbus.protocol.control import (
     StatRequest,
     Stats,
     Welcome,
+    owner_of,
 )
 from meshbus.protocol.handshake import negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -150,7 +151,7 @@ class ControlHandler:
             link.open_as_operator(hello.name, max_frame)
             links.operator_opened(link)
         else:
-            link.open_as_connector(hello.name, hello.session, max_frame, hello.synced)
+            link.open_as_connector(hello.name, hello.session, max_frame, hello.synced, hello.epoch)
             links.connector_opened(link)
             mesh.lists_changed()
         welcome = Welcome(
@@ -186,9 +187,9 @@ class ControlHandler:
         try:
             if body.instance == 0:
                 address = routing.allocate_dynamic(
-                    server_name_bytes(body.server), link, link.session
+                    server_name_bytes(body.server), link, link.session, link.epoch
                 )
-                self._sync.announce(OP_ADD, address, link.session)
+                self._sync.announce(OP_ADD, address, owner_of(link.session, link.epoch))
                 self._answer(
                     link, ControlType.REGISTERED, AddressBody(address=address), correlation, True
                 )
@@ -271,8 +272,8 @@ class ControlHandler:
         )
 
     def _take(self, link: Link, address: bytes) -> None:
-        self._routing.take_over(address, link, link.session)
-        self._sync.announce(OP_ADD, address, link.session)
+        self._routing.take_over(address, link, link.session, link.epoch)
+        self._sync.announce(OP_ADD, address, owner_of(link.session, link.epoch))
 
     def on_unregister(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, AddressBody)

@@ -93,6 +93,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.dialled = dialled
         self.remote = "?"  # the other end's IP:port
         self.session = b""  # a connector's session (see meshbus.broker.routing)
+        self.epoch = 0  # links its session opened before this one (Hello.epoch)
         self.wants_synced = False  # a connector that asked for SYNCED after each change
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
         # Addresses this connector registered and lost to another after a split (REVOKED):
@@ -136,10 +137,11 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.send(self.dialling.hello())
 
     def open_as_connector(
-        self, name: str, session: bytes, max_frame: int, wants_synced: bool
+        self, name: str, session: bytes, max_frame: int, wants_synced: bool, epoch: int = 0
     ) -> None:
         self._opening(LinkRole.CONNECTOR, name, max_frame)
         self.session = session
+        self.epoch = epoch
         self.wants_synced = wants_synced
 
     def open_as_operator(self, name: str, max_frame: int) -> None:

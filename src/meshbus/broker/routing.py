@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, dynamic_instance
-from meshbus.protocol.control import OP_ADD, OP_JOIN, RouteOp
+from meshbus.protocol.control import OP_ADD, OP_JOIN, RouteOp, owner_of
 
 L = TypeVar("L", bound=Hashable)
 
@@ -116,6 +116,7 @@ class RoutingTable(Generic[L]):
         self._is_remote = is_remote
         self._owner: dict[bytes, L] = {}
         self._session: dict[bytes, bytes] = {}
+        self._epoch: dict[bytes, int] = {}  # the epoch of the link it came through, if > 0
         self._by_link: dict[L, set[bytes]] = {}
         self._groups: dict[bytes, _Group[L]] = {}
         self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
@@ -130,19 +131,22 @@ class RoutingTable(Generic[L]):
 
     # -- changes ---------------------------------------------------------
 
-    def add_service(self, address: bytes, link: L, session: bytes = b"") -> None:
-        """Register ``address`` (16-byte unicast) on ``link``; AddressTaken if owned already."""
+    def add_service(self, address: bytes, link: L, session: bytes = b"", epoch: int = 0) -> None:
+        """Register ``address`` (16-byte unicast) on ``link``; AddressTaken if owned already.
+        ``epoch``: of the connector link it was registered through (``epoch_of``)."""
         if address in self._owner:
             raise AddressTaken("address is already registered")
         self._owner[address] = link
         if session:
             self._session[address] = session
+        if epoch:
+            self._epoch[address] = epoch
         self._by_link.setdefault(link, set()).add(address)
         if address[12:14] != b"\x00\x00":  # instance >= 65536: a dynamic id
             self._dynamic_used[address[1:14]] += 1
         self.version += 1
 
-    def take_over(self, address: bytes, link: L, session: bytes = b"") -> L | None:
+    def take_over(self, address: bytes, link: L, session: bytes = b"", epoch: int = 0) -> L | None:
         """Give ``address`` to ``link``, whoever owns it now; returns the previous owner.
 
         The previous owner's registration goes with its group memberships: the new
@@ -150,10 +154,12 @@ class RoutingTable(Generic[L]):
         previous = self._owner.get(address)
         if previous is not None:
             self.remove_service(address, previous)
-        self.add_service(address, link, session)
+        self.add_service(address, link, session, epoch)
         return previous
 
-    def allocate_dynamic(self, server: bytes, link: L, session: bytes = b"") -> bytes:
+    def allocate_dynamic(
+        self, server: bytes, link: L, session: bytes = b"", epoch: int = 0
+    ) -> bytes:
         """Register and return a fresh dynamic unicast address for ``server`` (11 padded bytes).
 
         Ids are ``slot * 65536 + sequence`` (see ``meshbus.address.dynamic_instance``),
@@ -174,7 +180,7 @@ class RoutingTable(Generic[L]):
             )
             if address not in self._owner:
                 self._next_seq[server] = (seq + 1) & 0xFFFF
-                self.add_service(address, link, session)
+                self.add_service(address, link, session, epoch)
                 return address
         raise _exhausted()
 
@@ -186,6 +192,7 @@ class RoutingTable(Generic[L]):
             self.leave(address, group)
         del self._owner[address]
         self._session.pop(address, None)
+        self._epoch.pop(address, None)
         if address[12:14] != b"\x00\x00":
             name = address[1:14]
             left = self._dynamic_used[name] - 1
@@ -255,6 +262,7 @@ class RoutingTable(Generic[L]):
         self._deleted = 0
         self._owner = dict(self._owner)
         self._session = dict(self._session)
+        self._epoch = dict(self._epoch)
         self._by_link = dict(self._by_link)
         self._groups = dict(self._groups)
         self._joined = dict(self._joined)
@@ -277,6 +285,11 @@ class RoutingTable(Generic[L]):
     def session_of(self, address: bytes) -> bytes:
         """The session that registered ``address``; b"" if unknown or not registered."""
         return self._session.get(address, b"")
+
+    def epoch_of(self, address: bytes) -> int:
+        """How many links the owning session had opened before the one it registered
+        ``address`` through: of two registrations by one session, the later has more."""
+        return self._epoch.get(address, 0)
 
     def owned_by(self, link: L) -> frozenset[bytes]:
         return frozenset(self._by_link.get(link, ()))
@@ -381,7 +394,9 @@ class RoutingTable(Generic[L]):
         a peer at link-up (ADDs first, so every JOIN finds its member registered)."""
         is_remote = self._is_remote
         local = [a for a, link in self._owner.items() if not is_remote(link)]
-        ops: list[RouteOp] = [(OP_ADD, a, self._session.get(a, b"")) for a in local]
+        ops: list[RouteOp] = [
+            (OP_ADD, a, owner_of(self._session.get(a, b""), self._epoch.get(a, 0))) for a in local
+        ]
         ops.extend((OP_JOIN, a, group) for a in local for group in self._joined.get(a, ()))
         return ops
 

@@ -55,6 +55,7 @@ from meshbus.protocol.control import (
     Routed,
     RouteOp,
     Routes,
+    split_owner,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
 
@@ -83,6 +84,7 @@ class SyncStats:
     route_conflicts: int = 0
     claims_granted: int = 0
     claims_refused: int = 0
+    stale_adds: int = 0  # a session's address announced from an older link than its owner's
 
 
 class RouteSync:
@@ -226,14 +228,20 @@ class RouteSync:
             if len(address) != 16 or address[0] != CAST_UNICAST:
                 raise RoutingError("ADD of an address that is not unicast")
             self.claims.release(address, link.name)
+            session, epoch = split_owner(extra)
             if owner is None:
-                routing.add_service(address, link, extra)
+                routing.add_service(address, link, session, epoch)
             elif owner is link:
                 return
-            elif extra and routing.session_of(address) == extra:
-                routing.take_over(address, link, extra)  # the connector moved here
+            elif session and routing.session_of(address) == session:
+                if epoch < routing.epoch_of(address):
+                    # The connector registered it since through a later link: this broker
+                    # has not noticed yet that it left (it stalled, or was cut off).
+                    self.stats.stale_adds += 1
+                    return
+                routing.take_over(address, link, session, epoch)  # the connector moved here
             else:
-                self._conflict(link, address, extra, owner)
+                self._conflict(link, address, session, owner)
         elif owner is not link:
             return  # about an address that has moved on since: stale
         elif op == OP_REMOVE:

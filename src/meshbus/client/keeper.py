@@ -212,6 +212,7 @@ class LinkKeeper:
         self.failovers = 0
         self.moves = 0
         self._identity = identity
+        self._epoch = 0  # links opened so far: each HELLO says how many came before it
         self._failover_timeout = failover_timeout
         self._keepalive = keepalive
         self._request_timeout = request_timeout
@@ -271,8 +272,10 @@ class LinkKeeper:
                 max_frame=links.max_frame,
                 session=identity.session,
                 synced=True,
+                epoch=self._epoch,
             )
         )
+        self._epoch += 1
         loop = asyncio.get_running_loop()
         try:
             _, link = await loop.create_connection(

@@ -6,10 +6,11 @@ not in the ``SeenWindow``; a message with a publish id only if its (receiving
 service, publish id) is not either. A message of a message group is acknowledged
 when it is released in the group's order, not when it arrives: one held back for an
 earlier one is not delivered yet, and should the group move to another member
-before the gap fills, the sender must send it there too. Acks are gathered and sent once per loop turn,
-one ACK frame per (acker, sender) pair: an ack per message would cost the sender's
-broker as much routing as the messages themselves. The messages of a message group
-are released in the group's order (``GroupOrder``, meshbus.client.delivery).
+before the gap fills, the sender must send it there too. Acks are gathered and
+sent once per loop turn, one ACK frame per (acker, sender) pair: an ack per message
+would cost the sender's broker as much routing as the messages themselves. The
+messages of a message group are released in the group's order (``GroupOrder``,
+meshbus.client.delivery).
 The sending side is meshbus.client.reliable.
 """
 

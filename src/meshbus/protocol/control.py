@@ -62,6 +62,10 @@ class Hello(Body):
     tag: U32 = 0
     # A connector that wants SYNCED after the answer to each change it makes.
     synced: bool = False
+    # How many links this connector's session opened before this one. Of two brokers
+    # announcing the same session's address, the later link's wins: the other is a
+    # broker that has not yet noticed the connector left it (it stalled, or was cut off).
+    epoch: U32 = 0
 
 
 class BrokerInfo(Body):
@@ -153,13 +157,29 @@ class Brokers(Body):
     brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
 
 
-# Route operations between brokers, (op, address, extra): ADD (address, session),
-# REMOVE (address, b""), JOIN (member, group), LEAVE (member, group). A broker only
-# announces changes of its own (local) services; receivers apply them conditionally.
+# Route operations between brokers, (op, address, extra): ADD (address, owner), REMOVE
+# (address, b""), JOIN (member, group), LEAVE (member, group). A broker only announces
+# changes of its own (local) services; receivers apply them conditionally. An ADD's
+# owner is the registering connector's session and its link's epoch (``owner_of``).
 OP_ADD = 1
 OP_REMOVE = 2
 OP_JOIN = 3
 OP_LEAVE = 4
+_EPOCH = 4  # bytes of the epoch at the end of an ADD's owner
+
+
+def owner_of(session: bytes, epoch: int) -> bytes:
+    """An ADD's extra: the session, then the epoch of the link it registered through."""
+    return session + epoch.to_bytes(_EPOCH, "big") if session else b""
+
+
+def split_owner(extra: bytes) -> tuple[bytes, int]:
+    """(session, epoch) from an ADD's extra; (b"", 0) when it names no session."""
+    if len(extra) <= _EPOCH:
+        return b"", 0
+    return extra[:-_EPOCH], int.from_bytes(extra[-_EPOCH:], "big")
+
+
 RouteOp = tuple[U8, bytes, bytes]
 
 

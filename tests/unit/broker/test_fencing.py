@@ -21,6 +21,7 @@ from tests.unit.broker.fakes import (
     address_of,
     build_mesh,
     connector,
+    routes_everywhere,
 )
 
 INTERVAL = 0.5
@@ -120,3 +121,31 @@ async def test_the_fence_lifts_after_two_budgets_when_no_peer_comes_back(
     assert b.mesh.fenced()
     clock.advance(2 * BUDGET + 0.1)
     assert not b.mesh.fenced()
+
+
+async def test_an_address_that_failed_over_stays_with_its_later_link_when_the_old_broker_returns(
+    network: FakeNetwork, clock: FakeClock, pair: list[Broker]
+) -> None:
+    """Connector m registered its address at b. b is cut off (a stall, a partition) with
+    m's link still open there -- m's goodbye has not reached it -- and m fails over to a,
+    where it registers the same address through a later link of its session (HELLO's
+    epoch). When b links up again, its snapshot still announces the address from m's old
+    link. Both brokers must keep the later registration; without epochs they swapped
+    owners (each took the other's), and b's later REMOVE then took it from everywhere."""
+    a, b = pair
+    session = b"m-session".ljust(16, b".")
+    old = await connector(network, b, "m", session=session, epoch=0)
+    address = await old.register("m", 7)
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    new = await connector(network, a, "m", session=session, epoch=1)
+    assert await new.register("m", 7) == address
+    network.heal(address_of("a"), address_of("b"))
+    for _ in range(6):
+        await tick(network, clock, pair)
+    assert (a.peers.names(), b.peers.names()) == (["b"], ["a"])
+    assert routes_everywhere(pair, address) == {"a": "local", "b": "a"}
+    assert a.sync.stats.stale_adds == 1
+    old.close()  # b finally reads m's goodbye on the old link: nothing of it is left to take
+    await network.settle()
+    assert routes_everywhere(pair, address) == {"a": "local", "b": "a"}

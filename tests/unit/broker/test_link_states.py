@@ -207,7 +207,9 @@ async def test_a_link_opens_once() -> None:
     with pytest.raises(RuntimeError):
         link.open_as_operator("op", 4096)
     with pytest.raises(RuntimeError):
-        link.open_as_peer("zz", PeerInfo("zz:1", 1, link.link_id, bytes(4), clock=lambda: 0.0, budget=1.5), 4096)
+        link.open_as_peer(
+            "zz", PeerInfo("zz:1", 1, link.link_id, bytes(4), clock=lambda: 0.0, budget=1.5), 4096
+        )
     assert (link.role, link.name, link.peer) == (LinkRole.CONNECTOR, "conn", None)
 
 
