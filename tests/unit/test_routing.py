@@ -489,7 +489,7 @@ def test_take_over_moves_an_address_and_drops_its_memberships() -> None:
     assert rt.session_of(B1) == b""
 
 
-def test_local_state_lists_local_services_then_memberships() -> None:
+def test_local_ops_list_a_local_service_then_its_memberships() -> None:
     from meshbus.protocol.control import OP_ADD, OP_JOIN, owner_of, split_owner
 
     rt = mesh_table()
@@ -497,7 +497,9 @@ def test_local_state_lists_local_services_then_memberships() -> None:
     rt.add_service(B1, "peer-b")
     rt.join(A1, TOPIC)
     rt.join(B1, TOPIC)
-    assert rt.local_state() == [(OP_ADD, A1, owner_of(b"s", 3)), (OP_JOIN, A1, TOPIC)]
+    assert rt.local_addresses() == [A1]
+    assert rt.local_ops(A1) == [(OP_ADD, A1, owner_of(b"s", 3)), (OP_JOIN, A1, TOPIC)]
+    assert rt.local_ops(B1) == []  # a peer's
     assert split_owner(owner_of(b"s", 3)) == (b"s", 3)
     assert rt.route_count == 4  # two addresses, two memberships
 

@@ -39,6 +39,10 @@ from meshbus.protocol.layout import ControlType, ErrorCode
 
 log = logging.getLogger("meshbus.broker")
 
+# Bindings per GROUPS frame: about 60 bytes each, so a frame stays far below the frame
+# limit and a peer applies it in a couple of milliseconds.
+GROUPS_CHUNK = 2_000
+
 
 class Guarantees:
     def __init__(
@@ -131,7 +135,8 @@ class Guarantees:
 
     def _replicate(self, ops: list[GroupOp]) -> None:
         if self._peers:
-            self._peers.send_all(encode_control(ControlType.GROUPS, Groups(ops=ops)))
+            for frame in _groups_frames(ops):
+                self._peers.send_all(frame)
 
     def on_groups(self, link: Link, correlation: int, body: Body) -> None:
         """Bindings from a peer. The group's home decides: a binding this broker holds is
@@ -159,6 +164,12 @@ class Guarantees:
 
     def send_groups(self, peer: Link) -> None:
         """Every binding, to a peer that just linked up."""
-        ops = list(self.groups.ops())
-        if ops:
-            peer.send(encode_control(ControlType.GROUPS, Groups(ops=ops)))
+        for frame in _groups_frames(list(self.groups.ops())):
+            peer.send(frame)
+
+
+def _groups_frames(ops: list[GroupOp]) -> list[bytes]:
+    return [
+        encode_control(ControlType.GROUPS, Groups(ops=ops[start : start + GROUPS_CHUNK]))
+        for start in range(0, len(ops), GROUPS_CHUNK)
+    ]

@@ -39,6 +39,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
 from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, LinkState, PeerInfo
@@ -67,6 +68,8 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
+# How long one read's control frames may run before the rest waits for the next turn.
+_CONTROL_SLICE = 0.005
 
 
 class Link(Endpoint, asyncio.BufferedProtocol):
@@ -287,6 +290,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         run_start = pos
         run_frames = 0
         run_size = key_total  # the size of every frame of the run; 0 once sizes differ
+        slice_end = 0.0  # when the control frames of this read have had their turn
         try:
             while True:
                 # 1. The same routing key as the frame before: extend the run.
@@ -337,6 +341,19 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     if self._decisions_version != routing.version:
                         decisions.clear()
                         self._decisions_version = routing.version
+                    # A pipelined burst of registrations or joins is handled in slices:
+                    # past the slice, the rest waits for the next loop turn, so one link
+                    # never holds the loop. Data frames are not timed (they are cheap).
+                    now = perf_counter()
+                    if not slice_end:
+                        slice_end = now + _CONTROL_SLICE
+                    elif now > slice_end and self.state is not LinkState.CLOSED:
+                        pos += total
+                        run_start = pos
+                        if not self._blocked:
+                            self.block()
+                            asyncio.get_running_loop().call_soon(self.unblock)
+                        break
                 elif self.state is not LinkState.OPEN:
                     raise FrameError(
                         ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"

@@ -62,8 +62,6 @@ from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.broker")
 
-# Route operations per ROUTES frame: about 40 bytes each, well under the default frame limit.
-ROUTES_CHUNK = 10_000
 _DIAL_TIMEOUT = 5.0
 # After BYE, how long a stopping broker waits for its peers to close their side.
 _BYE_TIMEOUT = 1.0

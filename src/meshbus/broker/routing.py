@@ -389,15 +389,21 @@ class RoutingTable(Generic[L]):
     def groups_of(self, member: bytes) -> frozenset[bytes]:
         return frozenset(self._joined.get(member, ()))
 
-    def local_state(self) -> list[RouteOp]:
-        """This broker's own services and memberships as route operations: what it sends
-        a peer at link-up (ADDs first, so every JOIN finds its member registered)."""
+    def local_addresses(self) -> list[bytes]:
+        """This broker's own services now: a copy, as the table may change while a peer
+        is sent them (``local_ops``)."""
         is_remote = self._is_remote
-        local = [a for a, link in self._owner.items() if not is_remote(link)]
-        ops: list[RouteOp] = [
-            (OP_ADD, a, owner_of(self._session.get(a, b""), self._epoch.get(a, 0))) for a in local
-        ]
-        ops.extend((OP_JOIN, a, group) for a in local for group in self._joined.get(a, ()))
+        return [a for a, link in self._owner.items() if not is_remote(link)]
+
+    def local_ops(self, address: bytes) -> list[RouteOp]:
+        """``address`` as it stands now, as route operations -- its ADD, then a JOIN per
+        group -- or none once it is not this broker's own any more."""
+        link = self._owner.get(address)
+        if link is None or self._is_remote(link):
+            return []
+        owner = owner_of(self._session.get(address, b""), self._epoch.get(address, 0))
+        ops: list[RouteOp] = [(OP_ADD, address, owner)]
+        ops.extend((OP_JOIN, address, group) for group in self._joined.get(address, ()))
         return ops
 
     @property

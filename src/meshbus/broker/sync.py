@@ -28,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
@@ -61,8 +62,12 @@ from meshbus.protocol.layout import ControlType, ErrorCode
 
 log = logging.getLogger("meshbus.broker")
 
-# Route operations per ROUTES frame: about 40 bytes each, well under the default frame limit.
-ROUTES_CHUNK = 10_000
+# Route operations per ROUTES frame: about 45 bytes each, so a frame is about 90 KB, and
+# a peer applies one in about 2 ms -- one frame is never a stall.
+ROUTES_CHUNK = 2_000
+# A snapshot is written out in slices of about this long, one per loop turn: a table of
+# 100,000 services takes some 100 ms to go through, far past the loop's 50 ms budget.
+_SLICE = 0.005
 
 
 @dataclass
@@ -175,16 +180,34 @@ class RouteSync:
     def send_snapshot(self, link: Link) -> None:
         """This broker's local services and memberships, to a peer that just linked up.
 
-        Pending operations go out first (to the others), so the snapshot is all the
-        new peer needs and it gets no operation twice."""
+        Pending operations go out first (to the others). The snapshot is written in
+        slices, one per loop turn, each address as it stands when its slice is written.
+        A change made meanwhile also reaches the new peer as an operation, before or
+        after the address's turn; either way the peer ends where this broker is, as
+        operations apply conditionally (module docstring): a JOIN or REMOVE before the
+        address's ADD is ignored, and the ADD then carries its state of that moment."""
         self.flush_ops()
-        ops = self._routing.local_state()
-        for start in range(0, max(len(ops), 1), ROUTES_CHUNK):
-            chunk = ops[start : start + ROUTES_CHUNK]
-            done = start + ROUTES_CHUNK >= len(ops)
-            link.send(
-                encode_control(ControlType.ROUTES, Routes(ops=chunk, snapshot=True, complete=done))
-            )
+        self._snapshot_slice(link, iter(self._routing.local_addresses()))
+
+    def _snapshot_slice(self, link: Link, addresses: Iterator[bytes]) -> None:
+        if link.closed:
+            return
+        deadline = time.perf_counter() + _SLICE
+        routing = self._routing
+        ops: list[RouteOp] = []
+        for address in addresses:
+            ops += routing.local_ops(address)
+            if len(ops) >= ROUTES_CHUNK:
+                self._send_snapshot_ops(link, ops, complete=False)
+                ops = []
+                if time.perf_counter() > deadline:
+                    asyncio.get_running_loop().call_soon(self._snapshot_slice, link, addresses)
+                    return
+        self._send_snapshot_ops(link, ops, complete=True)
+
+    def _send_snapshot_ops(self, link: Link, ops: list[RouteOp], *, complete: bool) -> None:
+        body = Routes(ops=ops, snapshot=True, complete=complete)
+        link.send(encode_control(ControlType.ROUTES, body))
         self.stats.route_ops_out += len(ops)
 
     # -- route operations in -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tests.unit.broker.fakes import (
     build_mesh,
     connector,
     describe_frame,
+    start_broker,
 )
 
 ORDERS = Anycast("orders").to_bytes()
@@ -172,3 +173,17 @@ async def test_members_with_pick_prefers_a_member_holding_no_message_group(
         answer = await sender.ask(ControlType.MEMBERS, MembersRequest(group=ORDERS, pick=True))
         assert isinstance(answer.body, MemberList)
         assert answer.body.members == [idle]
+
+
+async def test_a_big_group_table_reaches_a_joining_broker_in_frames_under_the_limit(
+    network: FakeNetwork,
+) -> None:
+    """30,000 bindings are some 2 MB: in one GROUPS frame they passed the 1 MiB frame
+    limit, and the joining broker closed the link. They go in chunks."""
+    a = await start_broker(network, "a")
+    member = Anycast("m").to_bytes()
+    for i in range(30_000):
+        a.guarantees.groups.put((POOL, b"group-%d" % i), member, 300.0, 0.0)
+    b = await start_broker(network, "b", seeds=[address_of("a")])
+    assert b.peers.names() == ["a"]
+    assert len(b.guarantees.groups) == 30_000

@@ -4,15 +4,20 @@ table."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from meshbus.address import Multicast
+from meshbus.address import Multicast, Unicast
+from meshbus.broker import sync
 from meshbus.broker.server import Broker
-from meshbus.protocol.control import AddressBody, Register
+from meshbus.broker.sync import ROUTES_CHUNK
+from meshbus.protocol.control import AddressBody, Membership, Register
 from meshbus.protocol.layout import ControlType
 from tests.unit.broker.fakes import (
     FakeNetwork,
     address_of,
+    broker_side,
     build_mesh,
     connector,
     describe_frame,
@@ -144,3 +149,41 @@ async def test_a_closed_connectors_services_leave_every_broker(
     assert members_everywhere(mesh3, CHAT) == {"a": [], "b": [], "c": []}
     for broker in mesh3:
         assert broker.routing.route_count == 0
+
+
+async def test_a_snapshot_written_in_slices_while_the_table_changes_ends_equal(
+    network: FakeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big table goes to a joining broker one ROUTES chunk per loop turn (here every
+    chunk is its own slice), while its owner unregisters services and joins others to a
+    group, one change per turn: the joiner ends with exactly the owner's table."""
+    monkeypatch.setattr(sync, "_SLICE", 0.0)
+    a = await start_broker(network, "a")
+    on_a = await connector(network, a, "on-a")
+    link = broker_side(on_a)
+    addresses = [Unicast("svc", i).to_bytes() for i in range(1, 20_001)]
+    for address in addresses:
+        a.routing.add_service(address, link, on_a.name.encode().ljust(16, b"."))
+    for address in addresses[::2]:
+        a.routing.join(address, CHAT)
+
+    async def churn() -> None:
+        """Changes to addresses at the end of the table: their turn in the snapshot comes
+        after the changes went out as operations."""
+        for address in addresses[-300:]:
+            on_a.send_control(ControlType.UNREGISTER, AddressBody(address=address))
+            await asyncio.sleep(0)
+        for address in addresses[-901:-300:2]:  # not members yet
+            on_a.send_control(ControlType.JOIN, Membership(member=address, group=CHAT))
+            await asyncio.sleep(0)
+
+    changes = asyncio.create_task(churn())
+    c = await start_broker(network, "c", seeds=[address_of("a")])
+    await changes
+    await network.settle()
+    assert a.sync.stats.route_ops_out > ROUTES_CHUNK  # more than one chunk went out
+    assert c.routing.members(CHAT) == a.routing.members(CHAT)
+    assert {x for x, _ in c.routing.services()} == {x for x, _ in a.routing.services()}
+    assert routes_everywhere([a, c], addresses[-1]) == {"a": None, "c": None}
+    assert routes_everywhere([a, c], addresses[0]) == {"a": "local", "c": "a"}
+    assert addresses[-301] in c.routing.members(CHAT)

@@ -1,0 +1,48 @@
+"""Never stall: a link's pipelined burst of control frames is handled in slices, so the
+other links get their turns in between (docs/architecture.md, the event loop's budget).
+Here the slice is 0 s: each loop turn handles two of the burst's frames at most."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshbus.broker import link as link_module
+from meshbus.protocol.codec import ControlFrame, encode_control
+from meshbus.protocol.control import Empty, Register
+from meshbus.protocol.layout import ControlType
+from tests.unit.broker.fakes import FakeNetwork, connector, start_broker
+
+BURST = 500
+
+
+async def test_a_burst_of_registrations_yields_to_other_links_and_is_answered_in_order(
+    network: FakeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "_CONTROL_SLICE", 0.0)
+    broker = await start_broker(network, "a", max_services=BURST)
+    bulk = await connector(network, broker, "bulk")
+    pinger = await connector(network, broker, "pinger")
+    bulk.send(
+        b"".join(
+            encode_control(ControlType.REGISTER, Register(server="svc"), correlation)
+            for correlation in range(1, BURST + 1)
+        )
+    )
+    pinger.send_control(ControlType.PING, Empty(), 7)
+    answered_at_pong = -1
+    for _ in range(10 * BURST):
+        await asyncio.sleep(0)  # one loop turn of the simulated loop
+        if answered_at_pong < 0 and pinger.controls():
+            answered_at_pong = len(bulk.controls())
+        if len(bulk.controls()) == BURST:
+            break
+    assert 0 <= answered_at_pong < BURST // 2, "the ping waited behind the whole burst"
+    answers = bulk.take()
+    assert all(isinstance(f, ControlFrame) for f in answers)
+    assert [f.correlation for f in answers if isinstance(f, ControlFrame)] == list(
+        range(1, BURST + 1)
+    )
+    assert {f.type for f in answers if isinstance(f, ControlFrame)} == {ControlType.REGISTERED}
+    assert broker.routing.service_count == BURST
