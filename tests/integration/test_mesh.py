@@ -448,3 +448,22 @@ async def test_duplicate_dials_leave_one_link_per_pair():
             assert await check()
         finally:
             await stop_all(brokers)
+
+
+async def test_a_stat_larger_than_a_frame_comes_in_pages(mesh3):
+    """3,000 services are some 100 KB of detail; an operator with 16 KiB frames asks for
+    it page by page, and gets every service, sorted, with its link's list and groups."""
+    async with (
+        await meshbus.connect(mesh3[0].address, server="many") as owner,
+        await meshbus.connect(mesh3[0].address, operator=True, max_frame=16 * 1024) as op,
+    ):
+        services = [await owner.register() for _ in range(3_000)]
+        for service in services[:100]:
+            await service.join(meshbus.Multicast("paged"))
+        data = await op.stat()
+        expected = sorted(str(s.address) for s in services)
+        assert [a for a in data["service_addresses"] if a.startswith("many:")] == expected
+        (link,) = [entry for entry in data["links"] if entry["name"] == "many"]
+        assert link["services"] == expected
+        assert data["groups"]["multicast:paged"] == sorted(str(s.address) for s in services[:100])
+        assert data["name"] == mesh3[0].name

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import msgspec
 
 from meshbus.address import Address, Unicast, describe_address, server_name_bytes
 from meshbus.broker.config import BrokerConfig
@@ -33,7 +35,7 @@ from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.watch import ServiceWatch
-from meshbus.protocol.codec import ControlFrame
+from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -55,11 +57,16 @@ from meshbus.protocol.control import (
 )
 from meshbus.protocol.handshake import negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.util import BackgroundTasks
 
 # A claim that lost while nobody took the address is tried again, up to this many times,
 # after a random pause of up to CLAIM_BACKOFF seconds times the attempt number.
 CLAIM_ATTEMPTS = 6
 CLAIM_BACKOFF = 0.01
+
+
+# Room left in each STATS page for the frame header and the body's other fields.
+_STATS_PAGE_ROOM = 1024
 
 
 class ControlHandler:
@@ -74,11 +81,13 @@ class ControlHandler:
         watch: ServiceWatch,
         outbox: Outbox,
         trace_every: int,
-        snapshot: Callable[[bool], dict[str, Any]],
+        snapshot: Callable[[], dict[str, Any]],
+        detailed_snapshot: Callable[[], Awaitable[dict[str, Any]]],
         request_drain: Callable[[float | None], None],
     ) -> None:
-        """``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot``
-        answers STAT; ``request_drain`` starts a drain (as SIGTERM does)."""
+        """``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
+        ``detailed_snapshot`` answer STAT; ``request_drain`` starts a drain (as SIGTERM
+        does)."""
         self._config = config
         self._routing = routing
         self._sync = sync
@@ -88,7 +97,9 @@ class ControlHandler:
         self._outbox = outbox
         self._trace_every = trace_every
         self._snapshot = snapshot
+        self._detailed_snapshot = detailed_snapshot
         self._request_drain = request_drain
+        self._tasks = BackgroundTasks()
 
     def _answer(
         self, link: Link, type_: ControlType, body: Body, correlation: int, changed: bool
@@ -301,9 +312,48 @@ class ControlHandler:
     # -- operations -------------------------------------------------------------------------
 
     def on_stat(self, link: Link, correlation: int, body: Body) -> None:
+        """The brief answer at once; the detailed one once built (in slices). An answer
+        larger than the link's frame limit goes in pages, the rest kept on the link until
+        the operator has asked for each (``StatRequest.page``)."""
         assert isinstance(body, StatRequest)
-        stats = Stats(data=self._snapshot(body.detail))
-        self._outbox.reply(link, ControlType.STATS, stats, correlation)
+        if body.page:
+            self._stat_page(link, correlation, body.page)
+        elif body.detail:
+            self._tasks.spawn(self._answer_detailed(link, correlation), "stat")
+        else:
+            self._answer_stat(link, correlation, self._snapshot())
+
+    async def stop(self) -> None:
+        """Stop the answers still being built."""
+        await self._tasks.cancel()
+
+    async def _answer_detailed(self, link: Link, correlation: int) -> None:
+        data = await self._detailed_snapshot()
+        if not link.closed:
+            self._answer_stat(link, correlation, data)
+            self._outbox.flush()
+
+    def _answer_stat(self, link: Link, correlation: int, data: dict[str, Any]) -> None:
+        frame = encode_control(ControlType.STATS, Stats(data=data), correlation)
+        if len(frame) <= link.max_frame:
+            link.send(frame)
+            return
+        blob = msgspec.msgpack.encode(data)
+        size = link.max_frame - _STATS_PAGE_ROOM
+        link.stat_pages = [blob[start : start + size] for start in range(0, len(blob), size)]
+        self._stat_page(link, correlation, 0)
+
+    def _stat_page(self, link: Link, correlation: int, page: int) -> None:
+        pages = link.stat_pages
+        if page >= len(pages):
+            raise Refused(
+                ErrorCode.UNAVAILABLE,
+                f"no page {page} of a STATS answer here: ask for the answer first (page 0)",
+            )
+        body = Stats(page=page, pages=len(pages), blob=pages[page])
+        if page == len(pages) - 1:
+            link.stat_pages = []
+        self._outbox.reply(link, ControlType.STATS, body, correlation)
 
     def on_ping(self, link: Link, correlation: int, body: Body) -> None:
         self._outbox.reply(link, ControlType.PONG, Empty(), correlation)

@@ -99,6 +99,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.epoch = 0  # links its session opened before this one (Hello.epoch)
         self.wants_synced = False  # a connector that asked for SYNCED after each change
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
+        self.stat_pages: list[bytes] = []  # the pages of a STATS answer not yet asked for
         # Addresses this connector registered and lost to another after a split (REVOKED):
         # its frames from them, sent before it heard, are dropped, not a protocol error.
         self.revoked: set[bytes] = set()

@@ -40,6 +40,7 @@ from meshbus.broker.process import ready_line
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.slices import Slices
 from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
@@ -164,6 +165,7 @@ class Broker:
             outbox=self.outbox,
             trace_every=self.telemetry.trace_every,
             snapshot=self.snapshot,
+            detailed_snapshot=self.detailed_snapshot,
             request_drain=self.request_drain,
         )
         self.dispatch.install(self.control.on_handshake, self._control_table())
@@ -289,6 +291,7 @@ class Broker:
         if self._server is not None:
             self._server.close()
         await self.telemetry.stop()
+        await self.control.stop()
         await self.mesh.stop()
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
@@ -445,10 +448,29 @@ class Broker:
             "refused_control": self.dispatch.refused_frames,
         } | dataclasses.asdict(self.stats)
 
-    def snapshot(self, detail: bool = True) -> dict[str, Any]:
-        """What ``meshbus stat`` shows: this broker, its links, the mesh and counters.
+    async def detailed_snapshot(self) -> dict[str, Any]:
+        """``snapshot`` with the lists that grow with the routing table: every link's
+        services, every service, every group's members. Built in slices (one per loop
+        turn), as describing 200,000 addresses takes most of a second; unsorted, as
+        sorting that many would stall the loop too -- the client sorts them."""
+        data = self.snapshot()
+        routing = self.routing
+        slices = Slices()
+        for entry in data["links"]:
+            link = self.links.links.get(entry["id"])
+            owned = list(routing.owned_by(link)) if link is not None else []
+            entry["services"] = await slices.described(owned)
+        services = [address for address, _ in routing.services()]
+        data["service_addresses"] = await slices.described(services)
+        groups = {}
+        for group, members in list(routing.groups()):
+            groups[describe_address(group)] = await slices.described(list(members))
+        data["groups"] = groups
+        return data
 
-        ``detail`` False leaves out the lists that grow with the routing table."""
+    def snapshot(self) -> dict[str, Any]:
+        """What ``meshbus stat`` shows: this broker, its links, the mesh and counters --
+        without the lists that grow with the routing table (``detailed_snapshot``)."""
         routing = self.routing
         links = [
             {
@@ -457,9 +479,7 @@ class Broker:
                 "name": link.name,
                 "role": "operator" if link.role is LinkRole.OPERATOR else "connector",
                 "state": link.state.value,
-                "services": sorted(describe_address(a) for a in routing.owned_by(link))
-                if detail
-                else routing.owned_count(link),
+                "services": routing.owned_count(link),
                 "msgs_in": link.msgs_in,
                 "msgs_out": link.msgs_out,
                 "bytes_in": link.bytes_in,
@@ -516,12 +536,6 @@ class Broker:
                 "links_closed": dict(self.links.closed),
             },
         }
-        if detail:
-            data["service_addresses"] = sorted(describe_address(a) for a, _ in routing.services())
-            data["groups"] = {
-                describe_address(group): sorted(describe_address(m) for m in members)
-                for group, members in routing.groups()
-            }
         return data
 
 

@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from meshbus.address import Address, Unicast
 from meshbus.client.inbound import Inbound, Undeliverable
 from meshbus.client.keeper import Changes, Gate, Identity, LinkKeeper
@@ -285,11 +287,24 @@ class Connector:
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:
         """The broker's view: itself, its links, the mesh, services, groups and counters.
 
-        ``detail=False`` leaves out the per-service and per-group lists."""
-        answer = await self._parts.requester.ask(
-            ControlType.STAT, StatRequest(detail=detail), Stats
-        )
-        return answer.data
+        ``detail=False`` leaves out the per-service and per-group lists. An answer larger
+        than a frame comes in pages, asked for one by one; the lists come unsorted (the
+        broker does not spend its loop on that) and are sorted here."""
+        ask = self._parts.requester.ask
+        answer = await ask(ControlType.STAT, StatRequest(detail=detail), Stats)
+        data = answer.data
+        if answer.pages > 1:
+            blobs = [answer.blob]
+            for page in range(1, answer.pages):
+                more = await ask(ControlType.STAT, StatRequest(detail=detail, page=page), Stats)
+                blobs.append(more.blob)
+            data = msgspec.msgpack.decode(b"".join(blobs))
+        if detail:
+            for link in data.get("links", []):
+                link["services"] = sorted(link["services"])
+            data["service_addresses"] = sorted(data.get("service_addresses", []))
+            data["groups"] = {g: sorted(m) for g, m in data.get("groups", {}).items()}
+        return data
 
     async def ping(self) -> None:
         """A round trip to the broker. Frames sent before it have been routed when it returns,

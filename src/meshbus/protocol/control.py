@@ -120,9 +120,11 @@ class Empty(Body):
 
 
 class StatRequest(Body):
-    """STAT: ``detail`` False leaves out the per-service and per-group lists (large meshes)."""
+    """STAT: ``detail`` False leaves out the per-service and per-group lists (large meshes).
+    ``page`` > 0 asks for a further page of an answer too large for one frame."""
 
     detail: bool = True
+    page: U32 = 0
 
 
 class Error(Body):
@@ -143,7 +145,13 @@ class DeliveryFailure(Body):
 
 
 class Stats(Body):
+    """STATS: the answer in ``data``; or, when it does not fit in one frame, page ``page``
+    of ``pages`` of its msgpack encoding in ``blob`` (the client asks for each page)."""
+
     data: dict[str, Any] = msgspec.field(default_factory=dict)
+    page: U32 = 0
+    pages: U32 = 1
+    blob: bytes = b""
 
 
 class Bye(Body):
