@@ -1,52 +1,72 @@
-"""`python -m bench bursts`: how long a burst of work keeps a broker's event loop.
+"""`python -m bench bursts`: how long bursts of work keep a broker's event loop.
 
-A mesh of 2 broker processes; one connector on the first pipelines COUNT
-registrations, then a join of every new service to one multicast group, as fast
-as it can (every request in flight at once). Each broker measures its own loop's
-lag (a probe that wakes every 20 ms, meshbus.broker.lag); the command reads it
-from ``stat`` before and after and reports the largest lag of the burst on the
-entry broker and on its peer, which applies the same changes from the ROUTES it
-is sent. The goal is a maximum under 50 ms: while a callback runs, no heartbeat
-is sent or read.
+A mesh of 2 broker processes (0.5 s heartbeats). One connector on the first
+pipelines COUNT registrations, then a join of every new service to one multicast
+group, as fast as it can (every request in flight at once). Then, one after the
+other: an operator asks the entry broker for its detailed ``stat`` (every
+service); a third broker joins the mesh (both send it their whole table); the
+connector closes (its COUNT services leave every table).
+
+Each broker measures its own loop's lag (a probe that wakes every 20 ms,
+meshbus.broker.lag); the command reads it from ``stat`` at the end and reports the
+largest lag on the entry broker, and on the others (which apply the same changes
+from the ROUTES they are sent). It also reports ``suspicions``: peer links any
+broker closed on its own (a peer taken for dead) -- a stall past the heartbeat
+budget shows as one. The goals: a maximum under 50 ms, no suspicion.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import click
 
 import meshbus
 from bench.brokers import MeshbusProcesses
-from bench.harness import close_all, run_on_brokers
+from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
 
 _GROUP = meshbus.Multicast("burst")
 
 
-async def _lag(address: str) -> dict[str, float]:
+async def _facts(address: str) -> dict[str, Any]:
     async with await meshbus.connect(address, server="bursts", operator=True) as op:
-        lag: dict[str, float] = (await op.stat(detail=False))["loop_lag_ms"]
-        return lag
+        return await op.stat(detail=False)
 
 
-async def _run(brokers: MeshbusProcesses, count: int) -> dict[str, dict[str, float]]:
-    entry, peer = await brokers.mesh(2, "--max-services", str(count))
+async def _run(brokers: MeshbusProcesses, count: int) -> dict[str, Any]:
+    heartbeat = ("--heartbeat-interval", "0.5")
+    entry, peer = await brokers.mesh(2, "--max-services", str(count), *heartbeat)
     conn = await meshbus.connect(entry.address, server="bursts", keepalive=0)
+    seconds: dict[str, float] = {}
     try:
         began = time.perf_counter()
         services = await asyncio.gather(*(conn.register() for _ in range(count)))
-        registered = time.perf_counter()
+        seconds["register"] = time.perf_counter() - began
+        began = time.perf_counter()
         await asyncio.gather(*(service.join(_GROUP) for service in services))
-        joined = time.perf_counter()
-        return {
-            "entry": await _lag(entry.address),
-            "peer": await _lag(peer.address),
-            "seconds": {"register": registered - began, "join": joined - registered},
-        }
+        seconds["join"] = time.perf_counter() - began
+        began = time.perf_counter()
+        async with await meshbus.connect(entry.address, server="bursts", operator=True) as op:
+            listed = len((await op.stat())["service_addresses"])
+        seconds["stat"] = time.perf_counter() - began
+        if listed < count:
+            raise CheckFailed(f"stat listed {listed} services, not {count}")
+        began = time.perf_counter()
+        third = await brokers.start("--seed", entry.address, *heartbeat)
+        seconds["join_broker"] = time.perf_counter() - began
     finally:
         await close_all([conn])
+    await asyncio.sleep(1.0)  # the connector's services leave every table
+    facts = [await _facts(b.address) for b in (entry, peer, third)]
+    return {
+        "entry": facts[0]["loop_lag_ms"],
+        "others": max((f["loop_lag_ms"] for f in facts[1:]), key=lambda lag: lag["max"]),
+        "suspicions": sum(f["mesh_counters"]["peers_lost"] for f in facts),
+        "seconds": seconds,
+    }
 
 
 @click.command()
@@ -59,20 +79,26 @@ async def _run(brokers: MeshbusProcesses, count: int) -> dict[str, dict[str, flo
 )
 def bursts(count: int) -> None:
     """The longest stall of a broker's event loop while one connector registers COUNT
-    services and joins each to a group, pipelined, in a 2-broker mesh.
+    services and joins each to a group, pipelined, in a 2-broker mesh; then a detailed
+    stat, a third broker joining, and the connector leaving.
 
-    Last line: `entry_max_lag_ms=<ms> peer_max_lag_ms=<ms> entry_p99_ms=<ms>`.
+    Last line: `entry_max_lag_ms=<ms> peer_max_lag_ms=<ms> entry_p99_ms=<ms>
+    suspicions=<n>`.
     """
     result = run_on_brokers(lambda brokers: _run(brokers, count))
-    entry, peer, seconds = result["entry"], result["peer"], result["seconds"]
+    entry, others, seconds = result["entry"], result["others"], result["seconds"]
     table = new_table(
-        f"bursts: {count:,} registrations, then {count:,} joins", ("", "entry broker", "peer")
+        f"bursts: {count:,} registrations, {count:,} joins, a detailed stat, a broker "
+        "joining, the connector leaving",
+        ("", "entry broker", "the others (worst)"),
     )
-    table.add_row("max loop lag", f"{entry['max']:.1f} ms", f"{peer['max']:.1f} ms")
-    table.add_row("p99 loop lag", f"{entry['p99']:.0f} ms", f"{peer['p99']:.0f} ms")
-    table.add_row("register / join", f"{seconds['register']:.2f} s / {seconds['join']:.2f} s", "")
+    table.add_row("max loop lag", f"{entry['max']:.1f} ms", f"{others['max']:.1f} ms")
+    table.add_row("p99 loop lag", f"{entry['p99']:.0f} ms", f"{others['p99']:.0f} ms")
+    table.add_row("peers taken for dead", str(result["suspicions"]), "")
+    for phase, took in seconds.items():
+        table.add_row(f"{phase.replace('_', ' ')} took", f"{took:.2f} s", "")
     print_tables(table)
     click.echo(
-        f"entry_max_lag_ms={entry['max']:.1f} peer_max_lag_ms={peer['max']:.1f} "
-        f"entry_p99_ms={entry['p99']:.0f}"
+        f"entry_max_lag_ms={entry['max']:.1f} peer_max_lag_ms={others['max']:.1f} "
+        f"entry_p99_ms={entry['p99']:.0f} suspicions={result['suspicions']}"
     )

@@ -72,8 +72,9 @@ def test_bad_argument_exits_2() -> None:
 def test_bursts_reports_the_loop_lag_of_both_brokers() -> None:
     line = last_line(bursts, "--count", "500")
     fields = dict(item.split("=") for item in line.split())
-    assert list(fields) == ["entry_max_lag_ms", "peer_max_lag_ms", "entry_p99_ms"]
+    assert list(fields) == ["entry_max_lag_ms", "peer_max_lag_ms", "entry_p99_ms", "suspicions"]
     assert float(fields["entry_max_lag_ms"]) >= 0
     assert float(fields["peer_max_lag_ms"]) >= 0
+    assert fields["suspicions"] == "0"
     # A p99 of at least the first bucket's bound: the probe took samples through the burst.
     assert float(fields["entry_p99_ms"]) >= 1, line

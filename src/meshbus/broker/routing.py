@@ -269,10 +269,11 @@ class RoutingTable(Generic[L]):
         self._link_memberships = Counter(self._link_memberships)
         self._dynamic_used = Counter(self._dynamic_used)
 
-    def remove_link(self, link: L) -> list[bytes]:
-        """Drop every service of ``link`` (a connector or a peer broker went away);
-        returns their addresses."""
-        gone = sorted(self._by_link.get(link, ()))
+    def remove_link(self, link: L, limit: int | None = None) -> list[bytes]:
+        """Drop the services of ``link`` (a connector or a peer broker went away): all of
+        them, in address order, or any ``limit`` of them; returns their addresses."""
+        owned = self._by_link.get(link, ())
+        gone = sorted(owned) if limit is None else list(itertools.islice(owned, limit))
         for address in gone:
             self.remove_service(address, link)
         return gone

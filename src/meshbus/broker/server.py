@@ -65,6 +65,9 @@ _CONNECTOR, _OPERATOR, _PEER = (
 # A link that held this many routes (services and memberships) gives their memory back
 # to the system when it closes (docs/architecture.md, the limits).
 _RELEASE_AFTER = 4096
+# Services of a closed link withdrawn at once; a link with more withdraws the rest in
+# slices (``_withdraw_rest``).
+_WITHDRAW_STEP = 1_000
 
 
 def _release_memory() -> None:
@@ -353,15 +356,12 @@ class Broker:
         its services leave the table, and the watchers and peers hear of it; then what
         waited on it -- requests, relayed answers, streams -- is answered or forgotten."""
         was_connector = self.links.close(link, reason)
-        held = self.routing.memberships_of(link)
-        gone = self.routing.remove_link(link)
-        self.watch.services_left(gone)
+        held = self.routing.memberships_of(link) + self.routing.owned_count(link)
+        self._withdraw(link, was_connector)
         self.watch.link_closed(link)
         self.pending.drop_link(link)
         self.outbox.forget(link)
         if was_connector:
-            for address in gone:
-                self.sync.announce(OP_REMOVE, address)
             self.mesh.connector_left()
         if self.mesh.link_closed(link, reason):
             self.sync.peer_lost(link)
@@ -373,12 +373,33 @@ class Broker:
             # peer's link: both scan their tables, which a connector's close need not pay.)
             self.relay.peer_lost(link)
             self.streams.peer_lost(link)
-        if len(gone) + held >= _RELEASE_AFTER:
+        if self.routing.owned_count(link):
+            self._tasks.spawn(self._withdraw_rest(link, was_connector, held), "withdraw")
+        elif held >= _RELEASE_AFTER:
             _release_memory()
-        log.debug(
-            "link closed",
-            extra={"link": link.link_id, "reason": reason.value, "services": len(gone)},
-        )
+        log.debug("link closed", extra={"link": link.link_id, "reason": reason.value})
+
+    def _withdraw(self, link: Link, was_connector: bool) -> None:
+        """One step of taking a closed link's services out of the table: the watchers
+        hear of them, and the peers too if they were a connector's (a peer's own are
+        its to announce)."""
+        gone = self.routing.remove_link(link, _WITHDRAW_STEP)
+        self.watch.services_left(gone)
+        if was_connector:
+            for address in gone:
+                self.sync.announce(OP_REMOVE, address)
+
+    async def _withdraw_rest(self, link: Link, was_connector: bool, held: int) -> None:
+        """A link that held more than one step's worth: the rest leaves in slices, one
+        per loop turn (200,000 services took 0.5 s at once). Meanwhile a frame to one of
+        them goes to the closed link and is dropped, as one in flight a moment earlier
+        would have been; a registration of one by its own session takes it over."""
+        slices = Slices()
+        while self.routing.owned_count(link):
+            self._withdraw(link, was_connector)
+            await slices.turn()
+        if held >= _RELEASE_AFTER:
+            _release_memory()
 
     def _on_load(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, Load)

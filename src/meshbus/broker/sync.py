@@ -119,6 +119,7 @@ class RouteSync:
         # Peers whose whole table a joining broker still waits for (``wait_snapshots``).
         self._snapshot_pending: set[Link] = set()
         self._snapshots_done = asyncio.Event()
+        self._release_scheduled = False  # a slice of ``_release`` waits for its turn
 
     def start(self) -> None:
         """The broker has its name (it listens): claims are made in it from now on."""
@@ -168,14 +169,25 @@ class RouteSync:
 
     def _release(self) -> None:
         """Run the waiters whose peers have all confirmed (or are gone), oldest first:
-        sequence numbers and confirmations both only grow, so the oldest goes first."""
+        sequence numbers and confirmations both only grow, so the oldest goes first.
+        One confirmation can release thousands (a pipelined burst of joins): past a
+        slice, the rest waits for the next loop turn."""
+        self._release_scheduled = False
         live = set(self._peers.links())
+        deadline = time.perf_counter() + _SLICE
+        released = 0
         while self._waiting:
             seq, peers, then = self._waiting[0]
             if any(p in live and self._confirmed.get(p, 0) < seq for p in peers):
                 return
             self._waiting.popleft()
             then()
+            released += 1
+            if released % 100 == 0 and time.perf_counter() > deadline:
+                if not self._release_scheduled:
+                    self._release_scheduled = True
+                    asyncio.get_running_loop().call_soon(self._release)
+                return
 
     def send_snapshot(self, link: Link) -> None:
         """This broker's local services and memberships, to a peer that just linked up.

@@ -9,10 +9,11 @@ import asyncio
 import pytest
 
 from meshbus.broker import link as link_module
+from meshbus.broker import slices
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import Empty, Register
 from meshbus.protocol.layout import ControlType
-from tests.unit.broker.fakes import FakeNetwork, connector, start_broker
+from tests.unit.broker.fakes import FakeNetwork, build_mesh, connector, start_broker
 
 BURST = 500
 
@@ -46,3 +47,30 @@ async def test_a_burst_of_registrations_yields_to_other_links_and_is_answered_in
     )
     assert {f.type for f in answers if isinstance(f, ControlFrame)} == {ControlType.REGISTERED}
     assert broker.routing.service_count == BURST
+
+
+async def test_a_big_connectors_services_leave_every_table_in_slices(
+    network: FakeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connector with 3,500 services closes: the first thousand leave at once, the rest
+    one step per loop turn (here every step is its own slice), and the peer hears of
+    every one."""
+    monkeypatch.setattr(slices, "SLICE", 0.0)
+    a, b = await build_mesh(network, 2, max_services=5_000)
+    big = await connector(network, a, "big")
+    big.send(
+        b"".join(
+            encode_control(ControlType.REGISTER, Register(server="svc"), correlation)
+            for correlation in range(1, 3_501)
+        )
+    )
+    await network.settle()
+    assert a.routing.service_count == b.routing.service_count == 3_500
+    big.close()
+    left: list[int] = []
+    while a.routing.service_count:
+        await asyncio.sleep(0)
+        left.append(a.routing.service_count)
+    assert left[0] >= 1_000, "the closed link's services left in one go"
+    await network.settle()
+    assert a.routing.service_count == b.routing.service_count == 0
