@@ -84,6 +84,7 @@ class ControlHandler:
         snapshot: Callable[[], dict[str, Any]],
         detailed_snapshot: Callable[[], Awaitable[dict[str, Any]]],
         request_drain: Callable[[float | None], None],
+        rng: random.Random,
     ) -> None:
         """``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
         ``detailed_snapshot`` answer STAT; ``request_drain`` starts a drain (as SIGTERM
@@ -99,6 +100,7 @@ class ControlHandler:
         self._snapshot = snapshot
         self._detailed_snapshot = detailed_snapshot
         self._request_drain = request_drain
+        self._rng = rng
         self._tasks = BackgroundTasks()
 
     def _answer(
@@ -254,7 +256,7 @@ class ControlHandler:
             # Simultaneous claims can all lose (each arbiter granted another first); nobody
             # owns the address, so try again after a random pause: one of them gets there.
             loop.call_later(
-                random.uniform(0, CLAIM_BACKOFF * attempt),
+                self._rng.uniform(0, CLAIM_BACKOFF * attempt),
                 self._claim,
                 link,
                 wanted,

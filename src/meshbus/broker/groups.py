@@ -53,12 +53,14 @@ def home_of(key: bytes, brokers: Iterable[str]) -> str:
 class GroupTable:
     """Bindings of message groups to members; the same on every broker."""
 
-    def __init__(self, default_expiry: float = 300.0, grace: float = 2.0) -> None:
+    def __init__(
+        self, default_expiry: float = 300.0, grace: float = 4.0, rng: random.Random | None = None
+    ) -> None:
         self.default_expiry = default_expiry
         self.grace = grace
         self._bindings: dict[GroupKey, Binding] = {}
         self._held: Counter[bytes] = Counter()  # member -> groups it holds
-        self._rng = random.Random()
+        self._rng = rng or random.Random()
         self.reassigned = 0
 
     def __len__(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -108,6 +109,7 @@ class Mesh:
         on_ready: Callable[[], None],
         hosted_streams: Callable[[], list[str]],
         dialer: Dialer = dial_tcp,
+        rng: random.Random | None = None,
     ) -> None:
         """``new_peer_link`` makes the link for a broker this one dials; ``greet_peer``
         sends a newly linked peer what it must know first (routes, group bindings);
@@ -136,7 +138,7 @@ class Mesh:
         # heard of in gossip, and the seeds while this broker is alone.
         interval = config.heartbeat_interval
         self.redials = RedialTable(
-            base=interval / 2, cap=2 * interval, forget_after=config.peer_forget
+            base=interval / 2, cap=2 * interval, forget_after=config.peer_forget, rng=rng
         )
         self.redials.add_seeds(config.seeds, clock())
         self._lists_scheduled = False

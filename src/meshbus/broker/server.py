@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,10 +93,14 @@ class Broker:
         *,
         clock: Callable[[], float] = time.monotonic,
         dialer: Dialer = dial_tcp,
+        rng: random.Random | None = None,
     ) -> None:
         """``clock`` is the broker's time (deadlines, heartbeats, expiries); ``dialer``
-        opens its links to other brokers. Tests give fakes of both."""
+        opens its links to other brokers; ``rng`` makes every random choice (anycast
+        picks, group members, redial jitter, claim backoff). Tests give fakes of the
+        first two and a seeded ``rng``, so a simulation runs the same every time."""
         config = self.config = config or BrokerConfig()
+        rng = rng or random.Random()
         self.clock = clock
         self.started_at = time.time()
         self.stats = TrafficStats()
@@ -103,15 +108,15 @@ class Broker:
         self.links = LinkRegistry()
         self.peers = Peers()
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
-        self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer)
+        self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer, rng=rng)
         self.pending: PendingTable[Endpoint] = PendingTable(config.max_requests)
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
-        self.sync = RouteSync(config, self.peers, self.routing, self.outbox, self.watch)
+        self.sync = RouteSync(config, self.peers, self.routing, self.outbox, self.watch, rng)
         self.guarantees = Guarantees(
             name=lambda: config.name,
-            groups=GroupTable(config.group_expiry, config.group_grace),
+            groups=GroupTable(config.group_expiry, config.group_grace, rng),
             routing=self.routing,
             peers=self.peers,
             relay=self.relay,
@@ -157,6 +162,7 @@ class Broker:
             on_ready=self._became_ready,
             hosted_streams=self.streams.names,
             dialer=dialer,
+            rng=rng,
         )
         self.control = ControlHandler(
             config=config,
@@ -170,6 +176,7 @@ class Broker:
             snapshot=self.snapshot,
             detailed_snapshot=self.detailed_snapshot,
             request_drain=self.request_drain,
+            rng=rng,
         )
         self.dispatch.install(self.control.on_handshake, self._control_table())
         self.address = ""

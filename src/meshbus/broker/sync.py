@@ -100,8 +100,10 @@ class RouteSync:
         routing: RoutingTable[Endpoint],
         outbox: Outbox,
         watch: ServiceWatch,
+        rng: random.Random,
     ) -> None:
         self._config = config
+        self._rng = rng
         self._peers = peers
         self._routing = routing
         self._outbox = outbox
@@ -342,11 +344,11 @@ class RouteSync:
             used = known | self.claims.reserved_slots()
             free = [s for s in range(1, 0x10000) if s not in used]
             # After a lost race, pick further away: the winner may be taking the next one.
-            slot = free[min(len(free) - 1, random.randrange(attempt * 4 + 1))]
+            slot = free[min(len(free) - 1, self._rng.randrange(attempt * 4 + 1))]
             if await self.claim(slot_key(slot), me.encode(), None):
                 return slot
             attempt += 1
-            await asyncio.sleep(random.uniform(0.0, 0.05))
+            await asyncio.sleep(self._rng.uniform(0.0, 0.05))
 
     def on_answer(self, link: Link, correlation: int, body: Body) -> None:
         """OK or ERROR: the answer to one of our CLAIMs."""

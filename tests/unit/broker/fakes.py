@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import selectors
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -928,12 +929,14 @@ async def start_broker(
     ``housekeeping`` and ``expire_requests`` after moving the clock."""
     address = address_of(name)
     config = BrokerConfig(seeds=list(seeds), **settings)
-    broker = Broker(config, clock=network.clock, dialer=network.dialer_from(address))
-    # The broker takes no random source yet: seed the ones it made, so anycast picks and
-    # group bindings are the same each run.
-    seed = sum(name.encode())
-    broker.routing._rng.seed(seed)
-    broker.guarantees.groups._rng.seed(seed)
+    # Seeded per name, so anycast picks, group bindings and redial jitter are the same
+    # each run.
+    broker = Broker(
+        config,
+        clock=network.clock,
+        dialer=network.dialer_from(address),
+        rng=random.Random(sum(name.encode())),
+    )
     network.listen(address, broker.new_link)
     broker.named(name, address)
     await broker.run_mesh(timers=False)
