@@ -11,10 +11,13 @@ every event. While the traffic runs:
 * at 20% of the sends, broker A is killed (kill -9) and restarted on its port and
   data dir, joining through C;
 * at 32%, broker C is paused (SIGSTOP) for ``PAUSE`` seconds, twice the heartbeat
-  budget, then resumed: its peers declare it dead meanwhile, and the mesh must heal
-  (``healed_s``: from SIGCONT until every broker links to every other again);
-* at 45%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
-* at 70%, a 4th broker D joins through C, and the mesh rebalances onto it.
+  budget, then resumed: its peers declare it dead meanwhile, and the mesh must heal;
+* at 42%, the link between A and B is cut for ``PARTITION`` seconds while both still
+  reach C (every broker is behind a TCP gate, bench.gate, that the others dial), then
+  works again, and the mesh must heal (``healed_s``: the longer of the two heals, from
+  SIGCONT or from the link working again until every broker links to every other);
+* at 55%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
+* at 72%, a 4th broker D joins through C, and the mesh rebalances onto it.
 
 The senders pause at each of those marks until its event has begun (for the join: until
 D is ready, so the rest of the traffic meets the rebalance), so the events always fall
@@ -46,6 +49,7 @@ import click
 
 import meshbus
 from bench.brokers import MeshbusProcess, MeshbusProcesses
+from bench.gate import BrokerGate
 from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
 
@@ -53,9 +57,10 @@ PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), se
 NO_GROUP = 0xFFFF
 _POOL = meshbus.Anycast("chaos")
 _CONNECTORS_PER_KIND = 3  # senders, and receivers: one of each per founding broker
-# The share of the sends at which each event begins: kill, pause, drain, join.
-_MARKS = (0.20, 0.32, 0.45, 0.70)
+# The share of the sends at which each event begins: kill, pause, partition, drain, join.
+_MARKS = (0.20, 0.32, 0.42, 0.55, 0.72)
 PAUSE = 3.0  # seconds broker C stays stopped: twice the default 1.5 s heartbeat budget
+PARTITION = 4.0  # seconds the A-B link is cut
 # Give-up bounds: far above anything healthy, they only turn a hang into a clear result.
 _STEP_LIMIT = 30.0  # a broker starting, forming the mesh, draining
 _ACK_LIMIT = 120.0  # every send acknowledged (or given up: ~15 s after its first attempt)
@@ -148,7 +153,7 @@ class Timeline:
     def __init__(self) -> None:
         self.began = time.perf_counter()
         self.rows: list[tuple[float, str, str]] = []
-        self.healed_s = -1.0  # after the pause; -1: not measured
+        self.healed_s = -1.0  # the longer heal, after the pause or the cut; -1: not measured
 
     def now(self) -> float:
         return time.perf_counter() - self.began
@@ -204,8 +209,33 @@ async def _send_all(
         traffic.sent += 1
 
 
-async def _start(brokers: MeshbusProcesses, data_dir: str, *args: str) -> MeshbusProcess:
-    return await asyncio.wait_for(brokers.start("--data-dir", data_dir, *args), _STEP_LIMIT)
+class Gates:
+    """Each broker's gate, by data dir: a restarted broker keeps its gate."""
+
+    def __init__(self) -> None:
+        self.by_dir: dict[str, BrokerGate] = {}
+
+    async def advertise(self, data_dir: str) -> str:
+        gate = self.by_dir.get(data_dir)
+        if gate is None:
+            gate = self.by_dir[data_dir] = BrokerGate()
+            await gate.start()
+        return gate.address
+
+    async def close(self) -> None:
+        for gate in self.by_dir.values():
+            await gate.close()
+
+
+async def _start(
+    brokers: MeshbusProcesses, gates: Gates, data_dir: str, *args: str
+) -> MeshbusProcess:
+    advertise = await gates.advertise(data_dir)
+    broker = await asyncio.wait_for(
+        brokers.start("--data-dir", data_dir, "--advertise", advertise, *args), _STEP_LIMIT
+    )
+    gates.by_dir[data_dir].upstream = broker.address
+    return broker
 
 
 async def _formed(mesh: list[MeshbusProcess]) -> None:
@@ -230,6 +260,7 @@ async def _formed(mesh: list[MeshbusProcess]) -> None:
 
 async def _shake(
     brokers: MeshbusProcesses,
+    gates: Gates,
     dirs: dict[str, str],
     mesh: list[MeshbusProcess],
     traffic: Traffic,
@@ -242,7 +273,7 @@ async def _shake(
     await a.process.wait()
     timeline.add("kill -9", a.name)
     traffic.marks[0].begun.set()
-    again = await _start(brokers, dirs["a"], "--listen", a.address, "--seed", c.address)
+    again = await _start(brokers, gates, dirs["a"], "--listen", a.address, "--seed", c.address)
     timeline.add("restarted", f"{again.name} at {again.address}, ready in {again.start_ms:.0f} ms")
 
     await traffic.marks[1].reached.wait()
@@ -254,13 +285,30 @@ async def _shake(
     resumed = time.perf_counter()
     timeline.add("SIGCONT", c.name)
     await _formed([again, b, c])
-    timeline.healed_s = time.perf_counter() - resumed
-    timeline.add("healed", f"a full mesh again {timeline.healed_s:.2f} s after SIGCONT")
+    healed = time.perf_counter() - resumed
+    timeline.healed_s = healed
+    timeline.add("healed", f"a full mesh again {healed:.2f} s after SIGCONT")
 
     await traffic.marks[2].reached.wait()
+    gate_a, gate_b = gates.by_dir[dirs["a"]], gates.by_dir[dirs["b"]]
+    gate_a.shut_out(b.name)
+    gate_b.shut_out(again.name)
+    timeline.add("link cut", f"{again.name} - {b.name} for {PARTITION:.0f} s, both reach {c.name}")
+    traffic.marks[2].begun.set()
+    await asyncio.sleep(PARTITION)
+    gate_a.open_to(b.name)
+    gate_b.open_to(again.name)
+    mended = time.perf_counter()
+    timeline.add("link works", f"{again.name} - {b.name}")
+    await _formed([again, b, c])
+    healed = time.perf_counter() - mended
+    timeline.healed_s = max(timeline.healed_s, healed)
+    timeline.add("healed", f"a full mesh again {healed:.2f} s after the link works")
+
+    await traffic.marks[3].reached.wait()
     b.process.send_signal(signal.SIGTERM)
     timeline.add("SIGTERM (drain)", b.name)
-    traffic.marks[2].begun.set()
+    traffic.marks[3].begun.set()
     try:
         code = await asyncio.wait_for(b.process.wait(), _STEP_LIMIT)
         timeline.add("drained, exited", f"{b.name}, exit code {code}")
@@ -268,12 +316,12 @@ async def _shake(
         # What the mesh did, not a failed setup: reported, and the traffic goes on.
         timeline.add("still running", f"{b.name}, {_STEP_LIMIT:.0f} s after SIGTERM")
 
-    await traffic.marks[3].reached.wait()
+    await traffic.marks[4].reached.wait()
     timeline.add("join", "a 4th broker, seed " + c.name)
-    joined = await _start(brokers, dirs["d"], "--seed", c.address)
+    joined = await _start(brokers, gates, dirs["d"], "--seed", c.address)
     timeline.add("joined", f"{joined.name}, ready in {joined.start_ms:.0f} ms")
     # Only now: the rest of the traffic runs while connectors move onto the newcomer.
-    traffic.marks[3].begun.set()
+    traffic.marks[4].begun.set()
     await _rebalanced([again, c, joined], timeline)
 
 
@@ -323,9 +371,26 @@ class Outcome:
 async def _run(
     brokers: MeshbusProcesses, workdir: str, count: int, groups: int, group_size: int
 ) -> Outcome:
+    gates = Gates()
+    try:
+        return await _run_gated(brokers, gates, workdir, count, groups, group_size)
+    finally:
+        await gates.close()
+
+
+async def _run_gated(
+    brokers: MeshbusProcesses,
+    gates: Gates,
+    workdir: str,
+    count: int,
+    groups: int,
+    group_size: int,
+) -> Outcome:
     dirs = {name: os.path.join(workdir, name) for name in "abcd"}
-    first = await _start(brokers, dirs["a"])
-    rest = await asyncio.gather(*(_start(brokers, dirs[n], "--seed", first.address) for n in "bc"))
+    first = await _start(brokers, gates, dirs["a"])
+    rest = await asyncio.gather(
+        *(_start(brokers, gates, dirs[n], "--seed", first.address) for n in "bc")
+    )
     mesh = [first, *rest]
     await _formed(mesh)
     addresses = [broker.address for broker in mesh]
@@ -367,7 +432,7 @@ async def _run(
                 timeline.add("all sent", f"{traffic.sent:,} sent")
 
             tasks = [
-                asyncio.create_task(_shake(brokers, dirs, mesh, traffic, timeline)),
+                asyncio.create_task(_shake(brokers, gates, dirs, mesh, traffic, timeline)),
                 asyncio.create_task(send_everything()),
             ]
             try:
@@ -428,9 +493,9 @@ async def _run(
 )
 def chaos(count: int, groups: int, group_size: int) -> None:
     """Reliable traffic through a 3-broker mesh while one broker is killed and restarted,
-    one is paused past its heartbeat budget, one drains and a 4th joins: count lost,
-    duplicated and out-of-order messages, groups that reached two members, and how
-    long the mesh took to heal after the pause.
+    one is paused past its heartbeat budget, one link is cut, one broker drains and a
+    4th joins: count lost, duplicated and out-of-order messages, groups that reached
+    two members, and how long the mesh took to heal after the pause and the cut.
 
     Progress goes to stderr as it runs, then a table of events and counts. The counts
     are the result, so the command exits 0 whatever they are (non-zero only when the
