@@ -72,10 +72,11 @@ async def _run(brokers: MeshbusProcesses, count: int) -> dict[str, Any]:
 @click.command()
 @click.option(
     "--count",
-    type=click.IntRange(1, 100_000),
+    type=click.IntRange(1, 65_000),
     default=10_000,
     show_default=True,
-    help="Services one connector registers (then joins to one group), all in flight at once.",
+    help="Services one connector registers (then joins to one group), all in flight at "
+    "once; its services share its server name, which has 65,536 dynamic ids per broker.",
 )
 def bursts(count: int) -> None:
     """The longest stall of a broker's event loop while one connector registers COUNT

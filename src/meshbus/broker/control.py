@@ -35,6 +35,7 @@ from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.watch import ServiceWatch
+from meshbus.errors import FrameTooLarge
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     OP_ADD,
@@ -336,14 +337,17 @@ class ControlHandler:
             self._outbox.flush()
 
     def _answer_stat(self, link: Link, correlation: int, data: dict[str, Any]) -> None:
-        frame = encode_control(ControlType.STATS, Stats(data=data), correlation)
-        if len(frame) <= link.max_frame:
-            link.send(frame)
+        try:
+            frame = encode_control(
+                ControlType.STATS, Stats(data=data), correlation, max_frame=link.max_frame
+            )
+        except FrameTooLarge:
+            blob = msgspec.msgpack.encode(data)
+            size = link.max_frame - _STATS_PAGE_ROOM
+            link.stat_pages = [blob[start : start + size] for start in range(0, len(blob), size)]
+            self._stat_page(link, correlation, 0)
             return
-        blob = msgspec.msgpack.encode(data)
-        size = link.max_frame - _STATS_PAGE_ROOM
-        link.stat_pages = [blob[start : start + size] for start in range(0, len(blob), size)]
-        self._stat_page(link, correlation, 0)
+        link.send(frame)
 
     def _stat_page(self, link: Link, correlation: int, page: int) -> None:
         pages = link.stat_pages

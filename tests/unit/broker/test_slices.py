@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
+from meshbus.address import Unicast
 from meshbus.broker import link as link_module
 from meshbus.broker import slices
 from meshbus.protocol.codec import ControlFrame, encode_control
-from meshbus.protocol.control import Empty, Register
+from meshbus.protocol.control import ROLE_OPERATOR, Empty, Error, Register, StatRequest, Stats
 from meshbus.protocol.layout import ControlType
-from tests.unit.broker.fakes import FakeNetwork, build_mesh, connector, start_broker
+from tests.unit.broker.fakes import (
+    FakeNetwork,
+    broker_side,
+    build_mesh,
+    connect_client,
+    connector,
+    start_broker,
+)
 
 BURST = 500
 
@@ -74,3 +83,32 @@ async def test_a_big_connectors_services_leave_every_table_in_slices(
     assert left[0] >= 1_000, "the closed link's services left in one go"
     await network.settle()
     assert a.routing.service_count == b.routing.service_count == 0
+
+
+async def test_a_detailed_stat_past_the_default_frame_limit_comes_in_pages(
+    network: FakeNetwork,
+) -> None:
+    """60,000 services make a detailed answer of about 2.5 MB, past the 1 MiB frame: the
+    first STATS names the pages, each further page is asked for, and together they are
+    the whole answer."""
+    broker = await start_broker(network, "a", max_services=60_000)
+    owner = await connector(network, broker, "owner")
+    link = broker_side(owner)
+    for i in range(1, 60_001):
+        broker.routing.add_service(Unicast("svc", i).to_bytes(), link)
+    operator = connect_client(network, broker, "op")
+    await operator.hello(ROLE_OPERATOR)
+    first = await operator.ask(ControlType.STAT, StatRequest(detail=True))
+    assert isinstance(first.body, Stats)
+    assert first.body.pages > 1
+    blobs = [first.body.blob]
+    for page in range(1, first.body.pages):
+        more = await operator.ask(ControlType.STAT, StatRequest(detail=True, page=page))
+        assert isinstance(more.body, Stats)
+        assert more.body.page == page
+        blobs.append(more.body.blob)
+    data = msgspec.msgpack.decode(b"".join(blobs))
+    assert len(data["service_addresses"]) == 60_000
+    again = await operator.ask(ControlType.STAT, StatRequest(detail=True, page=1))
+    assert isinstance(again.body, Error), "the pages are gone once all were asked for"
+    assert not operator.closed
