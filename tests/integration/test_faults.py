@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -201,50 +202,52 @@ async def test_a_crashed_peer_is_dialled_again_until_peer_forget() -> None:
         await stop_all([a])
 
 
-async def test_a_group_moved_while_its_members_broker_was_paused_is_not_handed_to_it() -> None:
-    """Finding 3 of the resilience issue. Member m1 is on broker b and cannot fail over;
-    m2 on c is in the same pool; the sender is on a. b is paused (SIGSTOP) right after the
-    sender sent messages 11-30 of the group to m1: they wait in b's socket. a declares b
-    dead, the group's home moves the group to m2 after the grace, and the sender resends
-    11-30 there. When b resumes it must not hand m1 those messages it read late -- no
-    message of the group may reach two members."""
-    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT), "--group-grace", "1.0")
+POOL = meshbus.Anycast("pool")
+
+
+@dataclass
+class GroupScene:
+    """Brokers a, b, c; member m1 on b, m2 on c, in one pool; a sender on a whose group "g"
+    is bound to m1 (its first message, "0", went there before m2 joined)."""
+
+    brokers: list[BrokerProcess]
+    sender: meshbus.Service
+    sender_conn: meshbus.Connector
+    m1: Collector
+    m2: Collector
+
+    async def send(self, seqs: range, pace: float = 0.0) -> None:
+        for seq in seqs:
+            await self.sender.send(POOL, b"%d" % seq, reliable=True, group="g")
+            await asyncio.sleep(pace)
+
+
+@contextlib.asynccontextmanager
+async def group_scene(*args: str, m1_fails_over: bool) -> AsyncIterator[GroupScene]:
+    """``m1_fails_over``: m1's connector knows b and c and has its keepalive; otherwise it
+    knows only b and never gives up on it (it stays with b through any pause)."""
+    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT), *args)
     a, b, c = brokers
-    pool = meshbus.Anycast("pool")
-    m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
+    if m1_fails_over:
+        m1_conn = await meshbus.connect([b.address, c.address], server="m1")
+    else:
+        m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
     m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
     sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
     collectors: list[Collector] = []
     try:
         m1 = await m1_conn.register()
-        await m1.join(pool)
-        await wait_members(brokers, pool, 1)
+        await m1.join(POOL)
+        await wait_members(brokers, POOL, 1)
         sender = await sender_conn.register()
-        collectors = [Collector(m1)]
-        for seq in range(1, 11):  # the group binds to m1, the only member
-            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
+        collectors.append(Collector(m1))
+        await sender.send(POOL, b"0", reliable=True, group="g")
         await sender_conn.wait_acked(ACK_TIMEOUT)
         m2 = await m2_conn.register()
-        await m2.join(pool)
-        await wait_members(brokers, pool, 2)
+        await m2.join(POOL)
+        await wait_members(brokers, POOL, 2)
         collectors.append(Collector(m2))
-
-        b.process.send_signal(signal.SIGSTOP)
-        for seq in range(11, 31):
-            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
-        await collectors[1].wait_for(20, timeout=15.0)  # moved: m2 has 11-30
-        b.process.send_signal(signal.SIGCONT)
-        await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
-        await sender_conn.wait_acked(ACK_TIMEOUT)
-        await asyncio.sleep(0.5)  # what b would still hand m1 has come by now
-
-        got_m1, got_m2 = (set(collector.payloads) for collector in collectors)
-        assert got_m1 & got_m2 == set(), "messages of the group reached both members"
-        assert got_m1 == {b"%d" % seq for seq in range(1, 11)}
-        assert got_m2 == {b"%d" % seq for seq in range(11, 31)}
-        assert collectors[1].messages[0].group_reassigned
-        facts = await stat(b, detail=False)
-        assert facts["mesh_counters"]["stalls"] >= 1
+        yield GroupScene(brokers, sender, sender_conn, *collectors)
     finally:
         for collector in collectors:
             collector.stop()
@@ -253,6 +256,29 @@ async def test_a_group_moved_while_its_members_broker_was_paused_is_not_handed_t
         with contextlib.suppress(ProcessLookupError):
             b.process.send_signal(signal.SIGCONT)
         await stop_all(brokers)
+
+
+async def test_a_group_moved_while_its_members_broker_was_paused_is_not_handed_to_it() -> None:
+    """Finding 3 of the resilience issue. m1 cannot fail over. b is paused (SIGSTOP) right
+    after the sender sent messages 1-20 of the group to m1: they wait in b's socket. a
+    declares b dead, the group's home moves the group to m2 after the grace, and the
+    sender resends 1-20 there. When b resumes it must not hand m1 those messages it read
+    late -- no message of the group may reach two members."""
+    async with group_scene("--group-grace", "1.0", m1_fails_over=False) as scene:
+        b = scene.brokers[1]
+        b.process.send_signal(signal.SIGSTOP)
+        await scene.send(range(1, 21))
+        await scene.m2.wait_for(20, timeout=15.0)  # moved: m2 has 1-20
+        b.process.send_signal(signal.SIGCONT)
+        await seconds_until_whole(scene.brokers, HEAL_BUDGET + POLL_SLACK)
+        await scene.sender_conn.wait_acked(ACK_TIMEOUT)
+        await asyncio.sleep(0.5)  # what b would still hand m1 has come by now
+        got_m1, got_m2 = set(scene.m1.payloads), set(scene.m2.payloads)
+        assert got_m1 & got_m2 == set(), "messages of the group reached both members"
+        assert got_m1 == {b"0"}
+        assert got_m2 == {b"%d" % seq for seq in range(1, 21)}
+        assert scene.m2.messages[0].group_reassigned
+        assert (await stat(b, detail=False))["mesh_counters"]["stalls"] >= 1
 
 
 async def test_a_member_that_fails_over_from_a_paused_broker_keeps_its_group() -> None:
@@ -260,39 +286,11 @@ async def test_a_member_that_fails_over_from_a_paused_broker_keeps_its_group() -
     m1's connector, silent past its keepalive, fails over to c and comes back with the same
     address. The default --group-grace outlasts that failover, so the group never moves:
     every message reaches m1, none m2, and the sender's resends are m1's duplicates."""
-    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT))
-    a, b, c = brokers
-    pool = meshbus.Anycast("pool")
-    m1_conn = await meshbus.connect([b.address, c.address], server="m1")
-    m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
-    sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
-    collectors: list[Collector] = []
-    try:
-        m1 = await m1_conn.register()
-        await m1.join(pool)
-        await wait_members(brokers, pool, 1)
-        sender = await sender_conn.register()
-        collectors = [Collector(m1)]
-        await sender.send(pool, b"0", reliable=True, group="g")  # bound to m1, the only one
-        await sender_conn.wait_acked(ACK_TIMEOUT)
-        m2 = await m2_conn.register()
-        await m2.join(pool)
-        await wait_members(brokers, pool, 2)
-        collectors.append(Collector(m2))
+    async with group_scene(m1_fails_over=True) as scene:
+        b = scene.brokers[1]
         b.process.send_signal(signal.SIGSTOP)
-        for seq in range(1, 61):
-            await sender.send(pool, b"%d" % seq, reliable=True, group="g")
-            await asyncio.sleep(0.075)  # 4.5 s of traffic while b stays stopped
+        await scene.send(range(1, 61), pace=0.075)  # 4.5 s of traffic while b is stopped
         b.process.send_signal(signal.SIGCONT)
-        await sender_conn.wait_acked(ACK_TIMEOUT)
-        got_m1, got_m2 = (collector.payloads for collector in collectors)
-        assert got_m2 == [], "the group moved although its member came back in time"
-        assert got_m1 == [b"%d" % seq for seq in range(61)]
-    finally:
-        for collector in collectors:
-            collector.stop()
-        for conn in (m1_conn, m2_conn, sender_conn):
-            await conn.close()
-        with contextlib.suppress(ProcessLookupError):
-            b.process.send_signal(signal.SIGCONT)
-        await stop_all(brokers)
+        await scene.sender_conn.wait_acked(ACK_TIMEOUT)
+        assert scene.m2.payloads == [], "the group moved although its member came back in time"
+        assert scene.m1.payloads == [b"%d" % seq for seq in range(61)]

@@ -944,6 +944,16 @@ async def start_broker(
     return broker
 
 
+async def tick(network: FakeNetwork, brokers: Iterable[Broker], interval: float = 0.5) -> None:
+    """One heartbeat interval of fake time: each broker in ``brokers`` does its
+    housekeeping (its LOAD is its heartbeat), as its own timer would; the others, whose
+    timers stay off, say nothing -- a paused process, or a hung one."""
+    network.clock.advance(interval)
+    for broker in brokers:
+        broker.housekeeping()
+    await network.settle()
+
+
 async def build_mesh(network: FakeNetwork, count: int, **settings: Any) -> list[Broker]:
     """``count`` brokers named a, b, c, ...: the first founds the mesh, the others join
     through it one after the other. Every broker is linked to every other on return."""

@@ -22,6 +22,7 @@ from tests.unit.broker.fakes import (
     build_mesh,
     connector,
     routes_everywhere,
+    tick,
 )
 
 INTERVAL = 0.5
@@ -33,13 +34,6 @@ POOL = Anycast("pool").to_bytes()
 @pytest.fixture
 async def pair(network: FakeNetwork) -> list[Broker]:
     return await build_mesh(network, 2, heartbeat_interval=INTERVAL, heartbeat_misses=MISSES)
-
-
-async def tick(network: FakeNetwork, clock: FakeClock, brokers: list[Broker]) -> None:
-    clock.advance(INTERVAL)
-    for broker in brokers:
-        broker.housekeeping()
-    await network.settle()
 
 
 async def stall_b(network: FakeNetwork, clock: FakeClock, a: Broker) -> None:
@@ -80,7 +74,7 @@ async def test_frames_that_waited_out_the_budget_are_not_delivered(
     assert b.peers.names() == []
     # Linked again (b dials a, which it lost without a goodbye), traffic flows as before.
     for _ in range(6):
-        await tick(network, clock, pair)
+        await tick(network, pair, INTERVAL)
     assert (a.peers.names(), b.peers.names()) == (["b"], ["a"])
     on_a.send_data(service, sender, b"after", msg_id=3)
     await network.settle()
@@ -102,7 +96,7 @@ async def test_a_broker_that_stalled_binds_no_group_until_it_is_linked_again(
     assert refused.body.code == ErrorCode.UNAVAILABLE
     assert "re-linking after a stall" in refused.body.message
     for _ in range(6):
-        await tick(network, clock, pair)
+        await tick(network, pair, INTERVAL)
     assert b.peers.names() == ["a"]
     assert not b.mesh.fenced()
     bound = await on_b.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
@@ -142,7 +136,7 @@ async def test_an_address_that_failed_over_stays_with_its_later_link_when_the_ol
     assert await new.register("m", 7) == address
     network.heal(address_of("a"), address_of("b"))
     for _ in range(6):
-        await tick(network, clock, pair)
+        await tick(network, pair, INTERVAL)
     assert (a.peers.names(), b.peers.names()) == (["b"], ["a"])
     assert routes_everywhere(pair, address) == {"a": "local", "b": "a"}
     assert a.sync.stats.stale_adds == 1

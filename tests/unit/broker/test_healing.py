@@ -22,6 +22,7 @@ from tests.unit.broker.fakes import (
     build_mesh,
     connector,
     routes_everywhere,
+    tick,
 )
 
 INTERVAL = 0.5
@@ -29,13 +30,6 @@ MISSES = 3
 # The goal: whole again within 3 heartbeat intervals + 1 s of the network working again.
 HEAL_BUDGET = 3 * INTERVAL + 1.0
 POOL = Anycast("pool").to_bytes()
-
-
-async def tick(network: FakeNetwork, clock: FakeClock, brokers: list[Broker]) -> None:
-    clock.advance(INTERVAL)
-    for broker in brokers:
-        broker.housekeeping()
-    await network.settle()
 
 
 def linked(brokers: list[Broker]) -> dict[str, list[str]]:
@@ -54,7 +48,7 @@ async def ticks_until_whole(
     start = clock.now
     while linked(brokers) != full_mesh(brokers):
         assert clock.now - start <= budget, f"not whole after {budget} s: {linked(brokers)}"
-        await tick(network, clock, brokers)
+        await tick(network, brokers, INTERVAL)
     return clock.now - start
 
 
@@ -74,7 +68,7 @@ async def test_a_cut_link_between_two_brokers_that_both_reach_a_third_is_repaire
     assert linked(mesh3) == {"a": ["c"], "b": ["c"], "c": ["a", "b"]}
     assert routes_everywhere(mesh3, address)["a"] is None  # one hop only: a cannot reach it
     for _ in range(8):  # apart for 4 s: the dials fail, the backoff stays capped
-        await tick(network, clock, mesh3)
+        await tick(network, mesh3, INTERVAL)
     assert linked(mesh3)["a"] == ["c"]
     network.heal(address_of("a"), address_of("b"))
     await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
@@ -90,7 +84,7 @@ async def test_a_broker_paused_past_its_heartbeat_budget_is_linked_again_when_it
     # A pause (SIGSTOP): b reads nothing, writes nothing and runs no timer for 3 s.
     network.pause(address_of("b"))
     for _ in range(6):
-        await tick(network, clock, [a, c])
+        await tick(network, [a, c], INTERVAL)
     assert linked([a, c]) == {"a": ["c"], "c": ["a"]}, "its peers declared it dead"
     assert routes_everywhere([a, c], address) == {"a": None, "c": None}
     network.resume(address_of("b"))  # it reads what piled up: goodbyes, and new HELLOs
@@ -106,7 +100,7 @@ async def test_pausing_each_broker_in_turn_leaves_one_mesh_not_islands(
         others = [b for b in mesh3 if b is not paused]
         network.pause(paused.config.advertise)
         for _ in range(6):
-            await tick(network, clock, others)
+            await tick(network, others, INTERVAL)
         network.resume(paused.config.advertise)
         await network.settle()
         await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
@@ -119,7 +113,7 @@ async def test_a_broker_cut_off_from_everyone_dials_its_seed_again(
     network.partition(address_of("a"), address_of("b"))
     # Long enough that b forgets a as a lost peer: only its seed is left to find it by.
     for _ in range(10):
-        await tick(network, clock, [a, b])
+        await tick(network, [a, b], INTERVAL)
     assert linked([a, b]) == {"a": [], "b": []}
     assert len(b.mesh.redials) == 0
     network.heal(address_of("a"), address_of("b"))
@@ -135,7 +129,7 @@ async def test_a_broker_that_drained_is_not_dialled_again(
     await network.settle()
     network.crash(address_of("c"))
     for _ in range(4):
-        await tick(network, clock, [a, b])
+        await tick(network, [a, b], INTERVAL)
     assert linked([a, b]) == {"a": ["b"], "b": ["a"]}
     assert "c" not in a.mesh.redials.names()
     assert "c" not in b.mesh.redials.names()
@@ -149,10 +143,10 @@ async def test_a_crashed_broker_stays_a_candidate_until_forgotten(
     await network.settle()
     assert a.mesh.redials.names() == ["b"]
     for _ in range(4):  # 2 s: still dialled, with a capped backoff
-        await tick(network, clock, [a])
+        await tick(network, [a], INTERVAL)
     assert a.mesh.redials.names() == ["b"]
     for _ in range(4):  # past peer_forget
-        await tick(network, clock, [a])
+        await tick(network, [a], INTERVAL)
     assert a.mesh.redials.names() == []
 
 

@@ -16,6 +16,7 @@ from tests.unit.broker.fakes import (
     build_mesh,
     connector,
     routes_everywhere,
+    tick,
 )
 
 INTERVAL = 0.5
@@ -29,15 +30,6 @@ async def pair(network: FakeNetwork) -> list[Broker]:
     )
 
 
-async def interval(network: FakeNetwork, clock: FakeClock, *talking: Broker) -> None:
-    """One heartbeat interval: the clock moves, and each broker in ``talking`` does its
-    housekeeping (its LOAD is the heartbeat); the others say nothing."""
-    clock.advance(INTERVAL)
-    for broker in talking:
-        broker.housekeeping()
-    await network.settle()
-
-
 async def test_a_peer_silent_for_heartbeat_misses_intervals_is_closed_and_its_routes_leave(
     network: FakeNetwork, clock: FakeClock, pair: list[Broker]
 ) -> None:
@@ -48,9 +40,9 @@ async def test_a_peer_silent_for_heartbeat_misses_intervals_is_closed_and_its_ro
     assert routes_everywhere(pair, address) == {"a": "b", "b": "local"}
     # The first check takes the link-up traffic as heard; then MISSES silent intervals.
     for _ in range(MISSES):
-        await interval(network, clock, a)
+        await tick(network, [a], INTERVAL)
         assert a.peers.names() == ["b"]
-    await interval(network, clock, a)
+    await tick(network, [a], INTERVAL)
     assert a.peers.names() == []
     assert a.links.closed["heartbeat-timeout"] == 1
     assert routes_everywhere(pair, address) == {"a": None, "b": "local"}
@@ -71,7 +63,7 @@ async def test_a_peer_that_keeps_talking_is_not_closed(
     on_b = await connector(network, b, "on-b")
     address = await on_b.register("svc", 1)
     for _ in range(4 * MISSES):
-        await interval(network, clock, a, b)
+        await tick(network, [a, b], INTERVAL)
     assert a.peers.names() == ["b"]
     assert b.peers.names() == ["a"]
     assert routes_everywhere(pair, address) == {"a": "b", "b": "local"}
@@ -85,8 +77,8 @@ async def test_a_hung_peer_is_declared_dead_by_the_broker_that_hears_nothing(
     a, b = pair
     network.wire_between(address_of("a"), address_of("b")).hold()
     for _ in range(MISSES):
-        await interval(network, clock, a, b)
+        await tick(network, [a, b], INTERVAL)
         assert (a.peers.names(), b.peers.names()) == (["b"], ["a"])
-    await interval(network, clock, a, b)
+    await tick(network, [a, b], INTERVAL)
     assert (a.peers.names(), b.peers.names()) == ([], [])
     assert a.links.closed["heartbeat-timeout"] == b.links.closed["heartbeat-timeout"] == 1
