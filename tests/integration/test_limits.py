@@ -251,7 +251,9 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
             await asyncio.sleep(2.0)
             assert (await stat(broker, detail=False))["routes"] == 0, "all withdrawn"
             figures.append((during, rss_kib(pid)))
+        lag = (await stat(broker, detail=False))["loop_lag_ms"]
         print(f"{allocator} VmRSS KiB: baseline {baseline}, (during, after) x2: {figures}")
+        print(f"{allocator} loop lag through the abuse and its withdrawal: {lag}")
         (during, after), (_, after_again) = figures
         assert during > baseline + 50 * 1024, "the abuse took memory"
         if allocator == "malloc":

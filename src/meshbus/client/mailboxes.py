@@ -129,7 +129,8 @@ class Mailbox:
                 if deadline is None:
                     await waiter
                 else:
-                    await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+                    async with asyncio.timeout_at(deadline):  # not wait_for: see Requester
+                        await waiter
             except TimeoutError:
                 self._remove_waiter(waiter)
                 if self._inbox:

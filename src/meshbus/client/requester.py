@@ -132,7 +132,10 @@ class Requester:
             try:
                 # The broker sends TIMEOUT at the deadline; the local guard covers a broker
                 # that died or stalled, so a request can never hang.
-                return await asyncio.wait_for(future, timeout + _LOCAL_TIMEOUT_GRACE)
+                # asyncio.timeout, not wait_for: in Python 3.11 wait_for loses a
+                # cancellation (Ctrl-C) that comes as the answer does.
+                async with asyncio.timeout(timeout + _LOCAL_TIMEOUT_GRACE):
+                    return await future
             except Timeout as exc:  # the broker's TIMEOUT (before the guard: it is one too)
                 exc.timeout = timeout
                 raise
