@@ -384,8 +384,8 @@ def salvage(data_dir: str, out: str | None) -> None:
     """
     import os
 
-    from meshbus.broker.sqlite_store import salvage as salvage_store
     from meshbus.broker.store import StoreError
+    from meshbus.broker.store_salvage import salvage as salvage_store
     from meshbus.broker.streams import DataDirLocked, _lock
 
     out = out or data_dir.rstrip(os.sep) + "-salvaged"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshbus.broker import sqlite_store
+from meshbus.broker import store_blocks
 from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
@@ -518,8 +518,8 @@ def test_sqlite_blocks_read_trim_and_reopen_like_the_memory_store(
     the middle; reads start and end anywhere; publish ids repeat across batches. After
     every batch and after a reopen, the SQLite store answers what the memory store does --
     but for publish ids: after a reopen it knows those of the messages it still holds."""
-    monkeypatch.setattr(sqlite_store, "BLOCK_MESSAGES", 3)
-    monkeypatch.setattr(sqlite_store, "BLOCK_BYTES", 50)
+    monkeypatch.setattr(store_blocks, "BLOCK_MESSAGES", 3)
+    monkeypatch.setattr(store_blocks, "BLOCK_BYTES", 50)
     path = tmp_path_factory.mktemp("blocks") / "s.db"
     oracle, disk = MemoryStreamStore(), SqliteStreamStore(path)
     stored_as: dict[bytes, int] = {}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from meshbus.broker import sqlite_store
-from meshbus.broker.sqlite_store import Lost, SqliteStreamReader, SqliteStreamStore, salvage
+from meshbus.broker import sqlite_store, store_blocks
+from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
 from meshbus.broker.store import (
     ConsumerConfig,
     NewMessage,
@@ -21,6 +21,7 @@ from meshbus.broker.store import (
     StoreError,
     StreamConfig,
 )
+from meshbus.broker.store_salvage import Lost, salvage
 from meshbus.errors import MeshbusError
 from meshbus.protocol.blocks import encode_block
 from tests.damage import flip
@@ -274,9 +275,7 @@ def test_salvage_brings_a_version_3_store_to_version_4(tmp_path: Path) -> None:
     path = tmp_path / "streams.db"
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
-    schema = sqlite_store._SCHEMA.replace(" AUTOINCREMENT", "").replace(
-        "crc INTEGER NOT NULL, ", ""
-    )
+    schema = store_blocks.SCHEMA.replace(" AUTOINCREMENT", "").replace("crc INTEGER NOT NULL, ", "")
     for statement in filter(None, (part.strip() for part in schema.split(";"))):
         db.execute(statement)
     db.execute("PRAGMA user_version=3")
