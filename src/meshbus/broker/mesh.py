@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from meshbus.broker.balance import incoming_link_wins, redirect_target
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
+from meshbus.broker.fence import Fence
 from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
 from meshbus.broker.outbox import Outbox
@@ -90,7 +91,6 @@ class MeshStats:
     peers_lost: int = 0
     peers_crashed: int = 0
     moves_sent: int = 0
-    stalls: int = 0  # times this broker found it had stalled past the heartbeat budget
 
 
 class Mesh:
@@ -141,11 +141,11 @@ class Mesh:
             base=interval / 2, cap=2 * interval, forget_after=config.peer_forget, rng=rng
         )
         self.redials.add_seeds(config.seeds, clock())
+        self.fence = Fence(clock, interval * config.heartbeat_misses, self.redials)
         self._lists_scheduled = False
         self._pushed: tuple[str, ...] = ()
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
-        self._stalled_at = 0.0  # when this broker last found it had stalled (0: never)
         self.moves = Moves(clock, links, self.stats)
         self._leaving: dict[Link, asyncio.Future[None]] = {}  # peers told BYE, not yet closed
         self._tasks = BackgroundTasks()
@@ -516,7 +516,7 @@ class Mesh:
             return False  # never opened, or a duplicate that lost
         self.stats.peers_lost += 1
         if reason is CloseReason.STALLED:
-            self.stalled()
+            self.fence.stalled()
         state = self.known.pop(link.name, None)
         # A peer we said goodbye to, or that announced its drain, is leaving, whatever
         # way its link ends.
@@ -538,33 +538,6 @@ class Mesh:
                 extra={"peer": link.name, "reason": reason.value, "capacity": self.capacity},
             )
         self.lists_changed()
-        return True
-
-    # -- fencing ---------------------------------------------------------------------------------
-
-    @property
-    def budget(self) -> float:
-        """Seconds of silence after which a peer is dead."""
-        return self.config.heartbeat_interval * self.config.heartbeat_misses
-
-    def stalled(self) -> None:
-        """This broker found it stalled past the heartbeat budget (its loop ran late that
-        long, or a peer's frames came after such a silence): its peers took it for dead,
-        and may have moved its groups on meanwhile."""
-        if not self.fenced():
-            self.stats.stalls += 1
-            log.warning("this broker stalled past its heartbeat budget; re-linking")
-        self._stalled_at = self._clock()
-
-    def fenced(self) -> bool:
-        """True while this broker re-links after a stall: it decides nothing for the mesh
-        (binds no message group) until every broker it lost is linked again, or for two
-        budgets at most -- what it holds may be what the others decided without it."""
-        if not self._stalled_at:
-            return False
-        if not self.redials or self._clock() - self._stalled_at > 2 * self.budget:
-            self._stalled_at = 0.0
-            return False
         return True
 
     # -- heartbeats -----------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Broker:
             relay=self.relay,
             outbox=self.outbox,
             clock=clock,
-            fenced=lambda: self.mesh.fenced(),
+            fenced=lambda: self.mesh.fence.fenced(),
         )
         self.streams = StreamHost(
             config=config,
@@ -448,8 +448,8 @@ class Broker:
             await asyncio.sleep(_LAG_INTERVAL)
             late = loop.time() - asked
             self.lag.record(late)
-            if late > self.mesh.budget and self.peers:
-                self.mesh.stalled()
+            if late > self.mesh.fence.budget and self.peers:
+                self.mesh.fence.stalled()
 
     async def _housekeeping(self) -> None:
         interval = self.config.heartbeat_interval
@@ -552,7 +552,9 @@ class Broker:
             "links": links,
             "peer_links": peer_links,
             "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
-            "mesh_counters": dataclasses.asdict(mesh.stats) | dataclasses.asdict(self.sync.stats),
+            "mesh_counters": dataclasses.asdict(mesh.stats)
+            | dataclasses.asdict(self.sync.stats)
+            | {"stalls": mesh.fence.stalls},
             "streams": self.streams.snapshot(),
             "groups_bound": len(self.guarantees.groups),
             "loop_lag_ms": self.lag.snapshot(),

@@ -70,7 +70,7 @@ async def test_frames_that_waited_out_the_budget_are_not_delivered(
     await stall_b(network, clock, a)
     assert on_b.take_data() == [], "a frame that waited out the budget was handed out"
     assert b.links.closed["stalled"] == 1
-    assert b.mesh.stats.stalls == 1
+    assert b.mesh.fence.stalls == 1
     assert b.peers.names() == []
     # Linked again (b dials a, which it lost without a goodbye), traffic flows as before.
     for _ in range(6):
@@ -90,7 +90,7 @@ async def test_a_broker_that_stalled_binds_no_group_until_it_is_linked_again(
     await on_b.join(member, POOL)
     await network.settle()
     await stall_b(network, clock, a)
-    assert b.mesh.fenced()
+    assert b.mesh.fence.fenced()
     refused = await on_b.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
     assert isinstance(refused.body, Error)
     assert refused.body.code == ErrorCode.UNAVAILABLE
@@ -98,7 +98,7 @@ async def test_a_broker_that_stalled_binds_no_group_until_it_is_linked_again(
     for _ in range(6):
         await tick(network, pair, INTERVAL)
     assert b.peers.names() == ["a"]
-    assert not b.mesh.fenced()
+    assert not b.mesh.fence.fenced()
     bound = await on_b.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
     assert isinstance(bound.body, GroupBound)
     assert bound.body.member == member
@@ -112,9 +112,9 @@ async def test_the_fence_lifts_after_two_budgets_when_no_peer_comes_back(
     await stall_b(network, clock, a)
     network.crash(address_of("a"))
     await network.settle()
-    assert b.mesh.fenced()
+    assert b.mesh.fence.fenced()
     clock.advance(2 * BUDGET + 0.1)
-    assert not b.mesh.fenced()
+    assert not b.mesh.fence.fenced()
 
 
 async def test_an_address_that_failed_over_stays_with_its_later_link_when_the_old_broker_returns(

@@ -1,0 +1,43 @@
+"""Fencing: what a broker does when it finds it stalled past the heartbeat budget.
+
+Its peers took it for dead meanwhile, and may have moved its message groups on. Until
+it is linked again to every broker it lost -- or for two budgets at most, so that one
+whose peers are gone for good does not refuse for ever -- it decides nothing for the
+mesh: ``Guarantees`` binds no group while ``fenced()`` (docs/mesh.md, "Fencing").
+A stall is found by the loop-lag probe (``Broker._measure_lag``) or by a peer's bytes
+read after a silence past the budget (``PeerInfo.hear``, a STALLED close).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from meshbus.broker.redial import RedialTable
+
+log = logging.getLogger("meshbus.broker")
+
+
+class Fence:
+    def __init__(self, clock: Callable[[], float], budget: float, redials: RedialTable) -> None:
+        """``budget``: seconds of silence after which a peer is dead; ``redials``: the
+        brokers this one is dialling again (those it lost)."""
+        self.budget = budget
+        self.stalls = 0  # times this broker found it had stalled
+        self._clock = clock
+        self._redials = redials
+        self._stalled_at = 0.0  # when it last found it had (0: never)
+
+    def stalled(self) -> None:
+        if not self.fenced():
+            self.stalls += 1
+            log.warning("this broker stalled past its heartbeat budget; re-linking")
+        self._stalled_at = self._clock()
+
+    def fenced(self) -> bool:
+        if not self._stalled_at:
+            return False
+        if not self._redials or self._clock() - self._stalled_at > 2 * self.budget:
+            self._stalled_at = 0.0
+            return False
+        return True
