@@ -15,10 +15,18 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 
+def _hear_sigint() -> None:
+    """In the child: Ctrl-C as a terminal delivers it. A test run started in the
+    background of a non-interactive shell (``make test &``) has SIGINT ignored, and an
+    ignored signal stays ignored across exec -- the demo would rightly not hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def start_demo(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshbus.demo", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_hear_sigint,
     )  # fmt: skip
 
 
