@@ -386,7 +386,7 @@ def salvage(data_dir: str, out: str | None) -> None:
 
     from meshbus.broker.store import StoreError
     from meshbus.broker.store_salvage import salvage as salvage_store
-    from meshbus.broker.streams import DataDirLocked, _lock
+    from meshbus.broker.streams import DataDirLocked, lock_data_dir
 
     out = out or data_dir.rstrip(os.sep) + "-salvaged"
     source = os.path.join(data_dir, "streams.db")
@@ -396,7 +396,7 @@ def salvage(data_dir: str, out: str | None) -> None:
     if os.path.exists(target):
         raise click.ClickException(f"{target} exists: give --out a directory without a store")
     try:
-        lock = _lock(data_dir)
+        lock = lock_data_dir(data_dir)
     except DataDirLocked as exc:
         raise click.ClickException(f"{exc}; stop it before salvaging") from None
     try:

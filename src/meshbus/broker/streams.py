@@ -124,7 +124,7 @@ class StreamHost:
         self._lock: IO[bytes] | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
-            self._lock = _lock(data_dir)
+            self._lock = lock_data_dir(data_dir)
             path = os.path.join(data_dir, "streams.db")
             self.store = SqliteStreamStore(path, fsync=config.fsync)
         else:
@@ -448,9 +448,10 @@ class StreamHost:
         }
 
 
-def _lock(data_dir: str) -> IO[bytes]:
-    """Hold ``DATA_DIR/LOCK`` for the broker's lifetime (the OS drops it when the process
-    dies, also on kill -9)."""
+def lock_data_dir(data_dir: str) -> IO[bytes]:
+    """Hold ``DATA_DIR/LOCK`` while the returned file is open: a broker for its lifetime
+    (the OS drops it when the process dies, also on kill -9), ``meshbus stream salvage``
+    while it reads the store; DataDirLocked if another process holds it."""
     lock = open(os.path.join(data_dir, "LOCK"), "ab")  # noqa: SIM115 -- held until close()
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
