@@ -21,10 +21,15 @@ class BrokerGate:
     """A TCP proxy in front of one broker, which the other brokers dial (the broker
     advertises the gate's address). It reads each connection's HELLO to learn who
     dials, and drops the connections of the brokers it is told to shut out: those
-    open are reset, new ones are closed at once, until ``open_to`` lets them in."""
+    open are reset, new ones are closed at once, until ``open_to`` lets them in.
+
+    ``upstream`` (the broker's own address) is known only once the broker has started
+    on a free port, but its peers may dial the gate as soon as the broker announced the
+    gate's address, before it is ready: such a connection waits for ``upstream``."""
 
     def __init__(self) -> None:
-        self.upstream = ""
+        self._upstream = ""
+        self._upstream_known = asyncio.Event()
         self._shut_out: set[str] = set()
         self._open: dict[asyncio.StreamWriter, str] = {}
         self._handlers: set[asyncio.Task[None]] = set()
@@ -36,6 +41,15 @@ class BrokerGate:
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{host}:{port}"
         return self.address
+
+    @property
+    def upstream(self) -> str:
+        return self._upstream
+
+    @upstream.setter
+    def upstream(self, address: str) -> None:
+        self._upstream = address
+        self._upstream_known.set()
 
     def shut_out(self, name: str) -> None:
         self._shut_out.add(name)
@@ -51,9 +65,14 @@ class BrokerGate:
             self._server.close()
         for writer in list(self._open):
             writer.transport.abort()
-        for task in list(self._handlers):
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        # Not cancelled first: with their transports aborted the handlers end by
+        # themselves, and asyncio's streams log a cancelled connection handler as an error.
+        self._upstream_known.set()
+        if self._handlers:
+            _, stuck = await asyncio.wait(list(self._handlers), timeout=2.0)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -85,7 +104,10 @@ class BrokerGate:
                     name = frame.body.name or "?"
             if name in self._shut_out:
                 return
-            host, port = self.upstream.rsplit(":", 1)
+            await self._upstream_known.wait()
+            if not self._upstream:
+                return  # closed before its broker started
+            host, port = self._upstream.rsplit(":", 1)
             up_reader, up_writer = await asyncio.open_connection(host, int(port))
             up_writer.write(first)
             self._open[writer] = name

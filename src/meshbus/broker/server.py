@@ -20,11 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
-import msgspec
-
-from meshbus.address import describe_address
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.dispatch import ControlDispatch, ControlTable
@@ -42,6 +38,7 @@ from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.slices import Slices
+from meshbus.broker.stat import StatView
 from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
@@ -102,7 +99,6 @@ class Broker:
         config = self.config = config or BrokerConfig()
         rng = rng or random.Random()
         self.clock = clock
-        self.started_at = time.time()
         self.stats = TrafficStats()
         self.lag = LoopLag()
         self.links = LinkRegistry()
@@ -164,6 +160,19 @@ class Broker:
             dialer=dialer,
             rng=rng,
         )
+        self.stat = StatView(
+            config=config,
+            routing=self.routing,
+            links=self.links,
+            peers=self.peers,
+            mesh=self.mesh,
+            sync_stats=self.sync.stats,
+            streams=self.streams,
+            groups=self.guarantees.groups,
+            lag=self.lag,
+            pending=self.pending,
+            counters=self.traffic_counters,
+        )
         self.control = ControlHandler(
             config=config,
             routing=self.routing,
@@ -173,8 +182,8 @@ class Broker:
             watch=self.watch,
             outbox=self.outbox,
             trace_every=self.telemetry.trace_every,
-            snapshot=self.snapshot,
-            detailed_snapshot=self.detailed_snapshot,
+            snapshot=self.stat.brief,
+            detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
             rng=rng,
         )
@@ -475,98 +484,6 @@ class Broker:
             "msgs_out": self.links.msgs_out(),
             "refused_control": self.dispatch.refused_frames,
         } | dataclasses.asdict(self.stats)
-
-    async def detailed_snapshot(self) -> dict[str, Any]:
-        """``snapshot`` with the lists that grow with the routing table: every link's
-        services, every service, every group's members. Built in slices (one per loop
-        turn), as describing 200,000 addresses takes most of a second; unsorted, as
-        sorting that many would stall the loop too -- the client sorts them."""
-        data = self.snapshot()
-        routing = self.routing
-        slices = Slices()
-        for entry in data["links"]:
-            link = self.links.links.get(entry["id"])
-            owned = list(routing.owned_by(link)) if link is not None else []
-            entry["services"] = await slices.described(owned)
-        services = [address for address, _ in routing.services()]
-        data["service_addresses"] = await slices.described(services)
-        groups = {}
-        for group, members in list(routing.groups()):
-            groups[describe_address(group)] = await slices.described(list(members))
-        data["groups"] = groups
-        return data
-
-    def snapshot(self) -> dict[str, Any]:
-        """What ``meshbus stat`` shows: this broker, its links, the mesh and counters --
-        without the lists that grow with the routing table (``detailed_snapshot``)."""
-        routing = self.routing
-        links = [
-            {
-                "id": link.link_id,
-                "peer": link.remote,
-                "name": link.name,
-                "role": "operator" if link.role is LinkRole.OPERATOR else "connector",
-                "state": link.state.value,
-                "services": routing.owned_count(link),
-                "msgs_in": link.msgs_in,
-                "msgs_out": link.msgs_out,
-                "bytes_in": link.bytes_in,
-                "bytes_out": link.bytes_out,
-            }
-            for link in self.links.links.values()
-            if not link.is_peer
-        ]
-        mesh = self.mesh
-        peer_links = []
-        for link in self.peers.links():
-            assert link.peer is not None
-            peer_links.append(
-                {
-                    "name": link.name,
-                    "address": link.peer.listen,
-                    "link_id": link.link_id,
-                    "tag_in": link.peer.tag_in,
-                    "tag_out": int.from_bytes(link.peer.tag_out, "big"),
-                    "dialled": link.dialled,
-                    "msgs_in": link.msgs_in,
-                    "msgs_out": link.msgs_out,
-                    "bytes_in": link.bytes_in,
-                    "bytes_out": link.bytes_out,
-                }
-            )
-        data: dict[str, Any] = {
-            "name": self.config.name,
-            "address": self.config.advertise,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "ready": mesh.ready,
-            "draining": mesh.draining,
-            "slot": routing.slot,
-            "connectors": len(self.links.connectors),
-            "services": sum(routing.owned_count(link) for link in self.links.connectors),
-            "routes": routing.route_count,
-            "route_services": routing.service_count,
-            "route_groups": routing.group_count,
-            "peers": self.peers.names(),
-            "capacity": mesh.capacity,
-            "max_connectors": self.config.max_connectors,
-            "links": links,
-            "peer_links": peer_links,
-            "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
-            "mesh_counters": dataclasses.asdict(mesh.stats)
-            | dataclasses.asdict(self.sync.stats)
-            | {"stalls": mesh.fence.stalls},
-            "streams": self.streams.snapshot(),
-            "groups_bound": len(self.guarantees.groups),
-            "loop_lag_ms": self.lag.snapshot(),
-            "redialling": self.mesh.redials.names(),
-            "counters": self.traffic_counters()
-            | {
-                "pending": len(self.pending),
-                "links_accepted": self.links.accepted,
-                "links_closed": dict(self.links.closed),
-            },
-        }
-        return data
 
 
 async def serve(config: BrokerConfig) -> None:

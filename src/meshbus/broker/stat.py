@@ -1,0 +1,147 @@
+"""What ``meshbus stat`` shows: this broker, its links, the mesh, its counters and, in
+detail, every service and group -- read from the parts, never changed here."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from meshbus.address import describe_address
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.endpoint import Endpoint, LinkRole
+from meshbus.broker.groups import GroupTable
+from meshbus.broker.lag import LoopLag
+from meshbus.broker.mesh import Mesh
+from meshbus.broker.pending import PendingTable
+from meshbus.broker.registry import LinkRegistry, Peers
+from meshbus.broker.routing import RoutingTable
+from meshbus.broker.slices import Slices
+from meshbus.broker.streams import StreamHost
+from meshbus.broker.sync import SyncStats
+
+
+class StatView:
+    def __init__(
+        self,
+        *,
+        config: BrokerConfig,
+        routing: RoutingTable[Endpoint],
+        links: LinkRegistry,
+        peers: Peers,
+        mesh: Mesh,
+        sync_stats: SyncStats,
+        streams: StreamHost,
+        groups: GroupTable,
+        lag: LoopLag,
+        pending: PendingTable[Endpoint],
+        counters: Callable[[], dict[str, int]],
+    ) -> None:
+        """``counters``: the broker's cumulative traffic counters (also telemetry's)."""
+        self._config = config
+        self._routing = routing
+        self._links = links
+        self._peers = peers
+        self._mesh = mesh
+        self._sync_stats = sync_stats
+        self._streams = streams
+        self._groups = groups
+        self._lag = lag
+        self._pending = pending
+        self._counters = counters
+        self._started_at = time.time()
+
+    async def detailed(self) -> dict[str, Any]:
+        """``brief`` with the lists that grow with the routing table: every link's
+        services, every service, every group's members. Built in slices (one per loop
+        turn), as describing 200,000 addresses takes most of a second; unsorted, as
+        sorting that many would stall the loop too -- the client sorts them."""
+        data = self.brief()
+        routing = self._routing
+        slices = Slices()
+        for entry in data["links"]:
+            link = self._links.links.get(entry["id"])
+            owned = list(routing.owned_by(link)) if link is not None else []
+            entry["services"] = await slices.described(owned)
+        services = [address for address, _ in routing.services()]
+        data["service_addresses"] = await slices.described(services)
+        groups = {}
+        for group, members in list(routing.groups()):
+            groups[describe_address(group)] = await slices.described(list(members))
+        data["groups"] = groups
+        return data
+
+    def brief(self) -> dict[str, Any]:
+        """What ``meshbus stat`` shows: this broker, its links, the mesh and counters --
+        without the lists that grow with the routing table (``detailed``)."""
+        routing = self._routing
+        links = [
+            {
+                "id": link.link_id,
+                "peer": link.remote,
+                "name": link.name,
+                "role": "operator" if link.role is LinkRole.OPERATOR else "connector",
+                "state": link.state.value,
+                "services": routing.owned_count(link),
+                "msgs_in": link.msgs_in,
+                "msgs_out": link.msgs_out,
+                "bytes_in": link.bytes_in,
+                "bytes_out": link.bytes_out,
+            }
+            for link in self._links.links.values()
+            if not link.is_peer
+        ]
+        mesh = self._mesh
+        peer_links = []
+        for link in self._peers.links():
+            assert link.peer is not None
+            peer_links.append(
+                {
+                    "name": link.name,
+                    "address": link.peer.listen,
+                    "link_id": link.link_id,
+                    "tag_in": link.peer.tag_in,
+                    "tag_out": int.from_bytes(link.peer.tag_out, "big"),
+                    "dialled": link.dialled,
+                    "msgs_in": link.msgs_in,
+                    "msgs_out": link.msgs_out,
+                    "bytes_in": link.bytes_in,
+                    "bytes_out": link.bytes_out,
+                }
+            )
+        data: dict[str, Any] = {
+            "name": self._config.name,
+            "address": self._config.advertise,
+            "uptime_s": round(time.time() - self._started_at, 3),
+            "ready": mesh.ready,
+            "draining": mesh.draining,
+            "slot": routing.slot,
+            "connectors": len(self._links.connectors),
+            "services": sum(routing.owned_count(link) for link in self._links.connectors),
+            "routes": routing.route_count,
+            "route_services": routing.service_count,
+            "route_groups": routing.group_count,
+            "peers": self._peers.names(),
+            "capacity": mesh.capacity,
+            "max_connectors": self._config.max_connectors,
+            "links": links,
+            "peer_links": peer_links,
+            "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
+            "mesh_counters": dataclasses.asdict(mesh.stats)
+            | dataclasses.asdict(self._sync_stats)
+            | {"stalls": mesh.fence.stalls},
+            "streams": self._streams.snapshot(),
+            "groups_bound": len(self._groups),
+            "loop_lag_ms": self._lag.snapshot(),
+            "redialling": self._mesh.redials.names(),
+            "counters": self._counters()
+            | {
+                "pending": len(self._pending),
+                "links_accepted": self._links.accepted,
+                "links_closed": dict(self._links.closed),
+            },
+        }
+        return data
