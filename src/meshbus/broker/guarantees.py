@@ -58,7 +58,7 @@ class Guarantees:
         fenced: Callable[[], bool],
     ) -> None:
         """``name`` gives this broker's name (known once it listens); ``fenced`` is true
-        while it re-links after a stall (meshbus.broker.mesh), when it binds nothing."""
+        while it re-links after a stall (meshbus.broker.fence), when it binds nothing."""
         self._name = name
         self.groups = groups
         self._routing = routing
