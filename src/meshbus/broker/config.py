@@ -65,3 +65,9 @@ class BrokerConfig:
     max_handshaking: int = 1_000  # accepted connections that have not sent HELLO yet
     handshake_timeout: float = 5.0  # seconds a connection may take to send its HELLO
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
+
+    @property
+    def heartbeat_budget(self) -> float:
+        """Seconds of silence after which a peer is dead (and this broker, if it was the
+        silent one, fenced)."""
+        return self.heartbeat_interval * self.heartbeat_misses

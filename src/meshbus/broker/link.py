@@ -42,6 +42,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
+from meshbus.broker import slices
 from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, LinkState, PeerInfo
 from meshbus.broker.forward import PLAIN, Decision, Forwarder
 from meshbus.broker.outbox import Outbox
@@ -68,8 +69,6 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
-# How long one read's control frames may run before the rest waits for the next turn.
-_CONTROL_SLICE = 0.005
 
 
 class Link(Endpoint, asyncio.BufferedProtocol):
@@ -347,7 +346,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     # never holds the loop. Data frames are not timed (they are cheap).
                     now = perf_counter()
                     if not slice_end:
-                        slice_end = now + _CONTROL_SLICE
+                        slice_end = now + slices.SLICE
                     elif now > slice_end and self.state is not LinkState.CLOSED:
                         pos += total
                         run_start = pos

@@ -141,7 +141,7 @@ class Mesh:
             base=interval / 2, cap=2 * interval, forget_after=config.peer_forget, rng=rng
         )
         self.redials.add_seeds(config.seeds, clock())
-        self.fence = Fence(clock, interval * config.heartbeat_misses, self.redials)
+        self.fence = Fence(clock, config.heartbeat_budget, self.redials)
         self._lists_scheduled = False
         self._pushed: tuple[str, ...] = ()
         self._gossip = asyncio.Event()
@@ -352,7 +352,7 @@ class Mesh:
             tag_in=link.link_id,
             tag_out=tag.to_bytes(4, "big"),
             clock=self._clock,
-            budget=self.config.heartbeat_interval * self.config.heartbeat_misses,
+            budget=self.config.heartbeat_budget,
         )
         link.open_as_peer(name, info, negotiated_max_frame(max_frame, self.config.max_frame))
         state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
+from meshbus.broker import slices
 from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import Endpoint
@@ -65,9 +66,6 @@ log = logging.getLogger("meshbus.broker")
 # Route operations per ROUTES frame: about 45 bytes each, so a frame is about 90 KB, and
 # a peer applies one in about 2 ms -- one frame is never a stall.
 ROUTES_CHUNK = 2_000
-# A snapshot is written out in slices of about this long, one per loop turn: a table of
-# 100,000 services takes some 100 ms to go through, far past the loop's 50 ms budget.
-_SLICE = 0.005
 
 
 @dataclass
@@ -176,7 +174,7 @@ class RouteSync:
         slice, the rest waits for the next loop turn."""
         self._release_scheduled = False
         live = set(self._peers.links())
-        deadline = time.perf_counter() + _SLICE
+        deadline = time.perf_counter() + slices.SLICE
         released = 0
         while self._waiting:
             seq, peers, then = self._waiting[0]
@@ -206,7 +204,7 @@ class RouteSync:
     def _snapshot_slice(self, link: Link, addresses: Iterator[bytes]) -> None:
         if link.closed:
             return
-        deadline = time.perf_counter() + _SLICE
+        deadline = time.perf_counter() + slices.SLICE
         routing = self._routing
         ops: list[RouteOp] = []
         for address in addresses:

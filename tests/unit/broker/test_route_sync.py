@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from meshbus.address import Multicast, Unicast
-from meshbus.broker import sync
+from meshbus.broker import slices
 from meshbus.broker.server import Broker
 from meshbus.broker.sync import ROUTES_CHUNK
 from meshbus.protocol.control import AddressBody, Membership, Register
@@ -157,7 +157,7 @@ async def test_a_snapshot_written_in_slices_while_the_table_changes_ends_equal(
     """A big table goes to a joining broker one ROUTES chunk per loop turn (here every
     chunk is its own slice), while its owner unregisters services and joins others to a
     group, one change per turn: the joiner ends with exactly the owner's table."""
-    monkeypatch.setattr(sync, "_SLICE", 0.0)
+    monkeypatch.setattr(slices, "SLICE", 0.0)
     a = await start_broker(network, "a")
     on_a = await connector(network, a, "on-a")
     link = broker_side(on_a)

@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from meshbus.address import Unicast
-from meshbus.broker import link as link_module
 from meshbus.broker import slices
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import ROLE_OPERATOR, Empty, Error, Register, StatRequest, Stats
@@ -30,7 +29,7 @@ BURST = 500
 async def test_a_burst_of_registrations_yields_to_other_links_and_is_answered_in_order(
     network: FakeNetwork, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(link_module, "_CONTROL_SLICE", 0.0)
+    monkeypatch.setattr(slices, "SLICE", 0.0)
     broker = await start_broker(network, "a", max_services=BURST)
     bulk = await connector(network, broker, "bulk")
     pinger = await connector(network, broker, "pinger")
