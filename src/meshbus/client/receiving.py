@@ -71,13 +71,12 @@ class Receiving:
         """The group messages deliverable now, in the group's order (with reassigned
         flags); each is acknowledged as it is released."""
         key = member.raw + ext.group
+        ready: list[tuple[Released, bool]] = []
         if reliable and not self.seen.add((member.raw, frame.src, frame.msg_id)):
             self.duplicates += 1
-            if not self.order.holds(frame.src, key, ext.seq):
-                self._ack(member, frame)  # released before: its first ack may be lost
-            return []
-        now = asyncio.get_running_loop().time()
-        ready = self.order.push(frame.src, key, ext.seq, ext.floor, (member, frame, ext), now)
+        else:
+            now = asyncio.get_running_loop().time()
+            ready = self.order.push(frame.src, key, ext.seq, ext.floor, (member, frame, ext), now)
         released_it = False
         for (to, done, done_ext), _ in ready:
             released_it = released_it or done is frame
@@ -86,7 +85,9 @@ class Receiving:
             if done_ext.final:
                 self.order.end(done.src, key)
         if reliable and not released_it and not self.order.holds(frame.src, key, ext.seq):
-            self._ack(member, frame)  # below what the group delivered already: a stale copy
+            # Delivered before (a duplicate whose first ack may be lost, or a stale copy
+            # below where the group is): acknowledged again. One held back is not.
+            self._ack(member, frame)
         return ready
 
     def _flush_acks(self) -> None:
