@@ -228,8 +228,8 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
     """A broker's RSS after a connector with 200,000 services in 100,000 groups has left is
     back near where it was (docs/architecture.md, the limits: what is kept), and a second
     such connector takes no more than the first. On Python's allocator (the default) a few
-    objects that outlive the abuser pin some of pymalloc's arenas, so the promise is that
-    most of the memory comes back; on the C allocator (PYTHONMALLOC=malloc) all but 20 %."""
+    objects that outlive the abuser pin some of pymalloc's arenas, so the promise is 35 %
+    above the baseline at most; on the C allocator (PYTHONMALLOC=malloc) 20 %."""
     monkeypatch.setenv("PYTHONMALLOC", allocator)
     limits = ("--max-services", "1000000", "--max-groups", "1000000")
     async with running(*limits) as broker:
@@ -258,6 +258,8 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
         assert during > baseline + 50 * 1024, "the abuse took memory"
         if allocator == "malloc":
             assert after <= baseline * 1.2, (baseline, figures)
-        else:  # measured: 1.4-1.75x the baseline, 75-85 % of the abuse's memory back
-            assert after - baseline <= 0.3 * (during - baseline), (baseline, figures)
+        else:
+            # Measured 1.15-1.27x (1.5-1.85x before the broker emptied the free lists and
+            # kept its tables out of the collector's sight): some arenas stay pinned.
+            assert after <= baseline * 1.35, (baseline, figures)
         assert after_again <= after + 4 * 1024, ("it grows with each abuser", figures)

@@ -33,6 +33,15 @@ copies its dicts into right-sized ones -- amortised O(1) per deletion
 (``_maybe_compact``). Kept as they are: a group's own member dicts (freed with the
 group when its last member leaves) and where each server name's next dynamic id
 is (``_next_seq``: one small entry per server name ever used).
+
+What the collector sees. CPython's cyclic garbage collector walks every object it
+tracks on each full collection, and with a large table those collections stalled the
+broker's loop (60-80 ms at 100,000 groups). Containers that hold only bytes and ints
+are not tracked, so the per-service and per-group containers are kept to those: a
+member's groups are the keys of a dict of bytes to None (not a set), and a group's
+dicts name links by a number (``_number``, given to a link while its services are in
+groups), not by the link. What is left tracked is one object per group and, for
+groups that were routed to, the tuples of links the hot path reads.
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, dynamic_instance
@@ -78,30 +86,63 @@ def _never_remote(link: object) -> bool:
     return False
 
 
-@dataclass
 class _Group(Generic[L]):
-    members: dict[bytes, L] = field(default_factory=dict)
-    per_link: dict[L, int] = field(default_factory=dict)
-    # Caches rebuilt on change: the hot path reads these, never the dicts above.
-    links: tuple[L, ...] = ()
-    local_links: tuple[L, ...] = ()
-    local_members: tuple[tuple[bytes, L], ...] = ()
-    peers: tuple[L, ...] = ()
-    peer_weights: tuple[int, ...] = ()  # cumulative member counts, for bisect
-    # Changed since the caches were built: they are rebuilt at the next lookup, not at
-    # each change, so N members joining one group cost O(N), not O(N^2) (a connector
-    # bringing thousands of members back after failover, or a peer's snapshot).
-    stale: bool = False
+    """One group's members, and the caches the hot path reads.
 
-    def rebuild(self, is_remote: Callable[[L], bool]) -> None:
+    The dicts hold link *numbers* (``RoutingTable._number``), not links: a dict of bytes
+    and ints is not tracked by the cyclic garbage collector, where one of links is. With
+    links in them, 100,000 groups were 700,000 tracked objects and every full collection
+    stalled the loop 60-80 ms (see "What the collector sees" in the module docstring)."""
+
+    __slots__ = (
+        "links",
+        "local_addresses",
+        "local_links",
+        "local_member_links",
+        "members",
+        "peer_weights",
+        "peers",
+        "per_link",
+        "stale",
+    )
+
+    def __init__(self) -> None:
+        self.members: dict[bytes, int] = {}  # member -> the number of its link
+        self.per_link: dict[int, int] = {}  # link number -> members behind that link
+        # Caches rebuilt on change: the hot path reads these, never the dicts above.
+        self.links: tuple[L, ...] = ()
+        self.local_links: tuple[L, ...] = ()
+        # The local members, and at the same index the link of each.
+        self.local_addresses: tuple[bytes, ...] = ()
+        self.local_member_links: tuple[L, ...] = ()
+        self.peers: tuple[L, ...] = ()
+        self.peer_weights: tuple[int, ...] = ()  # cumulative member counts, for bisect
+        # Changed since the caches were built: they are rebuilt at the next lookup, not at
+        # each change, so N members joining one group cost O(N), not O(N^2) (a connector
+        # bringing thousands of members back after failover, or a peer's snapshot).
         self.stale = False
-        self.links = tuple(self.per_link)
-        self.local_links = tuple(link for link in self.links if not is_remote(link))
-        self.local_members = tuple(
-            (member, link) for member, link in self.members.items() if not is_remote(link)
+
+    def rebuild(self, link_of: dict[int, L], is_remote: Callable[[L], bool]) -> None:
+        self.stale = False
+        links = tuple(link_of[number] for number in self.per_link)
+        peers = tuple(link for link in links if is_remote(link))
+        local = [
+            (member, link_of[number])
+            for member, number in self.members.items()
+            if not is_remote(link_of[number])
+        ]
+        member_links = tuple(link for _, link in local)
+        # Equal tuples share one object: fewer objects for the collector to walk.
+        self.links = links
+        self.local_links = links if not peers else tuple(x for x in links if not is_remote(x))
+        self.local_addresses = tuple(member for member, _ in local)
+        self.local_member_links = links if member_links == links else member_links
+        self.peers = peers
+        self.peer_weights = tuple(
+            itertools.accumulate(
+                count for number, count in self.per_link.items() if is_remote(link_of[number])
+            )
         )
-        self.peers = tuple(link for link in self.links if is_remote(link))
-        self.peer_weights = tuple(itertools.accumulate(self.per_link[p] for p in self.peers))
 
 
 class RoutingTable(Generic[L]):
@@ -119,9 +160,16 @@ class RoutingTable(Generic[L]):
         self._epoch: dict[bytes, int] = {}  # the epoch of the link it came through, if > 0
         self._by_link: dict[L, set[bytes]] = {}
         self._groups: dict[bytes, _Group[L]] = {}
-        self._joined: dict[bytes, set[bytes]] = {}  # member -> groups it is in
+        # member -> the groups it is in, as the keys of a dict: a dict of bytes to None is
+        # not tracked by the cyclic GC, where a set per service made every full collection
+        # walk the whole table (20 ms and more at 65,000 services).
+        self._joined: dict[bytes, dict[bytes, None]] = {}
         self._memberships = 0
         self._link_memberships: Counter[L] = Counter()  # memberships per link (the limits)
+        # A number for each link with services in groups, for the groups' dicts (_Group).
+        self._number: dict[L, int] = {}
+        self._link_of: dict[int, L] = {}
+        self._numbers = itertools.count(1)
         self._deleted = 0  # deletions since the dicts were last rebuilt
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
         # Dynamic ids in the table per (server name, slot): a full server name is refused
@@ -188,8 +236,8 @@ class RoutingTable(Generic[L]):
         """Unregister ``address`` and leave all its groups; NotOwned if ``link`` does not own it."""
         if self._owner.get(address) != link:
             raise NotOwned("address is not registered by this link")
-        for group in list(self._joined.get(address, ())):
-            self.leave(address, group)
+        for group in self._joined.pop(address, ()):
+            self._drop_membership(address, group)
         del self._owner[address]
         self._session.pop(address, None)
         self._epoch.pop(address, None)
@@ -214,13 +262,19 @@ class RoutingTable(Generic[L]):
             raise NotOwned("the member address is not registered")
         if group[0] not in (CAST_MULTICAST, CAST_ANYCAST):
             raise RoutingError("only multicast and anycast addresses can be joined")
-        g = self._groups.setdefault(group, _Group())
-        if member in g.members:
+        g = self._groups.get(group)
+        if g is None:
+            g = self._groups[group] = _Group()
+        elif member in g.members:
             return
-        g.members[member] = link
-        g.per_link[link] = g.per_link.get(link, 0) + 1
+        number = self._number.get(link)
+        if number is None:
+            number = self._number[link] = next(self._numbers)
+            self._link_of[number] = link
+        g.members[member] = number
+        g.per_link[number] = g.per_link.get(number, 0) + 1
         g.stale = True
-        self._joined.setdefault(member, set()).add(group)
+        self._joined.setdefault(member, {})[group] = None
         self._memberships += 1
         self._link_memberships[link] += 1
         self.version += 1
@@ -230,26 +284,34 @@ class RoutingTable(Generic[L]):
         g = self._groups.get(group)
         if g is None or member not in g.members:
             return
-        link = g.members.pop(member)
-        left = g.per_link[link] - 1
+        joined = self._joined[member]
+        del joined[group]
+        if not joined:
+            del self._joined[member]
+        self._drop_membership(member, group)
+
+    def _drop_membership(self, member: bytes, group: bytes) -> None:
+        """The group's side of ``member`` leaving ``group`` (the member's own list of groups
+        is the caller's to change)."""
+        g = self._groups[group]
+        number = g.members.pop(member)
+        left = g.per_link[number] - 1
         if left:
-            g.per_link[link] = left
+            g.per_link[number] = left
         else:
-            del g.per_link[link]
+            del g.per_link[number]
+        link = self._link_of[number]
         if g.members:
             g.stale = True
         else:
             del self._groups[group]
-        joined = self._joined[member]
-        joined.discard(group)
-        if not joined:
-            del self._joined[member]
         self._memberships -= 1
         count = self._link_memberships[link] - 1
         if count:
             self._link_memberships[link] = count
         else:
             del self._link_memberships[link]
+            del self._number[link], self._link_of[number]
         self.version += 1
         self._deleted += 1
         self._maybe_compact()
@@ -321,7 +383,7 @@ class RoutingTable(Generic[L]):
         """The group, its caches up to date."""
         g = self._groups.get(group)
         if g is not None and g.stale:
-            g.rebuild(self._is_remote)
+            g.rebuild(self._link_of, self._is_remote)
         return g
 
     def route_multicast(self, group: bytes, src: bytes, src_link: L, echo: bool) -> tuple[L, ...]:
@@ -330,7 +392,7 @@ class RoutingTable(Generic[L]):
         g = self._fresh(group)
         if g is None:
             return ()
-        if echo or g.per_link.get(src_link) != 1 or src not in g.members:
+        if echo or g.per_link.get(self._number.get(src_link, 0)) != 1 or src not in g.members:
             return g.links
         return tuple(link for link in g.links if link != src_link)
 
@@ -358,17 +420,18 @@ class RoutingTable(Generic[L]):
         return None if g is None else self._pick_local(g, src, echo)
 
     def _pick_local(self, g: _Group[L], src: bytes, echo: bool) -> L | None:
-        members = g.local_members
-        if not members:
+        addresses = g.local_addresses
+        if not addresses:
             return None
+        links = g.local_member_links
         if not echo and src in g.members:
-            if len(members) == 1:
-                return None if members[0][0] == src else members[0][1]
+            if len(addresses) == 1:
+                return None if addresses[0] == src else links[0]
             while True:
-                address, link = members[self._rng.randrange(len(members))]
-                if address != src:
-                    return link
-        return members[self._rng.randrange(len(members))][1]
+                pick = self._rng.randrange(len(addresses))
+                if addresses[pick] != src:
+                    return links[pick]
+        return links[self._rng.randrange(len(links))]
 
     # -- introspection ------------------------------------------------------
 
