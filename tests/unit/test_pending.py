@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 from meshbus.address import Anycast, Unicast
-from meshbus.broker.pending import COMPACT_SLACK, PendingEntry, PendingTable
+from meshbus.broker.pending import COMPACT_SLACK, WRONG_RESPONDER, PendingEntry, PendingTable
 
 R1 = Unicast("client", 1).to_bytes()
 R2 = Unicast("client", 2).to_bytes()
 DST = Unicast("server", 1).to_bytes()
+FORGER = Unicast("forger", 1).to_bytes()
 POOL = Anycast("pool").to_bytes()
 
 
@@ -286,8 +287,10 @@ def test_indexes_match_the_entries_under_random_operations() -> None:
             t.add(
                 R1, rng.randrange(200), rng.choice(links), now + rng.random(), DST, rng.choice(vias)
             )
-        elif op < 0.8:
+        elif op < 0.7:
             t.resolve(R1, rng.randrange(200))
+        elif op < 0.8:
+            t.accept_response(R1, rng.randrange(200), rng.choice((DST, FORGER)), "a")
         elif op < 0.9:
             now += 0.1
             t.expire(now)
@@ -311,3 +314,44 @@ def test_add_refuses_past_max_per_link() -> None:
     assert t.resolve(R1, 1) == "a"
     assert t.add(R1, 3, "a", 10.0, DST)
     assert (t.count("a"), len(t)) == (2, 3)
+
+
+def test_a_unicast_request_takes_a_response_from_its_destination_only() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST, "peer")
+    assert t.accept_response(R1, 1, FORGER, "b") is WRONG_RESPONDER
+    assert t.accept_response(R1, 1, FORGER, "peer") is WRONG_RESPONDER, "the link is no pass"
+    assert (len(t), t.count("a")) == (1, 1), "a refused response leaves the entry as it was"
+    assert t.accept_response(R1, 1, DST, "peer") == "a"
+    assert t.accept_response(R1, 1, DST, "peer") is None, "a duplicate finds no entry"
+    assert (len(t), t.count("a"), t.drop_via("peer")) == (0, 0, [])
+
+
+def test_a_group_request_takes_a_response_over_a_link_it_went_out_on() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, POOL, responders=("picked",))
+    t.add(R1, 2, "a", 10.0, POOL, responders=("b", "peer"))  # a multicast request
+    assert t.accept_response(R1, 1, DST, "other") is WRONG_RESPONDER
+    assert t.accept_response(R1, 1, DST, "picked") == "a", "any member on the picked link"
+    assert t.accept_response(R1, 2, FORGER, "c") is WRONG_RESPONDER
+    assert t.accept_response(R1, 2, FORGER, "peer") == "a"
+    assert len(t) == 0
+
+
+def test_a_refused_response_leaves_the_deadline_and_the_via_index() -> None:
+    t: PendingTable[str] = PendingTable()
+    t.add(R1, 1, "a", 10.0, DST, "peer")
+    t.add(R1, 2, "a", 20.0, DST, "peer")
+    assert t.accept_response(R1, 1, FORGER, "peer") is WRONG_RESPONDER
+    assert keys(t.expire(10.0)) == [(R1, 1)], "still expires, once"
+    assert t.accept_response(R1, 2, FORGER, "peer") is WRONG_RESPONDER
+    assert keys(t.drop_via("peer")) == [(R1, 2)]
+    assert t.expire(100.0) == []
+
+
+def test_an_uncapped_request_is_recorded_past_max_per_link() -> None:
+    t: PendingTable[str] = PendingTable(max_per_link=1)
+    assert t.add(R1, 1, "peer", 10.0, POOL, responders=("picked",), capped=False)
+    assert t.add(R1, 2, "peer", 10.0, POOL, responders=("picked",), capped=False)
+    assert not t.add(R1, 3, "peer", 10.0, POOL, responders=("picked",))
+    assert t.count("peer") == 2

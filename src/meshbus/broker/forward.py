@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
 from meshbus.broker.endpoint import Endpoint, LinkRole
 from meshbus.broker.outbox import Outbox, TrafficStats
-from meshbus.broker.pending import PendingTable
+from meshbus.broker.pending import WRONG_RESPONDER, PendingTable
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.stamp import stamp_run
 from meshbus.protocol.codec import FrameError, check_data_flags
@@ -84,7 +84,7 @@ class Decision:
     until the routing table changes: the frame size, the target links, how to carry
     it out, and the frame's source and destination."""
 
-    __slots__ = ("carry", "dst", "size", "src", "targets", "via")
+    __slots__ = ("carry", "dst", "responders", "size", "src", "targets", "via")
 
     def __init__(
         self, size: int, targets: tuple[Endpoint, ...], carry: Carry, src: bytes, dst: bytes
@@ -95,6 +95,7 @@ class Decision:
         self.src = src
         self.dst = dst
         self.via = _via(targets)  # for a request: the pending entry's ``via``
+        self.responders = _responders(dst, targets)  # and its ``responders``
 
 
 class Forwarder:
@@ -229,7 +230,15 @@ class Forwarder:
             return None
         if flags & FLAG_REQUEST:
             self._stats.requests += 1
-            self._pending.add(src, msg_id, link, self._deadline(timeout_ms), dst, _via(found))
+            self._pending.add(
+                src,
+                msg_id,
+                link,
+                self._deadline(timeout_ms),
+                dst,
+                _via(found),
+                responders=_responders(dst, found),
+            )
         if flags & FLAG_TRACE:
             self._trace("entry", src, msg_id, dst)
             self._trace_exit(found, src, msg_id, dst)
@@ -244,7 +253,7 @@ class Forwarder:
         responses are resolved against this broker's pending table. Frames whose hop
         count or link tag are wrong are dropped and counted, never forwarded."""
         routing = self.routing
-        (_, _, _, flags, hops, dst, src, tag, msg_id, _, _) = _unpack_header(buf, pos)
+        (_, _, _, flags, hops, dst, src, tag, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
         if flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
             check_data_flags(flags)
         assert link.peer is not None
@@ -270,7 +279,22 @@ class Forwarder:
             one = routing.route_anycast_local(dst, src, bool(flags & FLAG_ECHO))
             if one is None or not self._outbox.deliver(one, mv[pos : pos + total]):
                 self._undeliverable(link, flags, msg_id, src, dst)
-            elif flags & FLAG_TRACE:
+                return None
+            if flags & FLAG_REQUEST:
+                # This broker picked the member, so only it can tell the member's response
+                # from another's: it keeps an entry that sends the response back to the
+                # peer, and only when it comes from the picked connector. No TIMEOUT from
+                # here (Broker.expire_requests): the requester's broker sends it.
+                self._pending.add(
+                    src,
+                    msg_id,
+                    link,
+                    self._deadline(timeout_ms),
+                    dst,
+                    responders=(one,),
+                    capped=False,
+                )
+            if flags & FLAG_TRACE:
                 self._trace_exit((one,), src, msg_id, dst)
             return None
         else:
@@ -326,7 +350,10 @@ class Forwarder:
         dst = decision.dst
         if decision.carry is Carry.RESPONSE:
             (response_for,) = _unpack_response_for(buf, pos + OFF_RESPONSE_FOR)
-            requester_link = self._pending.resolve(dst, response_for)
+            requester_link = self._pending.accept_response(dst, response_for, decision.src, link)
+            if requester_link is WRONG_RESPONDER:
+                self._stats.dropped_wrong_responder += 1
+                return
             if requester_link is None and not link.is_peer:
                 # The request entered the mesh at another broker, which keeps its pending
                 # entry: the response goes there, one hop, and is resolved there.
@@ -363,6 +390,12 @@ class Forwarder:
             f"limit exceeded: this connector already has {self._pending.max_per_link} requests "
             "waiting for a response (the broker's --max-requests)",
         )
+
+
+def _responders(dst: bytes, targets: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+    """The pending entry's ``responders``: none for a unicast request, whose response must
+    come from its destination address; otherwise the links the request went out on."""
+    return () if dst[0] == CAST_UNICAST else targets
 
 
 def _via(targets: tuple[Endpoint, ...]) -> Endpoint | None:

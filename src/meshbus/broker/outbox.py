@@ -38,6 +38,8 @@ class TrafficStats:
     dropped_too_large: int = 0
     dropped_bad_hop: int = 0  # frames from a peer with a wrong hop count or link tag
     dropped_revoked: int = 0  # frames from an address its connector lost (REVOKED)
+    # Responses from other than who may answer their request (docs/protocol.md §7).
+    dropped_wrong_responder: int = 0
 
 
 class Outbox:

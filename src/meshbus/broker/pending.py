@@ -2,9 +2,17 @@
 
 A request is keyed by (requester address, message id): message ids are chosen
 by the requester's connector, so they are unique only per requester. The entry
-remembers the link the request came in on and its deadline. A response names
-the request in ``response_for`` and is sent to the requester's address, which
-gives the same key back; ``resolve`` pops the entry and returns the link.
+remembers the link the request came in on, its deadline, and who may answer it.
+A response names the request in ``response_for`` and is sent to the requester's
+address, which gives the same key back; ``accept_response`` pops the entry and
+returns the link, when the response came from whoever may answer.
+
+Who may answer (docs/protocol.md, "Request / response"): the request's destination
+address itself, for a unicast request; otherwise (anycast, multicast) a response
+that came in over one of the links the request went out on -- the one member's
+connector the broker picked, or the peer broker it went to. A response from anyone
+else leaves the entry where it was, so a forger cannot answer first; the check is
+a comparison with what the entry holds, no lookup.
 
 Deadlines live in a heap with lazy deletion: resolving an entry leaves a stale
 heap item behind, which ``expire`` skips. To keep that garbage bounded the heap
@@ -23,20 +31,30 @@ a link's sets go when the link is dropped.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 L = TypeVar("L", bound=Hashable)
 
 Key = tuple[bytes, int]
-# An entry: (link, deadline, dst, seq, via, the link's key set).
-_Entry = tuple[L, float, bytes, int, "L | None", set[Key]]
+# An entry: (link, deadline, dst, seq, via, the link's key set, responders).
+_Entry = tuple[L, float, bytes, int, "L | None", set[Key], tuple[L, ...]]
 # Stale heap items tolerated on top of 3x the live entries before a rebuild; the slack
 # keeps a small table (a few requests in flight) from rebuilding every few adds.
 COMPACT_SLACK = 1024
+
+
+class Refusal(enum.Enum):
+    """Why ``accept_response`` did not take a response although its request waits."""
+
+    WRONG_RESPONDER = "wrong responder"
+
+
+WRONG_RESPONDER: Literal[Refusal.WRONG_RESPONDER] = Refusal.WRONG_RESPONDER
 
 
 @dataclass(slots=True)
@@ -53,7 +71,7 @@ class PendingTable(Generic[L]):
     def __init__(self, max_per_link: int = sys.maxsize) -> None:
         """``max_per_link``: how many requests of one link may wait (``add`` refuses more)."""
         self.max_per_link = max_per_link
-        # key -> (link, deadline, dst, seq, via, the link's key set): a plain tuple, the
+        # key -> (link, deadline, dst, seq, via, the link's key set, responders): a plain tuple, the
         # cheapest thing to build on every request; PendingEntry objects are made only for
         # the few that fail. The key set in the entry spares resolve a lookup.
         self._entries: dict[Key, _Entry[L]] = {}
@@ -73,19 +91,26 @@ class PendingTable(Generic[L]):
         deadline: float,
         dst: bytes,
         via: L | None = None,
+        *,
+        responders: tuple[L, ...] = (),
+        capped: bool = True,
     ) -> bool:
         """Record a request that came in on ``link``; ``via`` is the one link it went out
         on when that is all that can answer it (a peer broker: see ``drop_via``). A second
-        request with the same key replaces the first. False, and nothing recorded, when
-        ``link`` already has ``max_per_link`` requests waiting."""
+        request with the same key replaces the first.
+
+        ``responders``: the links a response must come in over; empty, the response must
+        come from the address ``dst`` (a unicast request). Returns False, and records
+        nothing, when ``link`` already has ``max_per_link`` requests waiting, unless not
+        ``capped``: a request a peer broker forwarded, capped at its requester's broker."""
         keys = self._by_link.get(link)
         if keys is None:
             keys = self._by_link[link] = set()
-        elif len(keys) >= self.max_per_link:
+        elif capped and len(keys) >= self.max_per_link:
             return False
         key = (requester, msg_id)
         seq = self._seq = self._seq + 1
-        entry = (link, deadline, dst, seq, via, keys)
+        entry = (link, deadline, dst, seq, via, keys, responders)
         entries = self._entries
         old = entries.setdefault(key, entry)
         if old is not entry:  # a replacement: rare, so one lookup on the common path
@@ -109,12 +134,33 @@ class PendingTable(Generic[L]):
         return 0 if keys is None else len(keys)
 
     def resolve(self, requester: bytes, msg_id: int) -> L | None:
-        """Pop the entry a response for (requester, msg_id) answers; None if there is none."""
+        """Pop the entry of request (requester, msg_id), whoever tells of it (a NO_ROUTE
+        from the peer it went to); None if there is none."""
         key = (requester, msg_id)
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        entry[5].discard(key)
+        self._unindex(key, entry)
+        return entry[0]
+
+    def accept_response(
+        self, requester: bytes, msg_id: int, src: bytes, came_in_on: L
+    ) -> L | Literal[Refusal.WRONG_RESPONDER] | None:
+        """Pop the entry a response from ``src``, read on link ``came_in_on``, answers and
+        return the requester's link; None if no request waits (late, or answered already);
+        ``WRONG_RESPONDER``, and the entry kept, if ``src`` may not answer it."""
+        key = (requester, msg_id)
+        entries = self._entries
+        entry = entries.pop(key, None)
+        if entry is None:
+            return None
+        responders = entry[6]
+        if (came_in_on not in responders) if responders else (src != entry[2]):
+            # Put back as it was: its heap item and key sets never left. Popped first
+            # because a match is the common case: one dict operation on it.
+            entries[key] = entry
+            return WRONG_RESPONDER
+        entry[5].discard(key)  # _unindex, inline: this is every response's path
         if entry[4] is not None:
             self._unindex_via(key, entry[4])
         return entry[0]
@@ -139,7 +185,7 @@ class PendingTable(Generic[L]):
             if entry is not None and entry[3] == seq:
                 del self._entries[key]
                 self._unindex(key, entry)
-                link, deadline, dst, _, _, _ = entry
+                link, deadline, dst = entry[:3]
                 expired.append(PendingEntry(key[0], key[1], link, deadline, dst, seq))
         return expired
 

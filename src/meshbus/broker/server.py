@@ -453,6 +453,8 @@ class Broker:
 
     def expire_requests(self) -> None:
         for entry in self.pending.expire(self.clock()):
+            if entry.link.is_peer:
+                continue  # a member picked here for a peer's requester: its broker tells it
             self.stats.timeouts += 1
             self.outbox.tell_requester(entry, ControlType.TIMEOUT)
 
