@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from meshbus.client.delivery import (
     COMPACT_SLACK,
+    Ack,
     AckTable,
     GroupOrder,
     RetryPolicy,
@@ -22,6 +23,7 @@ from meshbus.errors import InvalidArgument
 A = b"a" * 16
 B = b"b" * 16
 C = b"c" * 16
+TO_A = frozenset({A})  # a message sent to A alone: unicast, anycast, a group's member
 G = b"group-1"
 H = b"group-2"
 
@@ -142,36 +144,50 @@ def test_policy_interval_rejects_attempt_zero() -> None:
 P = RetryPolicy(ack_timeout=1.0, backoff=2.0, max_interval=4.0, max_attempts=4)
 
 
-def test_outbox_unicast_first_ack_completes() -> None:
+def test_outbox_first_ack_of_its_receiver_completes() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
     assert 1 in o
     assert len(o) == 1
     assert o.pending(1) is None
     assert o.attempts(1) == 1
-    assert o.ack(1, B)  # any acker will do
+    assert o.ack(1, B) is Ack.STRANGER, "not sent to B: B cannot complete it"
+    assert 1 in o
+    assert o.ack(1, A) is Ack.DONE
     assert 1 not in o
-    assert not o.ack(1, C)  # a second (anycast) ack is late
+    assert o.ack(1, A) is Ack.UNKNOWN  # a second ack is late
     assert len(o) == 0
     assert o.next_deadline() is None
 
 
+def test_outbox_a_moved_message_takes_the_ack_of_either_receiver() -> None:
+    o = AckTable(P)
+    o.add(1, TO_A, now=0.0)
+    o.add(2, TO_A, now=0.0)
+    o.allow(1, B)  # sent again, to B (a message group moved)
+    o.allow(3, B)  # unknown: a no-op
+    assert o.ack(2, B) is Ack.STRANGER
+    assert o.ack(1, B) is Ack.DONE
+    assert o.ack(2, A) is Ack.DONE
+    assert 3 not in o
+
+
 def test_outbox_multicast_needs_every_target() -> None:
     o = AckTable(P)
-    o.add(7, frozenset({A, B, C}), now=0.0)
-    assert not o.ack(7, A)
+    o.add(7, frozenset({A, B, C}), now=0.0, every=True)
+    assert o.ack(7, A) is Ack.COUNTED
     assert o.pending(7) == frozenset({B, C})
-    assert not o.ack(7, A)  # duplicate ack changes nothing
-    assert not o.ack(7, b"x" * 16)  # not a target
+    assert o.ack(7, A) is Ack.COUNTED  # duplicate ack changes nothing
+    assert o.ack(7, b"x" * 16) is Ack.STRANGER  # not a target
     assert o.pending(7) == frozenset({B, C})
-    assert not o.ack(7, C)
-    assert o.ack(7, B)
+    assert o.ack(7, C) is Ack.COUNTED
+    assert o.ack(7, B) is Ack.DONE
     assert 7 not in o
 
 
 def test_outbox_unknown_ids() -> None:
     o = AckTable(P)
-    assert not o.ack(99, A)
+    assert o.ack(99, A) is Ack.UNKNOWN
     o.remove(99)  # a no-op
     with pytest.raises(KeyError):
         o.pending(99)
@@ -179,16 +195,18 @@ def test_outbox_unknown_ids() -> None:
 
 def test_outbox_rejects_duplicate_id_and_empty_targets() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
     with pytest.raises(ValueError, match="already"):
-        o.add(1, None, now=0.0)
+        o.add(1, TO_A, now=0.0)
     with pytest.raises(ValueError, match="empty"):
         o.add(2, frozenset(), now=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        o.add(2, frozenset(), now=0.0, every=True)
 
 
 def test_outbox_resend_then_give_up_exact_schedule() -> None:
     o = AckTable(P)  # intervals 1, 2, 4, 4; four attempts
-    o.add(1, None, now=10.0)
+    o.add(1, TO_A, now=10.0)
     assert o.next_deadline() == 11.0
     assert o.due(10.999) == ([], [])
     assert o.due(11.0) == ([1], [])  # attempt 2, waits interval(2) = 2
@@ -209,7 +227,7 @@ def test_outbox_resend_then_give_up_exact_schedule() -> None:
 
 def test_outbox_late_timer_waits_full_interval_from_now() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
     assert o.due(5.0) == ([1], [])  # deadline was 1.0; the timer fired late
     assert o.next_deadline() == 7.0
 
@@ -224,55 +242,55 @@ def test_outbox_due_lists_are_ascending() -> None:
     o = AckTable(P)
     # Later ids with earlier deadlines: the heap pops them first, due still sorts.
     for msg_id, now in ((5, 3.0), (4, 2.0), (3, 1.0), (2, 0.5), (1, 0.0)):
-        o.add(msg_id, None, now)
+        o.add(msg_id, TO_A, now)
     resend, given_up = o.due(10.0)
     assert resend == [1, 2, 3, 4, 5]
     assert given_up == []
     one_shot = AckTable(RetryPolicy(max_attempts=1))
     for msg_id in (9, 3, 6):
-        one_shot.add(msg_id, None, now=float(-msg_id))
+        one_shot.add(msg_id, TO_A, now=float(-msg_id))
     assert one_shot.due(1.0) == ([], [3, 6, 9])
 
 
 def test_outbox_due_mixes_resend_and_give_up() -> None:
     o = AckTable(RetryPolicy(ack_timeout=1.0, backoff=1.0, max_attempts=2))
-    o.add(1, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
     assert o.due(1.0) == ([1], [])
-    o.add(2, None, now=1.0)
+    o.add(2, TO_A, now=1.0)
     assert o.due(2.0) == ([2], [1])
     assert o.ids() == [2]
 
 
 def test_outbox_next_deadline_after_acks_and_removes() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
-    o.add(2, None, now=1.0)
-    o.add(3, frozenset({A, B}), now=2.0)
+    o.add(1, TO_A, now=0.0)
+    o.add(2, TO_A, now=1.0)
+    o.add(3, frozenset({A, B}), now=2.0, every=True)
     assert o.next_deadline() == 1.0
-    assert o.ack(1, A)
+    assert o.ack(1, A) is Ack.DONE
     assert o.next_deadline() == 2.0
     o.remove(2)
     assert o.next_deadline() == 3.0
-    assert not o.ack(3, A)
+    assert o.ack(3, A) is Ack.COUNTED
     assert o.next_deadline() == 3.0  # still waiting for B
-    assert o.ack(3, B)
+    assert o.ack(3, B) is Ack.DONE
     assert o.next_deadline() is None
     assert o.due(100.0) == ([], [])  # stale heap items do nothing
 
 
 def test_outbox_acked_entry_is_not_resent() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
-    o.add(2, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
+    o.add(2, TO_A, now=0.0)
     o.ack(1, A)
     assert o.due(1.0) == ([2], [])
 
 
 def test_outbox_readded_id_is_tracked_once() -> None:
     o = AckTable(P)
-    o.add(1, None, now=0.0)
+    o.add(1, TO_A, now=0.0)
     o.remove(1)
-    o.add(1, None, now=0.0)  # same id, same deadline: a stale twin sits in the heap
+    o.add(1, TO_A, now=0.0)  # same id, same deadline: a stale twin sits in the heap
     assert o.due(1.0) == ([1], [])
     assert o.attempts(1) == 2
 
@@ -280,7 +298,7 @@ def test_outbox_readded_id_is_tracked_once() -> None:
 def test_outbox_ids_ascending() -> None:
     o = AckTable(P)
     for msg_id in (5, 1, 9, 3):
-        o.add(msg_id, None, now=0.0)
+        o.add(msg_id, TO_A, now=0.0)
     o.ack(9, A)
     assert o.ids() == [1, 3, 5]
 
@@ -288,11 +306,11 @@ def test_outbox_ids_ascending() -> None:
 def test_outbox_heap_stays_bounded_without_timer() -> None:
     o = AckTable(P)
     for i in range(20_000):
-        o.add(i, None, now=float(i))
-        assert o.ack(i, A)
+        o.add(i, TO_A, now=float(i))
+        assert o.ack(i, A) is Ack.DONE
     assert len(o) == 0
     assert len(o._heap) <= COMPACT_SLACK + 1
-    o.add(20_000, None, now=0.0)
+    o.add(20_000, TO_A, now=0.0)
     assert o.next_deadline() == 1.0
 
 
@@ -300,7 +318,7 @@ def test_outbox_many_entries_few_due() -> None:
     o = AckTable(P)
     n = 100_000
     for i in range(n):
-        o.add(i, None, now=float(i))
+        o.add(i, TO_A, now=float(i))
     assert o.due(1.5) == ([0], [])
     assert o.next_deadline() == 2.0
     assert len(o) == n

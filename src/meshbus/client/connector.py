@@ -225,6 +225,12 @@ class Connector:
         return self._parts.inbound.dropped
 
     @property
+    def refused_acks(self) -> int:
+        """Acknowledgements ignored because the message they name was not sent to their
+        source (docs/guarantees.md, "Who may acknowledge")."""
+        return self._parts.unacked.refused_acks
+
+    @property
     def brokers(self) -> list[str]:
         """The brokers this connector may fail over to (kept current by the mesh)."""
         return list(self._parts.keeper.brokers)

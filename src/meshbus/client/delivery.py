@@ -11,7 +11,9 @@ each deleted entry and ``next(iter(d))`` walks over all of them, so at 100k
 keys each eviction costs ~17 us instead of ~0.2 us (measured on 3.11). Nor is it
 a linked list, whose per-node overhead a thesis measured at 10% CPU.
 
-``AckTable`` is the sender's table of unacknowledged messages. Deadlines live in
+``AckTable`` is the sender's table of unacknowledged messages, each with the
+addresses whose ack counts: the one it was sent to, or each member of a multicast
+(docs/guarantees.md, "Who may acknowledge"). Deadlines live in
 a heap with lazy deletion (an ack leaves a stale item that is skipped later),
 so ``due`` and ``next_deadline`` cost O(log n) per due entry rather than a scan
 of 100k entries on every timer tick. The heap is rebuilt when stale items
@@ -23,6 +25,7 @@ failed sends per address to declare a client dead.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import math
 from collections.abc import Hashable
@@ -106,9 +109,19 @@ class RetryPolicy:
         return math.fsum(self.interval(a) for a in range(1, self.max_attempts + 1))
 
 
+class Ack(enum.Enum):
+    """What an ack did (``AckTable.ack``)."""
+
+    DONE = "done"  # the message is acknowledged, and forgotten
+    COUNTED = "counted"  # a multicast member's: other members still owe theirs
+    UNKNOWN = "unknown"  # no such message waits: a late or repeated ack
+    STRANGER = "stranger"  # from an address the message was not sent to: ignored
+
+
 @dataclass(slots=True)
 class _Sent:
-    targets: set[bytes] | None  # receivers whose ack is still needed; None: any one ack
+    ackers: frozenset[bytes]  # whose ack counts
+    waiting: set[bytes] | None  # the members still to ack; None: any one acker's will do
     attempts: int
     deadline: float
 
@@ -124,29 +137,40 @@ class AckTable:
         # harmless, since handling the first one changes or removes the entry.
         self._heap: list[tuple[float, int]] = []
 
-    def add(self, msg_id: int, targets: frozenset[bytes] | None, now: float) -> None:
-        """Track a message just sent (attempt 1); ``targets`` None completes on any ack."""
+    def add(
+        self, msg_id: int, ackers: frozenset[bytes], now: float, *, every: bool = False
+    ) -> None:
+        """Track a message just sent (attempt 1) to ``ackers``: the first ack of one of
+        them completes it, or, with ``every`` (a multicast's members), an ack of each."""
         if msg_id in self._entries:
             raise ValueError(f"message id {msg_id} is already in the outbox")
-        if targets is not None and not targets:
-            raise ValueError("an empty target set would never be acknowledged")
+        if not ackers:
+            raise ValueError("an empty acker set would never be acknowledged")
         deadline = now + self.policy.interval(1)
-        self._entries[msg_id] = _Sent(None if targets is None else set(targets), 1, deadline)
+        self._entries[msg_id] = _Sent(ackers, set(ackers) if every else None, 1, deadline)
         heapq.heappush(self._heap, (deadline, msg_id))
 
-    def ack(self, msg_id: int, acker: bytes) -> bool:
-        """Record an ack; True when it completed (and removed) the entry."""
+    def allow(self, msg_id: int, acker: bytes) -> None:
+        """``acker``'s ack counts too: the message goes to it now (a message group moved
+        to another member; the first member may still ack what it got). No-op if unknown."""
+        entry = self._entries.get(msg_id)
+        if entry is not None:
+            entry.ackers |= {acker}
+
+    def ack(self, msg_id: int, acker: bytes) -> Ack:
+        """Record an ack from ``acker``."""
         entry = self._entries.get(msg_id)
         if entry is None:
-            return False  # late or duplicate ack, or one for a message given up on
-        if entry.targets is not None:
-            if acker not in entry.targets:
-                return False
-            entry.targets.remove(acker)
-            if entry.targets:
-                return False
+            return Ack.UNKNOWN  # late or duplicate ack, or one for a message given up on
+        if acker not in entry.ackers:
+            return Ack.STRANGER
+        waiting = entry.waiting
+        if waiting is not None:
+            waiting.discard(acker)
+            if waiting:
+                return Ack.COUNTED
         self.remove(msg_id)
-        return True
+        return Ack.DONE
 
     def due(self, now: float) -> tuple[list[int], list[int]]:
         """(to_resend, given_up) for entries whose deadline has passed, each ascending."""
@@ -173,9 +197,10 @@ class AckTable:
         return resend, given_up
 
     def pending(self, msg_id: int) -> frozenset[bytes] | None:
-        """The targets still to ack (None: any one ack completes); KeyError if unknown."""
-        targets = self._entries[msg_id].targets
-        return None if targets is None else frozenset(targets)
+        """The members still to ack (None: any one acker's ack completes); KeyError if
+        unknown."""
+        waiting = self._entries[msg_id].waiting
+        return None if waiting is None else frozenset(waiting)
 
     def attempts(self, msg_id: int) -> int:
         """How many times the message has been sent so far; KeyError if unknown."""

@@ -4,19 +4,22 @@ Sending (docs/guarantees.md). A reliable frame carries the RELIABLE flag;
 the sender keeps it in its ``AckTable`` until the receiving connector acknowledges
 it with an ACK frame (a 64-byte data frame from the receiving service back to
 the sender, ``response_for`` = the message id), resends it after an ack timeout
-with backoff, and gives up after ``RetryPolicy.max_attempts``:
+with backoff, and gives up after ``RetryPolicy.max_attempts``. Only an ack from an
+address the message was sent to counts; others are ignored and counted
+(``refused_acks``), so no third service can complete a send nobody received:
 
-* unicast -- the first ack completes it;
+* unicast -- the first ack of its destination completes it;
 * multicast -- the broker names the members first (MEMBERS); one frame goes to
   the group and every member acks; resends go to the members that have not
   acked, one unicast copy each, with the group address in the extension block;
 * anycast -- the broker picks the member first, and every attempt goes to that
-  one member, so exactly one member gets it;
+  one member, so exactly one member gets it, and only its ack counts;
 * a message group -- the group's home broker binds the group to one member
   (GROUP_BIND, see meshbus.broker.groups); every message of the group goes to
   that member with the group's sequence number, and the receiver delivers them
   in order (``GroupOrder``). A member that cannot be reached is reported with
   the next GROUP_BIND; the home moves the group once the member is gone for good.
+  The ack of every member a message went to counts (the first may still ack it).
 
 After a failover every unacknowledged message is resent at once, in the order
 it was first sent. Giving up raises ``DeliveryFailed`` from ``send_reliable``
@@ -42,7 +45,7 @@ import msgspec
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, describe_address
 from meshbus.client.callbacks import Callbacks
-from meshbus.client.delivery import AckTable, RetryPolicy, Suspicion
+from meshbus.client.delivery import Ack, AckTable, RetryPolicy, Suspicion
 from meshbus.client.outbound import Outbound
 from meshbus.client.requester import Requester
 from meshbus.errors import (
@@ -135,7 +138,8 @@ class Unacked:
     message groups they belong to and the suspicion list.
 
     ``failed`` and ``dead`` are the handlers of ``Connector.on_delivery_failed`` and
-    ``on_suspected_dead``; ``given_up`` counts the messages given up."""
+    ``on_suspected_dead``; ``given_up`` counts the messages given up, ``refused_acks``
+    the acks ignored because their message was not sent to their source."""
 
     def __init__(self, config: ReliableConfig, outbound: Outbound) -> None:
         self.policy = config.retry
@@ -144,6 +148,7 @@ class Unacked:
         self.groups: dict[GroupKey, _GroupSend] = {}
         self.suspicion = Suspicion(config.suspicion)
         self.given_up = 0
+        self.refused_acks = 0
         self.failed: Callbacks[Callable[[DeliveryFailed], object]] = Callbacks()
         self.dead: Callbacks[Callable[[str], object]] = Callbacks()
         self._max = config.max_unacked
@@ -167,11 +172,15 @@ class Unacked:
         await self._idle.wait()
 
     def add(
-        self, msg_id: int, pending: _Pending, targets: frozenset[bytes] | None, now: float
+        self, msg_id: int, pending: _Pending, members: frozenset[bytes] | None, now: float
     ) -> None:
+        """Track a message sent to ``pending.dst``, or, to a multicast, to ``members``."""
         self.messages[msg_id] = pending
         self._idle.clear()
-        self.outbox.add(msg_id, targets, now)
+        if members is None:
+            self.outbox.add(msg_id, frozenset((pending.dst,)), now)
+        else:
+            self.outbox.add(msg_id, members, now, every=True)
 
     def heard(self, address: bytes) -> None:
         """Any message from ``address`` proves it alive."""
@@ -186,7 +195,10 @@ class Unacked:
             return
         acker = frame.src
         for msg_id in msg_ids:
-            if self.outbox.ack(msg_id, acker):
+            done = self.outbox.ack(msg_id, acker)
+            if done is Ack.STRANGER:
+                self.refused_acks += 1
+            elif done is Ack.DONE:
                 pending = self.messages.pop(msg_id, None)
                 if pending is not None:
                     if pending.future is not None and not pending.future.done():
@@ -496,6 +508,7 @@ class Reliable:
             if state is None:
                 return
             pending.dst = state.member
+            self._unacked.outbox.allow(msg_id, state.member)
             assert pending.ext is not None
             ext = msgspec.structs.replace(pending.ext, floor=state.floor())
             await write(pending.dst, pending.src, _payload(pending, ext), pending.flags, msg_id)
