@@ -156,11 +156,7 @@ class Forwarder:
             raise FrameError(
                 ErrorCode.PROTOCOL_ERROR, f"a connector's data frame must have hops 0, not {hops}"
             )
-        # A connector moving to another broker (same session) keeps sending here until
-        # it switches over, also after its new broker has taken its addresses.
-        if routing.owner(src) is not link and (
-            not link.session or routing.session_of(src) != link.session
-        ):
+        if not routing.speaks_for(link, link.session, src):
             if src in link.revoked:
                 link.msgs_in += 1
                 self._stats.dropped_revoked += 1

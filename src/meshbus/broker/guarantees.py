@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from meshbus.address import describe_address
+from meshbus.broker.dispatch import Refused
 from meshbus.broker.endpoint import Endpoint
 from meshbus.broker.groups import GroupTable, home_of
 from meshbus.broker.link import Link
@@ -89,8 +90,20 @@ class Guarantees:
         home = home_of(key, [self._name(), *self._peers])
         return self._peers.get(home)
 
+    def _check_sender(self, link: Link, sender: bytes) -> None:
+        """A connector binds and ends a message group only as a service of its own: a
+        GROUP_END in another's name would let the group expire under that sender, and the
+        group be bound again elsewhere, out of order. A peer relays what it checked."""
+        if sender and not link.is_peer and not self._routing.speaks_for(link, link.session, sender):
+            raise Refused(
+                ErrorCode.NOT_REGISTERED,
+                f"cannot send message-group control frames as {describe_address(sender)}: "
+                "this connector has not registered it",
+            )
+
     def on_bind(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, GroupBind)
+        self._check_sender(link, body.sender)
         home = None if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             self._relay.relay(home, ControlType.GROUP_BIND, body, link, correlation)
@@ -125,6 +138,7 @@ class Guarantees:
 
     def on_end(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, GroupEnd)
+        self._check_sender(link, body.sender)
         home = None if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             home.send(encode_control(ControlType.GROUP_END, body))

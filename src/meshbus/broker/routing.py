@@ -353,6 +353,14 @@ class RoutingTable(Generic[L]):
         """The session that registered ``address``; b"" if unknown or not registered."""
         return self._session.get(address, b"")
 
+    def speaks_for(self, link: L, session: bytes, address: bytes) -> bool:
+        """Whether ``link``, of connector session ``session``, may send as ``address``: it
+        registered it, or its session did (a connector moving to another broker keeps
+        sending on its old link after its new broker has taken its addresses)."""
+        return self._owner.get(address) is link or (
+            bool(session) and self._session.get(address) == session
+        )
+
     def epoch_of(self, address: bytes) -> int:
         """How many links the owning session had opened before the one it registered
         ``address`` through: of two registrations by one session, the later has more."""

@@ -139,7 +139,8 @@ class ErrorCode(IntEnum):
     ADDRESS_NOT_OWNED = 7  # a data frame from a source the link did not register
     ADDRESS_IN_USE = 8
     INVALID_ADDRESS = 9
-    NOT_REGISTERED = 10  # unregister/join/leave of an address the link does not own
+    # unregister/join/leave of an address the link does not own; a group bind/end as one
+    NOT_REGISTERED = 10
     UNSUPPORTED_CONTROL = 11  # a control type this broker does not know (link stays open)
     INSTANCES_EXHAUSTED = 12
     SLOW_CONSUMER = 13

@@ -14,6 +14,7 @@ from meshbus.protocol.control import (
     Error,
     GroupBind,
     GroupBound,
+    GroupEnd,
     MemberList,
     MembersRequest,
 )
@@ -187,3 +188,32 @@ async def test_a_big_group_table_reaches_a_joining_broker_in_frames_under_the_li
     b = await start_broker(network, "b", seeds=[address_of("a")])
     assert b.peers.names() == ["a"]
     assert len(b.guarantees.groups) == 30_000
+
+
+async def test_a_connector_binds_and_ends_a_group_only_as_its_own_service(
+    network: FakeNetwork, mesh3: list[Broker]
+) -> None:
+    a = mesh3[0]
+    await member_of(network, a, ORDERS, "worker")
+    sender = await connector(network, a, "sender")
+    sending = await sender.register("sender")
+    forger = await connector(network, a, "forger")
+    await forger.register("forger")
+    key = key_homed_at("a")
+    bind_as_sender = GroupBind(group=ORDERS, key=key, sender=sending)
+    end_as_sender = GroupEnd(group=ORDERS, key=key, sender=sending)
+    assert (
+        await sender.ask(ControlType.GROUP_BIND, bind_as_sender)
+    ).type == ControlType.GROUP_BOUND
+    for type_, body in (
+        (ControlType.GROUP_END, end_as_sender),
+        (ControlType.GROUP_BIND, bind_as_sender),
+    ):
+        answer = await forger.ask(type_, body)
+        assert isinstance(answer.body, Error), describe_frame(answer)
+        assert answer.body.code == ErrorCode.NOT_REGISTERED
+    binding = a.guarantees.groups.get((ORDERS, key))
+    assert binding is not None
+    assert binding.senders == {sending}, "the forger's GROUP_END ended nothing"
+    assert (await sender.ask(ControlType.GROUP_END, end_as_sender)).type == ControlType.OK
+    assert binding.senders == set()
