@@ -366,7 +366,13 @@ class Forwarder:
         targets = decision.targets
         # Recorded first: refused, and not forwarded, past the link's cap (--max-requests).
         if not self._pending.add(
-            decision.src, msg_id, link, self._deadline(timeout_ms), dst, decision.via
+            decision.src,
+            msg_id,
+            link,
+            self._deadline(timeout_ms),
+            dst,
+            decision.via,
+            responders=decision.responders,
         ):
             self._too_many_requests(link, msg_id, decision.src, dst)
             return

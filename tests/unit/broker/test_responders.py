@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from meshbus.address import Anycast
+from meshbus.address import Anycast, Multicast
 from meshbus.broker.server import Broker
 from meshbus.protocol.layout import FLAG_REQUEST, FLAG_RESPONSE, ControlType
 from tests.unit.broker.fakes import FakeClient, FakeClock, FakeNetwork, build_mesh, connector
 
 POOL = Anycast("pool").to_bytes()
+TOPIC = Multicast("topic").to_bytes()
 
 
 @pytest.fixture
@@ -100,3 +101,28 @@ async def test_an_unanswered_anycast_times_out_once_from_the_requesters_broker(
     await network.settle()
     assert requester.take_data() == []
     assert a.stats.late_responses == 1
+
+
+async def test_a_multicast_request_is_answered_by_a_member_over_a_link_it_went_to(
+    network: FakeNetwork, pair: list[Broker]
+) -> None:
+    a, b = pair
+    requester, asking = await registered(network, a, "asker")
+    near, near_member = await registered(network, a, "near")
+    far, far_member = await registered(network, b, "far")
+    outsider, outside = await registered(network, a, "outsider")
+    for client, member in ((near, near_member), (far, far_member)):
+        await client.join(member, TOPIC)
+    await network.settle()
+    # The far member answers over the peer link, the near one over its own; the second
+    # request reuses the first's decision.
+    for msg_id, client, member in ((1, far, far_member), (2, near, near_member)):
+        requester.send_data(TOPIC, asking, b"?", msg_id=msg_id, flags=FLAG_REQUEST)
+        await network.settle()
+        answer(outsider, outside, asking, msg_id)
+        await network.settle()
+        assert requester.take_data() == []
+        answer(client, member, asking, msg_id)
+        await network.settle()
+        assert [f.src for f in requester.take_data()] == [member]
+    assert a.stats.dropped_wrong_responder == 2
