@@ -38,10 +38,12 @@ from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
     AddressBody,
+    Auth,
     Body,
     BrokerInfo,
     Brokers,
     Bye,
+    Challenge,
     Claim,
     DeliveryFailure,
     Drain,
@@ -318,6 +320,8 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.LEFT: Left(addresses=[b"\x01" + bytes(15)]),
     ControlType.TRACE: TraceReport(src=SRC, msg_id=7, dst=DST, sent_at=1.5, received_at=1.75),
     ControlType.REVOKED: Revoked(address=SRC, reason="split"),
+    ControlType.CHALLENGE: Challenge(nonce=bytes(range(32))),
+    ControlType.AUTH: Auth(user="alice", signature=bytes(64)),
 }
 
 
@@ -356,7 +360,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 41, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 43, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

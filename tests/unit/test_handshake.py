@@ -26,19 +26,28 @@ from meshbus.protocol.codec import (
     encode_data,
 )
 from meshbus.protocol.control import (
+    MAX_TOKEN,
+    MAX_USER_NAME,
+    NONCE_SIZE,
     ROLE_BROKER,
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
+    SIGNATURE_SIZE,
+    Auth,
     BrokerInfo,
     Brokers,
     Bye,
+    Challenge,
     Empty,
     Error,
     Hello,
     Welcome,
 )
 from meshbus.protocol.handshake import (
+    SIGN_IN_CONTEXT,
     AcceptingHandshake,
+    AuthReceived,
+    Challenged,
     DiallingHandshake,
     HandshakeState,
     HandshakeStateError,
@@ -46,6 +55,7 @@ from meshbus.protocol.handshake import (
     HelloRefused,
     Welcomed,
     negotiated_max_frame,
+    sign_in_message,
 )
 from meshbus.protocol.layout import MIN_MAX_FRAME, ControlType, ErrorCode
 
@@ -325,6 +335,214 @@ def test_dialling_calls_in_the_wrong_state_are_a_bug(
         misuse(DiallingHandshake(Hello(), correlation=1))
 
 
+# -- the sign-in: CHALLENGE and AUTH -------------------------------------------------------
+
+NONCE = bytes(range(100, 100 + NONCE_SIZE))
+SIGNATURE = bytes(range(SIGNATURE_SIZE))
+
+
+class RecordingCredential:
+    """A credential that answers with a fixed AUTH and keeps what it was asked to sign (the
+    real signing is meshbus.Credentials', tested in test_auth.py)."""
+
+    def __init__(self, auth: Auth) -> None:
+        self.auth = auth
+        self.signed: list[bytes] = []
+
+    def answer(self, to_sign: bytes) -> Auth:
+        self.signed.append(to_sign)
+        return self.auth
+
+
+def auth_frame(correlation: int = 7, **fields: object) -> ControlFrame:
+    return ControlFrame(ControlType.AUTH, Auth(**fields), correlation)  # type: ignore[arg-type]
+
+
+def awaiting_auth(correlation: int = 7) -> AcceptingHandshake:
+    accepting = deciding(Hello(name="game01"), correlation)
+    accepting.challenge(NONCE)
+    return accepting
+
+
+def test_a_challenge_carries_the_nonce_with_the_hellos_correlation() -> None:
+    accepting = deciding(correlation=42)
+    frame = only_frame(accepting.challenge(NONCE))
+    assert frame == ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 42)
+    assert accepting.state is HandshakeState.AWAIT_AUTH
+
+
+@pytest.mark.parametrize(
+    "auth",
+    [Auth(user="alice", signature=SIGNATURE), Auth(user="bob", token="t0k3n")],
+    ids=["key", "token"],
+)
+def test_an_auth_is_handed_over_with_the_context_and_nonce_it_must_sign(auth: Auth) -> None:
+    accepting = awaiting_auth(correlation=7)
+    event = accepting.receive(ControlFrame(ControlType.AUTH, auth, 7))
+    assert event == AuthReceived(Hello(name="game01"), auth, SIGN_IN_CONTEXT + NONCE)
+    assert event.signed != NONCE  # never the bare nonce
+    assert accepting.state is HandshakeState.CHECKING
+
+
+def test_after_the_check_the_welcome_opens_or_the_refusal_closes() -> None:
+    accepting = awaiting_auth(correlation=9)
+    accepting.receive(auth_frame(user="alice", signature=SIGNATURE))
+    frame = only_frame(accepting.welcome(Welcome(broker="b1")))
+    assert frame == ControlFrame(ControlType.WELCOME, Welcome(broker="b1"), 9)
+    assert accepting.state is HandshakeState.OPEN
+
+    refusing = awaiting_auth(correlation=9)
+    refusing.receive(auth_frame(user="alice", token="wrong"))
+    frame = only_frame(refusing.refuse(ErrorCode.AUTH_FAILED, "no"))
+    assert frame == ControlFrame(ControlType.ERROR, Error(code=ErrorCode.AUTH_FAILED, message="no"))
+    assert refusing.state is HandshakeState.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (DataFrame(dst=ADDRESS, src=ADDRESS, payload=b"x"), ErrorCode.AUTH_FAILED),
+        (ControlFrame(ControlType.PING, Empty(), 8), ErrorCode.AUTH_FAILED),
+        (hello_frame(correlation=8), ErrorCode.AUTH_FAILED),
+        (ControlFrame(ControlType.REGISTER, None, 8), ErrorCode.AUTH_FAILED),
+        (ControlFrame(ControlType.AUTH, None, 8), ErrorCode.PROTOCOL_ERROR),
+        (auth_frame(user="alice"), ErrorCode.AUTH_FAILED),  # no credential
+        (auth_frame(user="alice", signature=SIGNATURE, token="t"), ErrorCode.AUTH_FAILED),
+        (auth_frame(user="alice", signature=SIGNATURE[:-1]), ErrorCode.AUTH_FAILED),
+    ],
+    ids=["data", "ping", "hello", "register", "no-body", "neither", "both", "short-signature"],
+)
+def test_after_a_challenge_only_a_valid_auth_is_taken(frame: Frame, code: ErrorCode) -> None:
+    accepting = awaiting_auth()
+    with pytest.raises(FrameError) as raised:
+        accepting.receive(frame)
+    assert raised.value.code == code
+    assert accepting.state is HandshakeState.CLOSED
+
+
+@pytest.mark.parametrize(
+    "misuse",
+    [
+        lambda a: a.challenge(NONCE),  # before the HELLO
+        lambda a: (a.receive(hello_frame()), a.challenge(NONCE), a.challenge(NONCE)),
+        lambda a: (a.receive(hello_frame()), a.challenge(NONCE), a.welcome(Welcome())),
+        lambda a: (
+            a.receive(hello_frame()),
+            a.challenge(NONCE),
+            a.refuse(ErrorCode.AUTH_FAILED, ""),
+        ),
+        lambda a: (a.receive(hello_frame()), a.welcome(Welcome()), a.challenge(NONCE)),
+        lambda a: (
+            a.receive(hello_frame()),
+            a.challenge(NONCE),
+            a.receive(auth_frame(user="u", token="t")),
+            a.challenge(NONCE),
+        ),
+    ],
+)
+def test_sign_in_calls_in_the_wrong_state_are_a_bug(
+    misuse: Callable[[AcceptingHandshake], object],
+) -> None:
+    with pytest.raises(HandshakeStateError):
+        misuse(AcceptingHandshake())
+
+
+def test_a_nonce_of_the_wrong_size_is_a_bug_of_the_caller() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        deciding().challenge(NONCE[:-1])
+
+
+def test_a_challenged_side_with_a_credential_signs_the_context_and_the_nonce() -> None:
+    credential = RecordingCredential(Auth(user="alice", signature=SIGNATURE))
+    dialling = DiallingHandshake(Hello(), correlation=5, credential=credential)
+    dialling.hello()
+    event = dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 5))
+    assert isinstance(event, Challenged)
+    assert only_frame(event.reply) == ControlFrame(ControlType.AUTH, credential.auth, 5)
+    assert credential.signed == [sign_in_message(NONCE)]
+    assert dialling.state is HandshakeState.AUTH_SENT
+    assert dialling.receive(welcome_frame(correlation=5)) == Welcomed(Welcome())
+    assert dialling.state is HandshakeState.OPEN
+
+
+def test_a_refused_auth_refuses_the_link() -> None:
+    credential = RecordingCredential(Auth(user="alice", token="wrong"))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1))
+    refusal = ControlFrame(ControlType.ERROR, Error(code=ErrorCode.AUTH_FAILED, message="no"))
+    assert dialling.receive(refusal) == HelloRefused(ErrorCode.AUTH_FAILED, "no", "")
+    assert dialling.state is HandshakeState.CLOSED
+
+
+def test_a_challenged_side_without_a_credential_refuses_the_link_itself() -> None:
+    dialling = awaiting_welcome(correlation=1)
+    event = dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1))
+    assert isinstance(event, HelloRefused)
+    assert (event.code, event.local) == (ErrorCode.AUTH_FAILED, True)
+    assert "requires authentication" in event.message
+    assert dialling.state is HandshakeState.CLOSED
+
+
+def test_a_credential_is_not_used_when_the_broker_welcomes_without_a_challenge() -> None:
+    credential = RecordingCredential(Auth(user="alice", token="t"))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    assert isinstance(dialling.receive(welcome_frame()), Welcomed)
+    assert credential.signed == []
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 2),  # another correlation
+        ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE[:8]), 1),
+        ControlFrame(ControlType.CHALLENGE, None, 1),
+    ],
+    ids=["correlation", "short-nonce", "no-body"],
+)
+def test_a_bad_challenge_is_a_protocol_error(answer: Frame) -> None:
+    credential = RecordingCredential(Auth(user="alice", token="t"))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    with pytest.raises(FrameError) as raised:
+        dialling.receive(answer)
+    assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+    assert credential.signed == []
+
+
+def test_a_second_challenge_after_the_auth_is_a_protocol_error() -> None:
+    credential = RecordingCredential(Auth(user="alice", token="t"))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    challenge = ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1)
+    dialling.receive(challenge)
+    with pytest.raises(FrameError, match="expected WELCOME, got CHALLENGE"):
+        dialling.receive(challenge)
+    assert dialling.state is HandshakeState.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("ctype", "fields"),
+    [
+        (ControlType.CHALLENGE, {"nonce": bytes(NONCE_SIZE - 1)}),
+        (ControlType.CHALLENGE, {"nonce": bytes(NONCE_SIZE + 1)}),
+        (ControlType.CHALLENGE, {}),
+        (ControlType.AUTH, {"user": "", "token": "t"}),
+        (ControlType.AUTH, {"user": "u" * (MAX_USER_NAME + 1), "token": "t"}),
+        (ControlType.AUTH, {"user": "u", "signature": bytes(SIGNATURE_SIZE + 1)}),
+        (ControlType.AUTH, {"user": "u", "token": "t" * (MAX_TOKEN + 1)}),
+        (ControlType.AUTH, {"token": "t"}),
+    ],
+)
+def test_sign_in_bodies_out_of_bounds_are_refused_at_decode(
+    ctype: ControlType, fields: dict[str, object]
+) -> None:
+    with pytest.raises(FrameError) as raised:
+        only_frame(_control_bytes(ctype, msgspec.msgpack.encode(fields), 1))
+    assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+
+
 # -- over bytes: whole, byte by byte, with what follows ---------------------------------
 
 
@@ -360,6 +578,28 @@ def test_a_whole_conversation_over_bytes(
     assert dialling.receive(answer) == Welcomed(welcome)
     assert (dialling.state, accepting.state) == (HandshakeState.OPEN, HandshakeState.OPEN)
     assert welcome.max_frame == 4096
+
+
+@pytest.mark.parametrize("feed", FEEDS)
+def test_a_whole_conversation_with_a_sign_in_over_bytes(
+    feed: Callable[[bytes, FrameDecoder], Iterator[Frame]],
+) -> None:
+    credential = RecordingCredential(Auth(user="alice", signature=SIGNATURE))
+    dialling = DiallingHandshake(Hello(name="game01"), correlation=3, credential=credential)
+    accepting = AcceptingHandshake()
+
+    (first,) = feed(dialling.hello(), FrameDecoder())
+    assert isinstance(accepting.receive(first), HelloReceived)
+    (challenge,) = feed(accepting.challenge(NONCE), FrameDecoder())
+    challenged = dialling.receive(challenge)
+    assert isinstance(challenged, Challenged)
+    (auth,) = feed(challenged.reply, FrameDecoder())
+    event = accepting.receive(auth)
+    assert isinstance(event, AuthReceived)
+    assert (event.auth.user, event.signed) == ("alice", credential.signed[0])
+    (answer,) = feed(accepting.welcome(Welcome(broker="b1")), FrameDecoder())
+    assert dialling.receive(answer) == Welcomed(Welcome(broker="b1"))
+    assert (dialling.state, accepting.state) == (HandshakeState.OPEN, HandshakeState.OPEN)
 
 
 @pytest.mark.parametrize("feed", FEEDS)
@@ -430,7 +670,15 @@ def test_negotiated_max_frame_is_the_smaller_limit_never_below_the_minimum(
 # -- arbitrary input: FrameError, and nothing else ---------------------------------------
 
 _HANDSHAKE_TYPES = st.sampled_from(
-    [ControlType.HELLO, ControlType.WELCOME, ControlType.ERROR, ControlType.BYE, ControlType.PING]
+    [
+        ControlType.HELLO,
+        ControlType.WELCOME,
+        ControlType.ERROR,
+        ControlType.BYE,
+        ControlType.PING,
+        ControlType.CHALLENGE,
+        ControlType.AUTH,
+    ]
 )
 _ints = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
 _msgpack_values = st.recursive(
@@ -452,6 +700,10 @@ _hello_like = st.fixed_dictionaries(
         "trace_every": _ints,
         "code": _ints,
         "message": _msgpack_values,
+        "nonce": st.binary(min_size=NONCE_SIZE - 1, max_size=NONCE_SIZE + 1),
+        "user": st.text(max_size=4),
+        "signature": st.binary(max_size=SIGNATURE_SIZE + 1),
+        "token": st.text(max_size=4),
         "brokers": st.lists(
             st.fixed_dictionaries(
                 {"name": st.text(max_size=4), "address": st.text(max_size=4)},
@@ -520,6 +772,29 @@ def test_the_dialling_side_only_ever_raises_frame_error(
         assert dialling.state is HandshakeState.CLOSED
         return
     assert dialling.state in (HandshakeState.OPEN, HandshakeState.CLOSED)
+
+
+@given(ctype=_HANDSHAKE_TYPES, body=_bodies, correlation=st.integers(0, 3))
+def test_the_sign_in_only_ever_raises_frame_error(
+    ctype: int, body: bytes, correlation: int
+) -> None:
+    frame = _decoded(_control_bytes(ctype, body, correlation))
+    if frame is None:
+        return
+    accepting = awaiting_auth(correlation=1)
+    try:
+        assert isinstance(accepting.receive(frame), AuthReceived)
+        assert accepting.state is HandshakeState.CHECKING
+    except FrameError:
+        assert accepting.state is HandshakeState.CLOSED
+    credential = RecordingCredential(Auth(user="alice", token="t"))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1))
+    try:
+        assert isinstance(dialling.receive(frame), Welcomed | HelloRefused)
+    except FrameError:
+        assert dialling.state is HandshakeState.CLOSED
 
 
 @given(

@@ -56,7 +56,7 @@ from meshbus.protocol.control import (
     Welcome,
     owner_of,
 )
-from meshbus.protocol.handshake import negotiated_max_frame
+from meshbus.protocol.handshake import Challenged, negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks
 
@@ -132,7 +132,12 @@ class ControlHandler:
         """Every frame of a link that is still handshaking (meshbus.protocol.handshake
         rules on it; a FrameError it raises closes the link)."""
         if link.dialling is not None:
-            self._mesh.on_answer(link, link.dialling.receive(frame))
+            answer = link.dialling.receive(frame)
+            if isinstance(answer, Challenged):
+                # Only once a broker has a credential of its own to dial with.
+                link.send(answer.reply)
+                return
+            self._mesh.on_answer(link, answer)
             return
         assert link.accepting is not None
         hello = link.accepting.receive(frame).hello

@@ -25,7 +25,7 @@ from typing import Protocol, cast
 from meshbus.errors import ConnectionLost, NotConnected, ProtocolError
 from meshbus.protocol.codec import ControlFrame, DataFrame, FrameDecoder
 from meshbus.protocol.control import Bye, Error
-from meshbus.protocol.handshake import DiallingHandshake, HelloRefused, Welcomed
+from meshbus.protocol.handshake import Challenged, DiallingHandshake, HelloRefused, Welcomed
 from meshbus.protocol.layout import ControlType
 
 log = logging.getLogger("meshbus.client")
@@ -142,8 +142,12 @@ class BrokerLink(asyncio.Protocol):
         except ProtocolError as exc:
             self._protocol_error(exc)
 
-    def _answered(self, outcome: Welcomed | HelloRefused) -> bool:
-        """The broker answered the HELLO; True if the link is open."""
+    def _answered(self, outcome: Welcomed | HelloRefused | Challenged) -> bool:
+        """The broker answered the HELLO (or the AUTH); True if the link is open, or still
+        handshaking after answering the broker's CHALLENGE."""
+        if isinstance(outcome, Challenged):
+            self.write(outcome.reply)
+            return True
         self._handshake = None
         if isinstance(outcome, Welcomed):
             self.broker_name = outcome.welcome.broker

@@ -68,6 +68,32 @@ class Hello(Body):
     epoch: U32 = 0
 
 
+# The sign-in (docs/security.md, "Authentication"): a CHALLENGE's nonce, an Ed25519
+# signature, and the longest user name and token an AUTH may carry.
+NONCE_SIZE = 32
+SIGNATURE_SIZE = 64
+MAX_USER_NAME = 128
+MAX_TOKEN = 1024
+UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
+
+
+class Challenge(Body):
+    """CHALLENGE: the broker wants to know who is on the link before it WELCOMEs it. The
+    answer (AUTH) signs ``nonce`` -- fresh for every link -- or carries a token."""
+
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_SIZE, max_length=NONCE_SIZE)]
+
+
+class Auth(Body):
+    """AUTH: ``user`` and exactly one credential: ``signature``, the user's Ed25519
+    signature of the sign-in context and the CHALLENGE's nonce
+    (``meshbus.protocol.handshake.sign_in_message``), or ``token``."""
+
+    user: UserName
+    signature: Annotated[bytes, msgspec.Meta(max_length=SIGNATURE_SIZE)] = b""
+    token: Annotated[str, msgspec.Meta(max_length=MAX_TOKEN)] = ""
+
+
 class BrokerInfo(Body):
     """One broker of the mesh as its peers know it."""
 
@@ -405,6 +431,8 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.LEFT: Left,
     ControlType.TRACE: TraceReport,
     ControlType.REVOKED: Revoked,
+    ControlType.CHALLENGE: Challenge,
+    ControlType.AUTH: Auth,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

@@ -1,11 +1,14 @@
-"""The HELLO / WELCOME handshake as a sans-IO state machine: frames in, events out,
-bytes to send out.
+"""The HELLO / WELCOME handshake, with its sign-in (CHALLENGE / AUTH), as a sans-IO
+state machine: frames in, events out, bytes to send out.
 
 Like the codec beside it, this module does no I/O: no sockets, no asyncio, no
-clock, no callbacks. The caller reads bytes, decodes them into frames
-(``FrameDecoder``), hands the handshake's frames to ``receive`` and writes the
-bytes that ``hello``, ``welcome`` and ``refuse`` return. Bytes that arrived after
-the handshake frame stay in the caller's decoder: the handshake never sees them.
+clock, no randomness, no callbacks. The caller reads bytes, decodes them into
+frames (``FrameDecoder``), hands the handshake's frames to ``receive`` and writes
+the bytes that ``hello``, ``challenge``, ``welcome`` and ``refuse`` return (and a
+``Challenged`` event's ``reply``). Bytes that arrived after the handshake frame
+stay in the caller's decoder: the handshake never sees them. Checking a
+credential is the caller's too (meshbus.broker.users): the handshake hands over
+what was signed and what came back.
 
 Rules it keeps:
 
@@ -17,17 +20,31 @@ Rules it keeps:
    >= 0, ``slot`` 0..65535, ``tag`` 0..2**32-1; ``PROTOCOL_ERROR``). A frame
    that breaks a rule raises ``FrameError`` carrying the code to report; the
    link is then CLOSED.
-3. The accepting side decides (its capacity, duplicate links, names: none of
-   that is the handshake's business) and answers with ``welcome`` or
-   ``refuse``. WELCOME carries the HELLO's correlation; a refusal is an ERROR
-   with correlation 0, as every ERROR before a close is (docs/protocol.md §6).
-4. The dialling side takes exactly one answer: a WELCOME that answers its
-   HELLO (same correlation, protocol 1, integers in range) opens the link; an
-   ERROR, or a BYE from a broker that is stopping, refuses it; any other frame
-   is a ``PROTOCOL_ERROR``.
-5. A second HELLO on an open link is refused with ``ALREADY_HANDSHAKEN``, which
+3. The accepting side decides (its capacity, duplicate links, names, whether it
+   wants to know who is there: none of that is the handshake's business) and
+   answers with ``welcome``, ``refuse`` or ``challenge``. WELCOME and CHALLENGE
+   carry the HELLO's correlation; a refusal is an ERROR with correlation 0, as
+   every ERROR before a close is (docs/protocol.md §6).
+4. Sign-in: a CHALLENGE carries a nonce of ``NONCE_SIZE`` bytes that the caller
+   drew. The only frame the accepting side then takes is one AUTH naming a user
+   with exactly one credential -- a ``SIGNATURE_SIZE``-byte signature or a
+   token; anything else is ``AUTH_FAILED`` (fatal). The signature covers
+   ``sign_in_message(nonce)``: a fixed context string and the nonce, never the
+   bare nonce, so a signature made for this purpose is good for nothing else. The
+   caller checks the credential and answers with ``welcome`` or ``refuse``.
+   Nothing the caller sends before that says more than a refusal must (a
+   redirect's address): no broker list, no routes.
+5. The dialling side takes exactly one answer to its HELLO: a WELCOME that
+   answers it (same correlation, protocol 1, integers in range) opens the link;
+   an ERROR, or a BYE from a broker that is stopping, refuses it; a CHALLENGE
+   (same correlation, a nonce of ``NONCE_SIZE`` bytes) is answered with AUTH when
+   the side has a credential -- after which only the WELCOME, ERROR or BYE may
+   come -- and refuses the link (``AUTH_FAILED``, no frame sent) when it has
+   none. A credential given to a broker that WELCOMEs without a CHALLENGE is
+   simply not used. Any other frame is a ``PROTOCOL_ERROR``.
+6. A second HELLO on an open link is refused with ``ALREADY_HANDSHAKEN``, which
    is not fatal: the link stays OPEN.
-6. Calling a method in a state that does not allow it raises
+7. Calling a method in a state that does not allow it raises
    ``HandshakeStateError``: a bug in the caller, never a peer's doing.
 
 Transitions (``HandshakeState``)::
@@ -37,13 +54,25 @@ Transitions (``HandshakeState``)::
       AWAIT_HELLO --receive(anything else)--------> CLOSED     FrameError
       DECIDING    --welcome(body)-----------------> OPEN       the WELCOME frame
       DECIDING    --refuse(code, message)---------> CLOSED     the ERROR frame
+      DECIDING    --challenge(nonce)--------------> AWAIT_AUTH the CHALLENGE frame
+      AWAIT_AUTH  --receive(a valid AUTH)---------> CHECKING   AuthReceived
+      AWAIT_AUTH  --receive(anything else)--------> CLOSED     FrameError(AUTH_FAILED)
+      CHECKING    --welcome(body)-----------------> OPEN       the WELCOME frame
+      CHECKING    --refuse(code, message)---------> CLOSED     the ERROR frame
       OPEN        --receive(HELLO)----------------> OPEN       FrameError(ALREADY_HANDSHAKEN)
 
     dialling side (DiallingHandshake)
       IDLE          --hello()---------------------> AWAIT_WELCOME  the HELLO frame
       AWAIT_WELCOME --receive(a valid WELCOME)----> OPEN           Welcomed
       AWAIT_WELCOME --receive(ERROR or BYE)-------> CLOSED         HelloRefused
+      AWAIT_WELCOME --receive(a valid CHALLENGE),
+                      with a credential-----------> AUTH_SENT      Challenged (the AUTH)
+      AWAIT_WELCOME --receive(a valid CHALLENGE),
+                      without one-----------------> CLOSED         HelloRefused(AUTH_FAILED)
       AWAIT_WELCOME --receive(anything else)------> CLOSED         FrameError
+      AUTH_SENT     --receive(a valid WELCOME)----> OPEN           Welcomed
+      AUTH_SENT     --receive(ERROR or BYE)-------> CLOSED         HelloRefused
+      AUTH_SENT     --receive(anything else)------> CLOSED         FrameError
 
 Every other (state, call) pair raises ``HandshakeStateError``.
 """
@@ -52,13 +81,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshbus.protocol.codec import ControlFrame, Frame, FrameError, describe, encode_control
 from meshbus.protocol.control import (
+    NONCE_SIZE,
     ROLE_BROKER,
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
+    SIGNATURE_SIZE,
+    Auth,
     Bye,
+    Challenge,
     Error,
     Hello,
     Welcome,
@@ -67,8 +101,18 @@ from meshbus.protocol.layout import MIN_MAX_FRAME, PROTOCOL_VERSION, ControlType
 
 ROLES = frozenset({ROLE_CONNECTOR, ROLE_OPERATOR, ROLE_BROKER})
 
+# What an AUTH signature covers besides the nonce: the purpose, so that no signature made
+# for something else (and no nonce a broker might choose to look like something else)
+# can pass for a sign-in. The version lets a later sign-in change what it binds.
+SIGN_IN_CONTEXT = b"meshbus sign-in v1\x00"
+
 _U16_MAX = 0xFFFF
 _U32_MAX = 0xFFFFFFFF
+
+
+def sign_in_message(nonce: bytes) -> bytes:
+    """The bytes an AUTH signature signs: the sign-in context, then the CHALLENGE's nonce."""
+    return SIGN_IN_CONTEXT + nonce
 
 
 class HandshakeState(enum.Enum):
@@ -76,6 +120,9 @@ class HandshakeState(enum.Enum):
     AWAIT_HELLO = "await-hello"  # accepting side, before the first frame
     AWAIT_WELCOME = "await-welcome"  # dialling side, HELLO sent
     DECIDING = "deciding"  # accepting side, HELLO taken, WELCOME or refusal not sent yet
+    AWAIT_AUTH = "await-auth"  # accepting side, CHALLENGE sent
+    CHECKING = "checking"  # accepting side, AUTH taken, WELCOME or refusal not sent yet
+    AUTH_SENT = "auth-sent"  # dialling side, AUTH sent, waiting for WELCOME
     OPEN = "open"
     CLOSED = "closed"
 
@@ -85,13 +132,33 @@ class HandshakeStateError(RuntimeError):
     not something a peer did (a peer's mistakes are ``FrameError``)."""
 
 
+class Credential(Protocol):
+    """What the dialling side answers a CHALLENGE with (``meshbus.Credentials``)."""
+
+    def answer(self, to_sign: bytes) -> Auth:
+        """The AUTH body: the user and a signature of ``to_sign``, or a token."""
+        ...
+
+
 @dataclass(frozen=True)
 class HelloReceived:
-    """The accepting side got a valid HELLO; answer it with ``welcome`` or ``refuse``."""
+    """The accepting side got a valid HELLO; answer it with ``welcome``, ``refuse`` or
+    ``challenge``."""
 
     hello: Hello
     correlation: int
     role: str  # ROLE_CONNECTOR, ROLE_OPERATOR or ROLE_BROKER
+
+
+@dataclass(frozen=True)
+class AuthReceived:
+    """The accepting side got an AUTH answering its CHALLENGE; check it, then ``welcome``
+    or ``refuse``. Exactly one of ``auth.signature`` (``SIGNATURE_SIZE`` bytes, to check
+    against ``signed``) and ``auth.token`` is set."""
+
+    hello: Hello
+    auth: Auth
+    signed: bytes  # sign_in_message of the nonce this side sent
 
 
 @dataclass(frozen=True)
@@ -104,11 +171,21 @@ class Welcomed:
 @dataclass(frozen=True)
 class HelloRefused:
     """The dialling side's HELLO was refused; the peer closes the link. With code
-    ``REDIRECT``, ``redirect`` names a broker that takes connectors ("" if none)."""
+    ``REDIRECT``, ``redirect`` names a broker that takes connectors ("" if none). With
+    ``AUTH_FAILED`` the broker did not take the credential, or (``local``) it asked for
+    one and this side has none: nothing was sent, and the caller closes the link."""
 
     code: int
     message: str
     redirect: str
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Challenged:
+    """The broker asked who is there; send ``reply`` (the AUTH frame) and wait on."""
+
+    reply: bytes
 
 
 def negotiated_max_frame(ours: int, theirs: int) -> int:
@@ -123,9 +200,12 @@ class AcceptingHandshake:
     def __init__(self) -> None:
         self.state = HandshakeState.AWAIT_HELLO
         self._correlation = 0
+        self._hello = Hello()
+        self._signed = b""
 
-    def receive(self, frame: Frame) -> HelloReceived:
-        """The first frame of the link, or a HELLO on an open link (refused, not fatal)."""
+    def receive(self, frame: Frame) -> HelloReceived | AuthReceived:
+        """The first frame of the link, the AUTH after a CHALLENGE, or a HELLO on an open
+        link (refused, not fatal)."""
         state = self.state
         if state is HandshakeState.OPEN:
             if isinstance(frame, ControlFrame) and frame.type == ControlType.HELLO:
@@ -135,7 +215,12 @@ class AcceptingHandshake:
             raise HandshakeStateError(
                 f"the handshake is over; {_name(frame)} is not the handshake's to handle"
             )
-        _expect(state, HandshakeState.AWAIT_HELLO, "receive")
+        if state is HandshakeState.AWAIT_AUTH:
+            self.state = HandshakeState.CLOSED  # until the AUTH passes every check
+            auth = _checked_auth(frame)
+            self.state = HandshakeState.CHECKING
+            return AuthReceived(self._hello, auth, self._signed)
+        _expect(state, (HandshakeState.AWAIT_HELLO,), "receive")
         self.state = HandshakeState.CLOSED  # until the HELLO passes every check
         if not isinstance(frame, ControlFrame):
             raise FrameError(ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake")
@@ -151,42 +236,88 @@ class AcceptingHandshake:
         _check_range("HELLO", "slot", hello.slot, 0, _U16_MAX)
         _check_range("HELLO", "tag", hello.tag, 0, _U32_MAX)
         self._correlation = frame.correlation
+        self._hello = hello
         self.state = HandshakeState.DECIDING
         return HelloReceived(hello, frame.correlation, hello.role)
 
+    def challenge(self, nonce: bytes) -> bytes:
+        """Ask who is there before deciding: the CHALLENGE frame carrying ``nonce``
+        (``NONCE_SIZE`` fresh random bytes, drawn by the caller), with the HELLO's
+        correlation."""
+        _expect(self.state, (HandshakeState.DECIDING,), "challenge")
+        if len(nonce) != NONCE_SIZE:
+            raise ValueError(f"a CHALLENGE nonce is {NONCE_SIZE} bytes, not {len(nonce)}")
+        self.state = HandshakeState.AWAIT_AUTH
+        self._signed = sign_in_message(nonce)
+        return encode_control(ControlType.CHALLENGE, Challenge(nonce=nonce), self._correlation)
+
     def welcome(self, body: Welcome) -> bytes:
-        """Accept the HELLO: the WELCOME frame to send, with the HELLO's correlation."""
-        _expect(self.state, HandshakeState.DECIDING, "welcome")
+        """Accept the HELLO (and the AUTH, if there was one): the WELCOME frame to send,
+        with the HELLO's correlation."""
+        _expect(self.state, _DECIDING, "welcome")
         self.state = HandshakeState.OPEN
         return encode_control(ControlType.WELCOME, body, self._correlation)
 
     def refuse(self, code: ErrorCode, message: str, redirect: str = "") -> bytes:
-        """Refuse the HELLO: the ERROR frame to send before closing the link."""
-        _expect(self.state, HandshakeState.DECIDING, "refuse")
+        """Refuse the HELLO (or the AUTH): the ERROR frame to send before closing the link."""
+        _expect(self.state, _DECIDING, "refuse")
         self.state = HandshakeState.CLOSED
         return encode_control(
             ControlType.ERROR, Error(code=int(code), message=message, redirect=redirect)
         )
 
 
+_DECIDING = (HandshakeState.DECIDING, HandshakeState.CHECKING)
+
+
+def _checked_auth(frame: Frame) -> Auth:
+    """The AUTH that answers a CHALLENGE, or FrameError(AUTH_FAILED) saying what came."""
+    if not isinstance(frame, ControlFrame) or frame.type != ControlType.AUTH:
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            f"this broker requires authentication: {_name(frame)} came where the AUTH "
+            "answering its CHALLENGE was due",
+        )
+    auth = frame.body
+    if not isinstance(auth, Auth):
+        raise FrameError(ErrorCode.PROTOCOL_ERROR, "AUTH without an AUTH body")
+    if bool(auth.signature) == bool(auth.token):
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            "an AUTH carries exactly one credential, a signature or a token; "
+            f"this one has {'both' if auth.token else 'neither'}",
+        )
+    if auth.signature and len(auth.signature) != SIGNATURE_SIZE:
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            f"an AUTH signature is {SIGNATURE_SIZE} bytes (Ed25519), not {len(auth.signature)}",
+        )
+    return auth
+
+
 class DiallingHandshake:
     """The handshake of a link this side dialled: a connector, an operator, or a broker
-    dialling a peer."""
+    dialling a peer. ``credential`` answers a CHALLENGE; without one, a broker that asks
+    for it refuses the link."""
 
-    def __init__(self, hello: Hello, correlation: int = 1) -> None:
+    def __init__(
+        self, hello: Hello, correlation: int = 1, credential: Credential | None = None
+    ) -> None:
         self.state = HandshakeState.IDLE
         self._hello = hello
         self._correlation = correlation
+        self._credential = credential
 
     def hello(self) -> bytes:
         """The HELLO frame to send first."""
-        _expect(self.state, HandshakeState.IDLE, "hello")
+        _expect(self.state, (HandshakeState.IDLE,), "hello")
         self.state = HandshakeState.AWAIT_WELCOME
         return encode_control(ControlType.HELLO, self._hello, self._correlation)
 
-    def receive(self, frame: Frame) -> Welcomed | HelloRefused:
-        """The answer to the HELLO."""
-        _expect(self.state, HandshakeState.AWAIT_WELCOME, "receive")
+    def receive(self, frame: Frame) -> Welcomed | HelloRefused | Challenged:
+        """The answer to the HELLO, or to the AUTH."""
+        state = self.state
+        _expect(state, (HandshakeState.AWAIT_WELCOME, HandshakeState.AUTH_SENT), "receive")
         self.state = HandshakeState.CLOSED  # until the answer passes every check
         if isinstance(frame, ControlFrame):
             body = frame.body
@@ -200,15 +331,43 @@ class DiallingHandshake:
                 self._check_welcome(frame.correlation, body)
                 self.state = HandshakeState.OPEN
                 return Welcomed(body)
-        raise FrameError(ErrorCode.PROTOCOL_ERROR, f"expected WELCOME, got {_name(frame)}")
+            if (
+                frame.type == ControlType.CHALLENGE
+                and isinstance(body, Challenge)
+                and state is HandshakeState.AWAIT_WELCOME
+            ):
+                return self._answer(frame.correlation, body)
+        expected = "WELCOME" if state is HandshakeState.AUTH_SENT else "WELCOME or CHALLENGE"
+        raise FrameError(ErrorCode.PROTOCOL_ERROR, f"expected {expected}, got {_name(frame)}")
 
-    def _check_welcome(self, correlation: int, welcome: Welcome) -> None:
+    def _answer(self, correlation: int, challenge: Challenge) -> Challenged | HelloRefused:
+        self._check_correlation("CHALLENGE", correlation)
+        if len(challenge.nonce) != NONCE_SIZE:
+            raise FrameError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"a CHALLENGE nonce is {NONCE_SIZE} bytes, not {len(challenge.nonce)}",
+            )
+        if self._credential is None:
+            return HelloRefused(
+                ErrorCode.AUTH_FAILED,
+                "the broker requires authentication, and no credentials were given",
+                "",
+                local=True,
+            )
+        auth = self._credential.answer(sign_in_message(challenge.nonce))
+        self.state = HandshakeState.AUTH_SENT
+        return Challenged(encode_control(ControlType.AUTH, auth, self._correlation))
+
+    def _check_correlation(self, what: str, correlation: int) -> None:
         if correlation != self._correlation:
             raise FrameError(
                 ErrorCode.PROTOCOL_ERROR,
-                f"WELCOME with correlation {correlation} does not answer the HELLO "
+                f"{what} with correlation {correlation} does not answer the HELLO "
                 f"(correlation {self._correlation})",
             )
+
+    def _check_welcome(self, correlation: int, welcome: Welcome) -> None:
+        self._check_correlation("WELCOME", correlation)
         _check_protocol(welcome.protocol, "WELCOME")
         # The accepting side never answers with less than the smallest limit (rule 2 of
         # docs/protocol.md §2); a smaller one would leave this side unable to send.
@@ -222,10 +381,11 @@ class DiallingHandshake:
             _check_range("WELCOME", "brokers.capacity", info.capacity, 0, _U32_MAX)
 
 
-def _expect(state: HandshakeState, wanted: HandshakeState, call: str) -> None:
-    if state is not wanted:
+def _expect(state: HandshakeState, wanted: tuple[HandshakeState, ...], call: str) -> None:
+    if state not in wanted:
+        names = " or ".join(w.name for w in wanted)
         raise HandshakeStateError(
-            f"{call}() needs the handshake in state {wanted.name}; it is {state.name}"
+            f"{call}() needs the handshake in state {names}; it is {state.name}"
         )
 
 

@@ -125,6 +125,10 @@ class ControlType(IntEnum):
     LEFT = 38  # broker -> connector: these services left the mesh
     TRACE = 39  # connector -> broker: a traced frame arrived (no answer)
     REVOKED = 40  # broker -> connector: an address of yours is another's now (after a split)
+    # broker -> connector or operator, answering HELLO when the broker has users: prove who
+    # you are (docs/security.md, "Authentication")
+    CHALLENGE = 41
+    AUTH = 42  # connector or operator -> broker: the answer to CHALLENGE
 
 
 class ErrorCode(IntEnum):
@@ -154,6 +158,9 @@ class ErrorCode(IntEnum):
     # A limit of the broker (its message names the limit and its flag) was reached: the
     # request is refused and the link stays open (docs/architecture.md, the limits).
     LIMIT_EXCEEDED = 21
+    # The AUTH did not prove a user of this broker (or never came): the link is closed. The
+    # message says what to check without telling whether the user exists.
+    AUTH_FAILED = 22
 
 
 # Errors after which the sender of the offending frame is disconnected.
@@ -170,5 +177,6 @@ FATAL_ERRORS = frozenset(
         ErrorCode.REDIRECT,
         ErrorCode.DUPLICATE_LINK,
         ErrorCode.NAME_IN_USE,
+        ErrorCode.AUTH_FAILED,
     }
 )
