@@ -1,9 +1,10 @@
-"""A broker's configuration: what ``meshbus broker``'s flags set."""
+"""A broker's configuration: what ``meshbus broker``'s flags (and its config file) set."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshbus.broker.users import UserTable
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
 
 
@@ -65,6 +66,9 @@ class BrokerConfig:
     max_handshaking: int = 1_000  # accepted connections that have not sent HELLO yet
     handshake_timeout: float = 5.0  # seconds a connection may take to send its HELLO
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
+    # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone
+    # who reaches the port; with some, connectors and operators sign in first.
+    users: UserTable = field(default_factory=UserTable)
 
     @property
     def heartbeat_budget(self) -> float:

@@ -18,6 +18,7 @@ registered.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +34,7 @@ from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
+from meshbus.broker.signin import SignIn
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.watch import ServiceWatch
 from meshbus.errors import FrameTooLarge
@@ -49,6 +51,7 @@ from meshbus.protocol.control import (
     Drain,
     Empty,
     Error,
+    Hello,
     Membership,
     Register,
     StatRequest,
@@ -56,9 +59,11 @@ from meshbus.protocol.control import (
     Welcome,
     owner_of,
 )
-from meshbus.protocol.handshake import Challenged, negotiated_max_frame
+from meshbus.protocol.handshake import AuthReceived, Challenged, negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks
+
+log = logging.getLogger("meshbus.broker")
 
 # A claim that lost while nobody took the address is tried again, up to this many times,
 # after a random pause of up to CLAIM_BACKOFF seconds times the attempt number.
@@ -81,13 +86,15 @@ class ControlHandler:
         links: LinkRegistry,
         watch: ServiceWatch,
         outbox: Outbox,
+        sign_in: SignIn,
         trace_every: int,
         snapshot: Callable[[], dict[str, Any]],
         detailed_snapshot: Callable[[], Awaitable[dict[str, Any]]],
         request_drain: Callable[[float | None], None],
         rng: random.Random,
     ) -> None:
-        """``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
+        """``sign_in`` checks who connectors and operators are, when the broker has users;
+        ``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
         ``detailed_snapshot`` answer STAT; ``request_drain`` starts a drain (as SIGTERM
         does)."""
         self._config = config
@@ -97,6 +104,7 @@ class ControlHandler:
         self._links = links
         self._watch = watch
         self._outbox = outbox
+        self._sign_in = sign_in
         self._trace_every = trace_every
         self._snapshot = snapshot
         self._detailed_snapshot = detailed_snapshot
@@ -140,14 +148,66 @@ class ControlHandler:
             self._mesh.on_answer(link, answer)
             return
         assert link.accepting is not None
-        hello = link.accepting.receive(frame).hello
-        links = self._links
-        links.handshake_done(link)
+        event = link.accepting.receive(frame)
+        if isinstance(event, AuthReceived):
+            self._check_auth(link, event)
+            return
+        hello = event.hello
         if hello.role == ROLE_BROKER:
+            self._links.handshake_done(link)
             refused = self._mesh.accept_peer(link, hello)
             if refused is not None:
                 self._refuse(link, ErrorCode(refused.code), refused.message)
             return
+        if self._sign_in.required:
+            # Nothing about the broker or the mesh goes out before the link signed in; the
+            # handshake timeout still runs.
+            link.send(link.accepting.challenge(self._sign_in.new_nonce()))
+            return
+        self._admit(link, hello, None)
+
+    def _check_auth(self, link: Link, event: AuthReceived) -> None:
+        """A key is checked now; a token in the sign-in's worker thread, the link blocked
+        (nothing it sent after the AUTH is handled) until the answer comes."""
+        auth = event.auth
+        if auth.signature:
+            self._signed_in(link, event, self._sign_in.check_key(auth, event.signed))
+            return
+        link.block()
+        checked = self._sign_in.check_token(auth, lambda: not link.closed)
+
+        def answer(done: asyncio.Future[bool]) -> None:
+            if link.closed or done.cancelled():
+                return
+            self._signed_in(link, event, done.result())
+            link.unblock()
+
+        checked.add_done_callback(answer)
+
+    def _signed_in(self, link: Link, event: AuthReceived, passed: bool) -> None:
+        user = event.auth.user
+        if passed:
+            log.info("signed in", extra={"link": link.link_id, "user": user})
+            self._admit(link, event.hello, user)
+            return
+        log.warning(
+            "sign-in refused", extra={"link": link.link_id, "user": user, "remote": link.remote}
+        )
+        credential = "key" if event.auth.signature else "token"
+        # The same words whether the user exists or not.
+        self._refuse(
+            link,
+            ErrorCode.AUTH_FAILED,
+            f"authentication failed: this broker does not accept the {credential} given for "
+            f"user {user!r}; check the credentials file (credentials=, --creds, "
+            "MESHBUS_CREDS) against the user's entry in the broker's config",
+        )
+
+    def _admit(self, link: Link, hello: Hello, user: str | None) -> None:
+        """The HELLO of a connector or operator that signed in (``user``), or of any when the
+        broker has no users: refused (limits, redirect) or WELCOMEd."""
+        links = self._links
+        links.handshake_done(link)
         operator = hello.role == ROLE_OPERATOR
         mesh = self._mesh
         if operator and len(links.operators) >= self._config.max_operators:
@@ -167,12 +227,15 @@ class ControlHandler:
         # must refuse.
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
         if operator:
-            link.open_as_operator(hello.name, max_frame)
+            link.open_as_operator(hello.name, max_frame, user)
             links.operator_opened(link)
         else:
-            link.open_as_connector(hello.name, hello.session, max_frame, hello.synced, hello.epoch)
+            link.open_as_connector(
+                hello.name, hello.session, max_frame, hello.synced, hello.epoch, user
+            )
             links.connector_opened(link)
             mesh.lists_changed()
+        assert link.accepting is not None
         welcome = Welcome(
             broker=self._config.name,
             slot=self._routing.slot,

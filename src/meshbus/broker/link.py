@@ -97,6 +97,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.session = b""  # a connector's session (see meshbus.broker.routing)
         self.epoch = 0  # links its session opened before this one (Hello.epoch)
         self.wants_synced = False  # a connector that asked for SYNCED after each change
+        # The user a connector or operator signed in as (docs/security.md); None when the
+        # broker has no users, and on a peer's link.
+        self.user: str | None = None
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
         self.stat_pages: list[bytes] = []  # the pages of a STATS answer not yet asked for
         # Addresses this connector registered and lost to another after a split (REVOKED):
@@ -140,15 +143,23 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.send(self.dialling.hello())
 
     def open_as_connector(
-        self, name: str, session: bytes, max_frame: int, wants_synced: bool, epoch: int = 0
+        self,
+        name: str,
+        session: bytes,
+        max_frame: int,
+        wants_synced: bool,
+        epoch: int = 0,
+        user: str | None = None,
     ) -> None:
         self._opening(LinkRole.CONNECTOR, name, max_frame)
+        self.user = user
         self.session = session
         self.epoch = epoch
         self.wants_synced = wants_synced
 
-    def open_as_operator(self, name: str, max_frame: int) -> None:
+    def open_as_operator(self, name: str, max_frame: int, user: str | None = None) -> None:
         self._opening(LinkRole.OPERATOR, name, max_frame)
+        self.user = user
 
     def open_as_peer(self, name: str, info: PeerInfo, max_frame: int) -> None:
         self._opening(LinkRole.PEER, name, max_frame)

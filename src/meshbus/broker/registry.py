@@ -20,8 +20,9 @@ class LinkRegistry:
         self.links: dict[int, Link] = {}
         self.connectors: set[Link] = set()  # open connector links
         self.operators: set[Link] = set()  # open operator links (--max-operators)
-        # Accepted links that have not sent HELLO yet -> when they must have: in deadline
-        # order, as each gets the same timeout (--max-handshaking, --handshake-timeout).
+        # Accepted links that have not finished their handshake (HELLO, and the sign-in
+        # when the broker has users) -> when they must have: in deadline order, as each
+        # gets the same timeout (--max-handshaking, --handshake-timeout).
         self.handshaking: dict[Link, float] = {}
         self.accepted = 0
         self.closed: Counter[str] = Counter()  # closed links by reason
@@ -47,11 +48,12 @@ class LinkRegistry:
         self.operators.add(link)
 
     def handshake_done(self, link: Link) -> None:
-        """``link`` sent its HELLO: no longer waiting for one."""
+        """``link`` finished its handshake (a peer's HELLO, or a connector's or operator's
+        HELLO and sign-in): no longer timed."""
         self.handshaking.pop(link, None)
 
     def late_handshakes(self, now: float) -> list[Link]:
-        """The links still waiting for HELLO at their deadline; costs what is late."""
+        """The links still handshaking at their deadline; costs what is late."""
         late = []
         for link, deadline in self.handshaking.items():
             if deadline > now:

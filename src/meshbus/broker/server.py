@@ -38,6 +38,7 @@ from meshbus.broker.process import ready_line
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.signin import SignIn
 from meshbus.broker.slices import Slices
 from meshbus.broker.stat import StatView
 from meshbus.broker.streams import StreamHost
@@ -182,6 +183,7 @@ class Broker:
             pending=self.pending,
             counters=self.traffic_counters,
         )
+        self.sign_in = SignIn(config.users)
         self.control = ControlHandler(
             config=config,
             routing=self.routing,
@@ -190,6 +192,7 @@ class Broker:
             links=self.links,
             watch=self.watch,
             outbox=self.outbox,
+            sign_in=self.sign_in,
             trace_every=self.telemetry.trace_every,
             snapshot=self.stat.brief,
             detailed_snapshot=self.stat.detailed,
@@ -320,6 +323,7 @@ class Broker:
             self._server.close()
         await self.telemetry.stop()
         await self.control.stop()
+        self.sign_in.close()
         await self.mesh.stop()
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
@@ -348,9 +352,10 @@ class Broker:
         )
 
     def _link_opened(self, link: Link) -> None:
-        """A TCP connection is up. One this broker accepted must say HELLO within
-        ``handshake_timeout`` (``expire_handshakes``), and at most ``max_handshaking``
-        may be waiting to: past that a new one is closed at once."""
+        """A TCP connection is up. One this broker accepted must finish its handshake --
+        HELLO, and the sign-in when the broker has users -- within ``handshake_timeout``
+        (``expire_handshakes``), and at most ``max_handshaking`` may be at it: past that
+        a new one is closed at once."""
         links = self.links
         links.opened(link)
         if link.dialled:
@@ -359,20 +364,22 @@ class Broker:
         if len(links.handshaking) >= config.max_handshaking:
             link.fail(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"limit exceeded: {config.max_handshaking} connections are already waiting "
-                "to send HELLO (the broker's --max-handshaking); try again later",
+                f"limit exceeded: {config.max_handshaking} connections are already in their "
+                "handshake (the broker's --max-handshaking); try again later",
                 CloseReason.REFUSED,
             )
             return
         links.handshaking[link] = self.clock() + config.handshake_timeout
 
     def expire_handshakes(self) -> None:
-        """Close the connections that did not send HELLO in time (from ``housekeeping``)."""
+        """Close the connections that did not finish their handshake in time (from
+        ``housekeeping``)."""
         timeout = self.config.handshake_timeout
         for link in self.links.late_handshakes(self.clock()):
             link.fail(
                 ErrorCode.NOT_HANDSHAKEN,
-                f"no HELLO within {timeout:g} s of connecting (the broker's --handshake-timeout)",
+                f"the handshake (HELLO, and AUTH when the broker has users) was not done "
+                f"within {timeout:g} s of connecting (the broker's --handshake-timeout)",
                 CloseReason.REFUSED,
             )
 

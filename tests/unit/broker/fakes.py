@@ -71,9 +71,12 @@ from meshbus.protocol.codec import (
 )
 from meshbus.protocol.control import (
     BODY_TYPES,
+    NONCE_SIZE,
     ROLE_CONNECTOR,
     AddressBody,
+    Auth,
     Body,
+    Challenge,
     Claim,
     DeliveryFailure,
     Error,
@@ -884,6 +887,8 @@ _SAMPLES: dict[ControlType, Body] = {
     ControlType.RELAYED: Relayed(type=int(ControlType.OK)),
     ControlType.STREAM: StreamRequest(op="list"),
     ControlType.REVOKED: Revoked(address=_SAMPLE_ADDRESS),
+    ControlType.CHALLENGE: Challenge(nonce=bytes(NONCE_SIZE)),
+    ControlType.AUTH: Auth(user="sample", token="sample"),
 }
 
 

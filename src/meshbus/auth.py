@@ -1,0 +1,292 @@
+"""Who a client is to a broker: key pairs, tokens, and the files that hold them.
+
+docs/security.md ("Authentication") has the whole story. In short: a broker with
+users answers HELLO with a CHALLENGE (a fresh nonce); the client answers with AUTH
+-- its user name and either an Ed25519 signature of the sign-in context and the
+nonce (a key pair: the private key never leaves the client) or a bearer token
+(for development: the broker keeps only its scrypt hash).
+
+Both ends use this module: ``Credentials`` (public, ``meshbus.Credentials``) is the
+client's side, and the text forms -- ``ed25519:<base64>`` keys and
+``scrypt:N:r:p:<salt>:<hash>`` token hashes -- are what the broker's config file
+(meshbus.broker.users) and ``meshbus keygen`` / ``meshbus hash-token`` read and write.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from meshbus.errors import InvalidArgument
+from meshbus.protocol.control import MAX_TOKEN, MAX_USER_NAME, Auth
+
+KEY_PREFIX = "ed25519:"
+_KEY_SIZE = 32  # an Ed25519 key, public or private, as raw bytes
+
+# scrypt for stored tokens: N = 2**12, r = 8, p = 1 costs about 10 ms and 4 MiB per check
+# (2 cores, 2026). The broker checks tokens in a worker thread (hashlib.scrypt lets go of
+# the GIL), never on its event loop. A hash may name other parameters; these bounds keep
+# a config file from making one check take seconds or gigabytes.
+SCRYPT = "scrypt"
+TOKEN_N = 2**12
+TOKEN_R = 8
+TOKEN_P = 1
+_MAX_N = 2**16
+_MAX_R = 32
+_MAX_P = 16
+_SCRYPT_MAXMEM = 256 * 1024 * 1024
+_SALT_SIZE = 16
+_HASH_SIZE = 32
+# A generated token: 32 random bytes, URL-safe text.
+_TOKEN_BYTES = 32
+
+# Where ``meshbus.connect`` and the CLI look for a credentials file when given none.
+CREDS_ENV = "MESHBUS_CREDS"
+
+
+def encode_key(raw: bytes) -> str:
+    """``ed25519:<base64 of the 32 raw bytes>``."""
+    return KEY_PREFIX + base64.b64encode(raw).decode("ascii")
+
+
+def decode_key(text: str) -> bytes:
+    """The 32 raw bytes of an ``ed25519:<base64>`` key; ValueError saying what is wrong."""
+    if not text.startswith(KEY_PREFIX):
+        raise ValueError(f"a key is written {KEY_PREFIX}<base64 of 32 bytes>; got {text[:12]!r}...")
+    try:
+        raw = base64.b64decode(text[len(KEY_PREFIX) :], validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"the key after {KEY_PREFIX!r} is not valid base64 ({exc})") from None
+    if len(raw) != _KEY_SIZE:
+        raise ValueError(f"an Ed25519 key is {_KEY_SIZE} bytes; this one is {len(raw)}")
+    return raw
+
+
+def public_key_from_text(text: str) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(decode_key(text))
+
+
+def check_user_name(name: str) -> str:
+    """``name`` if it can be a user's name (1..128 characters, no control characters);
+    ValueError otherwise."""
+    if not 1 <= len(name) <= MAX_USER_NAME:
+        raise ValueError(f"a user name is 1 to {MAX_USER_NAME} characters; got {len(name)}")
+    if not name.isprintable():
+        raise ValueError(f"a user name has no control characters; got {name!r}")
+    return name
+
+
+def check_token(token: str) -> str:
+    if not 1 <= len(token) <= MAX_TOKEN:
+        raise ValueError(f"a token is 1 to {MAX_TOKEN} characters; got {len(token)}")
+    return token
+
+
+def new_token() -> str:
+    """A strong random token (256 bits)."""
+    return secrets.token_urlsafe(_TOKEN_BYTES)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+@dataclass(frozen=True)
+class TokenHash:
+    """A token as a broker stores it: ``scrypt:N:r:p:<salt b64>:<hash b64>``."""
+
+    n: int
+    r: int
+    p: int
+    salt: bytes
+    digest: bytes
+
+    @classmethod
+    def of(cls, token: str) -> TokenHash:
+        """The hash of ``token`` with a new random salt and this module's parameters."""
+        salt = secrets.token_bytes(_SALT_SIZE)
+        return cls(TOKEN_N, TOKEN_R, TOKEN_P, salt, _scrypt(token, salt, TOKEN_N, TOKEN_R, TOKEN_P))
+
+    @classmethod
+    def parse(cls, text: str) -> TokenHash:
+        """ValueError saying which part of ``text`` is wrong."""
+        parts = text.split(":")
+        if len(parts) != 6 or parts[0] != SCRYPT:
+            raise ValueError(
+                "a token hash is written scrypt:N:r:p:<salt base64>:<hash base64> "
+                "(meshbus hash-token prints one)"
+            )
+        try:
+            n, r, p = (int(part) for part in parts[1:4])
+        except ValueError:
+            raise ValueError("the N, r and p of a token hash are integers") from None
+        if not (2 <= n <= _MAX_N and n & (n - 1) == 0):
+            raise ValueError(f"scrypt N is a power of 2 from 2 to {_MAX_N}; got {n}")
+        if not (1 <= r <= _MAX_R and 1 <= p <= _MAX_P):
+            raise ValueError(f"scrypt r is 1..{_MAX_R} and p 1..{_MAX_P}; got r={r}, p={p}")
+        try:
+            salt = base64.b64decode(parts[4], validate=True)
+            digest = base64.b64decode(parts[5], validate=True)
+        except binascii.Error:
+            raise ValueError("the salt and hash of a token hash are base64") from None
+        if not salt or len(digest) != _HASH_SIZE:
+            raise ValueError(f"a token hash has a salt and a {_HASH_SIZE}-byte hash")
+        return cls(n, r, p, salt, digest)
+
+    def matches(self, token: str) -> bool:
+        """Whether ``token`` hashes to this (in constant time). Slow on purpose: one
+        scrypt, about 10 ms -- the broker calls it in a worker thread."""
+        computed = _scrypt(token, self.salt, self.n, self.r, self.p)
+        return hmac.compare_digest(computed, self.digest)
+
+    def __str__(self) -> str:
+        return f"{SCRYPT}:{self.n}:{self.r}:{self.p}:{_b64(self.salt)}:{_b64(self.digest)}"
+
+
+def _scrypt(token: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(
+        token.encode("utf-8"), salt=salt, n=n, r=r, p=p, maxmem=_SCRYPT_MAXMEM, dklen=_HASH_SIZE
+    )
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string (JSON's escapes are TOML's)."""
+    return json.dumps(text)
+
+
+class Credentials:
+    """Who a client is to a broker that has users: a user name and either a private key
+    (recommended) or a token. ``meshbus.connect(credentials=...)`` and ``--creds`` take
+    one (or the path of a credentials file, ``Credentials.load``).
+
+    ``private_key`` is an ``Ed25519PrivateKey`` or its text ``ed25519:<base64>``; the key
+    only signs the broker's challenge, and never leaves this process. ``token`` is a
+    bearer token, sent to the broker as it is: for development (docs/security.md)."""
+
+    def __init__(
+        self,
+        user: str,
+        *,
+        private_key: Ed25519PrivateKey | str | None = None,
+        token: str | None = None,
+    ) -> None:
+        try:
+            self.user = check_user_name(user)
+            if (private_key is None) == (token is None):
+                raise ValueError("give exactly one of private_key and token")
+            if isinstance(private_key, str):
+                private_key = Ed25519PrivateKey.from_private_bytes(decode_key(private_key))
+            self._key = private_key
+            self._token = None if token is None else check_token(token)
+        except ValueError as exc:
+            raise InvalidArgument(f"credentials for user {user!r}: {exc}") from None
+
+    def __repr__(self) -> str:
+        kind = "key" if self._key is not None else "token"
+        return f"<Credentials {self.user!r} ({kind})>"
+
+    @classmethod
+    def generate(cls, user: str) -> Credentials:
+        """A new key pair for ``user``."""
+        return cls(user, private_key=Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Credentials:
+        """Read a credentials file (TOML): ``user``, and ``private_key = "ed25519:..."``
+        or ``token = "..."``. InvalidArgument names the file and what is wrong."""
+        try:
+            with open(path, "rb") as file:
+                data = tomllib.load(file)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"cannot read the credentials file {path}: {exc.strerror or exc}"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"the credentials file {path} is not valid TOML: {exc}") from None
+        unknown = sorted(set(data) - {"user", "private_key", "token"})
+        if unknown:
+            raise InvalidArgument(
+                f"the credentials file {path} has unknown key {unknown[0]!r} "
+                "(it holds user, and private_key or token)"
+            )
+        user, key, token = data.get("user"), data.get("private_key"), data.get("token")
+        if not isinstance(user, str) or not all(
+            v is None or isinstance(v, str) for v in (key, token)
+        ):
+            raise InvalidArgument(
+                f"the credentials file {path} holds user, and private_key or token, all strings"
+            )
+        try:
+            return cls(user, private_key=key, token=token)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"the credentials file {path}: {exc}") from None
+
+    @property
+    def public_key(self) -> str | None:
+        """``ed25519:<base64>`` of the public key (for the broker's config); None for a
+        token."""
+        if self._key is None:
+            return None
+        return encode_key(self._key.public_key().public_bytes_raw())
+
+    def answer(self, to_sign: bytes) -> Auth:
+        """The AUTH for a broker's CHALLENGE: ``to_sign`` signed, or the token."""
+        if self._key is not None:
+            return Auth(user=self.user, signature=self._key.sign(to_sign))
+        assert self._token is not None
+        return Auth(user=self.user, token=self._token)
+
+    def file_text(self) -> str:
+        """The credentials file that ``load`` reads back (keep it private: mode 0600)."""
+        lines = [f"user = {toml_string(self.user)}"]
+        if self._key is not None:
+            lines.append(f"private_key = {toml_string(encode_key(self._key.private_bytes_raw()))}")
+        else:
+            assert self._token is not None
+            lines.append(f"token = {toml_string(self._token)}")
+        return "\n".join(lines) + "\n"
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write the credentials file, readable by its owner only (0600); refuses to
+        overwrite a file (FileExistsError)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(self.file_text())
+
+
+def users_entry(user: str, *, public_key: str | None = None, token_hash: str | None = None) -> str:
+    """The ``[[users]]`` table to paste into a broker's config file."""
+    lines = ["[[users]]", f"name = {toml_string(user)}"]
+    if public_key is not None:
+        lines.append(f"public_key = {toml_string(public_key)}")
+    if token_hash is not None:
+        lines.append(f"token_hash = {toml_string(token_hash)}")
+    return "\n".join(lines) + "\n"
+
+
+def resolve_credentials(
+    credentials: Credentials | str | os.PathLike[str] | None,
+) -> Credentials | None:
+    """What ``meshbus.connect`` signs in with: ``credentials`` (or the file it names), or
+    the file ``MESHBUS_CREDS`` names when it is None; None when neither is given."""
+    if credentials is None:
+        path = os.environ.get(CREDS_ENV)
+        if not path:
+            return None
+        credentials = Path(path)
+    if isinstance(credentials, Credentials):
+        return credentials
+    return Credentials.load(credentials)

@@ -1,0 +1,58 @@
+"""Signing in: the nonce of each CHALLENGE, and checking the AUTH that answers it.
+
+A key's signature is checked on the event loop (about 0.1 ms). A token is checked
+with scrypt (about 10 ms, meshbus.auth), in one worker thread: hashlib.scrypt lets
+go of the GIL, so the loop never waits on it. The checks queue behind each other
+in that one thread, so a flood of bad tokens takes one core and never the loop;
+the queue is bounded by the links that may be handshaking at once
+(``--max-handshaking``), and a check whose link closed meanwhile (the handshake
+timeout) is skipped when its turn comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from meshbus.broker.users import UserTable
+from meshbus.protocol.control import NONCE_SIZE, Auth
+
+
+def _new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+class SignIn:
+    def __init__(self, users: UserTable, *, new_nonce: Callable[[], bytes] = _new_nonce) -> None:
+        """``new_nonce`` draws each CHALLENGE's nonce (``secrets``: never the broker's
+        seeded rng, whose choices a simulation replays)."""
+        self._users = users
+        self.new_nonce = new_nonce
+        self._tokens: ThreadPoolExecutor | None = None
+
+    @property
+    def required(self) -> bool:
+        """Whether connectors and operators must sign in: the broker has users."""
+        return bool(self._users)
+
+    def check_key(self, auth: Auth, signed: bytes) -> bool:
+        return self._users.check_signature(auth.user, signed, auth.signature)
+
+    def check_token(self, auth: Auth, wanted: Callable[[], bool]) -> asyncio.Future[bool]:
+        """The token's check, done in the worker thread; False without checking when
+        ``wanted`` (read from that thread) says the link is gone by its turn."""
+        if self._tokens is None:
+            self._tokens = ThreadPoolExecutor(1, thread_name_prefix="meshbus-token-check")
+        users = self._users
+
+        def check() -> bool:
+            return wanted() and users.check_token(auth.user, auth.token)
+
+        return asyncio.get_running_loop().run_in_executor(self._tokens, check)
+
+    def close(self) -> None:
+        """Drop the checks not started (the broker is stopping)."""
+        if self._tokens is not None:
+            self._tokens.shutdown(wait=False, cancel_futures=True)
