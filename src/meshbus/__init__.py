@@ -10,6 +10,7 @@ The public surface is what ``__all__`` lists; every other module is private.
 """
 
 from meshbus.address import Address, Anycast, Multicast, Unicast
+from meshbus.auth import Credentials
 from meshbus.client import Connector, Message, Service, Undeliverable, connect
 from meshbus.client.delivery import RetryPolicy
 from meshbus.client.reliable import ReliableConfig
@@ -17,6 +18,7 @@ from meshbus.client.streams import Consumer, StreamInfo, StreamMessage
 from meshbus.errors import (
     AddressInUse,
     AlreadyConnected,
+    AuthenticationFailed,
     ConnectionLost,
     DeliveryFailed,
     FrameTooLarge,
@@ -41,9 +43,11 @@ __all__ = [
     "AddressInUse",
     "AlreadyConnected",
     "Anycast",
+    "AuthenticationFailed",
     "ConnectionLost",
     "Connector",
     "Consumer",
+    "Credentials",
     "DeliveryFailed",
     "FrameTooLarge",
     "InvalidArgument",

@@ -6,6 +6,8 @@
     ├── ProtocolError                     the bytes on a link broke the wire rules
     │   ├── FrameTooLarge                 .size, .limit
     │   └── RemoteProtocolError           the broker told us we broke them (.code)
+    ├── AuthenticationFailed              the broker did not take this side's credentials
+    │                                     (or wanted some and none were given)
     ├── LinkError                         base of link-state errors
     │   ├── NotConnected (ConnectionError)     used after close(), or before connect()
     │   └── ConnectionLost (ConnectionError)   the broker or the network broke the link
@@ -79,6 +81,13 @@ class RemoteProtocolError(ProtocolError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class AuthenticationFailed(MeshbusError):
+    """The broker wants to know who connects, and did not take the credentials given --
+    or none were given (``meshbus.connect(credentials=...)``, ``--creds``,
+    ``MESHBUS_CREDS``). Not a ``ConnectionLost``: trying again with the same
+    credentials fails again."""
 
 
 class LinkError(MeshbusError):

@@ -12,9 +12,11 @@ EXPECTED_ALL = [
     "AddressInUse",
     "AlreadyConnected",
     "Anycast",
+    "AuthenticationFailed",
     "ConnectionLost",
     "Connector",
     "Consumer",
+    "Credentials",
     "DeliveryFailed",
     "FrameTooLarge",
     "InvalidArgument",
@@ -44,6 +46,7 @@ EXPECTED_ALL = [
 
 EXPECTED_EXCEPTIONS = {
     "AddressInUse",
+    "AuthenticationFailed",
     "AlreadyConnected",
     "DeliveryFailed",
     "JoinFailed",

@@ -7,10 +7,12 @@ linked (failover, redirects, moves) in meshbus.client.keeper.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 
 from meshbus.address import Unicast
+from meshbus.auth import Credentials, resolve_credentials
 from meshbus.client.connector import Connector, ConnectorParts
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
@@ -70,6 +72,7 @@ async def connect(
     operator: bool = False,
     reliable: ReliableConfig | None = None,
     request_timeout: float = 30.0,
+    credentials: Credentials | str | os.PathLike[str] | None = None,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list) and complete the handshake.
@@ -90,12 +93,20 @@ async def connect(
     never moved -- it cannot register services, and it does not fail over.
 
     ``reliable`` tunes reliable sends and message groups (``meshbus.ReliableConfig``).
+
+    ``credentials`` signs in to brokers that have users (docs/security.md): a
+    ``meshbus.Credentials`` or the path of a credentials file (``meshbus keygen``
+    writes one); without it, the file ``MESHBUS_CREDS`` names, if set. Every link
+    signs in with them -- failover, redirects and moves too. A broker that refuses
+    them, or wants credentials and got none, raises ``meshbus.AuthenticationFailed``;
+    a broker without users takes the connector as it is.
     """
     if server is None:
         server = socket.gethostname().split(".")[0]
     Unicast(server, 1)  # a bad server name fails here, before any I/O
     addresses = broker_list(broker)
     _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
+    signing_in = resolve_credentials(credentials)
     parts = ConnectorParts(
         server=server,
         name=name or server,
@@ -107,6 +118,7 @@ async def connect(
         operator=operator,
         reliable=reliable or ReliableConfig(),
         request_timeout=request_timeout,
+        credentials=signing_in,
     )
     await parts.start(timeout)
     return Connector(parts)

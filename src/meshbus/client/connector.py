@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from meshbus.address import Address, Unicast
+from meshbus.auth import Credentials
 from meshbus.client.inbound import Inbound, Undeliverable
 from meshbus.client.keeper import Changes, Gate, Identity, LinkKeeper
 from meshbus.client.link import Links
@@ -80,6 +81,7 @@ class ConnectorParts:
         operator: bool,
         reliable: ReliableConfig,
         request_timeout: float,
+        credentials: Credentials | None,
     ) -> None:
         self.server = server
         self.name = name
@@ -119,6 +121,7 @@ class ConnectorParts:
                 name=name,
                 role=ROLE_OPERATOR if operator else ROLE_CONNECTOR,
                 session=self.session,
+                credential=credentials,
             ),
             brokers=brokers,
             failover_timeout=failover_timeout,

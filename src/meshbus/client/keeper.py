@@ -40,7 +40,13 @@ from meshbus.client.link import BrokerLink, Links
 from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.requester import Requester
-from meshbus.errors import AddressInUse, ConnectionLost, MeshbusError, RemoteProtocolError
+from meshbus.errors import (
+    AddressInUse,
+    AuthenticationFailed,
+    ConnectionLost,
+    MeshbusError,
+    RemoteProtocolError,
+)
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     AddressBody,
@@ -55,7 +61,7 @@ from meshbus.protocol.control import (
     Register,
     Revoked,
 )
-from meshbus.protocol.handshake import DiallingHandshake, HelloRefused
+from meshbus.protocol.handshake import Credential, DiallingHandshake, HelloRefused
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.util import BackgroundTasks, parse_hostport
 
@@ -68,6 +74,16 @@ B = TypeVar("B", bound=Body)
 _MAX_REDIRECTS = 8
 # Pause between rounds over the broker list while failing over.
 _RETRY_PAUSE = 0.05
+
+
+def _authentication_failed(address: str, refused: HelloRefused) -> AuthenticationFailed:
+    if refused.local:
+        return AuthenticationFailed(
+            f"broker {address} requires authentication, and no credentials were given: pass "
+            "meshbus.connect(credentials=FILE or meshbus.Credentials), --creds FILE on the "
+            "command line, or set MESHBUS_CREDS=FILE (meshbus keygen makes a key pair)"
+        )
+    return AuthenticationFailed(f"broker {address} refused the sign-in: {refused.message}")
 
 
 class Redirected(ConnectionLost):
@@ -175,6 +191,8 @@ class Identity:
     name: str
     role: str  # ROLE_CONNECTOR or ROLE_OPERATOR
     session: bytes  # the same across failover and moves
+    # Signs in to a broker that asks (CHALLENGE), on every link: failover, redirects, moves.
+    credential: Credential | None = None
 
 
 class LinkKeeper:
@@ -237,7 +255,8 @@ class LinkKeeper:
 
     async def open_any(self, addresses: list[str], *, random_order: bool) -> BrokerLink:
         """A handshaken link to one of ``addresses``, following redirects; ConnectionLost
-        (naming every reason) if none takes us."""
+        (naming every reason) if none takes us, AuthenticationFailed at once if one
+        refuses our credentials (or wants some)."""
         order = list(addresses)
         if random_order:
             self._rng.shuffle(order)
@@ -273,7 +292,8 @@ class LinkKeeper:
                 session=identity.session,
                 synced=True,
                 epoch=self._epoch,
-            )
+            ),
+            credential=identity.credential,
         )
         self._epoch += 1
         loop = asyncio.get_running_loop()
@@ -317,6 +337,8 @@ class LinkKeeper:
             link.abort()
             if outcome.code == ErrorCode.REDIRECT:
                 raise Redirected(outcome.message, outcome.redirect)
+            if outcome.code == ErrorCode.AUTH_FAILED:
+                raise _authentication_failed(address, outcome)
             raise ConnectionLost(f"lost the link to broker {address}: {outcome.message}")
         welcome = outcome.welcome
         links.agreed(welcome.max_frame)
@@ -390,6 +412,10 @@ class LinkKeeper:
                     reasons = str(exc)
                     await asyncio.sleep(_RETRY_PAUSE)
                     continue
+                except AuthenticationFailed as exc:
+                    # The same credentials will not do better on the next round.
+                    self._shutdown(ConnectionLost(f"{lost}; failing over: {exc}"))
+                    return
                 self.failovers += 1
                 self.activate(link)
                 self._resend_all()
@@ -415,7 +441,7 @@ class LinkKeeper:
             try:
                 link = await self.open_any([address], random_order=False)
                 await self._restore(link)
-            except (ConnectionLost, RemoteProtocolError) as exc:
+            except (ConnectionLost, RemoteProtocolError, AuthenticationFailed) as exc:
                 log.warning("could not move", extra={"to": address, "error": str(exc)})
                 return
             if links.closed:

@@ -1,9 +1,10 @@
 """One TCP link from a connector to a broker, and the state of the connector's links.
 
 ``BrokerLink`` turns bytes into frames and hands each to the part that reads it. A
-link starts with the handshake (meshbus.protocol.handshake): the broker's first
-frame answers the HELLO, and ``welcomed`` gets the outcome -- Welcomed or HelloRefused
--- or ConnectionLost when the link closes first. After that, data frames and the
+link starts with the handshake (meshbus.protocol.handshake): the broker answers the
+HELLO -- after a CHALLENGE, which the link answers with the handshake's AUTH, when the
+broker has users -- and ``welcomed`` gets the outcome, Welcomed or HelloRefused, or
+ConnectionLost when the link closes first. After that, data frames and the
 answers to requests go to the inbound dispatcher (meshbus.client.inbound); what the
 broker says to the link itself before it closes it (an ERROR, a BYE) the link keeps,
 to say why it was lost; news for the keeper (BROKERS, MOVE) goes to the keeper.
