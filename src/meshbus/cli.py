@@ -142,7 +142,9 @@ async def _bind(conn: Connector, address: Address) -> Service:
 )
 @click.argument("address", type=ADDRESS)
 @click.argument("text")
-def send(broker_address: str, server: str, notify: bool, address: Address, text: str) -> None:
+def send(
+    broker_address: str, server: str, creds: str | None, notify: bool, address: Address, text: str
+) -> None:
     """Send TEXT (UTF-8) to ADDRESS, at most once, and exit.
 
     The message comes from a dynamic address SERVER:N. A send with no route is
@@ -152,15 +154,20 @@ def send(broker_address: str, server: str, notify: bool, address: Address, text:
     Exit codes: 0 sent, 1 error (e.g. no broker),
     2 bad arguments, 4 no route (with --notify).
     """
-    run(_send(broker_address, server, address, _payload(text), notify))
+    run(_send(broker_address, server, creds, address, _payload(text), notify))
 
 
 async def _send(
-    broker_address: str, server: str, address: Address, payload: bytes, notify: bool
+    broker_address: str,
+    server: str,
+    creds: str | None,
+    address: Address,
+    payload: bytes,
+    notify: bool,
 ) -> None:
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=server) as conn:
+    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
         service = await conn.register()
         failed: list[Undeliverable] = []
         conn.on_undeliverable(failed.append)
@@ -191,6 +198,7 @@ async def _send(
 def listen(
     broker_address: str,
     server: str,
+    creds: str | None,
     count: int | None,
     timeout: float | None,
     as_json: bool,
@@ -209,7 +217,9 @@ def listen(
     """
     _check_bindable(address)
     run(
-        _listen(broker_address, _server_for(address, server), address, count, timeout, as_json),
+        _listen(
+            broker_address, _server_for(address, server), creds, address, count, timeout, as_json
+        ),
         interruptible=True,
     )
 
@@ -217,6 +227,7 @@ def listen(
 async def _listen(
     broker_address: str,
     server: str,
+    creds: str | None,
     address: Address,
     count: int | None,
     timeout: float | None,
@@ -227,7 +238,7 @@ async def _listen(
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     received = 0
-    async with await meshbus.connect(broker_address, server=server) as conn:
+    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
         service = await _bind(conn, address)
         click.echo(f"listening on {address} as {service.address}", err=True)
         while count is None or received < count:
@@ -258,7 +269,14 @@ async def _listen(
 )
 @click.argument("address", type=ADDRESS)
 @click.argument("text")
-def request(broker_address: str, server: str, timeout: float, address: Address, text: str) -> None:
+def request(
+    broker_address: str,
+    server: str,
+    creds: str | None,
+    timeout: float,
+    address: Address,
+    text: str,
+) -> None:
     """Send TEXT (UTF-8) as a request to ADDRESS and print the response's payload.
 
     For an anycast address one member answers; for a multicast address the
@@ -269,15 +287,20 @@ def request(broker_address: str, server: str, timeout: float, address: Address, 
     2 bad arguments, 3 timeout (no response in time),
     4 no route (nobody serves ADDRESS).
     """
-    run(_request(broker_address, server, address, _payload(text), timeout))
+    run(_request(broker_address, server, creds, address, _payload(text), timeout))
 
 
 async def _request(
-    broker_address: str, server: str, address: Address, payload: bytes, timeout: float
+    broker_address: str,
+    server: str,
+    creds: str | None,
+    address: Address,
+    payload: bytes,
+    timeout: float,
 ) -> None:
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=server) as conn:
+    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
         service = await conn.register()
         try:
             response = await service.request(address, payload, timeout=timeout)
@@ -311,6 +334,7 @@ async def _request(
 def reply(
     broker_address: str,
     server: str,
+    creds: str | None,
     echo: bool,
     text: str | None,
     count: int | None,
@@ -332,7 +356,9 @@ def reply(
     _check_bindable(address)
     answer = None if text is None else _payload(text)
     run(
-        _reply(broker_address, _server_for(address, server), address, answer, count, as_json),
+        _reply(
+            broker_address, _server_for(address, server), creds, address, answer, count, as_json
+        ),
         interruptible=True,
     )
 
@@ -340,6 +366,7 @@ def reply(
 async def _reply(
     broker_address: str,
     server: str,
+    creds: str | None,
     address: Address,
     answer: bytes | None,
     count: int | None,
@@ -348,7 +375,7 @@ async def _reply(
     import meshbus
 
     answered = 0
-    async with await meshbus.connect(broker_address, server=server) as conn:
+    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
         service = await _bind(conn, address)
         click.echo(f"answering {address} as {service.address}", err=True)
         while count is None or answered < count:
@@ -364,10 +391,11 @@ async def _reply(
 def _add_commands() -> None:
     """The operator's commands live in modules of their own."""
     from meshbus.cli_admin import broker, drain, mesh, stat
+    from meshbus.cli_auth import hash_token, keygen
     from meshbus.cli_stream import stream
     from meshbus.report.cli import report
 
-    for command in (broker, mesh, drain, stat, stream, report):
+    for command in (broker, mesh, drain, stat, stream, report, keygen, hash_token):
         main.add_command(command)
 
 

@@ -12,19 +12,81 @@ import os
 import signal
 import subprocess
 import time
+import tomllib
 from typing import Any
 
 import click
 
-from meshbus.cli_common import DEFAULT_BROKER, DEFAULT_SERVER, HOSTPORT, connection_options, run
+from meshbus.broker.users import UserTable
+from meshbus.cli_common import (
+    DEFAULT_BROKER,
+    DEFAULT_SERVER,
+    HOSTPORT,
+    connection_options,
+    creds_option,
+    run,
+)
 from meshbus.cli_stat_view import stat_renderables
+from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.util import parse_hostport
 
 # -- broker --------------------------------------------------------------------------------
 
 
+def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> UserTable:
+    """--config FILE: its top-level keys are the broker's long flag names, and become those
+    flags' defaults (click's default_map), so a flag given on the command line wins. Its
+    ``[[users]]`` are the value: who may connect (docs/security.md)."""
+    if path is None:
+        return UserTable()
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(f"{path} is not valid TOML: {exc}") from None
+    flags = {
+        flag[2:]: option.name
+        for option in ctx.command.params
+        if isinstance(option, click.Option) and option.name and option is not param
+        for flag in option.opts
+        if flag.startswith("--")
+    }
+    defaults: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == _USERS:
+            continue
+        name = flags.get(key)
+        if name is None:
+            raise click.BadParameter(
+                f"{path}: unknown key {key!r}; the keys are the broker's long flag names "
+                f"(see meshbus broker --help) and [[{_USERS}]]"
+            )
+        defaults[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    try:
+        return UserTable.from_config(data.get(_USERS, []), path)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+_USERS = "users"
+
+
 @click.command()
+@click.option(
+    "--config",
+    "users",
+    type=click.Path(dir_okay=False),
+    default=None,
+    is_eager=True,
+    callback=_read_config_file,
+    help="A TOML file of settings: its keys are the long flag names below (listen = "
+    '"0.0.0.0:7400", max-connectors = 100, seed = [...]), a flag given here overrides '
+    "the file; and [[users]], who may connect (docs/security.md).",
+)
 @click.option(
     "--listen",
     "listen",
@@ -254,6 +316,7 @@ from meshbus.util import parse_hostport
     help="Operator links (meshbus stat, drain) open at once; past it one is refused.",
 )
 def broker(
+    users: UserTable,
     listen: str,
     seeds: tuple[str, ...],
     advertise: str | None,
@@ -337,6 +400,7 @@ def broker(
         max_handshaking=max_handshaking,
         handshake_timeout=handshake_timeout,
         max_operators=max_operators,
+        users=users,
     )
     try:
         uvloop.run(serve(config))
@@ -513,18 +577,21 @@ def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], cons
     show_default=True,
     help="Wait until the broker has stopped.",
 )
-def drain(broker_address: str, grace: float | None, wait: bool) -> None:
+@creds_option
+def drain(broker_address: str, grace: float | None, wait: bool, creds: str | None) -> None:
     """Drain a broker: it takes no new connectors, moves its connectors to the other
     brokers of the mesh, waits up to its grace period, and exits."""
-    run(_drain(broker_address, grace or 0.0, wait))
+    run(_drain(broker_address, grace or 0.0, wait, creds))
 
 
-async def _drain(broker_address: str, grace: float, wait: bool) -> None:
+async def _drain(broker_address: str, grace: float, wait: bool, creds: str | None) -> None:
     import asyncio
 
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=DEFAULT_SERVER, operator=True) as conn:
+    async with await meshbus.connect(
+        broker_address, server=DEFAULT_SERVER, operator=True, credentials=creds
+    ) as conn:
         name = conn.broker_name
         await conn.drain_broker(grace)
     click.echo(f"broker {name} at {broker_address} is draining", err=True)
@@ -555,7 +622,7 @@ async def _drain(broker_address: str, grace: float, wait: bool) -> None:
     is_flag=True,
     help="Leave out the per-service and per-group lists (for large routing tables).",
 )
-def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
+def stat(broker_address: str, server: str, creds: str | None, as_json: bool, brief: bool) -> None:
     """Show the broker's view: the mesh, its links, services, groups and counters.
 
     --json prints one object with at least: name, connectors, services
@@ -565,7 +632,7 @@ def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
     operator), but not counted as a connector, and never redirected -- a full or
     draining broker shows its own state.
     """
-    data = run(_stat(broker_address, server, not brief))
+    data = run(_stat(broker_address, server, creds, not brief))
     assert data is not None
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
@@ -577,8 +644,12 @@ def stat(broker_address: str, server: str, as_json: bool, brief: bool) -> None:
         console.print(renderable)
 
 
-async def _stat(broker_address: str, server: str, detail: bool) -> dict[str, Any]:
+async def _stat(
+    broker_address: str, server: str, creds: str | None, detail: bool
+) -> dict[str, Any]:
     import meshbus
 
-    async with await meshbus.connect(broker_address, server=server, operator=True) as conn:
+    async with await meshbus.connect(
+        broker_address, server=server, operator=True, credentials=creds
+    ) as conn:
         return await conn.stat(detail=detail)

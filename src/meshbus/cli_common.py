@@ -74,11 +74,26 @@ ADDRESS = Parsed("ADDRESS", Address.parse)
 SERVER_NAME = Parsed("NAME", _check_server_name)
 
 
+def creds_option(command: F) -> F:
+    """--creds FILE (or MESHBUS_CREDS): the credentials to sign in with, for brokers that
+    have users (docs/security.md)."""
+    return click.option(
+        "--creds",
+        type=click.Path(dir_okay=False),
+        default=None,
+        envvar="MESHBUS_CREDS",
+        show_envvar=True,
+        help="Credentials file to sign in with, for a broker that has users "
+        "(`meshbus keygen` writes one).",
+    )(command)
+
+
 def connection_options(command: F) -> F:
-    """--broker and --server, the same on every client command.
+    """--broker, --server and --creds, the same on every client command.
 
     --broker may name several brokers of one mesh, separated by commas: the
     command uses the first that answers."""
+    command = creds_option(command)
     command = click.option(
         "--server",
         type=SERVER_NAME,

@@ -50,7 +50,7 @@ def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
             f"{p.get('msgs_in', '?')}/{p.get('msgs_out', '?')}",
         )
     links = Table(title="connector links", title_justify="left")
-    for column in ("id", "name", "peer", "state"):
+    for column in ("id", "name", "user", "peer", "state"):
         links.add_column(column, overflow="fold")
     links.add_column("services", no_wrap=True)
     links.add_column("msgs in/out", justify="right")
@@ -60,6 +60,7 @@ def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
         links.add_row(
             str(link.get("id", "")),
             str(link.get("name", "")),
+            link.get("user") or "-",
             str(link.get("peer", "")),
             str(link.get("state", "")),
             "\n".join(services) or "-" if isinstance(services, list) else str(services),

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from meshbus.address import Address, Multicast
-from meshbus.cli_common import BROKERS, DEFAULT_BROKER, DEFAULT_SERVER, HOSTPORT, Parsed, run
+from meshbus.cli_common import (
+    BROKERS,
+    DEFAULT_BROKER,
+    DEFAULT_SERVER,
+    HOSTPORT,
+    Parsed,
+    creds_option,
+    run,
+)
 
 if TYPE_CHECKING:
     from meshbus.client import Connector
@@ -54,7 +62,9 @@ CAPTURE = Parsed("multicast:NAME", _parse_capture)
 
 
 def _broker_option(command: F) -> F:
-    """--broker of every stream command but ``add``: any broker of the mesh will do."""
+    """--broker (and --creds) of every stream command but ``add``: any broker of the mesh
+    will do."""
+    command = creds_option(command)
     return click.option(
         "--broker",
         "broker_address",
@@ -72,10 +82,12 @@ def _json_option(command: F) -> F:
     )
 
 
-async def _connect(broker_address: str) -> Connector:
+async def _connect(broker_address: str, creds: str | None) -> Connector:
     import meshbus
 
-    return await meshbus.connect(broker_address, server=DEFAULT_SERVER, operator=True)
+    return await meshbus.connect(
+        broker_address, server=DEFAULT_SERVER, operator=True, credentials=creds
+    )
 
 
 @click.group()
@@ -141,6 +153,7 @@ def stream() -> None:
     show_default=True,
     help="The broker that is to host the stream (stores its messages).",
 )
+@creds_option
 @_json_option
 def add(
     name: str,
@@ -150,6 +163,7 @@ def add(
     max_age: float,
     dedupe_window: float,
     broker_address: str,
+    creds: str | None,
     as_json: bool,
 ) -> None:
     """Create stream NAME on the --broker broker, capturing the --capture addresses.
@@ -159,7 +173,7 @@ def add(
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address) as conn:
+        async with await _connect(broker_address, creds) as conn:
             return await conn.streams.add(
                 name,
                 list(captures),
@@ -181,7 +195,7 @@ def add(
 @click.argument("name", type=STREAM_NAME)
 @_broker_option
 @_json_option
-def info(name: str, broker_address: str, as_json: bool) -> None:
+def info(name: str, broker_address: str, creds: str | None, as_json: bool) -> None:
     """Show stream NAME: its host broker, first and last seq, messages, payload bytes,
     consumers and limits.
 
@@ -191,7 +205,7 @@ def info(name: str, broker_address: str, as_json: bool) -> None:
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address) as conn:
+        async with await _connect(broker_address, creds) as conn:
             return await conn.streams.info(name)
 
     result = run(go())
@@ -235,11 +249,11 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
 @stream.command(name="list")
 @_broker_option
 @_json_option
-def list_(broker_address: str, as_json: bool) -> None:
+def list_(broker_address: str, creds: str | None, as_json: bool) -> None:
     """List every stream of the mesh and the broker that hosts it."""
 
     async def go() -> list[dict[str, Any]]:
-        async with await _connect(broker_address) as conn:
+        async with await _connect(broker_address, creds) as conn:
             return await conn.streams.list()
 
     streams = run(go())
@@ -289,7 +303,9 @@ def list_(broker_address: str, as_json: bool) -> None:
     help="One JSON object per line: seq, stored_at (Unix time), src, dst, payload, group, "
     "priority.",
 )
-def fetch(name: str, from_seq: int, count: int, broker_address: str, as_json: bool) -> None:
+def fetch(
+    name: str, from_seq: int, count: int, broker_address: str, creds: str | None, as_json: bool
+) -> None:
     """Print up to --count messages of stream NAME from seq --from on, in order.
 
     Each line: `#SEQ TIME [SRC -> DST] PAYLOAD`, TIME in UTC. Payloads are shown as
@@ -298,7 +314,7 @@ def fetch(name: str, from_seq: int, count: int, broker_address: str, as_json: bo
     """
 
     async def go() -> None:
-        async with await _connect(broker_address) as conn:
+        async with await _connect(broker_address, creds) as conn:
             seq, left = from_seq, count
             while left > 0:
                 page = await conn.streams.fetch(name, seq, min(left, _PAGE))
@@ -340,7 +356,7 @@ def _print_message(msg: StreamMessage, as_json: bool) -> None:
 @click.argument("name", type=STREAM_NAME)
 @_broker_option
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-def delete(name: str, broker_address: str, yes: bool) -> None:
+def delete(name: str, broker_address: str, creds: str | None, yes: bool) -> None:
     """Delete stream NAME with all its messages and consumers; it stops capturing.
 
     Asks for confirmation unless --yes is given.
@@ -349,7 +365,7 @@ def delete(name: str, broker_address: str, yes: bool) -> None:
         click.confirm(f"Delete stream {name} and all its messages?", abort=True, err=True)
 
     async def go() -> None:
-        async with await _connect(broker_address) as conn:
+        async with await _connect(broker_address, creds) as conn:
             await conn.streams.delete(name)
 
     run(go())

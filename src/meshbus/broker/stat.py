@@ -84,6 +84,7 @@ class StatView:
                 "peer": link.remote,
                 "name": link.name,
                 "role": "operator" if link.role is LinkRole.OPERATOR else "connector",
+                "user": link.user,  # who signed in; None when the broker has no users
                 "state": link.state.value,
                 "services": routing.owned_count(link),
                 "msgs_in": link.msgs_in,

@@ -1,0 +1,116 @@
+"""The credential commands: ``keygen`` (a key pair) and ``hash-token`` (a token's hash).
+
+Each prints, on stdout, exactly what goes into the broker's config file (so
+``meshbus keygen >> broker.toml`` works), and everything meant for a person on
+stderr. docs/security.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+import getpass
+import sys
+
+import click
+
+from meshbus.auth import (
+    Credentials,
+    TokenHash,
+    check_token,
+    check_user_name,
+    new_token,
+    toml_string,
+    users_entry,
+)
+from meshbus.cli_common import Parsed
+
+USER_NAME = Parsed("NAME", check_user_name)
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name: a container without a passwd entry
+        return "meshbus"
+
+
+@click.command()
+@click.option(
+    "--user",
+    type=USER_NAME,
+    default=_login_name,
+    show_default="your login name",
+    help="The user the key pair is for: its name in the broker's config.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The credentials file to write (default: USER.creds); never overwritten.",
+)
+def keygen(user: str, out: str | None) -> None:
+    """Make an Ed25519 key pair for signing in to a broker.
+
+    Writes the private key to a credentials file readable by you only (mode
+    0600): give it to the client with --creds FILE, MESHBUS_CREDS=FILE or
+    meshbus.connect(credentials=FILE). Prints the [[users]] entry, with the
+    public key, to paste into the broker's config file (--config).
+    """
+    path = out or f"{user}.creds"
+    credentials = Credentials.generate(user)
+    try:
+        credentials.write(path)
+    except FileExistsError:
+        raise click.ClickException(
+            f"{path} already exists; keygen never overwrites a credentials file "
+            "(remove it, or give another --out)"
+        ) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    click.echo(
+        f"wrote the private key of user {user!r} to {path} (mode 0600; keep it private). "
+        "Add this entry to the broker's config file:",
+        err=True,
+    )
+    click.echo(users_entry(user, public_key=credentials.public_key), nl=False)
+
+
+@click.command("hash-token")
+@click.option(
+    "--generate",
+    is_flag=True,
+    help="Make a strong random token, print it once (on stderr), and hash it.",
+)
+@click.option(
+    "--user",
+    type=USER_NAME,
+    default=None,
+    help="Print a whole [[users]] entry for this user, not just the token_hash line.",
+)
+def hash_token(generate: bool, user: str | None) -> None:
+    """Hash a bearer token for the broker's config: reads the token from stdin (one
+    line), or makes one with --generate, and prints the token_hash line.
+
+    Tokens are for development: a key pair (`meshbus keygen`) never sends its
+    secret to the broker. The client's credentials file holds user = "NAME" and
+    token = "TOKEN".
+    """
+    if generate:
+        token = new_token()
+        click.echo(
+            f"token = {toml_string(token)}  # for the client's credentials file; shown once",
+            err=True,
+        )
+    else:
+        if sys.stdin.isatty():
+            token = click.prompt("token", hide_input=True, err=True)
+        else:
+            token = sys.stdin.readline().rstrip("\r\n")
+        try:
+            check_token(token)
+        except ValueError as exc:
+            raise click.ClickException(f"the token read from stdin: {exc}") from None
+    token_hash = str(TokenHash.of(token))
+    if user is None:
+        click.echo(f"token_hash = {toml_string(token_hash)}")
+    else:
+        click.echo(users_entry(user, token_hash=token_hash), nl=False)
