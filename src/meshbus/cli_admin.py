@@ -298,14 +298,16 @@ _USERS = "users"
     type=click.IntRange(1),
     default=1_000,
     show_default=True,
-    help="Connections that have not sent HELLO yet; past it a new connection is closed at once.",
+    help="Connections still in their handshake (HELLO, and the sign-in when the broker has "
+    "users); past it a new connection is closed at once.",
 )
 @click.option(
     "--handshake-timeout",
     type=click.FloatRange(0, min_open=True),
     default=5.0,
     show_default=True,
-    help="Seconds a new connection has to send HELLO before it is closed "
+    help="Seconds a new connection has to finish its handshake (HELLO, and the sign-in "
+    "when the broker has users) before it is closed "
     "(checked every --heartbeat-interval).",
 )
 @click.option(

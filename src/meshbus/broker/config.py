@@ -63,8 +63,8 @@ class BrokerConfig:
     max_groups: int = 100_000  # group memberships per connector, over all its services
     max_requests: int = 10_000  # requests per connector waiting for a response
     max_request_timeout: float = 3600.0  # a request's longer timeout_ms is cut to this
-    max_handshaking: int = 1_000  # accepted connections that have not sent HELLO yet
-    handshake_timeout: float = 5.0  # seconds a connection may take to send its HELLO
+    max_handshaking: int = 1_000  # accepted connections still in their handshake
+    handshake_timeout: float = 5.0  # seconds to finish it: HELLO, and the sign-in if any
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
     # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone
     # who reaches the port; with some, connectors and operators sign in first.
