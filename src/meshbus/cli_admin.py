@@ -48,7 +48,7 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
     except tomllib.TOMLDecodeError as exc:
         raise click.BadParameter(f"{path} is not valid TOML: {exc}") from None
     flags = {
-        flag[2:]: option.name
+        flag[2:]: option
         for option in ctx.command.params
         if isinstance(option, click.Option) and option.name and option is not param
         for flag in option.opts
@@ -58,13 +58,13 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
     for key, value in data.items():
         if key == _USERS:
             continue
-        name = flags.get(key)
-        if name is None:
+        option = flags.get(key)
+        if option is None or option.name is None:
             raise click.BadParameter(
                 f"{path}: unknown key {key!r}; the keys are the broker's long flag names "
                 f"(see meshbus broker --help) and [[{_USERS}]]"
             )
-        defaults[name] = value
+        defaults[option.name] = _flag_text(option, key, value, path)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     try:
         return UserTable.from_config(data.get(_USERS, []), path)
@@ -73,6 +73,17 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
 
 
 _USERS = "users"
+
+
+def _flag_text(option: click.Option, key: str, value: object, path: str) -> str | list[str]:
+    """A config value as the text the flag would get on the command line, so click checks
+    it as it checks the flag; a list for a repeatable flag (one value may stand alone)."""
+    items = value if isinstance(value, list) and option.multiple else [value]
+    if not all(isinstance(item, str | int | float) for item in items):
+        kind = "a list of values" if option.multiple else "a string or a number"
+        raise click.BadParameter(f"{path}: {key} is {kind}, as --{key} takes")
+    texts = [str(item) for item in items]
+    return texts if option.multiple else texts[0]
 
 
 @click.command()

@@ -362,6 +362,7 @@ async def test_the_config_files_values_take_effect_and_a_flag_overrides_one(
     ("text", "expected"),
     [
         ("max-conectors = 7\n", "unknown key 'max-conectors'"),
+        ("max-connectors = { a = 1 }\n", "max-connectors is a string or a number"),
         ("listen = \n", "is not valid TOML"),
         (
             '[[users]]\nname = "ann"\ntoken_hash = "nope"\n',
@@ -377,7 +378,15 @@ async def test_the_config_files_values_take_effect_and_a_flag_overrides_one(
             "two users are named 'ann'",
         ),
     ],
-    ids=["unknown-key", "bad-toml", "bad-hash", "no-credential", "bad-key", "same-name"],
+    ids=[
+        "unknown-key",
+        "bad-value",
+        "bad-toml",
+        "bad-hash",
+        "no-credential",
+        "bad-key",
+        "same-name",
+    ],
 )
 async def test_a_bad_config_file_is_refused_at_start_naming_the_file(
     tmp_path: Path, text: str, expected: str
