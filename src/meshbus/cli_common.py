@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from meshbus.address import Address, Unicast
+from meshbus.auth import CREDS_ENV
 from meshbus.errors import MeshbusError
 from meshbus.util import parse_hostport
 
@@ -81,7 +82,7 @@ def creds_option(command: F) -> F:
         "--creds",
         type=click.Path(dir_okay=False),
         default=None,
-        envvar="MESHBUS_CREDS",
+        envvar=CREDS_ENV,
         show_envvar=True,
         help="Credentials file to sign in with, for a broker that has users "
         "(`meshbus keygen` writes one).",

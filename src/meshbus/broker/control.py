@@ -179,7 +179,8 @@ class ControlHandler:
         def answer(done: asyncio.Future[bool]) -> None:
             if link.closed or done.cancelled():
                 return
-            self._signed_in(link, event, done.result())
+            # A check that raised (scrypt out of memory) proves nothing.
+            self._signed_in(link, event, done.exception() is None and done.result())
             link.unblock()
 
         checked.add_done_callback(answer)

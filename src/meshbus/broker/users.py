@@ -47,9 +47,6 @@ class UserTable:
     def __bool__(self) -> bool:
         return bool(self._users)
 
-    def __len__(self) -> int:
-        return len(self._users)
-
     def __iter__(self) -> Iterator[User]:
         return iter(self._users.values())
 
