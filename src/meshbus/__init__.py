@@ -34,6 +34,7 @@ from meshbus.errors import (
     RequestError,
     StreamError,
     Timeout,
+    TLSError,
 )
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "StreamError",
     "StreamInfo",
     "StreamMessage",
+    "TLSError",
     "Timeout",
     "Undeliverable",
     "Unicast",

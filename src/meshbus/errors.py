@@ -10,7 +10,9 @@
     │                                     (or wanted some and none were given)
     ├── LinkError                         base of link-state errors
     │   ├── NotConnected (ConnectionError)     used after close(), or before connect()
-    │   └── ConnectionLost (ConnectionError)   the broker or the network broke the link
+    │   ├── ConnectionLost (ConnectionError)   the broker or the network broke the link
+    │   └── TLSError (ConnectionError)         TLS failed: a certificate or key that does not
+    │                                          load, or a TLS handshake with a broker
     ├── RequestError                      a request got no response
     │   ├── Timeout (TimeoutError)        the deadline passed (.timeout)
     │   └── NoRoute                       nobody serves that address (.address)
@@ -102,6 +104,14 @@ class NotConnected(LinkError, ConnectionError):
 class ConnectionLost(LinkError, ConnectionError):
     """The link to the broker broke (the broker or the network closed it). Also a builtin
     ``ConnectionError``."""
+
+
+class TLSError(LinkError, ConnectionError):
+    """TLS failed: a certificate, key or CA file could not be loaded, or the TLS handshake
+    with a broker did not succeed. The message names the cause and what to do (an
+    unknown CA, a name that does not match, an expired certificate, a client certificate
+    the broker requires, a broker that does not speak TLS). Also a builtin
+    ``ConnectionError``; not a ``ConnectionLost``, since trying again will not help."""
 
 
 class RequestError(MeshbusError):

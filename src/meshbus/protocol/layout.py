@@ -161,6 +161,9 @@ class ErrorCode(IntEnum):
     # The AUTH did not prove a user of this broker (or never came): the link is closed. The
     # message says what to check without telling whether the user exists.
     AUTH_FAILED = 22
+    # The broker takes only clients with a certificate (--tls-verify-clients), and this
+    # link's TLS handshake showed none (docs/security.md, "TLS").
+    CERTIFICATE_REQUIRED = 23
 
 
 # Errors after which the sender of the offending frame is disconnected.
@@ -176,6 +179,7 @@ FATAL_ERRORS = frozenset(
         ErrorCode.SHUTTING_DOWN,
         ErrorCode.REDIRECT,
         ErrorCode.DUPLICATE_LINK,
+        ErrorCode.CERTIFICATE_REQUIRED,
         ErrorCode.NAME_IN_USE,
         ErrorCode.AUTH_FAILED,
     }
