@@ -69,6 +69,13 @@ class BrokerConfig:
     # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone
     # who reaches the port; with some, connectors and operators sign in first.
     users: UserTable = field(default_factory=UserTable)
+    # -- TLS (docs/security.md): with a certificate and key every accepted link is TLS,
+    # and peers are dialled with TLS, checked against tls_ca (the system's CAs if empty).
+    # tls_verify_clients: every link must show a certificate signed by tls_ca.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_verify_clients: bool = False
 
     @property
     def heartbeat_budget(self) -> float:

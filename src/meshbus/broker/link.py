@@ -458,7 +458,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         peer closes (closing with unread input would reset the connection instead)."""
         if self.writable:
             assert self.transport is not None
-            self.transport.write_eof()
+            # TLS cannot half-close: there we stop writing and go on reading all the same.
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
             self._eof = True
 
     def close(self, reason: CloseReason) -> None:

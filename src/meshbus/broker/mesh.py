@@ -29,6 +29,7 @@ import asyncio
 import logging
 import math
 import random
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ from meshbus.protocol.control import (
 )
 from meshbus.protocol.handshake import HelloRefused, Welcomed, negotiated_max_frame
 from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.tls import failure_reason
 from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.broker")
@@ -80,8 +82,14 @@ class MeshJoinError(MeshbusError):
 Dialer = Callable[[str, int, Callable[[], Link]], Awaitable[Link]]
 
 
-async def dial_tcp(host: str, port: int, new_link: Callable[[], Link]) -> Link:
-    _, link = await asyncio.get_running_loop().create_connection(new_link, host, port)
+async def dial_tcp(
+    host: str, port: int, new_link: Callable[[], Link], *, tls: ssl.SSLContext | None = None
+) -> Link:
+    """With ``tls`` (meshbus.tls.dial_context) the link is TLS, and the peer's certificate
+    must be good for ``host``, the host dialled."""
+    _, link = await asyncio.get_running_loop().create_connection(
+        new_link, host, port, ssl=tls, server_hostname=host if tls is not None else None
+    )
     return link
 
 
@@ -270,7 +278,13 @@ class Mesh:
             for name, info in list(self.known.items()):
                 if info.address == address and name not in self.peers:
                     del self.known[name]  # heard of, but not there
-            log.info("could not link to a broker", extra={"address": address, "error": str(exc)})
+            # A TLS failure is a setup to fix (a CA, a name, a date), not a broker that is down.
+            level, error = (
+                (logging.WARNING, failure_reason(exc))
+                if isinstance(exc, ssl.SSLError)
+                else (logging.INFO, str(exc))
+            )
+            log.log(level, "could not link to a broker", extra={"address": address, "error": error})
             return False
         finally:
             self._dialling.pop(address, None)

@@ -38,6 +38,7 @@ from meshbus.broker.process import ready_line
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.secure import TLSAcceptor
 from meshbus.broker.signin import SignIn
 from meshbus.broker.slices import Slices
 from meshbus.broker.stat import StatView
@@ -48,6 +49,7 @@ from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
 from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.tls import dial_context, server_context
 from meshbus.util import BackgroundTasks
 
 __all__ = ["Broker", "BrokerConfig", "serve"]
@@ -99,19 +101,35 @@ class Broker:
         config: BrokerConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
-        dialer: Dialer = dial_tcp,
+        dialer: Dialer | None = None,
         rng: random.Random | None = None,
     ) -> None:
         """``clock`` is the broker's time (deadlines, heartbeats, expiries); ``dialer``
-        opens its links to other brokers; ``rng`` makes every random choice (anycast
-        picks, group members, redial jitter, claim backoff). Tests give fakes of the
-        first two and a seeded ``rng``, so a simulation runs the same every time."""
+        opens its links to other brokers (by default TCP, with TLS when the config has a
+        certificate); ``rng`` makes every random choice (anycast picks, group members,
+        redial jitter, claim backoff). Tests give fakes of the first two and a seeded
+        ``rng``, so a simulation runs the same every time.
+
+        With ``config.tls_cert`` the certificate, key and CA files are loaded here: a
+        file that is missing or does not load raises ``meshbus.TLSError`` naming it."""
         config = self.config = config or BrokerConfig()
         rng = rng or random.Random()
         self.clock = clock
         self.stats = TrafficStats()
         self.lag = LoopLag()
         self.links = LinkRegistry()
+        self.tls: TLSAcceptor | None = None
+        if config.tls_cert:
+            cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
+            self.tls = TLSAcceptor(
+                server_context(cert, key, ca, config.tls_verify_clients),
+                timeout=config.handshake_timeout,
+                max_handshaking=config.max_handshaking,
+                require_cert=config.tls_verify_clients,
+                waiting_for_hello=lambda: len(self.links.handshaking),
+                new_link=self.new_link,
+            )
+            dialer = dialer or functools.partial(dial_tcp, tls=dial_context(cert, key, ca))
         self.peers = Peers()
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
         self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer, rng=rng)
@@ -167,7 +185,7 @@ class Broker:
             greet_peer=self._greet_peer,
             on_ready=self._became_ready,
             hosted_streams=self.streams.names,
-            dialer=dialer,
+            dialer=dialer or dial_tcp,
             rng=rng,
         )
         self.stat = StatView(
@@ -271,10 +289,13 @@ class Broker:
         it cannot). Peers can link while it joins; connectors are taken once it is ready."""
         loop = asyncio.get_running_loop()
         config = self.config
-        self._server = await loop.create_server(
-            self.new_link, config.host, config.port, reuse_address=True, backlog=1024
-        )
-        host, port = self._server.sockets[0].getsockname()[:2]
+        if self.tls is not None:
+            host, port = self.tls.listen(config.host, config.port)
+        else:
+            self._server = await loop.create_server(
+                self.new_link, config.host, config.port, reuse_address=True, backlog=1024
+            )
+            host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{host}:{port}"
         self.named(config.name or f"broker-{port}", config.advertise or self.address)
         await self.run_mesh()
@@ -321,6 +342,8 @@ class Broker:
         """Close every link with a BYE and stop listening."""
         if self._server is not None:
             self._server.close()
+        if self.tls is not None:
+            await self.tls.stop()
         await self.telemetry.stop()
         await self.control.stop()
         await self.mesh.stop()
@@ -353,14 +376,16 @@ class Broker:
         )
 
     def _link_opened(self, link: Link) -> None:
-        """A TCP connection is up. One this broker accepted must finish its handshake --
-        HELLO, and the sign-in when the broker has users -- within ``handshake_timeout``
-        (``expire_handshakes``), and at most ``max_handshaking`` may be at it: past that
-        a new one is closed at once."""
+        """A connection is up (with TLS, its TLS handshake done). One this broker accepted
+        must finish its handshake -- HELLO, and the sign-in when the broker has users --
+        within ``handshake_timeout`` (``expire_handshakes``), and at most
+        ``max_handshaking`` may be at it: past that a new one is closed at once."""
         links = self.links
         links.opened(link)
         if link.dialled:
             return  # the mesh's own dial, with its own timeout
+        if self.tls is not None and not self.tls.admit(link):
+            return
         config = self.config
         if len(links.handshaking) >= config.max_handshaking:
             link.fail(
