@@ -17,6 +17,7 @@ from meshbus.client.connector import Connector, ConnectorParts
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
+from meshbus.tls import TLSOption, client_context
 from meshbus.util import parse_hostport
 
 
@@ -73,6 +74,7 @@ async def connect(
     reliable: ReliableConfig | None = None,
     request_timeout: float = 30.0,
     credentials: Credentials | str | os.PathLike[str] | None = None,
+    tls: TLSOption = None,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list) and complete the handshake.
@@ -100,6 +102,13 @@ async def connect(
     signs in with them -- failover, redirects and moves too. A broker that refuses
     them, or wants credentials and got none, raises ``meshbus.AuthenticationFailed``;
     a broker without users takes the connector as it is.
+    ``tls`` makes every link TLS: True checks the broker's certificate against the
+    system's CAs, a CA file path (str or os.PathLike) against that CA, and an
+    ``ssl.SSLContext`` is used as given (a client certificate for a broker with
+    --tls-verify-clients: ``context.load_cert_chain(cert, key)``). The certificate
+    must be good for the host dialled. None or False: plain TCP. Failover, redirects
+    and moves dial with the same settings. A TLS failure raises ``meshbus.TLSError``
+    naming its cause.
     """
     if server is None:
         server = socket.gethostname().split(".")[0]
@@ -107,6 +116,7 @@ async def connect(
     addresses = broker_list(broker)
     _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
     signing_in = resolve_credentials(credentials)
+    tls_context = client_context(tls)
     parts = ConnectorParts(
         server=server,
         name=name or server,
@@ -119,6 +129,7 @@ async def connect(
         reliable=reliable or ReliableConfig(),
         request_timeout=request_timeout,
         credentials=signing_in,
+        tls=tls_context,
     )
     await parts.start(timeout)
     return Connector(parts)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,7 @@ class ConnectorParts:
         reliable: ReliableConfig,
         request_timeout: float,
         credentials: Credentials | None,
+        tls: ssl.SSLContext | None,
     ) -> None:
         self.server = server
         self.name = name
@@ -124,6 +126,7 @@ class ConnectorParts:
                 credential=credentials,
             ),
             brokers=brokers,
+            tls=tls,
             failover_timeout=failover_timeout,
             keepalive=keepalive,
             request_timeout=request_timeout,

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import random
+import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ from meshbus.errors import (
     ConnectionLost,
     MeshbusError,
     RemoteProtocolError,
+    TLSError,
 )
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
@@ -63,6 +65,7 @@ from meshbus.protocol.control import (
 )
 from meshbus.protocol.handshake import Credential, DiallingHandshake, HelloRefused
 from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.tls import handshake_error
 from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.client")
@@ -211,6 +214,7 @@ class LinkKeeper:
         *,
         identity: Identity,
         brokers: list[str],
+        tls: ssl.SSLContext | None,
         failover_timeout: float,
         keepalive: float,
         request_timeout: float,
@@ -230,6 +234,7 @@ class LinkKeeper:
         self.failovers = 0
         self.moves = 0
         self._identity = identity
+        self._tls = tls  # every link, the first and each after a failover, redirect or move
         self._epoch = 0  # links opened so far: each HELLO says how many came before it
         self._failover_timeout = failover_timeout
         self._keepalive = keepalive
@@ -254,13 +259,15 @@ class LinkKeeper:
         self.activate(await self.open_any(self.brokers, random_order=False))
 
     async def open_any(self, addresses: list[str], *, random_order: bool) -> BrokerLink:
-        """A handshaken link to one of ``addresses``, following redirects; ConnectionLost
-        (naming every reason) if none takes us, AuthenticationFailed at once if one
-        refuses our credentials (or wants some)."""
+        """A handshaken link to one of ``addresses``, following redirects; if none takes
+        us, ConnectionLost naming every reason -- TLSError when a TLS failure was among
+        them, since that one needs fixing rather than waiting for; AuthenticationFailed
+        at once if one refuses our credentials (or wants some)."""
         order = list(addresses)
         if random_order:
             self._rng.shuffle(order)
         reasons: list[str] = []
+        tls_failed = False
         for address in order:
             for _ in range(_MAX_REDIRECTS):
                 try:
@@ -270,14 +277,17 @@ class LinkKeeper:
                     if not exc.address or exc.address == address:
                         break
                     address = exc.address
-                except ConnectionLost as exc:
+                except (ConnectionLost, TLSError) as exc:
                     reasons.append(str(exc))
+                    tls_failed = tls_failed or isinstance(exc, TLSError)
                     break
-        raise ConnectionLost("; ".join(reasons) or "no broker to connect to")
+        error = TLSError if tls_failed else ConnectionLost
+        raise error("; ".join(reasons) or "no broker to connect to")
 
     async def _open(self, address: str) -> BrokerLink:
         """A link to ``address`` that the broker welcomed; Redirected when the broker
-        refuses us naming another, ConnectionLost for anything else that goes wrong."""
+        refuses us naming another, TLSError when TLS fails, ConnectionLost for anything
+        else that goes wrong."""
         try:
             host, port = parse_hostport(address)
         except ValueError as exc:  # from a broker list the mesh sent
@@ -311,7 +321,11 @@ class LinkKeeper:
                 ),
                 host,
                 port,
+                ssl=self._tls,
+                server_hostname=host if self._tls is not None else None,
             )
+        except ssl.SSLError as exc:
+            raise handshake_error(exc, address) from None
         except OSError as exc:
             # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
             why = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -339,6 +353,12 @@ class LinkKeeper:
                 raise Redirected(outcome.message, outcome.redirect)
             if outcome.code == ErrorCode.AUTH_FAILED:
                 raise _authentication_failed(address, outcome)
+            if outcome.code == ErrorCode.CERTIFICATE_REQUIRED:
+                raise TLSError(
+                    f"broker {address} requires a client certificate signed by its CA "
+                    "(mutual TLS); give one: --tls-cert FILE --tls-key FILE, or "
+                    "meshbus.connect(tls=context) after context.load_cert_chain(cert, key)"
+                )
             raise ConnectionLost(f"lost the link to broker {address}: {outcome.message}")
         welcome = outcome.welcome
         links.agreed(welcome.max_frame)
@@ -408,7 +428,7 @@ class LinkKeeper:
                     async with asyncio.timeout(max(0.05, deadline - loop.time())):
                         link = await self.open_any(self.brokers, random_order=True)
                         await self._restore(link)
-                except (ConnectionLost, TimeoutError) as exc:
+                except (ConnectionLost, TLSError, TimeoutError) as exc:
                     reasons = str(exc)
                     await asyncio.sleep(_RETRY_PAUSE)
                     continue
@@ -441,7 +461,7 @@ class LinkKeeper:
             try:
                 link = await self.open_any([address], random_order=False)
                 await self._restore(link)
-            except (ConnectionLost, RemoteProtocolError, AuthenticationFailed) as exc:
+            except (ConnectionLost, TLSError, RemoteProtocolError, AuthenticationFailed) as exc:
                 log.warning("could not move", extra={"to": address, "error": str(exc)})
                 return
             if links.closed:

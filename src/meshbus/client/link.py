@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable, Collection
 from typing import Protocol, cast
 
-from meshbus.errors import ConnectionLost, NotConnected, ProtocolError
+from meshbus.errors import ConnectionLost, MeshbusError, NotConnected, ProtocolError, TLSError
 from meshbus.protocol.codec import ControlFrame, DataFrame, FrameDecoder
 from meshbus.protocol.control import Bye, Error
 from meshbus.protocol.handshake import Challenged, DiallingHandshake, HelloRefused, Welcomed
 from meshbus.protocol.layout import ControlType
+from meshbus.tls import handshake_error
 
 log = logging.getLogger("meshbus.client")
 
@@ -66,6 +68,7 @@ class BrokerLink(asyncio.Protocol):
         self.address = address
         self.broker_name = ""
         self.transport: asyncio.Transport | None = None
+        self.tls = False  # the link is TLS (known once connected)
         self.closed = False
         self.error = ""  # what the broker said before it closed the link (ERROR, BYE)
         self.heard_at = 0.0
@@ -90,6 +93,7 @@ class BrokerLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        self.tls = transport.get_extra_info("sslcontext") is not None
         self.heard_at = self._loop.time()
         if self._full_inboxes:
             self.transport.pause_reading()
@@ -113,8 +117,26 @@ class BrokerLink(asyncio.Protocol):
             f"lost the link to broker {self.broker_name or self.address}: {reason}"
         )
         if not self.welcomed.done():
-            self.welcomed.set_exception(error)
+            self.welcomed.set_exception(error if self.error else self._unanswered(exc))
         self._on_lost(self, error)
+
+    def _unanswered(self, exc: Exception | None) -> MeshbusError:
+        """The link closed before the broker answered HELLO, without a word: most likely
+        a TLS setting the two ends do not share."""
+        if isinstance(exc, ssl.SSLError):
+            return handshake_error(exc, self.address)
+        if self.tls:
+            return TLSError(
+                f"broker {self.address} closed the link right after the TLS handshake, "
+                "before answering HELLO; it may have refused this client's certificate "
+                "(with --tls-verify-clients it must be signed by the broker's --tls-ca "
+                "and be valid)"
+            )
+        return ConnectionLost(
+            f"broker {self.address} closed the link during the handshake, before answering "
+            "HELLO; it may require TLS: connect with tls=... (on the command line "
+            "--tls-ca FILE)"
+        )
 
     def pause_writing(self) -> None:
         self.write_paused = True
