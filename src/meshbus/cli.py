@@ -22,6 +22,7 @@ from meshbus.cli_common import (
     ADDRESS_HELP,
     EXIT_NO_ROUTE,
     EXIT_TIMEOUT,
+    Access,
     connection_options,
     run,
 )
@@ -143,7 +144,7 @@ async def _bind(conn: Connector, address: Address) -> Service:
 @click.argument("address", type=ADDRESS)
 @click.argument("text")
 def send(
-    broker_address: str, server: str, creds: str | None, notify: bool, address: Address, text: str
+    broker_address: str, server: str, access: Access, notify: bool, address: Address, text: str
 ) -> None:
     """Send TEXT (UTF-8) to ADDRESS, at most once, and exit.
 
@@ -154,20 +155,19 @@ def send(
     Exit codes: 0 sent, 1 error (e.g. no broker),
     2 bad arguments, 4 no route (with --notify).
     """
-    run(_send(broker_address, server, creds, address, _payload(text), notify))
+    run(_send(broker_address, server, access, address, _payload(text), notify))
 
 
 async def _send(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     address: Address,
     payload: bytes,
     notify: bool,
 ) -> None:
-    import meshbus
 
-    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
+    async with await access.connect(broker_address, server=server) as conn:
         service = await conn.register()
         failed: list[Undeliverable] = []
         conn.on_undeliverable(failed.append)
@@ -198,7 +198,7 @@ async def _send(
 def listen(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     count: int | None,
     timeout: float | None,
     as_json: bool,
@@ -218,7 +218,7 @@ def listen(
     _check_bindable(address)
     run(
         _listen(
-            broker_address, _server_for(address, server), creds, address, count, timeout, as_json
+            broker_address, _server_for(address, server), access, address, count, timeout, as_json
         ),
         interruptible=True,
     )
@@ -227,18 +227,17 @@ def listen(
 async def _listen(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     address: Address,
     count: int | None,
     timeout: float | None,
     as_json: bool,
 ) -> None:
-    import meshbus
 
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     received = 0
-    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
+    async with await access.connect(broker_address, server=server) as conn:
         service = await _bind(conn, address)
         click.echo(f"listening on {address} as {service.address}", err=True)
         while count is None or received < count:
@@ -272,7 +271,7 @@ async def _listen(
 def request(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     timeout: float,
     address: Address,
     text: str,
@@ -287,20 +286,19 @@ def request(
     2 bad arguments, 3 timeout (no response in time),
     4 no route (nobody serves ADDRESS).
     """
-    run(_request(broker_address, server, creds, address, _payload(text), timeout))
+    run(_request(broker_address, server, access, address, _payload(text), timeout))
 
 
 async def _request(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     address: Address,
     payload: bytes,
     timeout: float,
 ) -> None:
-    import meshbus
 
-    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
+    async with await access.connect(broker_address, server=server) as conn:
         service = await conn.register()
         try:
             response = await service.request(address, payload, timeout=timeout)
@@ -334,7 +332,7 @@ async def _request(
 def reply(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     echo: bool,
     text: str | None,
     count: int | None,
@@ -357,7 +355,7 @@ def reply(
     answer = None if text is None else _payload(text)
     run(
         _reply(
-            broker_address, _server_for(address, server), creds, address, answer, count, as_json
+            broker_address, _server_for(address, server), access, address, answer, count, as_json
         ),
         interruptible=True,
     )
@@ -366,16 +364,15 @@ def reply(
 async def _reply(
     broker_address: str,
     server: str,
-    creds: str | None,
+    access: Access,
     address: Address,
     answer: bytes | None,
     count: int | None,
     as_json: bool,
 ) -> None:
-    import meshbus
 
     answered = 0
-    async with await meshbus.connect(broker_address, server=server, credentials=creds) as conn:
+    async with await access.connect(broker_address, server=server) as conn:
         service = await _bind(conn, address)
         click.echo(f"answering {address} as {service.address}", err=True)
         while count is None or answered < count:

@@ -22,8 +22,9 @@ from meshbus.cli_common import (
     DEFAULT_BROKER,
     DEFAULT_SERVER,
     HOSTPORT,
+    Access,
+    access_options,
     connection_options,
-    creds_option,
     run,
 )
 from meshbus.cli_stat_view import stat_renderables
@@ -328,6 +329,33 @@ def _flag_text(option: click.Option, key: str, value: object, path: str) -> str 
     show_default=True,
     help="Operator links (meshbus stat, drain) open at once; past it one is refused.",
 )
+# -- TLS (docs/security.md, "TLS")
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PEM certificate (with its chain) of this broker: with it, every link it accepts "
+    "is TLS only, and it dials its peers with TLS. Needs --tls-key.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PEM private key (unencrypted) of --tls-cert.",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PEM CA certificate(s) that peer brokers' certificates (and, with "
+    "--tls-verify-clients, clients') must be signed by; default: the system's CAs.",
+)
+@click.option(
+    "--tls-verify-clients",
+    is_flag=True,
+    help="Mutual TLS: refuse every link (connectors, operators, peer brokers) without a "
+    "certificate signed by --tls-ca.",
+)
 def broker(
     users: UserTable,
     listen: str,
@@ -361,6 +389,10 @@ def broker(
     max_handshaking: int,
     handshake_timeout: float,
     max_operators: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
+    tls_verify_clients: bool,
 ) -> None:
     """Run a broker in the foreground until SIGINT or SIGTERM.
 
@@ -375,7 +407,15 @@ def broker(
     from meshbus.broker.mesh import MeshJoinError
     from meshbus.broker.store import StoreError
     from meshbus.broker.streams import DataDirLocked
+    from meshbus.errors import TLSError
 
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together: give both, or neither")
+    if tls_verify_clients and not (tls_cert and tls_ca):
+        raise click.UsageError(
+            "--tls-verify-clients needs --tls-cert, --tls-key and --tls-ca (the CA that "
+            "signs the clients' certificates)"
+        )
     host, port = parse_hostport(listen)
     if data_dir:
         os.makedirs(data_dir, exist_ok=True)
@@ -414,9 +454,15 @@ def broker(
         handshake_timeout=handshake_timeout,
         max_operators=max_operators,
         users=users,
+        tls_cert=tls_cert or "",
+        tls_key=tls_key or "",
+        tls_ca=tls_ca or "",
+        tls_verify_clients=tls_verify_clients,
     )
     try:
         uvloop.run(serve(config))
+    except TLSError as exc:  # a ConnectionError too, so before OSError
+        raise click.ClickException(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
     except (MeshJoinError, DataDirLocked, StoreError) as exc:
@@ -590,21 +636,17 @@ def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], cons
     show_default=True,
     help="Wait until the broker has stopped.",
 )
-@creds_option
-def drain(broker_address: str, grace: float | None, wait: bool, creds: str | None) -> None:
+@access_options
+def drain(broker_address: str, grace: float | None, wait: bool, access: Access) -> None:
     """Drain a broker: it takes no new connectors, moves its connectors to the other
     brokers of the mesh, waits up to its grace period, and exits."""
-    run(_drain(broker_address, grace or 0.0, wait, creds))
+    run(_drain(broker_address, grace or 0.0, wait, access))
 
 
-async def _drain(broker_address: str, grace: float, wait: bool, creds: str | None) -> None:
+async def _drain(broker_address: str, grace: float, wait: bool, access: Access) -> None:
     import asyncio
 
-    import meshbus
-
-    async with await meshbus.connect(
-        broker_address, server=DEFAULT_SERVER, operator=True, credentials=creds
-    ) as conn:
+    async with await access.connect(broker_address, server=DEFAULT_SERVER, operator=True) as conn:
         name = conn.broker_name
         await conn.drain_broker(grace)
     click.echo(f"broker {name} at {broker_address} is draining", err=True)
@@ -635,7 +677,7 @@ async def _drain(broker_address: str, grace: float, wait: bool, creds: str | Non
     is_flag=True,
     help="Leave out the per-service and per-group lists (for large routing tables).",
 )
-def stat(broker_address: str, server: str, creds: str | None, as_json: bool, brief: bool) -> None:
+def stat(broker_address: str, server: str, access: Access, as_json: bool, brief: bool) -> None:
     """Show the broker's view: the mesh, its links, services, groups and counters.
 
     --json prints one object with at least: name, connectors, services
@@ -645,7 +687,7 @@ def stat(broker_address: str, server: str, creds: str | None, as_json: bool, bri
     operator), but not counted as a connector, and never redirected -- a full or
     draining broker shows its own state.
     """
-    data = run(_stat(broker_address, server, creds, not brief))
+    data = run(_stat(broker_address, server, access, not brief))
     assert data is not None
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
@@ -657,12 +699,7 @@ def stat(broker_address: str, server: str, creds: str | None, as_json: bool, bri
         console.print(renderable)
 
 
-async def _stat(
-    broker_address: str, server: str, creds: str | None, detail: bool
-) -> dict[str, Any]:
-    import meshbus
+async def _stat(broker_address: str, server: str, access: Access, detail: bool) -> dict[str, Any]:
 
-    async with await meshbus.connect(
-        broker_address, server=server, operator=True, credentials=creds
-    ) as conn:
+    async with await access.connect(broker_address, server=server, operator=True) as conn:
         return await conn.stat(detail=detail)

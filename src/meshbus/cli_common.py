@@ -6,15 +6,22 @@ operator's) build on it; neither imports the other's commands.
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
 from meshbus.address import Address, Unicast
 from meshbus.auth import CREDS_ENV
-from meshbus.errors import MeshbusError
+from meshbus.errors import MeshbusError, TLSError
+from meshbus.tls import cli_context
 from meshbus.util import parse_hostport
+
+if TYPE_CHECKING:
+    from meshbus.client.connector import Connector
 
 DEFAULT_BROKER = "127.0.0.1:7400"
 DEFAULT_SERVER = "cli"
@@ -75,26 +82,77 @@ ADDRESS = Parsed("ADDRESS", Address.parse)
 SERVER_NAME = Parsed("NAME", _check_server_name)
 
 
-def creds_option(command: F) -> F:
-    """--creds FILE (or MESHBUS_CREDS): the credentials to sign in with, for brokers that
-    have users (docs/security.md)."""
-    return click.option(
+@dataclass(frozen=True)
+class Access:
+    """How a client command reaches a broker, besides its address: the TLS context of
+    --tls-* (None: plain TCP) and the credentials file of --creds (None: the one
+    MESHBUS_CREDS names, if any). ``connect`` takes them as they are."""
+
+    tls: ssl.SSLContext | None
+    credentials: str | None
+
+    async def connect(self, broker_address: str, **options: Any) -> Connector:
+        import meshbus
+
+        return await meshbus.connect(
+            broker_address, tls=self.tls, credentials=self.credentials, **options
+        )
+
+
+def access_options(command: F) -> F:
+    """--creds, --tls-ca, --tls-cert and --tls-key, the same on every client command; the
+    command gets them as one argument, ``access`` (an ``Access``). A TLS file that does
+    not load fails here, before any I/O (meshbus.tls.cli_context)."""
+
+    @functools.wraps(command)
+    def with_access(
+        *args: Any,
+        creds: str | None,
+        tls_ca: str | None,
+        tls_cert: str | None,
+        tls_key: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            tls = cli_context(tls_ca, tls_cert, tls_key)
+        except TLSError as exc:
+            raise click.ClickException(str(exc)) from exc
+        return command(*args, access=Access(tls, creds), **kwargs)
+
+    path = click.Path(dir_okay=False)
+    for name, help_text in (
+        ("--tls-key", "PEM private key (unencrypted) of --tls-cert."),
+        (
+            "--tls-cert",
+            "PEM client certificate, for a broker that requires one (--tls-verify-clients); "
+            "needs --tls-key.",
+        ),
+        (
+            "--tls-ca",
+            "PEM CA certificate the broker's certificate must be signed by. Any --tls-* "
+            "option connects with TLS; without --tls-ca the system's CAs are used.",
+        ),
+    ):
+        click.option(name, type=path, default=None, help=help_text)(with_access)
+    click.option(
         "--creds",
-        type=click.Path(dir_okay=False),
+        type=path,
         default=None,
         envvar=CREDS_ENV,
         show_envvar=True,
         help="Credentials file to sign in with, for a broker that has users "
         "(`meshbus keygen` writes one).",
-    )(command)
+    )(with_access)
+    return cast(F, with_access)
 
 
 def connection_options(command: F) -> F:
-    """--broker, --server and --creds, the same on every client command.
+    """--broker, --server and the access options (``access_options``), the same on every
+    client command.
 
     --broker may name several brokers of one mesh, separated by commas: the
     command uses the first that answers."""
-    command = creds_option(command)
+    command = access_options(command)
     command = click.option(
         "--server",
         type=SERVER_NAME,

@@ -24,8 +24,9 @@ from meshbus.cli_common import (
     DEFAULT_BROKER,
     DEFAULT_SERVER,
     HOSTPORT,
+    Access,
     Parsed,
-    creds_option,
+    access_options,
     run,
 )
 
@@ -62,9 +63,8 @@ CAPTURE = Parsed("multicast:NAME", _parse_capture)
 
 
 def _broker_option(command: F) -> F:
-    """--broker (and --creds) of every stream command but ``add``: any broker of the mesh
-    will do."""
-    command = creds_option(command)
+    """--broker and the access options (--creds, --tls-*) of every stream command but
+    ``add``: any broker of the mesh will do."""
     return click.option(
         "--broker",
         "broker_address",
@@ -73,7 +73,7 @@ def _broker_option(command: F) -> F:
         show_default=True,
         help="Broker to ask (HOST:PORT, or HOST:PORT,HOST:PORT: the first that answers); "
         "any broker of the mesh relays the request to the stream's host.",
-    )(command)
+    )(access_options(command))
 
 
 def _json_option(command: F) -> F:
@@ -82,12 +82,9 @@ def _json_option(command: F) -> F:
     )
 
 
-async def _connect(broker_address: str, creds: str | None) -> Connector:
-    import meshbus
+async def _connect(broker_address: str, access: Access) -> Connector:
 
-    return await meshbus.connect(
-        broker_address, server=DEFAULT_SERVER, operator=True, credentials=creds
-    )
+    return await access.connect(broker_address, server=DEFAULT_SERVER, operator=True)
 
 
 @click.group()
@@ -153,7 +150,7 @@ def stream() -> None:
     show_default=True,
     help="The broker that is to host the stream (stores its messages).",
 )
-@creds_option
+@access_options
 @_json_option
 def add(
     name: str,
@@ -163,7 +160,7 @@ def add(
     max_age: float,
     dedupe_window: float,
     broker_address: str,
-    creds: str | None,
+    access: Access,
     as_json: bool,
 ) -> None:
     """Create stream NAME on the --broker broker, capturing the --capture addresses.
@@ -173,7 +170,7 @@ def add(
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address, creds) as conn:
+        async with await _connect(broker_address, access) as conn:
             return await conn.streams.add(
                 name,
                 list(captures),
@@ -195,7 +192,7 @@ def add(
 @click.argument("name", type=STREAM_NAME)
 @_broker_option
 @_json_option
-def info(name: str, broker_address: str, creds: str | None, as_json: bool) -> None:
+def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     """Show stream NAME: its host broker, first and last seq, messages, payload bytes,
     consumers and limits.
 
@@ -205,7 +202,7 @@ def info(name: str, broker_address: str, creds: str | None, as_json: bool) -> No
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address, creds) as conn:
+        async with await _connect(broker_address, access) as conn:
             return await conn.streams.info(name)
 
     result = run(go())
@@ -249,11 +246,11 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
 @stream.command(name="list")
 @_broker_option
 @_json_option
-def list_(broker_address: str, creds: str | None, as_json: bool) -> None:
+def list_(broker_address: str, access: Access, as_json: bool) -> None:
     """List every stream of the mesh and the broker that hosts it."""
 
     async def go() -> list[dict[str, Any]]:
-        async with await _connect(broker_address, creds) as conn:
+        async with await _connect(broker_address, access) as conn:
             return await conn.streams.list()
 
     streams = run(go())
@@ -304,7 +301,7 @@ def list_(broker_address: str, creds: str | None, as_json: bool) -> None:
     "priority.",
 )
 def fetch(
-    name: str, from_seq: int, count: int, broker_address: str, creds: str | None, as_json: bool
+    name: str, from_seq: int, count: int, broker_address: str, access: Access, as_json: bool
 ) -> None:
     """Print up to --count messages of stream NAME from seq --from on, in order.
 
@@ -314,7 +311,7 @@ def fetch(
     """
 
     async def go() -> None:
-        async with await _connect(broker_address, creds) as conn:
+        async with await _connect(broker_address, access) as conn:
             seq, left = from_seq, count
             while left > 0:
                 page = await conn.streams.fetch(name, seq, min(left, _PAGE))
@@ -356,7 +353,7 @@ def _print_message(msg: StreamMessage, as_json: bool) -> None:
 @click.argument("name", type=STREAM_NAME)
 @_broker_option
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-def delete(name: str, broker_address: str, creds: str | None, yes: bool) -> None:
+def delete(name: str, broker_address: str, access: Access, yes: bool) -> None:
     """Delete stream NAME with all its messages and consumers; it stops capturing.
 
     Asks for confirmation unless --yes is given.
@@ -365,7 +362,7 @@ def delete(name: str, broker_address: str, creds: str | None, yes: bool) -> None
         click.confirm(f"Delete stream {name} and all its messages?", abort=True, err=True)
 
     async def go() -> None:
-        async with await _connect(broker_address, creds) as conn:
+        async with await _connect(broker_address, access) as conn:
             await conn.streams.delete(name)
 
     run(go())
