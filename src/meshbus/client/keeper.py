@@ -328,7 +328,8 @@ class LinkKeeper:
             raise handshake_error(exc, address) from None
         except OSError as exc:
             # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
-            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            # uvloop's reset during a TLS handshake is a bare ConnectionResetError().
+            why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
             raise ConnectionLost(
                 f"could not connect to broker {address}: {why} (is a broker running there?)"
             ) from exc
