@@ -322,3 +322,35 @@ async def test_a_broker_whose_key_does_not_match_its_certificate_exits_naming_bo
     assert err.decode().strip().splitlines() == [
         f"Error: the TLS key {other.key} does not belong to the certificate {certs.broker.cert}"
     ]
+
+
+async def test_a_client_certificate_names_its_user_under_mutual_tls(certs: Certs) -> None:
+    """A user proved by a client certificate (its common name) is not challenged; a
+    verified certificate that names no user is, and without credentials it is refused."""
+    config = certs.directory / "broker.toml"
+    config.write_text('[[users]]\nname = "alice"\ncertificate = "alice.example"\n')
+    broker = await start_broker(
+        *certs.broker.broker_args(),
+        "--tls-ca",
+        str(certs.ca_file),
+        "--tls-verify-clients",
+        "--config",
+        str(config),
+    )
+
+    def context_for(common_name: str) -> ssl.SSLContext:
+        pem = certs.issue(common_name, f"{common_name}", common_name=common_name)
+        context = ssl.create_default_context(cafile=str(certs.ca_file))
+        context.load_cert_chain(str(pem.cert), str(pem.key))
+        return context
+
+    try:
+        async with await meshbus.connect(
+            broker.address, operator=True, tls=context_for("alice.example")
+        ) as op:
+            links = (await op.stat())["links"]
+            assert [link["user"] for link in links if link["role"] == "operator"] == ["alice"]
+        with pytest.raises(meshbus.AuthenticationFailed, match="credentials"):
+            await meshbus.connect(broker.address, tls=context_for("bob.example"), failover=False)
+    finally:
+        assert await broker.stop() == 0

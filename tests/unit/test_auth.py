@@ -217,16 +217,17 @@ def test_the_entry_keygen_prints_is_one_the_broker_reads() -> None:
     [
         ([{"name": "a", "public_key": "ed25519:AAAA"}], "user 'a': an Ed25519 key is 32 bytes"),
         ([{"name": "a", "token_hash": "nope"}], "user 'a': a token hash is written"),
-        ([{"name": "a"}], "user 'a' needs exactly one of public_key .* neither"),
+        ([{"name": "a"}], "user 'a' needs exactly one of public_key .* none"),
         (
             [{"name": "a", "public_key": "x", "token_hash": "y"}],
-            "user 'a' needs exactly one of public_key .* both",
+            "user 'a' needs exactly one of public_key .* has public_key and token_hash",
         ),
         (
             [{"name": "a", "token_hash": "T"}, {"name": "a", "token_hash": "T"}],
             "two users are named 'a'",
         ),
         ([{"name": "a", "token_hash": "T", "role": "admin"}], "user 'a' has unknown field 'role'"),
+        ([{"name": "a", "certificate": ""}], "user 'a': certificate is the common name"),
         ([{"public_key": "x"}], r"\[\[users\]\] number 1 has no name"),
         (["a"], r"\[\[users\]\] number 1 is not a table"),
         ({"name": "a"}, r"users is an array of tables"),

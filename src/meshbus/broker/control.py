@@ -160,6 +160,11 @@ class ControlHandler:
                 self._refuse(link, ErrorCode(refused.code), refused.message)
             return
         if self._sign_in.required:
+            # A client certificate that names a user (mutual TLS) has proved it already.
+            user = self._sign_in.certificate_user(link.certificate_name())
+            if user is not None:
+                self._admit(link, hello, user)
+                return
             # Nothing about the broker or the mesh goes out before the link signed in; the
             # handshake timeout still runs.
             link.send(link.accepting.challenge(self._sign_in.new_nonce()))

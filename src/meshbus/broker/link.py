@@ -195,6 +195,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.remote = f"{remote[0]}:{remote[1]}" if remote else "?"
         self._on_open(self)
 
+    def certificate_name(self) -> str:
+        """The common name of the client certificate this link's TLS handshake verified
+        against the broker's CA; "" without TLS or without a certificate."""
+        certificate = self.transport.get_extra_info("peercert") if self.transport else None
+        for attribute in (certificate or {}).get("subject", ()):
+            for key, value in attribute:
+                if key == "commonName":
+                    return str(value)
+        return ""
+
     def queued_bytes(self) -> int:
         """Output written to this link that the socket has not taken yet."""
         return self.transport.get_write_buffer_size() if self.transport is not None else 0

@@ -37,6 +37,12 @@ class SignIn:
         """Whether connectors and operators must sign in: the broker has users."""
         return bool(self._users)
 
+    def certificate_user(self, common_name: str) -> str | None:
+        """The user a verified client certificate names (its subject's common name), if
+        one of the users is proved by that certificate; such a link is not challenged."""
+        user = self._users.by_certificate(common_name) if common_name else None
+        return None if user is None else user.name
+
     def check_key(self, auth: Auth, signed: bytes) -> bool:
         return self._users.check_signature(auth.user, signed, auth.signature)
 

@@ -29,11 +29,14 @@ from meshbus.errors import InvalidArgument
 
 @dataclass(frozen=True)
 class User:
-    """One user: ``name`` and exactly one of ``public_key`` and ``token_hash``."""
+    """One user: ``name`` and exactly one of ``public_key``, ``token_hash`` and
+    ``certificate`` (the common name of the client certificate that proves the user,
+    under mutual TLS)."""
 
     name: str
     public_key: Ed25519PublicKey | None = None
     token_hash: TokenHash | None = None
+    certificate: str | None = None
 
 
 class UserTable:
@@ -52,6 +55,15 @@ class UserTable:
 
     def get(self, name: str) -> User | None:
         return self._users.get(name)
+
+    def by_certificate(self, common_name: str) -> User | None:
+        """The user whose ``certificate`` is ``common_name``: the subject of a client
+        certificate the link's TLS handshake verified against the broker's CA."""
+        return self._by_certificate.get(common_name)
+
+    @cached_property
+    def _by_certificate(self) -> dict[str, User]:
+        return {u.certificate: u for u in self._users.values() if u.certificate is not None}
 
     def check_signature(self, name: str, signed: bytes, signature: bytes) -> bool:
         """Whether ``signature`` is ``name``'s signature of ``signed`` (about 0.1 ms: fine
@@ -94,7 +106,8 @@ class UserTable:
             raise InvalidArgument(f"{source}: {exc}; user names are unique") from None
 
 
-_FIELDS = frozenset({"name", "public_key", "token_hash"})
+_FIELDS = frozenset({"name", "public_key", "token_hash", "certificate"})
+_CREDENTIALS = ("public_key", "token_hash", "certificate")
 
 
 def _user_from_entry(entry: object, source: str, index: int) -> User:
@@ -113,22 +126,27 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
         raise InvalidArgument(
-            f"{where} has unknown field {unknown[0]!r} (a user has name, and public_key "
-            "or token_hash)"
+            f"{where} has unknown field {unknown[0]!r} (a user has name, and public_key, "
+            "token_hash or certificate)"
         )
-    key_text, hash_text = fields.get("public_key"), fields.get("token_hash")
-    if (key_text is None) == (hash_text is None):
+    given = [field for field in _CREDENTIALS if field in fields]
+    if len(given) != 1:
         raise InvalidArgument(
-            f"{where} needs exactly one of public_key (meshbus keygen prints it) and "
-            f"token_hash (meshbus hash-token); it has {'both' if key_text else 'neither'}"
+            f"{where} needs exactly one of public_key (meshbus keygen prints it), "
+            "token_hash (meshbus hash-token) and certificate (a client certificate's "
+            f"common name); it has {' and '.join(given) if given else 'none'}"
         )
+    (field,) = given
+    text = fields[field]
     try:
-        if key_text is not None:
-            if not isinstance(key_text, str):
-                raise ValueError("public_key is a string, ed25519:<base64>")
-            return User(name, public_key=public_key_from_text(key_text))
-        if not isinstance(hash_text, str):
-            raise ValueError("token_hash is a string, scrypt:N:r:p:<salt>:<hash>")
-        return User(name, token_hash=TokenHash.parse(hash_text))
+        if not isinstance(text, str):
+            raise ValueError(f"{field} is a string")
+        if field == "public_key":
+            return User(name, public_key=public_key_from_text(text))
+        if field == "token_hash":
+            return User(name, token_hash=TokenHash.parse(text))
+        if not text:
+            raise ValueError("certificate is the common name (CN) of the user's certificate")
+        return User(name, certificate=text)
     except ValueError as exc:
         raise InvalidArgument(f"{where}: {exc}") from None
