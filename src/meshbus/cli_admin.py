@@ -405,7 +405,7 @@ def broker(
 
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh import MeshJoinError
-    from meshbus.broker.store import StoreError
+    from meshbus.broker.store_errors import StoreError
     from meshbus.broker.streams import DataDirLocked
     from meshbus.errors import TLSError
 

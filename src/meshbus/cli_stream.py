@@ -397,7 +397,7 @@ def salvage(data_dir: str, out: str | None) -> None:
     """
     import os
 
-    from meshbus.broker.store import StoreError
+    from meshbus.broker.store_errors import StoreError
     from meshbus.broker.store_salvage import salvage as salvage_store
     from meshbus.broker.streams import DataDirLocked, lock_data_dir
 

@@ -15,15 +15,17 @@ from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
 from meshbus.broker.store import (
     Appended,
     ConsumerConfig,
-    ConsumerExists,
-    ConsumerNotFound,
     MemoryStreamStore,
     NewMessage,
-    StoreError,
     StreamConfig,
+    StreamStore,
+)
+from meshbus.broker.store_errors import (
+    ConsumerExists,
+    ConsumerNotFound,
+    StoreError,
     StreamExists,
     StreamNotFound,
-    StreamStore,
 )
 from meshbus.protocol.blocks import BlockSlice
 

@@ -14,13 +14,8 @@ import pytest
 
 from meshbus.broker import sqlite_store, store_blocks
 from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
-from meshbus.broker.store import (
-    ConsumerConfig,
-    NewMessage,
-    StoreDamaged,
-    StoreError,
-    StreamConfig,
-)
+from meshbus.broker.store import ConsumerConfig, NewMessage, StreamConfig
+from meshbus.broker.store_errors import StoreDamaged, StoreError
 from meshbus.broker.store_salvage import Lost, salvage
 from meshbus.errors import MeshbusError
 from meshbus.protocol.blocks import encode_block

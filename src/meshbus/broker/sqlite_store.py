@@ -46,9 +46,7 @@ from meshbus.broker.store import (
     MirroredStore,
     NewMessage,
     StoredMessage,
-    StoreError,
     StreamConfig,
-    StreamNotFound,
     StreamState,
     StreamStatus,
     fit_bytes,
@@ -73,6 +71,7 @@ from meshbus.broker.store_blocks import (
     split_batch,
 )
 from meshbus.broker.store_checks import check_files, store_damaged
+from meshbus.broker.store_errors import StoreError, StreamNotFound
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block
 
 log = logging.getLogger("meshbus.broker")

@@ -32,7 +32,8 @@ from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from operator import itemgetter
 
-from meshbus.broker.store import NewMessage, StoreError
+from meshbus.broker.store import NewMessage
+from meshbus.broker.store_errors import StoreError
 from meshbus.protocol.blocks import BlockSlice, decode_block, encode_block
 
 SCHEMA_VERSION = 4

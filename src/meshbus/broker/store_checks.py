@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 
-from meshbus.broker.store import StoreDamaged
+from meshbus.broker.store_errors import StoreDamaged
 
 
 def store_damaged(path: str, problem: str) -> StoreDamaged:

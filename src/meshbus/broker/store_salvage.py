@@ -15,7 +15,7 @@ from typing import NamedTuple
 import msgspec
 
 from meshbus.broker.sqlite_store import SqliteStreamStore
-from meshbus.broker.store import ADDRESS_LEN, StoreDamaged, StoreError, StreamConfig
+from meshbus.broker.store import ADDRESS_LEN, StreamConfig
 from meshbus.broker.store_blocks import (
     SCHEMA_VERSION,
     SELECT_BLOCKS,
@@ -27,6 +27,7 @@ from meshbus.broker.store_blocks import (
     schema_statements,
 )
 from meshbus.broker.store_checks import check_files
+from meshbus.broker.store_errors import StoreDamaged, StoreError
 from meshbus.protocol.blocks import decode_block
 
 

@@ -40,17 +40,14 @@ from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sqlite_store import SqliteStreamStore
 from meshbus.broker.store import (
     ConsumerConfig,
-    ConsumerNotFound,
     MemoryStreamStore,
     MirroredStore,
     NewMessage,
     StoredMessage,
-    StoreError,
-    StoreFull,
     StreamConfig,
-    StreamNotFound,
     StreamStatus,
 )
+from meshbus.broker.store_errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.broker.sync import RouteSync
 from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (

@@ -38,7 +38,8 @@ from meshbus.broker.link import Link
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingTable
-from meshbus.broker.store import NewMessage, StoreError, StreamConfig
+from meshbus.broker.store import NewMessage, StreamConfig
+from meshbus.broker.store_errors import StoreError
 from meshbus.broker.streams import StreamHost
 from meshbus.protocol.control import Body, TraceReport
 
