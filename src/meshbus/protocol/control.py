@@ -162,12 +162,14 @@ class Error(Body):
 
 
 class DeliveryFailure(Body):
-    """TIMEOUT / NO_ROUTE: the request (or notified send) ``msg_id`` from ``src`` failed."""
+    """TIMEOUT / NO_ROUTE: the request (or notified send) ``msg_id`` from ``src`` failed.
+    ``code`` is 0, or PERMISSION_DENIED for a frame its sender's user may not send."""
 
     msg_id: U64
     src: bytes
     dst: bytes
     reason: str = ""  # why, when it is not the obvious one (e.g. a frame too large)
+    code: U16 = 0
 
 
 class Stats(Body):

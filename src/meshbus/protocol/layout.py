@@ -164,6 +164,9 @@ class ErrorCode(IntEnum):
     # The broker takes only clients with a certificate (--tls-verify-clients), and this
     # link's TLS handshake showed none (docs/security.md, "TLS").
     CERTIFICATE_REQUIRED = 23
+    # The link's user may not do this (docs/security.md, "Permissions"): a request refused,
+    # or (as the ``code`` of NO_ROUTE) a data frame dropped; the link stays open.
+    PERMISSION_DENIED = 24
 
 
 # Errors after which the sender of the offending frame is disconnected.
