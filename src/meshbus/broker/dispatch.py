@@ -14,7 +14,12 @@ the request's correlation, and the link stays open.
 
 This table is where permission checks belong: a (role, type) row decides who may
 send what, and a check placed in front of a handler here covers every link of
-that role. Handlers run on the event loop and never await (docs/architecture.md).
+that role. The checks of a link's user's permissions (meshbus.broker.permissions)
+are here too, one per control type that needs one (``_CHECKS``): a frame its user
+may not send is answered ERROR PERMISSION_DENIED, naming the permission, and the
+link stays open. The types with no check -- PING, BYE, UNREGISTER, LEAVE, WATCH,
+GROUP_END, TRACE -- act only on what the link already holds or hears of. Handlers
+run on the event loop and never await (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,11 +27,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+from meshbus.address import describe_address
+from meshbus.broker import permissions as keys
 from meshbus.broker.endpoint import LinkRole
 from meshbus.broker.link import Link
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.permissions import Permissions
 from meshbus.protocol.codec import ControlFrame, describe
-from meshbus.protocol.control import Body, Error
+from meshbus.protocol.control import (
+    Body,
+    Error,
+    GroupBind,
+    Membership,
+    MembersRequest,
+    Register,
+    StatRequest,
+    StreamRequest,
+)
 from meshbus.protocol.layout import ControlType, ErrorCode
 
 log = logging.getLogger("meshbus.broker")
@@ -74,6 +91,11 @@ class ControlDispatch:
             self._not_allowed(link, ctype, correlation)
             return
         try:
+            permissions = link.permissions
+            if permissions is not None and ctype in _CHECKS:
+                denied = _CHECKS[ctype](permissions, body)
+                if denied:
+                    raise Refused(ErrorCode.PERMISSION_DENIED, denied)
             handler(link, correlation, body)
         except Refused as exc:
             self._outbox.reply(
@@ -96,3 +118,70 @@ class ControlDispatch:
             ),
             correlation,
         )
+
+
+# -- permissions: what each control type asks of them ("" when allowed) ------------------
+
+
+def _may_register(permissions: Permissions, body: Body) -> str:
+    assert isinstance(body, Register)
+    if permissions.may_register(body.server):
+        return ""
+    what = f"{body.server}:{body.instance}" if body.instance else f"under {body.server!r}"
+    return permissions.denial(f"register {what}", keys.REGISTER)
+
+
+def _may_join(permissions: Permissions, body: Body) -> str:
+    assert isinstance(body, Membership)
+    if permissions.may_join(body.group):
+        return ""
+    return permissions.denial(f"join {describe_address(body.group)}", keys.JOIN)
+
+
+def _may_send_to_group(permissions: Permissions, body: Body) -> str:
+    """MEMBERS and GROUP_BIND serve reliable and message-group sends to the group."""
+    assert isinstance(body, (MembersRequest, GroupBind))
+    if permissions.may_send(body.group):
+        return ""
+    return permissions.denial(f"send to {describe_address(body.group)}", keys.SEND)
+
+
+def _may_stream(permissions: Permissions, body: Body) -> str:
+    """Every op but ``list``, whose answer holds only the streams the user may read (an
+    unknown op is the handler's to refuse)."""
+    assert isinstance(body, StreamRequest)
+    operation = keys.stream_operation(body.op)
+    if body.op == "list" or operation is None or permissions.may_stream(body.op, body.stream):
+        return ""
+    if body.stream.startswith(keys.TELEMETRY_PREFIXES):
+        return permissions.denial(
+            f"read the telemetry stream {body.stream!r} (the right {keys.TELEMETRY!r})",
+            keys.OPERATOR,
+        )
+    return permissions.denial(f"{body.op} stream {body.stream!r}", f"{keys.STREAMS}.{operation}")
+
+
+def _may_stat(permissions: Permissions, body: Body) -> str:
+    """A further page is of an answer already given."""
+    assert isinstance(body, StatRequest)
+    right = keys.STAT_DETAIL if body.detail else keys.STAT
+    if body.page or permissions.may_operate(right):
+        return ""
+    return permissions.denial(f"use the operator right {right!r}", keys.OPERATOR)
+
+
+def _may_drain(permissions: Permissions, body: Body) -> str:
+    if permissions.may_operate(keys.DRAIN):
+        return ""
+    return permissions.denial(f"use the operator right {keys.DRAIN!r}", keys.OPERATOR)
+
+
+_CHECKS: dict[int, Callable[[Permissions, Body], str]] = {
+    ControlType.REGISTER: _may_register,
+    ControlType.JOIN: _may_join,
+    ControlType.MEMBERS: _may_send_to_group,
+    ControlType.GROUP_BIND: _may_send_to_group,
+    ControlType.STREAM: _may_stream,
+    ControlType.STAT: _may_stat,
+    ControlType.DRAIN: _may_drain,
+}

@@ -11,6 +11,15 @@ frames with the same decision; the first frame of each routing key comes to the
 * ``forward`` -- requests and responses, one at a time (the pending table);
 * ``flush_run`` -- a run of frames queued for its targets, stamped per peer.
 
+Permissions (docs/security.md): a connector's frame is checked against its link's
+``permissions`` where its decision is made, and a refusal is a decision too
+(``Carry.DENIED``), cached like the others: a user's frames to one destination are
+checked once per routing-table version, and an allowed destination's cached
+decision costs what it did. With no permissions the check is one attribute test
+per decision. Responses are not checked (who may answer is the pending table's
+business), nor acks to a unicast address (a receiver acknowledges whoever sent it
+a reliable message; an ack is never delivered as a message).
+
 A decision is cached per routing key by the caller when it can be reused, until
 the routing table's version moves (docs/architecture.md, "the routing caches").
 """
@@ -33,11 +42,13 @@ from meshbus.protocol.codec import FrameError, check_data_flags
 from meshbus.protocol.control import Body, DeliveryFailure
 from meshbus.protocol.layout import (
     DATA_HEADER,
+    FLAG_ACK,
     FLAG_ECHO,
     FLAG_NOTIFY_DROP,
     FLAG_REQUEST,
     FLAG_RESPONSE,
     FLAG_TRACE,
+    OFF_FLAGS,
     OFF_MSG_ID,
     OFF_RESPONSE_FOR,
     PEER_HOPS,
@@ -58,10 +69,11 @@ _REQUEST_RESPONSE = FLAG_REQUEST | FLAG_RESPONSE
 # A request's decision is cached unless it is traced: a traced one records its hops here.
 _REQUEST_OR_TRACE = FLAG_REQUEST | FLAG_TRACE
 _unpack_header = DATA_HEADER.unpack_from
-_unpack_response_for = struct.Struct(">Q").unpack_from
+_unpack_u64 = struct.Struct(">Q").unpack_from
 _unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
 # Anycast picks a member per message, so its decisions are never reused.
 _CACHEABLE_CASTS = (CAST_UNICAST, CAST_MULTICAST)
+_CASTS = (CAST_UNICAST, CAST_MULTICAST, CAST_ANYCAST)
 
 # Records a traced frame's hop: (hop, source, message id, destination).
 TraceHop = Callable[[str, bytes, int, bytes], None]
@@ -74,6 +86,7 @@ class Carry(enum.Enum):
     PLAIN = "plain"
     REQUEST = "request"
     RESPONSE = "response"
+    DENIED = "denied"  # the link's user may not send there: dropped, the sender told
 
 
 PLAIN = Carry.PLAIN
@@ -167,6 +180,16 @@ class Forwarder:
                 "which this link has not registered",
             )
         cast_type = dst[0]
+        permissions = link.permissions
+        if (
+            permissions is not None
+            and cast_type in _CASTS  # another is the protocol error below
+            and not (flags & FLAG_RESPONSE or (flags & FLAG_ACK and cast_type == CAST_UNICAST))
+            and not (
+                permissions.may_request(dst) if flags & FLAG_REQUEST else permissions.may_send(dst)
+            )
+        ):
+            return Decision(total, (), Carry.DENIED, src, dst)
         if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS:
             if cast_type == CAST_UNICAST:
                 owner = routing.route_unicast(dst)
@@ -344,8 +367,11 @@ class Forwarder:
         link.msgs_in += 1
         frame = mv[pos : pos + decision.size]
         dst = decision.dst
+        if decision.carry is Carry.DENIED:
+            self._denied(link, decision, buf, pos)
+            return
         if decision.carry is Carry.RESPONSE:
-            (response_for,) = _unpack_response_for(buf, pos + OFF_RESPONSE_FOR)
+            (response_for,) = _unpack_u64(buf, pos + OFF_RESPONSE_FOR)
             requester_link = self._pending.accept_response(dst, response_for, decision.src, link)
             if requester_link is WRONG_RESPONDER:
                 self._stats.dropped_wrong_responder += 1
@@ -379,6 +405,26 @@ class Forwarder:
         for target in targets:
             outbox.deliver(target, frame)
         self._stats.requests += 1
+
+    def _denied(self, link: Link, decision: Decision, buf: bytearray, pos: int) -> None:
+        """A frame its user may not send: dropped and counted; a request or notified send
+        gets NO_ROUTE with code PERMISSION_DENIED, naming the permission."""
+        self._stats.dropped_denied += 1
+        flags = buf[pos + OFF_FLAGS]
+        if not flags & _TELL_SENDER:
+            return
+        permissions = link.permissions
+        assert permissions is not None
+        (msg_id,) = _unpack_u64(buf, pos + OFF_MSG_ID)
+        dst = describe_address(decision.dst)
+        reason = (
+            permissions.denial(f"send requests to {dst}", "request")
+            if flags & FLAG_REQUEST
+            else permissions.denial(f"send to {dst}", "send")
+        )
+        self._outbox.no_route(
+            link, msg_id, decision.src, decision.dst, reason, ErrorCode.PERMISSION_DENIED
+        )
 
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
         """A request past the link's cap: refused, not forwarded, and the requester told

@@ -40,6 +40,8 @@ class TrafficStats:
     dropped_revoked: int = 0  # frames from an address its connector lost (REVOKED)
     # Responses from other than who may answer their request (docs/protocol.md §7).
     dropped_wrong_responder: int = 0
+    # Frames their sender's user may not send there (docs/security.md, "Permissions").
+    dropped_denied: int = 0
 
 
 class Outbox:
@@ -75,12 +77,14 @@ class Outbox:
         parts.append(encode_control(type_, body, correlation))
 
     def no_route(
-        self, link: Endpoint, msg_id: int, src: bytes, dst: bytes, reason: str = ""
+        self, link: Endpoint, msg_id: int, src: bytes, dst: bytes, reason: str = "", code: int = 0
     ) -> None:
+        """NO_ROUTE for a request or notified send; ``code`` PERMISSION_DENIED when its
+        user may not send there."""
         self.reply(
             link,
             ControlType.NO_ROUTE,
-            DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason=reason),
+            DeliveryFailure(msg_id=msg_id, src=src, dst=dst, reason=reason, code=code),
         )
 
     def tell_requester(

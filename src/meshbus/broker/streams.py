@@ -60,7 +60,14 @@ from meshbus.protocol.control import (
     StreamRequest,
 )
 from meshbus.protocol.ext import ack_frames, split
-from meshbus.protocol.layout import DATA_HEADER, FLAG_EXT, FLAG_RELIABLE, ControlType, ErrorCode
+from meshbus.protocol.layout import (
+    DATA_HEADER,
+    FLAG_ACK,
+    FLAG_EXT,
+    FLAG_RELIABLE,
+    ControlType,
+    ErrorCode,
+)
 
 log = logging.getLogger("meshbus.broker")
 
@@ -225,6 +232,11 @@ class StreamHost:
             frame_end = pos + 4 + length
             payload = data[pos + _HEADER_SIZE : frame_end]
             pos = frame_end
+            if flags & FLAG_ACK:
+                # An ack is no message: the broker lets any user ack a unicast address,
+                # so storing one would let it write where it may not send.
+                self.dropped += 1
+                continue
             if flags & FLAG_EXT:
                 try:
                     ext, payload = split(payload)
@@ -360,8 +372,12 @@ class StreamHost:
             return StreamReply(info=self._info(info))
         if op == "list":
             here = [{"name": n, "broker": self._config.name} for n in self.members]
-            there = [{"name": n, "broker": link.name} for n, link in self.elsewhere.items()]
-            return StreamReply(streams=sorted(here + there, key=lambda s: s["name"]))
+            there = [{"name": n, "broker": peer.name} for n, peer in self.elsewhere.items()]
+            listed = sorted(here + there, key=lambda s: s["name"])
+            permissions = link.permissions
+            if permissions is not None:  # only what its user may read (docs/security.md)
+                listed = [s for s in listed if permissions.may_stream(op, s["name"])]
+            return StreamReply(streams=listed)
         if op == "info":
             return StreamReply(info=self._info(store.info(name)))
         if op == "delete":
