@@ -20,6 +20,9 @@
     │                                     (.address, .msg_id)
     ├── NoQueue                           next_message() on a service that has listeners
     ├── StreamError                       a stream request was refused (.code)
+    ├── PermissionDenied (PermissionError) the broker's permissions for this user
+    │                                     refused it: a register, join, request, send,
+    │                                     stream or operator request
     └── RegistrationError                 register/join/leave refused (.code)
         ├── AddressInUse                  a fixed address is taken (.address)
         │   └── AlreadyConnected          ... by this connector itself
@@ -173,6 +176,12 @@ class DeliveryFailed(MeshbusError):
 
 class NoQueue(MeshbusError):
     """``next_message()`` on a service whose messages go to listeners (``add_listener``)."""
+
+
+class PermissionDenied(MeshbusError, PermissionError):
+    """The user this connector signed in as may not do that: its message names the
+    permission and the address, stream or right (docs/security.md, "Permissions").
+    The link stays usable. Also a builtin ``PermissionError``."""
 
 
 class StreamError(MeshbusError):

@@ -31,7 +31,7 @@ from meshbus.client.callbacks import Callbacks
 from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
 from meshbus.client.outbound import Outbound
 from meshbus.client.service import Message
-from meshbus.errors import MeshbusError, NoRoute, ProtocolError, Timeout
+from meshbus.errors import MeshbusError, NoRoute, PermissionDenied, ProtocolError, Timeout
 from meshbus.protocol.codec import ControlFrame, DataFrame
 from meshbus.protocol.control import DeliveryFailure, Left, TraceReport
 from meshbus.protocol.ext import Ext, split
@@ -43,6 +43,7 @@ from meshbus.protocol.layout import (
     FLAG_RESPONSE,
     FLAG_TRACE,
     ControlType,
+    ErrorCode,
 )
 from meshbus.util import BackgroundTasks
 
@@ -239,19 +240,22 @@ class Inbound:
     def _delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
         dst = describe_address(body.dst)
         reason = body.reason or f"no service is registered at or member of {dst}"
+        denied = reason if body.code == ErrorCode.PERMISSION_DENIED else ""
         waiting = self._responses.get((body.src, body.msg_id))
         if waiting is not None:
             future = waiting[0]
             if not future.done():
-                if ctype == ControlType.TIMEOUT:
+                if denied:
+                    future.set_exception(PermissionDenied(denied))
+                elif ctype == ControlType.TIMEOUT:
                     future.set_exception(Timeout(f"no response from {dst} before the deadline"))
                 else:
                     future.set_exception(NoRoute(f"no route to {dst}: {reason}", dst))
             return
         if ctype != ControlType.NO_ROUTE:
             return  # a TIMEOUT for a request this side already gave up on
-        if self._unacked.no_route(body.msg_id):
-            return  # tried again by the resend timer
+        if self._unacked.no_route(body.msg_id, denied):
+            return  # tried again by the resend timer, or given up when denied
         report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
         if not self.undeliverable.handlers:
             log.warning(

@@ -53,6 +53,7 @@ from meshbus.errors import (
     InvalidArgument,
     MeshbusError,
     NoRoute,
+    PermissionDenied,
     ProtocolError,
 )
 from meshbus.protocol.codec import DataFrame
@@ -205,12 +206,18 @@ class Unacked:
                         pending.future.set_result(None)
                     self._settled(pending)
 
-    def no_route(self, msg_id: int) -> bool:
+    def no_route(self, msg_id: int, denied: str = "") -> bool:
         """The broker could not deliver a reliable frame now; the resend timer tries
-        again, and a group send asks its home broker first. False: not ours."""
+        again, and a group send asks its home broker first. ``denied`` (the broker's
+        reason): its user may not send there, which no resend changes, so it is given
+        up now. False: not ours."""
         pending = self.messages.get(msg_id)
         if pending is None:
             return False
+        if denied:
+            self.outbox.remove(msg_id)
+            self.give_up(msg_id, PermissionDenied(denied))
+            return True
         if pending.group is not None and (state := self.groups.get(pending.group)) is not None:
             state.unreachable = True
         return True
@@ -222,27 +229,34 @@ class Unacked:
         if pending is not None:
             self._settled(pending)
 
-    def give_up(self, msg_id: int) -> None:
+    def give_up(self, msg_id: int, denied: PermissionDenied | None = None) -> None:
+        """After its last attempt; or at once when ``denied``: ``send_reliable`` raises
+        that, and the ``on_delivery_failed`` handlers get a DeliveryFailed with its words."""
         pending = self.messages.pop(msg_id, None)
         if pending is None:
             return
         self.given_up += 1
         self._settled(pending)
         error = DeliveryFailed(
-            f"no acknowledgement for message {msg_id} to {describe_address(pending.origin)} "
-            f"after {self.policy.max_attempts} attempts",
+            str(denied)
+            if denied is not None
+            else f"no acknowledgement for message {msg_id} to "
+            f"{describe_address(pending.origin)} after {self.policy.max_attempts} attempts",
             describe_address(pending.origin),
             msg_id,
         )
         if pending.future is not None and not pending.future.done():
-            pending.future.set_exception(error)  # send_reliable raises it, instead of handlers
+            # send_reliable raises it, instead of handlers
+            pending.future.set_exception(denied or error)
         elif not self.failed.handlers:
             log.warning("reliable send failed", extra={"error": str(error)})
         else:
             for handler in self.failed.handlers:
                 handler(error)
-        if pending.dst[0] not in (CAST_MULTICAST, CAST_ANYCAST) and self.suspicion.failed(
-            pending.dst
+        if (
+            denied is None
+            and pending.dst[0] not in (CAST_MULTICAST, CAST_ANYCAST)
+            and self.suspicion.failed(pending.dst)
         ):
             for dead in self.dead.handlers:
                 dead(describe_address(pending.dst))

@@ -30,6 +30,7 @@ from meshbus.errors import (
     InvalidArgument,
     MeshbusError,
     NoRoute,
+    PermissionDenied,
     ProtocolError,
     RegistrationError,
     RemoteProtocolError,
@@ -149,6 +150,8 @@ def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError
         return AddressInUse(body.message, subject, code)
     if code in FATAL_ERRORS:
         return RemoteProtocolError(code, body.message)
+    if code == ErrorCode.PERMISSION_DENIED:
+        return PermissionDenied(body.message)
     if request == ControlType.STREAM:
         return StreamError(body.message, code)
     if request == ControlType.GROUP_BIND and code == ErrorCode.UNAVAILABLE:
