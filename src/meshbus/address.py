@@ -236,3 +236,8 @@ def dynamic_instance(broker_slot: int, sequence: int) -> int:
     if not 0 <= sequence <= 0xFFFF:
         raise InvalidArgument(f"sequence {sequence} is out of range 0..65535")
     return broker_slot * 65536 + sequence
+
+
+# The multicast group every service of the reference client joins, so that
+# ``Service.broadcast`` reaches it.
+BROADCAST_GROUP = Multicast("$all")

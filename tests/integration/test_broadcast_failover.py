@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import meshbus
-from meshbus.client.mailboxes import BROADCAST_GROUP
+from meshbus.address import BROADCAST_GROUP
 from tests.conftest import start_mesh, stop_all
 from tests.integration.helpers import IO_TIMEOUT, wait_members, wait_until
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from meshbus.address import Anycast, Multicast, Unicast
+from meshbus.address import BROADCAST_GROUP, Anycast, Multicast, Unicast
 from meshbus.broker.permissions import MEMO_SIZE, BadPermissions, Permissions, Rule
 from meshbus.errors import InvalidArgument
 
@@ -203,3 +203,9 @@ def test_a_rule_without_patterns_permits_nothing() -> None:
     assert not Rule().permits("anything")
     assert Rule(["a*"], ["ab"]).permits("ac")
     assert not Rule(["a*"], ["ab"]).permits("ab")
+
+
+def test_the_broadcast_group_is_open_to_every_service() -> None:
+    nobody = permissions()
+    assert nobody.may_join(BROADCAST_GROUP.to_bytes()), "every client service joins it"
+    assert not nobody.may_send(BROADCAST_GROUP.to_bytes()), "sending to it is send's"

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import translate
 
-from meshbus.address import Address, describe_address, server_name_bytes
+from meshbus.address import BROADCAST_GROUP, Address, describe_address, server_name_bytes
 from meshbus.errors import InvalidArgument
 
 REGISTER, SEND, REQUEST, JOIN, STREAMS, OPERATOR = (
@@ -49,6 +49,7 @@ OPERATOR_RIGHTS = (STAT, STAT_DETAIL, DRAIN, TELEMETRY)
 # Streams whose names start so are the brokers' telemetry and traces
 # (meshbus.broker.telemetry): reading them takes the ``telemetry`` right, not ``streams``.
 TELEMETRY_PREFIXES = ("telemetry.", "traces.")
+_BROADCAST = BROADCAST_GROUP.to_bytes()
 _KEYS = (REGISTER, SEND, REQUEST, JOIN, STREAMS, OPERATOR)
 _WILDCARDS = re.compile(r"[*?\[]")
 _MAX_PATTERN = 256
@@ -176,7 +177,9 @@ class Permissions:
         return self._permits(self.request, dst)
 
     def may_join(self, group: bytes) -> bool:
-        return self._permits(self.join, group)
+        """The broadcast group is open to all: every client service joins it, and who may
+        send to it is ``send``'s to say."""
+        return group == _BROADCAST or self._permits(self.join, group)
 
     def may_stream(self, op: str, stream: str) -> bool:
         """Whether the STREAM request ``op`` may name ``stream``. Reading a telemetry

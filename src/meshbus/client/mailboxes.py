@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from meshbus.address import Address, Multicast, Unicast
+from meshbus.address import BROADCAST_GROUP, Address, Unicast
 from meshbus.client.callbacks import Callbacks
 from meshbus.client.link import Links
 from meshbus.client.outbound import Outbound
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshbus.client")
 
-# The multicast address every service can be reached at through ``Service.broadcast``.
-BROADCAST_GROUP = Multicast("$all")
 BROADCAST = BROADCAST_GROUP.to_bytes()
 
 Listener = Callable[["Message"], object]

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshbus.address import Address, Multicast, Unicast
-from meshbus.client.mailboxes import BROADCAST, BROADCAST_GROUP, Mailbox, Services
+from meshbus.address import BROADCAST_GROUP, Address, Multicast, Unicast
+from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
