@@ -1,0 +1,100 @@
+"""What a connector sees of a refusal by permissions (docs/security.md, "Permissions"):
+``meshbus.PermissionDenied`` from the call, at once, and a link that stays usable.
+
+The broker runs in this process on a real socket, so the test can give a link its
+permissions itself (``Link.permissions``) right after the connector connects, as the
+sign-in does when a link opens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+import meshbus
+from meshbus.broker.config import BrokerConfig
+from meshbus.broker.permissions import Permissions
+from meshbus.broker.server import Broker
+
+# Every denied call must fail well before the client's own timeouts (5 s) would.
+QUICK = 2.0
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    broker = Broker(BrokerConfig(port=0))
+    await broker.start()
+    try:
+        yield broker
+    finally:
+        await broker.stop()
+
+
+async def connect_as(broker: Broker, table: dict[str, object], **kw: object) -> meshbus.Connector:
+    """A connector whose link has the permissions of user ``game`` from ``table``."""
+    conn = await meshbus.connect(broker.address, server="game01", name="game", **kw)  # type: ignore[arg-type]
+    (link,) = [link for link in broker.links.connectors if link.name == "game"]
+    link.permissions = Permissions.from_table(table, "game")
+    return conn
+
+
+async def test_refused_control_calls_raise_permission_denied(broker: Broker) -> None:
+    table = {"register": ["game*"], "streams": {"read": ["scores"]}}
+    async with await connect_as(broker, table) as conn:
+        service = await conn.register()
+        with pytest.raises(meshbus.PermissionDenied) as caught:
+            await service.join(meshbus.Multicast("admin"))
+        assert str(caught.value) == (
+            "permission denied: user 'game' may not join multicast:admin (permissions.join)"
+        )
+        assert isinstance(caught.value, PermissionError)
+        with pytest.raises(meshbus.PermissionDenied, match=r"permissions\.streams\.read"):
+            await conn.streams.fetch("orders")
+        with pytest.raises(meshbus.PermissionDenied, match="'stat-detail'"):
+            await conn.stat()
+        with pytest.raises(meshbus.PermissionDenied, match="'drain'"):
+            await conn.drain_broker()
+        await conn.ping()
+        await conn.register(7)  # still usable, and allowed its own server name
+
+
+async def test_a_denied_register_of_another_server_name(broker: Broker) -> None:
+    conn = await meshbus.connect(broker.address, server="login", name="game")
+    (link,) = list(broker.links.connectors)
+    link.permissions = Permissions.from_table({"register": ["game*"]}, "game")
+    try:
+        with pytest.raises(meshbus.PermissionDenied, match="may not register login:1"):
+            await conn.register(1)
+    finally:
+        await conn.close()
+
+
+async def test_denied_requests_and_reliable_sends_fail_at_once(broker: Broker) -> None:
+    async with await meshbus.connect(broker.address, server="login") as login:
+        server = await login.register(1)
+        await server.join(meshbus.Multicast("admin"))
+        table = {"register": ["game*"], "send": ["multicast:chat"]}
+        async with await connect_as(broker, table) as conn:
+            service = await conn.register()
+            async with asyncio.timeout(QUICK):
+                with pytest.raises(meshbus.PermissionDenied, match=r"permissions\.request"):
+                    await service.request(server.address, b"?")
+                with pytest.raises(meshbus.PermissionDenied, match="may not send to login:1"):
+                    await service.send_reliable(server.address, b"!")
+                # A reliable multicast asks for the members first, which takes send too.
+                with pytest.raises(meshbus.PermissionDenied, match="multicast:admin"):
+                    await service.send_reliable(meshbus.Multicast("admin"), b"!")
+            loop = asyncio.get_running_loop()
+            failed: asyncio.Future[meshbus.DeliveryFailed] = loop.create_future()
+            undeliverable: asyncio.Future[meshbus.Undeliverable] = loop.create_future()
+            conn.on_delivery_failed(failed.set_result)
+            conn.on_undeliverable(undeliverable.set_result)
+            await service.send(server.address, b"bulk", reliable=True)
+            await service.send(server.address, b"told", notify=True)
+            async with asyncio.timeout(QUICK):
+                assert "may not send to login:1 (permissions.send)" in str(await failed)
+                assert (await undeliverable).reason == (
+                    "permission denied: user 'game' may not send to login:1 (permissions.send)"
+                )
+        assert broker.stats.dropped_denied == 4, "request, two reliable sends, notified send"
