@@ -8,7 +8,7 @@ sign-in does when a link opens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
@@ -31,9 +31,9 @@ async def broker() -> AsyncIterator[Broker]:
         await broker.stop()
 
 
-async def connect_as(broker: Broker, table: dict[str, object], **kw: object) -> meshbus.Connector:
+async def connect_as(broker: Broker, table: Mapping[str, object]) -> meshbus.Connector:
     """A connector whose link has the permissions of user ``game`` from ``table``."""
-    conn = await meshbus.connect(broker.address, server="game01", name="game", **kw)  # type: ignore[arg-type]
+    conn = await meshbus.connect(broker.address, server="game01", name="game")
     (link,) = [link for link in broker.links.connectors if link.name == "game"]
     link.permissions = Permissions.from_table(table, "game")
     return conn

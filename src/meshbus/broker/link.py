@@ -101,8 +101,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         # The user a connector or operator signed in as (docs/security.md); None when the
         # broker has no users, and on a peer's link.
         self.user: str | None = None
-        # What that user may do (meshbus.broker.permissions); None: everything. Fixed when
-        # the link opens: the cached decisions below were made with it.
+        # What that user may do (meshbus.broker.permissions); None: everything. Set by the
+        # sign-in as the link opens, before any frame of it is routed, and never changed:
+        # the link's cached decisions were made with it.
         self.permissions: Permissions | None = None
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
         self.stat_pages: list[bytes] = []  # the pages of a STATS answer not yet asked for
@@ -154,25 +155,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         wants_synced: bool,
         epoch: int = 0,
         user: str | None = None,
-        permissions: Permissions | None = None,
     ) -> None:
         self._opening(LinkRole.CONNECTOR, name, max_frame)
         self.user = user
-        self.permissions = permissions
         self.session = session
         self.epoch = epoch
         self.wants_synced = wants_synced
 
-    def open_as_operator(
-        self,
-        name: str,
-        max_frame: int,
-        user: str | None = None,
-        permissions: Permissions | None = None,
-    ) -> None:
+    def open_as_operator(self, name: str, max_frame: int, user: str | None = None) -> None:
         self._opening(LinkRole.OPERATOR, name, max_frame)
         self.user = user
-        self.permissions = permissions
 
     def open_as_peer(self, name: str, info: PeerInfo, max_frame: int) -> None:
         self._opening(LinkRole.PEER, name, max_frame)
