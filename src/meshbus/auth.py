@@ -267,13 +267,39 @@ class Credentials:
             file.write(self.file_text())
 
 
-def users_entry(user: str, *, public_key: str | None = None, token_hash: str | None = None) -> str:
-    """The ``[[users]]`` table to paste into a broker's config file."""
+# The permissions of a new [[users]] entry: each one spelled out, so the operator sees
+# what there is to grant (docs/security.md, "Permissions").
+_PERMISSIONS = (
+    ("register", 'server names, e.g. ["game*"]'),
+    ("send", 'addresses, e.g. ["game*:*", "multicast:chat.*", "anycast:login"]'),
+    ("request", "addresses, as send"),
+    ("join", 'groups, e.g. ["multicast:chat.*"]'),
+)
+
+
+def users_entry(
+    user: str,
+    *,
+    public_key: str | None = None,
+    token_hash: str | None = None,
+    allow_all: bool = False,
+) -> str:
+    """The ``[[users]]`` table to paste into a broker's config file, with its permissions
+    table: nothing granted (every permission an empty list, to fill in), or with
+    ``allow_all`` everything (for development)."""
     lines = ["[[users]]", f"name = {toml_string(user)}"]
     if public_key is not None:
         lines.append(f"public_key = {toml_string(public_key)}")
     if token_hash is not None:
         lines.append(f"token_hash = {toml_string(token_hash)}")
+    granted = '["*"]' if allow_all else "[]"
+    lines.append("[users.permissions]  # what is not allowed here is denied")
+    lines.extend(f"{key} = {granted}  # {what}" for key, what in _PERMISSIONS)
+    lines.append(
+        f"streams = {{ add = {granted}, delete = {granted}, read = {granted}, "
+        f"consume = {granted} }}  # stream names"
+    )
+    lines.append(f'operator = {granted}  # "stat", "stat-detail", "drain", "telemetry"')
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,12 @@ from meshbus.auth import (
 from meshbus.cli_common import Parsed
 
 USER_NAME = Parsed("NAME", check_user_name)
+ALLOW_ALL = click.option(
+    "--allow-all",
+    is_flag=True,
+    help="Grant the user every permission in the printed entry (for development); "
+    "without it the entry grants nothing, each permission an empty list to fill in.",
+)
 
 
 def _login_name() -> str:
@@ -47,7 +53,8 @@ def _login_name() -> str:
     default=None,
     help="The credentials file to write (default: USER.creds); never overwritten.",
 )
-def keygen(user: str, out: str | None) -> None:
+@ALLOW_ALL
+def keygen(user: str, out: str | None, allow_all: bool) -> None:
     """Make an Ed25519 key pair for signing in to a broker.
 
     Writes the private key to a credentials file readable by you only (mode
@@ -71,7 +78,7 @@ def keygen(user: str, out: str | None) -> None:
         "Add this entry to the broker's config file:",
         err=True,
     )
-    click.echo(users_entry(user, public_key=credentials.public_key), nl=False)
+    click.echo(users_entry(user, public_key=credentials.public_key, allow_all=allow_all), nl=False)
 
 
 @click.command("hash-token")
@@ -86,7 +93,8 @@ def keygen(user: str, out: str | None) -> None:
     default=None,
     help="Print a whole [[users]] entry for this user, not just the token_hash line.",
 )
-def hash_token(generate: bool, user: str | None) -> None:
+@ALLOW_ALL
+def hash_token(generate: bool, user: str | None, allow_all: bool) -> None:
     """Hash a bearer token for the broker's config: reads the token from stdin (one
     line), or makes one with --generate, and prints the token_hash line.
 
@@ -113,4 +121,4 @@ def hash_token(generate: bool, user: str | None) -> None:
     if user is None:
         click.echo(f"token_hash = {toml_string(token_hash)}")
     else:
-        click.echo(users_entry(user, token_hash=token_hash), nl=False)
+        click.echo(users_entry(user, token_hash=token_hash, allow_all=allow_all), nl=False)

@@ -56,8 +56,8 @@ def write_config(tmp_path: Path, *settings: str) -> tuple[Path, Path, Path]:
     config = tmp_path / "broker.toml"
     config.write_text(
         "".join(f"{line}\n" for line in settings)
-        + users_entry("alice", public_key=alice.public_key)
-        + users_entry("bob", token_hash=str(TokenHash.of(TOKEN)))
+        + users_entry("alice", public_key=alice.public_key, allow_all=True)
+        + users_entry("bob", token_hash=str(TokenHash.of(TOKEN)), allow_all=True)
     )
     return config, alice_file, bob_file
 
@@ -404,12 +404,16 @@ async def test_a_bad_config_file_is_refused_at_start_naming_the_file(
 
 async def test_keygen_output_works_end_to_end(tmp_path: Path) -> None:
     creds = tmp_path / "carol.creds"
-    code, out, err = await run_cli("keygen", "--user", "carol", "--out", str(creds))
+    code, out, err = await run_cli("keygen", "--user", "carol", "--out", str(creds), "--allow-all")
     assert code == 0, err
     assert str(creds) in err
     assert (creds.stat().st_mode & 0o777) == 0o600
     config = tmp_path / "broker.toml"
-    config.write_text(out)
+    # dave's entry is as keygen prints it by default: every permission an empty list.
+    dave = tmp_path / "dave.creds"
+    code, dave_entry, err = await run_cli("keygen", "--user", "dave", "--out", str(dave))
+    assert code == 0, err
+    config.write_text(out + dave_entry)
     code, _, err = await run_cli("keygen", "--user", "carol", "--out", str(creds))
     assert code == 1
     assert "already exists" in err
@@ -425,6 +429,10 @@ async def test_keygen_output_works_end_to_end(tmp_path: Path) -> None:
         assert code == 1
         assert "--creds" in err
         assert "Traceback" not in err
+        code, _, err = await run_cli("stat", "--broker", broker.address, "--creds", str(dave))
+        assert code == 1
+        assert "permission denied" in err, err
+        assert "operator" in err, err
     finally:
         assert await broker.stop() == 0
 

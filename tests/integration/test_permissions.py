@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 import pytest
 
 import meshbus
+from meshbus.auth import Credentials
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.permissions import Permissions
 from meshbus.broker.server import Broker
+from tests.conftest import start_broker
 
 # Every denied call must fail well before the client's own timeouts (5 s) would.
 QUICK = 2.0
@@ -98,3 +101,47 @@ async def test_denied_requests_and_reliable_sends_fail_at_once(broker: Broker) -
                     "permission denied: user 'game' may not send to login:1 (permissions.send)"
                 )
         assert broker.stats.dropped_denied == 4, "request, two reliable sends, notified send"
+
+
+# -- a broker process with its config file ----------------------------------------------------
+
+
+async def test_a_brokers_config_gives_each_signed_in_user_its_permissions(tmp_path: Path) -> None:
+    """The attacker's squat and eavesdrop of the issue, against a real broker with users:
+    a user not allowed ``login`` cannot take ``login:1`` before the real service starts,
+    nor send to it, join an admin topic, or read the broker's stat."""
+    game, login = Credentials.generate("game"), Credentials.generate("login")
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        f'[[users]]\nname = "game"\npublic_key = "{game.public_key}"\n'
+        "[users.permissions]\n"
+        'register = ["game*"]\nsend = ["game*:*", "multicast:chat.*"]\n'
+        'join = ["multicast:chat.*"]\n'
+        f'[[users]]\nname = "login"\npublic_key = "{login.public_key}"\n'
+        '[users.permissions]\nregister = ["login"]\nsend = ["*"]\n'
+    )
+    broker = await start_broker("--config", str(config))
+    try:
+        async with (
+            await meshbus.connect(broker.address, server="login", credentials=game) as squatter,
+            await meshbus.connect(broker.address, server="game01", credentials=game) as game01,
+            await meshbus.connect(broker.address, server="login", credentials=login) as real,
+        ):
+            with pytest.raises(
+                meshbus.PermissionDenied,
+                match=r"may not register login:1 \(permissions\.register\)",
+            ):
+                await squatter.register(1)
+            login_service = await real.register(1)  # the real service gets its address
+            player = await game01.register()
+            with pytest.raises(meshbus.PermissionDenied, match=r"login:1 \(permissions\.send\)"):
+                await player.send_reliable(login_service.address, b"forged")
+            with pytest.raises(meshbus.PermissionDenied, match="multicast:admin"):
+                await player.join(meshbus.Multicast("admin"))
+            await player.join(meshbus.Multicast("chat.eu"))
+            with pytest.raises(meshbus.PermissionDenied, match="stat"):
+                await game01.stat()
+            await login_service.send(player.address, b"welcome")  # login may send anywhere
+            assert (await player.recv(timeout=QUICK)).payload == b"welcome"
+    finally:
+        assert await broker.stop() == 0

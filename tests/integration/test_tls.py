@@ -328,7 +328,10 @@ async def test_a_client_certificate_names_its_user_under_mutual_tls(certs: Certs
     """A user proved by a client certificate (its common name) is not challenged; a
     verified certificate that names no user is, and without credentials it is refused."""
     config = certs.directory / "broker.toml"
-    config.write_text('[[users]]\nname = "alice"\ncertificate = "alice.example"\n')
+    config.write_text(
+        '[[users]]\nname = "alice"\ncertificate = "alice.example"\n'
+        '[users.permissions]\noperator = ["stat-detail"]\n'
+    )
     broker = await start_broker(
         *certs.broker.broker_args(),
         "--tls-ca",

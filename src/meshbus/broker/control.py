@@ -32,6 +32,7 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.permissions import Permissions
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.signin import SignIn
@@ -232,12 +233,13 @@ class ControlHandler:
         # Each side enforces the smaller of the two limits, so neither sends what the other
         # must refuse.
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
+        permissions = self._permissions_of(user)
         if operator:
-            link.open_as_operator(hello.name, max_frame, user)
+            link.open_as_operator(hello.name, max_frame, user, permissions)
             links.operator_opened(link)
         else:
             link.open_as_connector(
-                hello.name, hello.session, max_frame, hello.synced, hello.epoch, user
+                hello.name, hello.session, max_frame, hello.synced, hello.epoch, user, permissions
             )
             links.connector_opened(link)
             mesh.lists_changed()
@@ -250,6 +252,15 @@ class ControlHandler:
             trace_every=self._trace_every,
         )
         link.send(link.accepting.welcome(welcome))
+
+    def _permissions_of(self, user: str | None) -> Permissions | None:
+        """What a link signed in as ``user`` may do: its [users.permissions], nothing
+        without them; None (everything) on a broker without users."""
+        if user is None:
+            return None
+        entry = self._config.users.get(user)
+        found = entry.permissions if entry is not None else None
+        return found if found is not None else Permissions(user)
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, redirect: str = "") -> None:
         assert link.accepting is not None

@@ -155,16 +155,25 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         wants_synced: bool,
         epoch: int = 0,
         user: str | None = None,
+        permissions: Permissions | None = None,
     ) -> None:
         self._opening(LinkRole.CONNECTOR, name, max_frame)
         self.user = user
+        self.permissions = permissions
         self.session = session
         self.epoch = epoch
         self.wants_synced = wants_synced
 
-    def open_as_operator(self, name: str, max_frame: int, user: str | None = None) -> None:
+    def open_as_operator(
+        self,
+        name: str,
+        max_frame: int,
+        user: str | None = None,
+        permissions: Permissions | None = None,
+    ) -> None:
         self._opening(LinkRole.OPERATOR, name, max_frame)
         self.user = user
+        self.permissions = permissions
 
     def open_as_peer(self, name: str, info: PeerInfo, max_frame: int) -> None:
         self._opening(LinkRole.PEER, name, max_frame)

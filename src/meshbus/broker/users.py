@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from meshbus.auth import TokenHash, check_user_name, public_key_from_text
+from meshbus.broker.permissions import BadPermissions, Permissions
 from meshbus.errors import InvalidArgument
 
 
@@ -37,6 +38,8 @@ class User:
     public_key: Ed25519PublicKey | None = None
     token_hash: TokenHash | None = None
     certificate: str | None = None
+    # What the user may do (its [users.permissions] table); None: nothing.
+    permissions: Permissions | None = None
 
 
 class UserTable:
@@ -106,7 +109,7 @@ class UserTable:
             raise InvalidArgument(f"{source}: {exc}; user names are unique") from None
 
 
-_FIELDS = frozenset({"name", "public_key", "token_hash", "certificate"})
+_FIELDS = frozenset({"name", "public_key", "token_hash", "certificate", "permissions"})
 _CREDENTIALS = ("public_key", "token_hash", "certificate")
 
 
@@ -129,24 +132,28 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
             f"{where} has unknown field {unknown[0]!r} (a user has name, and public_key, "
             "token_hash or certificate)"
         )
-    given = [field for field in _CREDENTIALS if field in fields]
+    given = [key for key in _CREDENTIALS if key in fields]
     if len(given) != 1:
         raise InvalidArgument(
             f"{where} needs exactly one of public_key (meshbus keygen prints it), "
             "token_hash (meshbus hash-token) and certificate (a client certificate's "
             f"common name); it has {' and '.join(given) if given else 'none'}"
         )
-    (field,) = given
-    text = fields[field]
+    (credential,) = given
+    text = fields[credential]
+    try:
+        permissions = Permissions.from_table(fields.get("permissions", {}), name)
+    except BadPermissions as exc:
+        raise InvalidArgument(f"{source}: {exc}") from None
     try:
         if not isinstance(text, str):
-            raise ValueError(f"{field} is a string")
-        if field == "public_key":
-            return User(name, public_key=public_key_from_text(text))
-        if field == "token_hash":
-            return User(name, token_hash=TokenHash.parse(text))
+            raise ValueError(f"{credential} is a string")
+        if credential == "public_key":
+            return User(name, public_key=public_key_from_text(text), permissions=permissions)
+        if credential == "token_hash":
+            return User(name, token_hash=TokenHash.parse(text), permissions=permissions)
         if not text:
             raise ValueError("certificate is the common name (CN) of the user's certificate")
-        return User(name, certificate=text)
+        return User(name, certificate=text, permissions=permissions)
     except ValueError as exc:
         raise InvalidArgument(f"{where}: {exc}") from None

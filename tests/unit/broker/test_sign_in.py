@@ -4,7 +4,10 @@ checked in a worker thread, are in tests/integration/test_auth.py)."""
 
 from __future__ import annotations
 
-from meshbus.auth import Credentials, public_key_from_text
+import tomllib
+
+from meshbus.auth import Credentials, public_key_from_text, users_entry
+from meshbus.broker.permissions import Permissions
 from meshbus.broker.server import Broker
 from meshbus.broker.users import User, UserTable
 from meshbus.protocol.codec import ControlFrame, encode_control
@@ -34,7 +37,16 @@ ALICE = Credentials.generate("alice")
 
 def users() -> UserTable:
     assert ALICE.public_key is not None
-    return UserTable([User("alice", public_key=public_key_from_text(ALICE.public_key))])
+    everything = tomllib.loads(users_entry("alice", allow_all=True))["users"][0]["permissions"]
+    return UserTable(
+        [
+            User(
+                "alice",
+                public_key=public_key_from_text(ALICE.public_key),
+                permissions=Permissions.from_table(everything, "alice"),
+            )
+        ]
+    )
 
 
 async def challenged(
