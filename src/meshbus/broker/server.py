@@ -498,9 +498,10 @@ class Broker:
         loop = asyncio.get_running_loop()
         while True:
             asked = loop.time() + _LAG_INTERVAL
+            cpu = time.thread_time()
             await asyncio.sleep(_LAG_INTERVAL)
             late = loop.time() - asked
-            self.lag.record(late)
+            self.lag.record(late, time.thread_time() - cpu)
             if late > self.mesh.fence.budget and self.peers:
                 self.mesh.fence.stalled()
 
