@@ -26,6 +26,7 @@ from meshbus.protocol.codec import (
     encode_data,
 )
 from meshbus.protocol.control import (
+    MAX_SESSION,
     MAX_TOKEN,
     MAX_USER_NAME,
     NONCE_SIZE,
@@ -44,6 +45,7 @@ from meshbus.protocol.control import (
     Welcome,
 )
 from meshbus.protocol.handshake import (
+    BROKER_PROOF_CONTEXT,
     SIGN_IN_CONTEXT,
     AcceptingHandshake,
     AuthReceived,
@@ -54,6 +56,7 @@ from meshbus.protocol.handshake import (
     HelloReceived,
     HelloRefused,
     Welcomed,
+    broker_proof_message,
     negotiated_max_frame,
     sign_in_message,
 )
@@ -533,6 +536,10 @@ def test_a_second_challenge_after_the_auth_is_a_protocol_error() -> None:
         (ControlType.AUTH, {"user": "u", "signature": bytes(SIGNATURE_SIZE + 1)}),
         (ControlType.AUTH, {"user": "u", "token": "t" * (MAX_TOKEN + 1)}),
         (ControlType.AUTH, {"token": "t"}),
+        (ControlType.CHALLENGE, {"nonce": NONCE, "proof": bytes(SIGNATURE_SIZE + 1)}),
+        (ControlType.CHALLENGE, {"nonce": NONCE, "broker": "b" * (MAX_USER_NAME + 1)}),
+        (ControlType.HELLO, {"nonce": bytes(NONCE_SIZE + 1)}),
+        (ControlType.HELLO, {"session": bytes(MAX_SESSION + 1)}),
     ],
 )
 def test_sign_in_bodies_out_of_bounds_are_refused_at_decode(
@@ -541,6 +548,194 @@ def test_sign_in_bodies_out_of_bounds_are_refused_at_decode(
     with pytest.raises(FrameError) as raised:
         only_frame(_control_bytes(ctype, msgspec.msgpack.encode(fields), 1))
     assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+
+
+# -- brokers proving themselves to each other (mesh trust) -------------------------------
+
+DIALLER_NONCE = bytes(range(200, 200 + NONCE_SIZE))
+PROOF = bytes(range(1, 1 + SIGNATURE_SIZE))
+
+
+def broker_hello(**fields: object) -> Hello:
+    return Hello(role=ROLE_BROKER, name="b", nonce=DIALLER_NONCE, **fields)  # type: ignore[arg-type]
+
+
+class RecordingVerifier:
+    """A verifier that takes the proofs of ``trusted`` and keeps what it was asked."""
+
+    def __init__(self, trusted: str = "a") -> None:
+        self.trusted = trusted
+        self.asked: list[tuple[str, bytes, bytes]] = []
+
+    def verify(self, broker: str, signed: bytes, proof: bytes) -> bool:
+        self.asked.append((broker, signed, proof))
+        return broker == self.trusted and proof == PROOF
+
+
+def peer_challenged(correlation: int = 7) -> AcceptingHandshake:
+    accepting = deciding(broker_hello(), correlation)
+    accepting.challenge(NONCE, broker="a", proof=PROOF)
+    return accepting
+
+
+def verifying(
+    verifier: RecordingVerifier | None = None,
+) -> tuple[DiallingHandshake, RecordingCredential, RecordingVerifier]:
+    credential = RecordingCredential(Auth(user="b", signature=SIGNATURE))
+    verifier = verifier or RecordingVerifier()
+    dialling = DiallingHandshake(broker_hello(), 1, credential, verifier)
+    dialling.hello()
+    return dialling, credential, verifier
+
+
+def challenge_frame(correlation: int = 1, **fields: object) -> ControlFrame:
+    return ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE, **fields), correlation)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1, NONCE_SIZE - 1])
+def test_a_hello_nonce_is_empty_or_full_size(size: int) -> None:
+    accepting = AcceptingHandshake()
+    with pytest.raises(FrameError, match="nonce") as raised:
+        accepting.receive(hello_frame(role=ROLE_BROKER, nonce=bytes(size)))
+    assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+    assert accepting.state is HandshakeState.CLOSED
+
+
+def test_a_brokers_challenge_carries_its_name_and_its_proof() -> None:
+    accepting = deciding(broker_hello(), correlation=42)
+    frame = only_frame(accepting.challenge(NONCE, broker="a", proof=PROOF))
+    assert frame == ControlFrame(
+        ControlType.CHALLENGE, Challenge(nonce=NONCE, broker="a", proof=PROOF), 42
+    )
+    assert accepting.state is HandshakeState.AWAIT_AUTH
+
+
+def test_the_proof_signs_its_own_context_the_nonce_and_the_dialler() -> None:
+    signed = broker_proof_message(DIALLER_NONCE, "b")
+    assert signed == BROKER_PROOF_CONTEXT + DIALLER_NONCE + b"b"
+    assert BROKER_PROOF_CONTEXT != SIGN_IN_CONTEXT
+    assert not signed.startswith(SIGN_IN_CONTEXT)
+    assert not sign_in_message(DIALLER_NONCE).startswith(BROKER_PROOF_CONTEXT)
+
+
+@pytest.mark.parametrize(
+    ("hello", "broker", "proof"),
+    [
+        (Hello(name="game01"), "a", PROOF),  # a connector's HELLO
+        (Hello(role=ROLE_BROKER, name="b"), "a", PROOF),  # a broker's, without a nonce
+        (broker_hello(), "a", PROOF[:-1]),
+        (broker_hello(), "", PROOF),
+        (broker_hello(), "a", b""),
+    ],
+    ids=["connector", "no-nonce", "short-proof", "no-name", "name-without-proof"],
+)
+def test_a_proof_that_answers_no_brokers_nonce_is_a_bug_of_the_caller(
+    hello: Hello, broker: str, proof: bytes
+) -> None:
+    accepting = deciding(hello)
+    with pytest.raises(ValueError, match="proof"):
+        accepting.challenge(NONCE, broker=broker, proof=proof)
+    assert accepting.state is HandshakeState.DECIDING
+
+
+def test_after_a_brokers_challenge_the_helloing_brokers_signature_is_handed_over() -> None:
+    accepting = peer_challenged(correlation=7)
+    auth = Auth(user="b", signature=SIGNATURE)
+    event = accepting.receive(ControlFrame(ControlType.AUTH, auth, 7))
+    assert event == AuthReceived(broker_hello(), auth, sign_in_message(NONCE))
+    assert accepting.state is HandshakeState.CHECKING
+
+
+@pytest.mark.parametrize(
+    ("auth", "words"),
+    [
+        (Auth(user="b", token="t"), "not a token"),
+        (Auth(user="c", signature=SIGNATURE), "broker 'b'"),
+    ],
+    ids=["token", "another-name"],
+)
+def test_after_a_brokers_challenge_only_that_brokers_signature_is_taken(
+    auth: Auth, words: str
+) -> None:
+    accepting = peer_challenged()
+    with pytest.raises(FrameError, match=words) as raised:
+        accepting.receive(ControlFrame(ControlType.AUTH, auth, 7))
+    assert raised.value.code == ErrorCode.AUTH_FAILED
+    assert accepting.state is HandshakeState.CLOSED
+
+
+def test_a_verifying_broker_checks_the_proof_then_signs_in_then_takes_the_welcome() -> None:
+    dialling, credential, verifier = verifying()
+    event = dialling.receive(challenge_frame(broker="a", proof=PROOF))
+    assert isinstance(event, Challenged)
+    assert verifier.asked == [("a", broker_proof_message(DIALLER_NONCE, "b"), PROOF)]
+    assert credential.signed == [sign_in_message(NONCE)]
+    assert only_frame(event.reply) == ControlFrame(ControlType.AUTH, credential.auth, 1)
+    assert dialling.receive(welcome_frame(broker="a")) == Welcomed(Welcome(broker="a"))
+    assert dialling.state is HandshakeState.OPEN
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (challenge_frame(broker="a", proof=bytes(SIGNATURE_SIZE)), "did not prove it"),
+        (challenge_frame(broker="z", proof=PROOF), "'z' did not prove it"),
+        (challenge_frame(), "has no proof"),
+        (challenge_frame(broker="a"), "has no proof"),
+        (welcome_frame(broker="a"), "without proving itself"),
+    ],
+    ids=["bad-proof", "unknown-broker", "no-proof", "name-only", "welcome-at-once"],
+)
+def test_a_verifying_broker_refuses_an_unproven_broker_and_sends_nothing(
+    answer: Frame, words: str
+) -> None:
+    dialling, credential, _ = verifying()
+    event = dialling.receive(answer)
+    assert isinstance(event, HelloRefused)
+    assert (event.code, event.local) == (ErrorCode.AUTH_FAILED, True)
+    assert words in event.message
+    assert credential.signed == []  # no AUTH was made
+    assert dialling.state is HandshakeState.CLOSED
+
+
+def test_a_welcome_naming_another_broker_than_the_one_proved_is_a_protocol_error() -> None:
+    dialling, _, _ = verifying()
+    dialling.receive(challenge_frame(broker="a", proof=PROOF))
+    with pytest.raises(FrameError, match="proved 'a'") as raised:
+        dialling.receive(welcome_frame(broker="c"))
+    assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+    assert dialling.state is HandshakeState.CLOSED
+
+
+def test_a_proof_of_the_wrong_size_is_a_protocol_error_verifier_or_not() -> None:
+    answer = challenge_frame(broker="a", proof=PROOF[:-1])
+    for dialling in (verifying()[0], awaiting_welcome(correlation=1)):
+        with pytest.raises(FrameError, match="proof") as raised:
+            dialling.receive(answer)
+        assert raised.value.code == ErrorCode.PROTOCOL_ERROR
+
+
+def test_a_connector_answers_a_challenge_with_a_proof_as_any_other() -> None:
+    credential = RecordingCredential(Auth(user="alice", signature=SIGNATURE))
+    dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
+    dialling.hello()
+    assert isinstance(dialling.receive(challenge_frame(broker="a", proof=PROOF)), Challenged)
+    assert credential.signed == [sign_in_message(NONCE)]
+
+
+@pytest.mark.parametrize(
+    ("hello", "credential"),
+    [
+        (Hello(role=ROLE_BROKER, name="b"), RecordingCredential(Auth(user="b", token="t"))),
+        (broker_hello(), None),
+    ],
+    ids=["no-nonce", "no-credential"],
+)
+def test_a_verifier_needs_a_nonce_and_a_credential(
+    hello: Hello, credential: RecordingCredential | None
+) -> None:
+    with pytest.raises(ValueError, match="nonce"):
+        DiallingHandshake(hello, 1, credential, RecordingVerifier())
 
 
 # -- over bytes: whole, byte by byte, with what follows ---------------------------------
@@ -600,6 +795,32 @@ def test_a_whole_conversation_with_a_sign_in_over_bytes(
     (answer,) = feed(accepting.welcome(Welcome(broker="b1")), FrameDecoder())
     assert dialling.receive(answer) == Welcomed(Welcome(broker="b1"))
     assert (dialling.state, accepting.state) == (HandshakeState.OPEN, HandshakeState.OPEN)
+
+
+@pytest.mark.parametrize("feed", FEEDS)
+def test_two_brokers_prove_themselves_to_each_other_over_bytes(
+    feed: Callable[[bytes, FrameDecoder], Iterator[Frame]],
+) -> None:
+    credential = RecordingCredential(Auth(user="b", signature=SIGNATURE))
+    verifier = RecordingVerifier()
+    dialling = DiallingHandshake(broker_hello(), 1, credential, verifier)
+    accepting = AcceptingHandshake()
+
+    (first,) = feed(dialling.hello(), FrameDecoder())
+    event = accepting.receive(first)
+    assert isinstance(event, HelloReceived)
+    assert event.hello.nonce == DIALLER_NONCE
+    (challenge,) = feed(accepting.challenge(NONCE, broker="a", proof=PROOF), FrameDecoder())
+    challenged = dialling.receive(challenge)
+    assert isinstance(challenged, Challenged)
+    (auth,) = feed(challenged.reply, FrameDecoder())
+    checked = accepting.receive(auth)
+    assert isinstance(checked, AuthReceived)
+    assert (checked.auth.user, checked.signed) == ("b", credential.signed[0])
+    (answer,) = feed(accepting.welcome(Welcome(broker="a")), FrameDecoder())
+    assert dialling.receive(answer) == Welcomed(Welcome(broker="a"))
+    assert (dialling.state, accepting.state) == (HandshakeState.OPEN, HandshakeState.OPEN)
+    assert [broker for broker, _, _ in verifier.asked] == ["a"]
 
 
 @pytest.mark.parametrize("feed", FEEDS)
@@ -704,6 +925,7 @@ _hello_like = st.fixed_dictionaries(
         "user": st.text(max_size=4),
         "signature": st.binary(max_size=SIGNATURE_SIZE + 1),
         "token": st.text(max_size=4),
+        "proof": st.binary(min_size=SIGNATURE_SIZE - 1, max_size=SIGNATURE_SIZE + 1),
         "brokers": st.lists(
             st.fixed_dictionaries(
                 {"name": st.text(max_size=4), "address": st.text(max_size=4)},
@@ -795,6 +1017,28 @@ def test_the_sign_in_only_ever_raises_frame_error(
         assert isinstance(dialling.receive(frame), Welcomed | HelloRefused)
     except FrameError:
         assert dialling.state is HandshakeState.CLOSED
+
+
+@given(ctype=_HANDSHAKE_TYPES, body=_bodies, correlation=st.integers(0, 3))
+def test_brokers_proving_themselves_only_ever_raise_frame_error(
+    ctype: int, body: bytes, correlation: int
+) -> None:
+    frame = _decoded(_control_bytes(ctype, body, correlation))
+    if frame is None:
+        return
+    accepting = peer_challenged(correlation=1)
+    try:
+        assert isinstance(accepting.receive(frame), AuthReceived)
+    except FrameError:
+        assert accepting.state is HandshakeState.CLOSED
+    dialling, _, _ = verifying()
+    try:
+        event = dialling.receive(frame)
+    except FrameError:
+        assert dialling.state is HandshakeState.CLOSED
+        return
+    # Nothing opens a verifying broker's link before a proof passed.
+    assert not isinstance(event, Welcomed)
 
 
 @given(

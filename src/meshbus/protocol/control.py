@@ -40,6 +40,18 @@ ROLE_BROKER = "broker"
 # not counted, never moved -- and it may not register services.
 ROLE_OPERATOR = "operator"
 
+# The sign-in (docs/security.md, "Authentication"): a CHALLENGE's nonce, an Ed25519
+# signature, and the longest user name and token an AUTH may carry.
+NONCE_SIZE = 32
+SIGNATURE_SIZE = 64
+MAX_USER_NAME = 128
+MAX_TOKEN = 1024
+UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
+# A connector's session id: the reference client draws 16 random bytes. A broker with
+# users binds it to the user (meshbus.broker.signin.bound_session, a BLAKE2b digest of the
+# same length, which BLAKE2b allows up to 64 bytes).
+MAX_SESSION = 64
+
 
 class Hello(Body):
     """First frame on a link: connector -> broker, or dialling broker -> broker.
@@ -49,14 +61,16 @@ class Hello(Body):
     not a conflict. Brokers send ``role="broker"`` with their own ``listen`` address,
     dynamic-id ``slot`` (0 while joining), and the link ``tag`` they assigned to the
     broker they dial (neighbour identifiers: the receiver stamps it into every data
-    frame it sends back on this link).
+    frame it sends back on this link). A broker whose mesh trusts only its brokers
+    (docs/security.md) sends a fresh ``nonce``: the broker it dials signs it, with this
+    HELLO's ``name``, to prove itself in its CHALLENGE.
     """
 
     protocol: U16 = PROTOCOL_VERSION
     role: str = ROLE_CONNECTOR
     name: str = ""
     max_frame: U32 = DEFAULT_MAX_FRAME
-    session: bytes = b""
+    session: Annotated[bytes, msgspec.Meta(max_length=MAX_SESSION)] = b""
     listen: str = ""
     slot: U16 = 0
     tag: U32 = 0
@@ -66,22 +80,22 @@ class Hello(Body):
     # announcing the same session's address, the later link's wins: the other is a
     # broker that has not yet noticed the connector left it (it stalled, or was cut off).
     epoch: U32 = 0
-
-
-# The sign-in (docs/security.md, "Authentication"): a CHALLENGE's nonce, an Ed25519
-# signature, and the longest user name and token an AUTH may carry.
-NONCE_SIZE = 32
-SIGNATURE_SIZE = 64
-MAX_USER_NAME = 128
-MAX_TOKEN = 1024
-UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
+    # 0 or NONCE_SIZE bytes (the handshake refuses any other length).
+    nonce: Annotated[bytes, msgspec.Meta(max_length=NONCE_SIZE)] = b""
 
 
 class Challenge(Body):
     """CHALLENGE: the broker wants to know who is on the link before it WELCOMEs it. The
-    answer (AUTH) signs ``nonce`` -- fresh for every link -- or carries a token."""
+    answer (AUTH) signs ``nonce`` -- fresh for every link -- or carries a token.
+
+    To a dialling broker (mesh trust, docs/security.md) it also proves who answers:
+    ``broker``, its name, and ``proof`` (0 or SIGNATURE_SIZE bytes), its Ed25519
+    signature of ``meshbus.protocol.handshake.broker_proof_message`` -- the dialler's
+    HELLO nonce and name."""
 
     nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_SIZE, max_length=NONCE_SIZE)]
+    broker: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)] = ""
+    proof: Annotated[bytes, msgspec.Meta(max_length=SIGNATURE_SIZE)] = b""
 
 
 class Auth(Body):

@@ -16,10 +16,10 @@ Rules it keeps:
    accepting side refuses anything else with ``NOT_HANDSHAKEN`` (fatal).
 2. A HELLO is checked in full before anything is sent back: its protocol
    version (``UNSUPPORTED_VERSION``), its role (``PROTOCOL_ERROR`` for one this
-   side does not know) and every integer the accepting side uses (``max_frame``
-   >= 0, ``slot`` 0..65535, ``tag`` 0..2**32-1; ``PROTOCOL_ERROR``). A frame
-   that breaks a rule raises ``FrameError`` carrying the code to report; the
-   link is then CLOSED.
+   side does not know), every integer the accepting side uses (``max_frame``
+   >= 0, ``slot`` 0..65535, ``tag`` 0..2**32-1) and its ``nonce`` (empty or
+   ``NONCE_SIZE`` bytes; ``PROTOCOL_ERROR``). A frame that breaks a rule raises
+   ``FrameError`` carrying the code to report; the link is then CLOSED.
 3. The accepting side decides (its capacity, duplicate links, names, whether it
    wants to know who is there: none of that is the handshake's business) and
    answers with ``welcome``, ``refuse`` or ``challenge``. WELCOME and CHALLENGE
@@ -34,7 +34,15 @@ Rules it keeps:
    caller checks the credential and answers with ``welcome`` or ``refuse``.
    Nothing the caller sends before that says more than a refusal must (a
    redirect's address): no broker list, no routes.
-5. The dialling side takes exactly one answer to its HELLO: a WELCOME that
+5. Between brokers whose mesh trusts only its brokers, both sides prove themselves.
+   The dialler's HELLO carries a fresh nonce; the accepting side answers with a
+   CHALLENGE that also carries its name (``broker``) and ``proof``: its signature
+   of ``broker_proof_message(hello nonce, hello name)`` -- a context string of its
+   own, so a broker's proof is never a sign-in and no sign-in is a proof. The
+   AUTH that answers such a CHALLENGE must carry a signature (no token) and name
+   the HELLO's broker; anything else is ``AUTH_FAILED`` (fatal). The caller checks
+   the signature against the brokers it trusts.
+6. The dialling side takes exactly one answer to its HELLO: a WELCOME that
    answers it (same correlation, protocol 1, integers in range) opens the link;
    an ERROR, or a BYE from a broker that is stopping, refuses it; a CHALLENGE
    (same correlation, a nonce of ``NONCE_SIZE`` bytes) is answered with AUTH when
@@ -42,9 +50,15 @@ Rules it keeps:
    come -- and refuses the link (``AUTH_FAILED``, no frame sent) when it has
    none. A credential given to a broker that WELCOMEs without a CHALLENGE is
    simply not used. Any other frame is a ``PROTOCOL_ERROR``.
-6. A second HELLO on an open link is refused with ``ALREADY_HANDSHAKEN``, which
+7. A dialling broker given a ``PeerVerifier`` (its mesh trusts only its brokers)
+   sends nothing of its own before the other side proved itself: a CHALLENGE whose
+   proof the verifier does not take for the ``broker`` it names (or that has no
+   proof), and a WELCOME without a CHALLENGE, refuse the link (``AUTH_FAILED``,
+   ``local``: no frame sent). A WELCOME after the AUTH must name the broker that
+   proved itself (``PROTOCOL_ERROR`` otherwise).
+8. A second HELLO on an open link is refused with ``ALREADY_HANDSHAKEN``, which
    is not fatal: the link stays OPEN.
-7. Calling a method in a state that does not allow it raises
+9. Calling a method in a state that does not allow it raises
    ``HandshakeStateError``: a bug in the caller, never a peer's doing.
 
 Transitions (``HandshakeState``)::
@@ -55,6 +69,9 @@ Transitions (``HandshakeState``)::
       DECIDING    --welcome(body)-----------------> OPEN       the WELCOME frame
       DECIDING    --refuse(code, message)---------> CLOSED     the ERROR frame
       DECIDING    --challenge(nonce)--------------> AWAIT_AUTH the CHALLENGE frame
+      DECIDING    --challenge(nonce, broker=,
+                    proof=), to a broker's HELLO
+                    with a nonce------------------> AWAIT_AUTH the CHALLENGE frame
       AWAIT_AUTH  --receive(a valid AUTH)---------> CHECKING   AuthReceived
       AWAIT_AUTH  --receive(anything else)--------> CLOSED     FrameError(AUTH_FAILED)
       CHECKING    --welcome(body)-----------------> OPEN       the WELCOME frame
@@ -63,14 +80,22 @@ Transitions (``HandshakeState``)::
 
     dialling side (DiallingHandshake)
       IDLE          --hello()---------------------> AWAIT_WELCOME  the HELLO frame
-      AWAIT_WELCOME --receive(a valid WELCOME)----> OPEN           Welcomed
+      AWAIT_WELCOME --receive(a valid WELCOME),
+                      without a verifier----------> OPEN           Welcomed
+      AWAIT_WELCOME --receive(a valid WELCOME),
+                      with one--------------------> CLOSED         HelloRefused(AUTH_FAILED)
       AWAIT_WELCOME --receive(ERROR or BYE)-------> CLOSED         HelloRefused
       AWAIT_WELCOME --receive(a valid CHALLENGE),
-                      with a credential-----------> AUTH_SENT      Challenged (the AUTH)
+                      with a credential, and a
+                      proof the verifier takes
+                      (if there is one)-----------> AUTH_SENT      Challenged (the AUTH)
       AWAIT_WELCOME --receive(a valid CHALLENGE),
-                      without one-----------------> CLOSED         HelloRefused(AUTH_FAILED)
+                      without a credential, or
+                      with a verifier and no
+                      proof it takes--------------> CLOSED         HelloRefused(AUTH_FAILED)
       AWAIT_WELCOME --receive(anything else)------> CLOSED         FrameError
-      AUTH_SENT     --receive(a valid WELCOME)----> OPEN           Welcomed
+      AUTH_SENT     --receive(a valid WELCOME,
+                      naming the broker proved)---> OPEN           Welcomed
       AUTH_SENT     --receive(ERROR or BYE)-------> CLOSED         HelloRefused
       AUTH_SENT     --receive(anything else)------> CLOSED         FrameError
 
@@ -105,6 +130,9 @@ ROLES = frozenset({ROLE_CONNECTOR, ROLE_OPERATOR, ROLE_BROKER})
 # for something else (and no nonce a broker might choose to look like something else)
 # can pass for a sign-in. The version lets a later sign-in change what it binds.
 SIGN_IN_CONTEXT = b"meshbus sign-in v1\x00"
+# What a broker's proof (CHALLENGE.proof) covers besides the dialler's nonce and name: a
+# context of its own, so that a proof is never a sign-in, nor a sign-in a proof.
+BROKER_PROOF_CONTEXT = b"meshbus broker proof v1\x00"
 
 _U16_MAX = 0xFFFF
 _U32_MAX = 0xFFFFFFFF
@@ -113,6 +141,13 @@ _U32_MAX = 0xFFFFFFFF
 def sign_in_message(nonce: bytes) -> bytes:
     """The bytes an AUTH signature signs: the sign-in context, then the CHALLENGE's nonce."""
     return SIGN_IN_CONTEXT + nonce
+
+
+def broker_proof_message(nonce: bytes, dialler: str) -> bytes:
+    """The bytes a CHALLENGE's proof signs: the broker proof context, the dialling
+    broker's HELLO nonce (fixed size, so the name after it cannot shift into it), then
+    the name it claims."""
+    return BROKER_PROOF_CONTEXT + nonce + dialler.encode()
 
 
 class HandshakeState(enum.Enum):
@@ -137,6 +172,15 @@ class Credential(Protocol):
 
     def answer(self, to_sign: bytes) -> Auth:
         """The AUTH body: the user and a signature of ``to_sign``, or a token."""
+        ...
+
+
+class PeerVerifier(Protocol):
+    """What a dialling broker checks the other broker's proof with: the brokers it
+    trusts (meshbus.broker.trust)."""
+
+    def verify(self, broker: str, signed: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` is the signature of ``signed`` by the trusted ``broker``."""
         ...
 
 
@@ -173,7 +217,8 @@ class HelloRefused:
     """The dialling side's HELLO was refused; the peer closes the link. With code
     ``REDIRECT``, ``redirect`` names a broker that takes connectors ("" if none). With
     ``AUTH_FAILED`` the broker did not take the credential, or (``local``) it asked for
-    one and this side has none: nothing was sent, and the caller closes the link."""
+    one and this side has none, or it is a broker that did not prove itself to a
+    verifying one: nothing was sent, and the caller closes the link."""
 
     code: int
     message: str
@@ -202,6 +247,7 @@ class AcceptingHandshake:
         self._correlation = 0
         self._hello = Hello()
         self._signed = b""
+        self._peer_challenged = False  # the CHALLENGE carried this side's broker proof
 
     def receive(self, frame: Frame) -> HelloReceived | AuthReceived:
         """The first frame of the link, the AUTH after a CHALLENGE, or a HELLO on an open
@@ -218,6 +264,8 @@ class AcceptingHandshake:
         if state is HandshakeState.AWAIT_AUTH:
             self.state = HandshakeState.CLOSED  # until the AUTH passes every check
             auth = _checked_auth(frame)
+            if self._peer_challenged:
+                _check_broker_auth(auth, self._hello.name)
             self.state = HandshakeState.CHECKING
             return AuthReceived(self._hello, auth, self._signed)
         _expect(state, (HandshakeState.AWAIT_HELLO,), "receive")
@@ -235,21 +283,37 @@ class AcceptingHandshake:
         _check_range("HELLO", "max_frame", hello.max_frame, 0, None)
         _check_range("HELLO", "slot", hello.slot, 0, _U16_MAX)
         _check_range("HELLO", "tag", hello.tag, 0, _U32_MAX)
+        if len(hello.nonce) not in (0, NONCE_SIZE):
+            raise FrameError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"a HELLO nonce is {NONCE_SIZE} bytes or none, not {len(hello.nonce)}",
+            )
         self._correlation = frame.correlation
         self._hello = hello
         self.state = HandshakeState.DECIDING
         return HelloReceived(hello, frame.correlation, hello.role)
 
-    def challenge(self, nonce: bytes) -> bytes:
+    def challenge(self, nonce: bytes, *, broker: str = "", proof: bytes = b"") -> bytes:
         """Ask who is there before deciding: the CHALLENGE frame carrying ``nonce``
         (``NONCE_SIZE`` fresh random bytes, drawn by the caller), with the HELLO's
-        correlation."""
+        correlation. To a broker's HELLO with a nonce, ``broker`` (this side's name) and
+        ``proof`` (its signature of ``broker_proof_message`` of that nonce and the
+        HELLO's name) prove this side first; the AUTH must then be that broker's."""
         _expect(self.state, (HandshakeState.DECIDING,), "challenge")
         if len(nonce) != NONCE_SIZE:
             raise ValueError(f"a CHALLENGE nonce is {NONCE_SIZE} bytes, not {len(nonce)}")
+        if proof or broker:
+            if len(proof) != SIGNATURE_SIZE or not broker:
+                raise ValueError(
+                    f"a broker's proof is {SIGNATURE_SIZE} bytes, with the broker's name"
+                )
+            if self._hello.role != ROLE_BROKER or not self._hello.nonce:
+                raise ValueError("a proof answers the HELLO of a broker that sent a nonce")
         self.state = HandshakeState.AWAIT_AUTH
         self._signed = sign_in_message(nonce)
-        return encode_control(ControlType.CHALLENGE, Challenge(nonce=nonce), self._correlation)
+        self._peer_challenged = bool(proof)
+        body = Challenge(nonce=nonce, broker=broker, proof=proof)
+        return encode_control(ControlType.CHALLENGE, body, self._correlation)
 
     def welcome(self, body: Welcome) -> bytes:
         """Accept the HELLO (and the AUTH, if there was one): the WELCOME frame to send,
@@ -295,18 +359,47 @@ def _checked_auth(frame: Frame) -> Auth:
     return auth
 
 
+def _check_broker_auth(auth: Auth, dialler: str) -> None:
+    """A broker answering a broker's CHALLENGE proves itself with its key, as the broker
+    its HELLO named."""
+    if not auth.signature:
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            "a broker proves itself with a signature of its key, not a token",
+        )
+    if auth.user != dialler:
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            f"the AUTH is user {auth.user!r}'s, but the HELLO came from broker {dialler!r}; "
+            "a broker signs in as itself (its --broker-key is for its --name)",
+        )
+
+
 class DiallingHandshake:
     """The handshake of a link this side dialled: a connector, an operator, or a broker
     dialling a peer. ``credential`` answers a CHALLENGE; without one, a broker that asks
-    for it refuses the link."""
+    for it refuses the link. ``verifier`` (a broker whose mesh trusts only its brokers)
+    checks the other broker's proof before this side answers anything: then ``hello``
+    carries a nonce and ``credential`` is the broker's key."""
 
     def __init__(
-        self, hello: Hello, correlation: int = 1, credential: Credential | None = None
+        self,
+        hello: Hello,
+        correlation: int = 1,
+        credential: Credential | None = None,
+        verifier: PeerVerifier | None = None,
     ) -> None:
+        if verifier is not None and (len(hello.nonce) != NONCE_SIZE or credential is None):
+            raise ValueError(
+                f"a verifying broker's HELLO carries a {NONCE_SIZE}-byte nonce, and it has a "
+                "credential to answer with"
+            )
         self.state = HandshakeState.IDLE
         self._hello = hello
         self._correlation = correlation
         self._credential = credential
+        self._verifier = verifier
+        self._proved = ""  # the broker whose proof passed
 
     def hello(self) -> bytes:
         """The HELLO frame to send first."""
@@ -329,6 +422,18 @@ class DiallingHandshake:
                 )
             if frame.type == ControlType.WELCOME and isinstance(body, Welcome):
                 self._check_welcome(frame.correlation, body)
+                if self._verifier is not None and not self._proved:
+                    return _unproven(
+                        f"broker {body.broker!r} WELCOMEd this broker without proving itself "
+                        "(it does not authenticate its peers); give it --broker-key and the "
+                        "mesh's [[brokers]]"
+                    )
+                if self._proved and body.broker != self._proved:
+                    raise FrameError(
+                        ErrorCode.PROTOCOL_ERROR,
+                        f"the WELCOME names broker {body.broker!r}; the CHALLENGE proved "
+                        f"{self._proved!r}",
+                    )
                 self.state = HandshakeState.OPEN
                 return Welcomed(body)
             if (
@@ -347,6 +452,25 @@ class DiallingHandshake:
                 ErrorCode.PROTOCOL_ERROR,
                 f"a CHALLENGE nonce is {NONCE_SIZE} bytes, not {len(challenge.nonce)}",
             )
+        if len(challenge.proof) not in (0, SIGNATURE_SIZE):
+            raise FrameError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"a CHALLENGE proof is {SIGNATURE_SIZE} bytes or none, not {len(challenge.proof)}",
+            )
+        if self._verifier is not None:
+            hello = self._hello
+            signed = broker_proof_message(hello.nonce, hello.name)
+            if not challenge.proof or not challenge.broker:
+                return _unproven(
+                    "the broker asked this broker to sign in without proving itself first "
+                    "(its CHALLENGE has no proof); give it --broker-key"
+                )
+            if not self._verifier.verify(challenge.broker, signed, challenge.proof):
+                return _unproven(
+                    f"the broker calling itself {challenge.broker!r} did not prove it: "
+                    "no broker of that name with that key is in this broker's [[brokers]]"
+                )
+            self._proved = challenge.broker
         if self._credential is None:
             return HelloRefused(
                 ErrorCode.AUTH_FAILED,
@@ -379,6 +503,11 @@ class DiallingHandshake:
             _check_range("WELCOME", "brokers.slot", info.slot, 0, _U16_MAX)
             _check_range("WELCOME", "brokers.connectors", info.connectors, 0, _U32_MAX)
             _check_range("WELCOME", "brokers.capacity", info.capacity, 0, _U32_MAX)
+
+
+def _unproven(message: str) -> HelloRefused:
+    """This broker refuses the link itself, having sent nothing since its HELLO."""
+    return HelloRefused(ErrorCode.AUTH_FAILED, message, "", local=True)
 
 
 def _expect(state: HandshakeState, wanted: tuple[HandshakeState, ...], call: str) -> None:
