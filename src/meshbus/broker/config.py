@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshbus.auth import Credentials
 from meshbus.broker.users import UserTable
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
 
@@ -69,6 +70,11 @@ class BrokerConfig:
     # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone
     # who reaches the port; with some, connectors and operators sign in first.
     users: UserTable = field(default_factory=UserTable)
+    # -- Mesh trust (docs/security.md, "The mesh trusts only its brokers"): the brokers it
+    # links to (the config file's [[brokers]], each a name and a public key), and this
+    # broker's own key pair (--broker-key), whose user is its name.
+    brokers: UserTable = field(default_factory=UserTable)
+    broker_key: Credentials | None = None
     # -- TLS (docs/security.md): with a certificate and key every accepted link is TLS,
     # and peers are dialled with TLS, checked against tls_ca (the system's CAs if empty).
     # tls_verify_clients: every link must show a certificate signed by tls_ca.
@@ -76,6 +82,13 @@ class BrokerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     tls_verify_clients: bool = False
+
+    @property
+    def mesh_trust(self) -> bool:
+        """Whether peer brokers must prove themselves: the config lists brokers, or has
+        users (a broker that checks who its clients are must not take any process that
+        says it is a broker; with no [[brokers]] it links to none)."""
+        return bool(self.brokers) or bool(self.users)
 
     @property
     def heartbeat_budget(self) -> float:

@@ -2,8 +2,10 @@
 
 A plain table, read from the ``[[users]]`` of the broker's config file
 (``meshbus broker --config``): each user has a name and exactly one credential, an
-Ed25519 public key or a token hash (meshbus.auth has their text forms). What a user
-may do -- permissions -- is for a later table to add on ``User``.
+Ed25519 public key or a token hash (meshbus.auth has their text forms), and what it
+may do (its permissions). The config's ``[[brokers]]`` -- the brokers of the mesh,
+each a name and a public key, and nothing else -- are a table of this kind too
+(meshbus.broker.trust checks their proofs with it).
 
 A check never tells a caller more than yes or no, and costs the same whether the
 user exists or not (a decoy key and a decoy hash stand in for a missing one), so
@@ -108,13 +110,44 @@ class UserTable:
         except ValueError as exc:
             raise InvalidArgument(f"{source}: {exc}; user names are unique") from None
 
+    @classmethod
+    def brokers_from_config(cls, entries: object, source: str) -> UserTable:
+        """The table of a config file's ``[[brokers]]``: each a ``name`` and a
+        ``public_key``, nothing else (a broker proves itself with its key pair only).
+        InvalidArgument names the file and the broker, as ``from_config`` does."""
+        if not isinstance(entries, list):
+            raise InvalidArgument(f"{source}: brokers is an array of tables, [[brokers]]")
+        brokers = []
+        for index, entry in enumerate(entries, 1):
+            fields, name = _named_entry(entry, source, "brokers", index)
+            where = f"{source}: broker {name!r}"
+            if set(fields) != {"name", "public_key"}:
+                raise InvalidArgument(
+                    f"{where} has exactly a name and a public_key (meshbus keygen --user "
+                    f"{name} prints it); it has {', '.join(sorted(fields))}"
+                )
+            text = fields["public_key"]
+            try:
+                if not isinstance(text, str):
+                    raise ValueError("public_key is a string")
+                brokers.append(User(name, public_key=public_key_from_text(text)))
+            except ValueError as exc:
+                raise InvalidArgument(f"{where}: {exc}") from None
+        try:
+            return cls(brokers)
+        except ValueError as exc:
+            raise InvalidArgument(f"{source}: {exc}; broker names are unique") from None
+
 
 _FIELDS = frozenset({"name", "public_key", "token_hash", "certificate", "permissions"})
 _CREDENTIALS = ("public_key", "token_hash", "certificate")
 
 
-def _user_from_entry(entry: object, source: str, index: int) -> User:
-    where = f"{source}: [[users]] number {index}"
+def _named_entry(
+    entry: object, source: str, section: str, index: int
+) -> tuple[Mapping[str, Any], str]:
+    """An entry of ``[[section]]`` and its name, checked as a user name is."""
+    where = f"{source}: [[{section}]] number {index}"
     if not isinstance(entry, Mapping):
         raise InvalidArgument(f"{where} is not a table")
     fields: Mapping[str, Any] = entry
@@ -125,6 +158,11 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
         check_user_name(name)
     except ValueError as exc:
         raise InvalidArgument(f"{where}: {exc}") from None
+    return fields, name
+
+
+def _user_from_entry(entry: object, source: str, index: int) -> User:
+    fields, name = _named_entry(entry, source, "users", index)
     where = f"{source}: user {name!r}"
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
