@@ -37,6 +37,7 @@ from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.signin import SignIn
 from meshbus.broker.sync import RouteSync
+from meshbus.broker.trust import MeshTrust
 from meshbus.broker.watch import ServiceWatch
 from meshbus.errors import FrameTooLarge
 from meshbus.protocol.codec import ControlFrame, encode_control
@@ -88,6 +89,7 @@ class ControlHandler:
         watch: ServiceWatch,
         outbox: Outbox,
         sign_in: SignIn,
+        trust: MeshTrust,
         trace_every: int,
         snapshot: Callable[[], dict[str, Any]],
         detailed_snapshot: Callable[[], Awaitable[dict[str, Any]]],
@@ -95,6 +97,7 @@ class ControlHandler:
         rng: random.Random,
     ) -> None:
         """``sign_in`` checks who connectors and operators are, when the broker has users;
+        ``trust`` who peer brokers are, when the mesh trusts only its brokers;
         ``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
         ``detailed_snapshot`` answer STAT; ``request_drain`` starts a drain (as SIGTERM
         does)."""
@@ -106,6 +109,7 @@ class ControlHandler:
         self._watch = watch
         self._outbox = outbox
         self._sign_in = sign_in
+        self._trust = trust
         self._trace_every = trace_every
         self._snapshot = snapshot
         self._detailed_snapshot = detailed_snapshot
@@ -143,7 +147,7 @@ class ControlHandler:
         if link.dialling is not None:
             answer = link.dialling.receive(frame)
             if isinstance(answer, Challenged):
-                # Only once a broker has a credential of its own to dial with.
+                # The other broker proved itself (mesh trust): this one answers in kind.
                 link.send(answer.reply)
                 return
             self._mesh.on_answer(link, answer)
@@ -151,14 +155,17 @@ class ControlHandler:
         assert link.accepting is not None
         event = link.accepting.receive(frame)
         if isinstance(event, AuthReceived):
-            self._check_auth(link, event)
+            if event.hello.role == ROLE_BROKER:
+                self._check_peer(link, event)
+            else:
+                self._check_auth(link, event)
             return
         hello = event.hello
         if hello.role == ROLE_BROKER:
-            self._links.handshake_done(link)
-            refused = self._mesh.accept_peer(link, hello)
-            if refused is not None:
-                self._refuse(link, ErrorCode(refused.code), refused.message)
+            if self._trust.on:
+                self._challenge_peer(link, hello)
+            else:
+                self._accept_peer(link, hello)
             return
         if self._sign_in.required:
             # A client certificate that names a user (mutual TLS) has proved it already.
@@ -171,6 +178,34 @@ class ControlHandler:
             link.send(link.accepting.challenge(self._sign_in.new_nonce()))
             return
         self._admit(link, hello, None)
+
+    def _challenge_peer(self, link: Link, hello: Hello) -> None:
+        """Mesh trust: this broker proves itself in its CHALLENGE, and nothing of the mesh
+        goes out before the dialler proved itself too (the handshake timeout runs)."""
+        refusal = self._trust.refusal(hello)
+        if refusal:
+            log.warning("peer refused", extra={"peer": hello.name, "remote": link.remote})
+            self._refuse(link, ErrorCode.AUTH_FAILED, refusal)
+            return
+        assert link.accepting is not None
+        proof = self._trust.proof(hello)
+        nonce = self._sign_in.new_nonce()
+        link.send(link.accepting.challenge(nonce, broker=self._config.name, proof=proof))
+
+    def _check_peer(self, link: Link, event: AuthReceived) -> None:
+        refusal = self._trust.auth_refusal(event)
+        if refusal:
+            log.warning("peer refused", extra={"peer": event.auth.user, "remote": link.remote})
+            self._refuse(link, ErrorCode.AUTH_FAILED, refusal)
+            return
+        self._accept_peer(link, event.hello)
+
+    def _accept_peer(self, link: Link, hello: Hello) -> None:
+        """The duplicate-link rule and the WELCOME (meshbus.broker.mesh), or a refusal."""
+        self._links.handshake_done(link)
+        refused = self._mesh.accept_peer(link, hello)
+        if refused is not None:
+            self._refuse(link, ErrorCode(refused.code), refused.message)
 
     def _check_auth(self, link: Link, event: AuthReceived) -> None:
         """A key is checked now; a token in the sign-in's worker thread, the link blocked

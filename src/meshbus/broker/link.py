@@ -49,7 +49,7 @@ from meshbus.broker.outbox import Outbox
 from meshbus.broker.routing import RoutingTable
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import FrameError, decode_body, encode_control, frame_extent
-from meshbus.protocol.control import Body, Error, Hello
+from meshbus.protocol.control import Body, Error
 from meshbus.protocol.handshake import AcceptingHandshake, DiallingHandshake
 from meshbus.protocol.layout import KIND_CONTROL, ROUTING_KEY_SIZE, ControlType, ErrorCode
 
@@ -142,10 +142,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
 
     # -- transitions (meshbus.broker.endpoint has the table) ----------------------
 
-    def dial(self, hello: Hello) -> None:
+    def dial(self, handshake: DiallingHandshake) -> None:
         """Start the handshake of a link this broker dialled: send its HELLO."""
-        self.dialling = DiallingHandshake(hello)
-        self.send(self.dialling.hello())
+        self.dialling = handshake
+        self.send(handshake.hello())
 
     def open_as_connector(
         self,

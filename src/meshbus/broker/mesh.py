@@ -7,7 +7,9 @@ Membership (docs/mesh.md has the long form):
   (meshbus.broker.sync), announce READY; then every broker moves its excess
   connectors to the newcomer (meshbus.broker.balance.excess).
 * **Duplicate links** are resolved at the handshake by one rule applied on both
-  ends (meshbus.broker.balance.incoming_link_wins), before any route is sent.
+  ends (meshbus.broker.balance.incoming_link_wins), before any route is sent --
+  and, when the mesh trusts only its brokers, after both proved themselves
+  (meshbus.broker.trust), so a HELLO in a linked broker's name replaces nothing.
 * **Gossip**: brokers send each other the list of brokers they know; a ready
   broker links to every ready broker it hears of, so the mesh stays full.
 * **Heartbeats**: LOAD frames every ``heartbeat_interval``; a peer that sends
@@ -44,6 +46,7 @@ from meshbus.broker.redial import RedialTable
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sync import RouteSync
+from meshbus.broker.trust import MeshTrust
 from meshbus.errors import MeshbusError
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
@@ -112,6 +115,7 @@ class Mesh:
         routing: RoutingTable[Endpoint],
         sync: RouteSync,
         outbox: Outbox,
+        trust: MeshTrust,
         new_peer_link: Callable[[], Link],
         greet_peer: Callable[[Link], None],
         on_ready: Callable[[], None],
@@ -119,7 +123,9 @@ class Mesh:
         dialer: Dialer = dial_tcp,
         rng: random.Random | None = None,
     ) -> None:
-        """``new_peer_link`` makes the link for a broker this one dials; ``greet_peer``
+        """``trust`` makes the handshake of each link this broker dials (its proofs, when
+        the mesh trusts only its brokers); ``new_peer_link`` makes the link for a broker
+        this one dials; ``greet_peer``
         sends a newly linked peer what it must know first (routes, group bindings);
         ``on_ready`` runs once the broker takes connectors; ``hosted_streams`` are
         announced in LOAD."""
@@ -130,6 +136,7 @@ class Mesh:
         self._routing = routing
         self._sync = sync
         self._outbox = outbox
+        self._trust = trust
         self._new_peer_link = new_peer_link
         self._greet_peer = greet_peer
         self._on_ready = on_ready
@@ -141,6 +148,9 @@ class Mesh:
         self.ready = False
         self.draining = False
         self._dialling: dict[str, str] = {}  # address -> expected name ("" unknown)
+        # The last link refused for want of a proof, either way (AUTH_FAILED): a join
+        # stops on it.
+        self._proof_refusal = ""
         self._dial_waiters: dict[Link, asyncio.Future[bool]] = {}
         # Brokers to link to and not linked to (meshbus.broker.redial): lost peers, brokers
         # heard of in gossip, and the seeds while this broker is alone.
@@ -216,6 +226,9 @@ class Mesh:
                 if await self.dial(seed):
                     break
             else:
+                if self._proof_refusal:
+                    # A key the mesh does not list does not get better by dialling again.
+                    raise MeshJoinError(f"could not join the mesh: {self._proof_refusal}")
                 if loop.time() >= deadline:
                     raise MeshJoinError(
                         "could not join the mesh: no seed answered ("
@@ -262,16 +275,15 @@ class Mesh:
                 link = await self._dialer(host, port, self._new_peer_link)
                 opened: asyncio.Future[bool] = loop.create_future()
                 self._dial_waiters[link] = opened
-                link.dial(
-                    Hello(
-                        role=ROLE_BROKER,
-                        name=self.name,
-                        max_frame=self.config.max_frame,
-                        listen=self.config.advertise,
-                        slot=self._routing.slot,
-                        tag=link.link_id,
-                    )
+                hello = Hello(
+                    role=ROLE_BROKER,
+                    name=self.name,
+                    max_frame=self.config.max_frame,
+                    listen=self.config.advertise,
+                    slot=self._routing.slot,
+                    tag=link.link_id,
                 )
+                link.dial(self._trust.dialling(hello))
                 return await opened
         except (OSError, TimeoutError, ValueError) as exc:
             self.redials.failed(expected, address, self._clock())
@@ -332,7 +344,17 @@ class Mesh:
         if isinstance(answer, Welcomed):
             self._welcomed(link, answer.welcome)
             return
-        log.info("a broker refused our link", extra={"code": answer.code, "error": answer.message})
+        if answer.code != ErrorCode.AUTH_FAILED:
+            log.info(
+                "a broker refused our link", extra={"code": answer.code, "error": answer.message}
+            )
+        elif answer.local:
+            # It did not prove itself: nothing more was sent to it, nor will be.
+            self._proof_refusal = f"the broker at {link.remote}: {answer.message}"
+            log.warning("did not link to an unproven broker", extra={"error": self._proof_refusal})
+        else:
+            self._proof_refusal = f"the broker at {link.remote} refused this one: {answer.message}"
+            log.warning("a broker refused our proof", extra={"error": self._proof_refusal})
         link.close(CloseReason.REFUSED)
 
     def _welcomed(self, link: Link, welcome: Welcome) -> None:

@@ -45,6 +45,7 @@ from meshbus.broker.stat import StatView
 from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
+from meshbus.broker.trust import MeshTrust
 from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
@@ -111,8 +112,11 @@ class Broker:
         ``rng``, so a simulation runs the same every time.
 
         With ``config.tls_cert`` the certificate, key and CA files are loaded here: a
-        file that is missing or does not load raises ``meshbus.TLSError`` naming it."""
+        file that is missing or does not load raises ``meshbus.TLSError`` naming it. A
+        mesh that trusts only its brokers without a key pair of this broker's is
+        ``meshbus.InvalidArgument`` (meshbus.broker.trust)."""
         config = self.config = config or BrokerConfig()
+        self.trust = MeshTrust(config)
         rng = rng or random.Random()
         self.clock = clock
         self.stats = TrafficStats()
@@ -181,6 +185,7 @@ class Broker:
             routing=self.routing,
             sync=self.sync,
             outbox=self.outbox,
+            trust=self.trust,
             new_peer_link=functools.partial(self.new_link, dialled=True),
             greet_peer=self._greet_peer,
             on_ready=self._became_ready,
@@ -211,6 +216,7 @@ class Broker:
             watch=self.watch,
             outbox=self.outbox,
             sign_in=self.sign_in,
+            trust=self.trust,
             trace_every=self.telemetry.trace_every,
             snapshot=self.stat.brief,
             detailed_snapshot=self.stat.detailed,
@@ -302,7 +308,9 @@ class Broker:
 
     def named(self, name: str, advertise: str) -> None:
         """The broker's name and the address it advertises, once it listens: every part
-        reads them from the config from here on."""
+        reads them from the config from here on. InvalidArgument when the broker's key is
+        not for ``name`` (meshbus.broker.trust)."""
+        self.trust.check_name(name)
         self.config.name = name
         self.config.advertise = advertise
         self.sync.start()

@@ -33,6 +33,8 @@ from tests.unit.broker.fakes import (
 )
 
 ALICE = Credentials.generate("alice")
+# A broker with users trusts only its brokers, and proves itself with a key of its own.
+BROKER_A = Credentials.generate("a")
 
 
 def users() -> UserTable:
@@ -70,7 +72,7 @@ def auth_frame(nonce: bytes) -> bytes:
 async def test_frames_behind_the_auth_are_handled_after_the_welcome_as_the_user(
     network: FakeNetwork,
 ) -> None:
-    broker = await start_broker(network, "a", users=users())
+    broker = await start_broker(network, "a", users=users(), broker_key=BROKER_A)
     client, nonce = await challenged(network, broker)
     link = broker_side(client)
     assert link in broker.links.handshaking  # the handshake timeout still runs
@@ -88,7 +90,7 @@ async def test_frames_behind_the_auth_are_handled_after_the_welcome_as_the_user(
 
 
 async def test_a_full_broker_redirects_only_after_the_sign_in(network: FakeNetwork) -> None:
-    broker = await start_broker(network, "a", users=users(), max_connectors=1)
+    broker = await start_broker(network, "a", users=users(), broker_key=BROKER_A, max_connectors=1)
     first, nonce = await challenged(network, broker)
     first.send(auth_frame(nonce))
     await network.settle()
@@ -105,7 +107,7 @@ async def test_a_full_broker_redirects_only_after_the_sign_in(network: FakeNetwo
 
 
 async def test_the_operator_limit_is_decided_after_the_sign_in(network: FakeNetwork) -> None:
-    broker = await start_broker(network, "a", users=users(), max_operators=1)
+    broker = await start_broker(network, "a", users=users(), broker_key=BROKER_A, max_operators=1)
     first, nonce = await challenged(network, broker, ROLE_OPERATOR)
     first.send(auth_frame(nonce))
     second, nonce = await challenged(network, broker, ROLE_OPERATOR)
