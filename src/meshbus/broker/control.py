@@ -35,7 +35,7 @@ from meshbus.broker.outbox import Outbox
 from meshbus.broker.permissions import Permissions
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
-from meshbus.broker.signin import SignIn
+from meshbus.broker.signin import SignIn, bound_session
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.trust import MeshTrust
 from meshbus.broker.watch import ServiceWatch
@@ -269,12 +269,15 @@ class ControlHandler:
         # must refuse.
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
         permissions = self._permissions_of(user)
+        # A signed-in connector's session is its user's: another user replaying it owns
+        # none of its addresses.
+        session = hello.session if user is None else bound_session(user, hello.session)
         if operator:
             link.open_as_operator(hello.name, max_frame, user, permissions)
             links.operator_opened(link)
         else:
             link.open_as_connector(
-                hello.name, hello.session, max_frame, hello.synced, hello.epoch, user, permissions
+                hello.name, session, max_frame, hello.synced, hello.epoch, user, permissions
             )
             links.connector_opened(link)
             mesh.lists_changed()

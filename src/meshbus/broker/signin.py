@@ -12,6 +12,7 @@ timeout) is skipped when its turn comes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,25 @@ from meshbus.protocol.control import NONCE_SIZE, Auth
 
 def _new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_SIZE)
+
+
+# Tells a session bound by meshbus apart from any other BLAKE2b digest (16 bytes at most).
+_SESSION_PERSON = b"meshbus session"
+
+
+def bound_session(user: str, session: bytes) -> bytes:
+    """The session a broker with users gives a connector that signed in as ``user`` and
+    sent ``session``: a BLAKE2b digest of both, of the same length (HELLO.session is at
+    most 64 bytes, BLAKE2b's longest digest). An address belongs to the session that
+    registered it, and a connector may take back its session's addresses (failover, a
+    move); bound to the user, a session id that leaked (or was guessed) lets no other
+    user take them. Every broker derives the same, so failover works as before; an empty
+    session stays empty (it never takes anything over)."""
+    if not session:
+        return session
+    # A user name has no control characters: the zero byte ends it unambiguously.
+    data = user.encode() + b"\x00" + session
+    return hashlib.blake2b(data, digest_size=len(session), person=_SESSION_PERSON).digest()
 
 
 class SignIn:

@@ -126,3 +126,49 @@ async def test_without_users_nobody_is_challenged_and_no_user_is_recorded(
     broker = await start_broker(network, "a")
     client = await connector(network, broker)
     assert broker_side(client).user is None
+
+
+MALLORY = Credentials.generate("mallory")
+SESSION = bytes(range(16))
+
+
+async def signed_in(network: FakeNetwork, broker: Broker, who: Credentials) -> FakeClient:
+    """A connector of session ``SESSION`` signed in as ``who``."""
+    client = connect_client(network, broker, who.user)
+    client.send_control(ControlType.HELLO, Hello(name=who.user, session=SESSION), 3)
+    await network.settle()
+    (frame,) = client.take()
+    assert isinstance(frame, ControlFrame)
+    assert isinstance(frame.body, Challenge), describe_frame(frame)
+    client.send(encode_control(ControlType.AUTH, who.answer(sign_in_message(frame.body.nonce)), 3))
+    await network.settle()
+    (welcome,) = client.take()
+    assert isinstance(welcome, ControlFrame)
+    assert isinstance(welcome.body, Welcome), describe_frame(welcome)
+    return client
+
+
+async def test_a_session_is_its_users_so_another_user_replaying_it_takes_nothing(
+    network: FakeNetwork,
+) -> None:
+    everything = tomllib.loads(users_entry("x", allow_all=True))["users"][0]["permissions"]
+    table = UserTable(
+        User(
+            who.user,
+            public_key=public_key_from_text(who.public_key or ""),
+            permissions=Permissions.from_table(everything, who.user),
+        )
+        for who in (ALICE, MALLORY)
+    )
+    broker = await start_broker(network, "a", users=table, broker_key=BROKER_A)
+    alice = await signed_in(network, broker, ALICE)
+    address = await alice.register("login", 1)
+    alice_again = await signed_in(network, broker, ALICE)  # her failover: takes it back
+    assert await alice_again.register("login", 1) == address
+    mallory = await signed_in(network, broker, MALLORY)
+    frame = await mallory.ask(ControlType.REGISTER, Register(server="login", instance=1))
+    assert isinstance(frame.body, Error), describe_frame(frame)
+    assert frame.body.code == ErrorCode.ADDRESS_IN_USE
+    assert broker.routing.owner(address) is broker_side(alice_again)
+    assert broker_side(mallory).session != broker_side(alice_again).session
+    assert len(broker_side(mallory).session) == len(SESSION)
