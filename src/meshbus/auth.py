@@ -303,6 +303,12 @@ def users_entry(
     return "\n".join(lines) + "\n"
 
 
+def brokers_entry(name: str, public_key: str) -> str:
+    """The ``[[brokers]]`` table that lets broker ``name`` into a mesh that trusts only its
+    brokers: its name and its public key, nothing else."""
+    return f"[[brokers]]\nname = {toml_string(name)}\npublic_key = {toml_string(public_key)}\n"
+
+
 def resolve_credentials(
     credentials: Credentials | str | os.PathLike[str] | None,
 ) -> Credentials | None:

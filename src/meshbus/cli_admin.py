@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -35,12 +35,20 @@ from meshbus.util import parse_hostport
 # -- broker --------------------------------------------------------------------------------
 
 
-def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> UserTable:
+class ConfigTables(NamedTuple):
+    """The tables of a broker's config file (docs/security.md): ``[[users]]``, who may
+    connect; ``[[brokers]]``, the brokers of the mesh."""
+
+    users: UserTable
+    brokers: UserTable
+
+
+def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> ConfigTables:
     """--config FILE: its top-level keys are the broker's long flag names, and become those
     flags' defaults (click's default_map), so a flag given on the command line wins. Its
-    ``[[users]]`` are the value: who may connect (docs/security.md)."""
+    ``[[users]]`` and ``[[brokers]]`` are the value."""
     if path is None:
-        return UserTable()
+        return ConfigTables(UserTable(), UserTable())
     try:
         with open(path, "rb") as file:
             data = tomllib.load(file)
@@ -57,23 +65,27 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
     }
     defaults: dict[str, Any] = {}
     for key, value in data.items():
-        if key == _USERS:
+        if key in (_USERS, _BROKERS):
             continue
         option = flags.get(key)
         if option is None or option.name is None:
             raise click.BadParameter(
                 f"{path}: unknown key {key!r}; the keys are the broker's long flag names "
-                f"(see meshbus broker --help) and [[{_USERS}]]"
+                f"(see meshbus broker --help), [[{_USERS}]] and [[{_BROKERS}]]"
             )
         defaults[option.name] = _flag_text(option, key, value, path)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     try:
-        return UserTable.from_config(data.get(_USERS, []), path)
+        return ConfigTables(
+            UserTable.from_config(data.get(_USERS, []), path),
+            UserTable.brokers_from_config(data.get(_BROKERS, []), path),
+        )
     except InvalidArgument as exc:
         raise click.BadParameter(str(exc)) from None
 
 
 _USERS = "users"
+_BROKERS = "brokers"
 
 
 def _flag_text(option: click.Option, key: str, value: object, path: str) -> str | list[str]:
@@ -90,14 +102,15 @@ def _flag_text(option: click.Option, key: str, value: object, path: str) -> str 
 @click.command()
 @click.option(
     "--config",
-    "users",
+    "tables",
     type=click.Path(dir_okay=False),
     default=None,
     is_eager=True,
     callback=_read_config_file,
     help="A TOML file of settings: its keys are the long flag names below (listen = "
     '"0.0.0.0:7400", max-connectors = 100, seed = [...]), a flag given here overrides '
-    "the file; and [[users]], who may connect (docs/security.md).",
+    "the file; [[users]], who may connect, and [[brokers]], the brokers of the mesh "
+    "(docs/security.md).",
 )
 @click.option(
     "--listen",
@@ -125,7 +138,8 @@ def _flag_text(option: click.Option, key: str, value: object, path: str) -> str 
 @click.option(
     "--name",
     default="",
-    help="Broker name, unique in the mesh (default: broker-PORT, with the bound port).",
+    help="Broker name, unique in the mesh (default: broker-PORT, with the bound port; "
+    "required when the mesh trusts only its brokers).",
 )
 @click.option(
     "--max-connectors",
@@ -356,8 +370,18 @@ def _flag_text(option: click.Option, key: str, value: object, path: str) -> str 
     help="Mutual TLS: refuse every link (connectors, operators, peer brokers) without a "
     "certificate signed by --tls-ca.",
 )
+# -- mesh trust (docs/security.md, "The mesh trusts only its brokers")
+@click.option(
+    "--broker-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="This broker's key pair, a credentials file of `meshbus keygen --user NAME` with "
+    "NAME its --name: it proves itself to the brokers of the mesh with it. Required when "
+    "the config has [[brokers]] or [[users]]: then the broker links only to the brokers "
+    "[[brokers]] lists, each proving itself.",
+)
 def broker(
-    users: UserTable,
+    tables: ConfigTables,
     listen: str,
     seeds: tuple[str, ...],
     advertise: str | None,
@@ -393,6 +417,7 @@ def broker(
     tls_key: str | None,
     tls_ca: str | None,
     tls_verify_clients: bool,
+    broker_key: str | None,
 ) -> None:
     """Run a broker in the foreground until SIGINT or SIGTERM.
 
@@ -403,6 +428,7 @@ def broker(
     """
     import uvloop
 
+    from meshbus.auth import Credentials
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh import MeshJoinError
     from meshbus.broker.store_errors import StoreError
@@ -416,6 +442,10 @@ def broker(
             "--tls-verify-clients needs --tls-cert, --tls-key and --tls-ca (the CA that "
             "signs the clients' certificates)"
         )
+    try:
+        key = Credentials.load(broker_key) if broker_key else None
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc), param_hint="'--broker-key'") from None
     host, port = parse_hostport(listen)
     if data_dir:
         os.makedirs(data_dir, exist_ok=True)
@@ -453,19 +483,28 @@ def broker(
         max_handshaking=max_handshaking,
         handshake_timeout=handshake_timeout,
         max_operators=max_operators,
-        users=users,
+        users=tables.users,
+        brokers=tables.brokers,
+        broker_key=key,
         tls_cert=tls_cert or "",
         tls_key=tls_key or "",
         tls_ca=tls_ca or "",
         tls_verify_clients=tls_verify_clients,
     )
+    if config.mesh_trust and not (key and name):
+        raise click.UsageError(
+            "this broker's mesh trusts only its brokers (its config has [[users]] or "
+            "[[brokers]]): give it --name and --broker-key FILE, its key pair for that "
+            "name (meshbus keygen --user NAME writes one)"
+        )
     try:
         uvloop.run(serve(config))
     except TLSError as exc:  # a ConnectionError too, so before OSError
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}: {exc.strerror or exc}") from exc
-    except (MeshJoinError, DataDirLocked, StoreError) as exc:
+    except (MeshJoinError, DataDirLocked, StoreError, InvalidArgument) as exc:
+        # InvalidArgument: the broker key does not fit its name (meshbus.broker.trust).
         # StoreError: the stream store is damaged (StoreDamaged) or of another version.
         raise click.ClickException(str(exc)) from exc
 

@@ -15,6 +15,7 @@ import click
 from meshbus.auth import (
     Credentials,
     TokenHash,
+    brokers_entry,
     check_token,
     check_user_name,
     new_token,
@@ -54,12 +55,19 @@ def _login_name() -> str:
     help="The credentials file to write (default: USER.creds); never overwritten.",
 )
 @ALLOW_ALL
-def keygen(user: str, out: str | None, allow_all: bool) -> None:
+@click.option(
+    "--broker",
+    is_flag=True,
+    help="The key pair of a broker named USER (its --broker-key): print its [[brokers]] "
+    "entry, for the config of every broker of the mesh, instead of a [[users]] entry.",
+)
+def keygen(user: str, out: str | None, allow_all: bool, broker: bool) -> None:
     """Make an Ed25519 key pair for signing in to a broker.
 
     Writes the private key to a credentials file readable by you only (mode
     0600): give it to the client with --creds FILE, MESHBUS_CREDS=FILE or
-    meshbus.connect(credentials=FILE). Prints the [[users]] entry, with the
+    meshbus.connect(credentials=FILE), or to a broker with --broker-key FILE.
+    Prints the [[users]] entry (with --broker the [[brokers]] entry), with the
     public key, to paste into the broker's config file (--config).
     """
     path = out or f"{user}.creds"
@@ -78,7 +86,14 @@ def keygen(user: str, out: str | None, allow_all: bool) -> None:
         "Add this entry to the broker's config file:",
         err=True,
     )
-    click.echo(users_entry(user, public_key=credentials.public_key, allow_all=allow_all), nl=False)
+    public_key = credentials.public_key
+    assert public_key is not None  # a key pair, just made
+    entry = (
+        brokers_entry(user, public_key)
+        if broker
+        else users_entry(user, public_key=public_key, allow_all=allow_all)
+    )
+    click.echo(entry, nl=False)
 
 
 @click.command("hash-token")

@@ -36,7 +36,9 @@ def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
             str(b.get("capacity", "")),
             "draining" if b.get("draining") else "ready" if b.get("ready") else "joining",
         )
-    peers = Table(title="broker links", title_justify="left")
+    # Whether a process must prove it is one of the mesh's brokers to link (docs/security.md).
+    trust = "only its [[brokers]]" if data.get("mesh_trust") else "any broker (no proof)"
+    peers = Table(title=f"broker links: this broker links to {trust}", title_justify="left")
     for column in ("peer", "address", "our id for it", "its id for us", "dialled by"):
         peers.add_column(column)
     peers.add_column("msgs in/out", justify="right")

@@ -14,7 +14,9 @@ on it (``conns``, ``raw_link``, ``healthy_pair``) are in ``conftest.py`` beside 
 * ``Pair`` -- two connectors with one service each, to prove that other links keep
   working while one misbehaves;
 * ``stat`` / ``wait_until`` / ``wait_routes`` / ``wait_members`` -- polling a mesh until
-  every broker knows a change.
+  every broker knows a change;
+* ``BrokerKey`` / ``broker_key`` -- a broker's key pair, for a mesh that trusts only its
+  brokers (every broker with users is one).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import meshbus
+from meshbus.auth import Credentials, brokers_entry, toml_string
 from meshbus.broker.process import broker_argv, child_env, parse_ready_line
 from meshbus.protocol import (
     ControlFrame,
@@ -352,3 +356,39 @@ class Collector:
 
     def stop(self) -> None:
         self.task.cancel()
+
+
+# -- brokers' own keys (a mesh that trusts only its brokers) ---------------------------------
+
+
+@dataclass
+class BrokerKey:
+    """A broker's key pair, written to ``path``."""
+
+    name: str
+    path: Path
+    public_key: str
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The flags that give a broker this name and key."""
+        return ("--name", self.name, "--broker-key", str(self.path))
+
+    @property
+    def settings(self) -> str:
+        """The same as top-level lines of a config file (before any [[table]])."""
+        return f"name = {toml_string(self.name)}\nbroker-key = {toml_string(str(self.path))}\n"
+
+    @property
+    def entry(self) -> str:
+        """Its [[brokers]] entry."""
+        return brokers_entry(self.name, self.public_key)
+
+
+def broker_key(directory: Path, name: str) -> BrokerKey:
+    """A new key pair for broker ``name``, in DIRECTORY/NAME.key."""
+    credentials = Credentials.generate(name)
+    path = directory / f"{name}.key"
+    credentials.write(path)
+    assert credentials.public_key is not None
+    return BrokerKey(name, path, credentials.public_key)

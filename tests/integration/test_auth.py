@@ -25,6 +25,7 @@ from tests.integration.helpers import (
     IO_TIMEOUT,
     RawLink,
     assert_next_is,
+    broker_key,
     start_broker_process,
     wait_until,
 )
@@ -46,8 +47,10 @@ class Mesh:
         return self.brokers[0].address
 
 
-def write_config(tmp_path: Path, *settings: str) -> tuple[Path, Path, Path]:
-    """A config file with users alice (key) and bob (token), and their credentials files."""
+def write_config(tmp_path: Path, *settings: str, brokers: str = "") -> tuple[Path, Path, Path]:
+    """A config file with users alice (key) and bob (token), and their credentials files;
+    ``brokers``, the [[brokers]] entries, if any (a broker with users links to no other
+    without them)."""
     alice = Credentials.generate("alice")
     alice_file = tmp_path / "alice.creds"
     alice.write(alice_file)
@@ -58,19 +61,25 @@ def write_config(tmp_path: Path, *settings: str) -> tuple[Path, Path, Path]:
         "".join(f"{line}\n" for line in settings)
         + users_entry("alice", public_key=alice.public_key, allow_all=True)
         + users_entry("bob", token_hash=str(TokenHash.of(TOKEN)), allow_all=True)
+        + brokers
     )
     return config, alice_file, bob_file
 
 
 @asynccontextmanager
 async def mesh_with_users(tmp_path: Path, count: int = 1, *args: str) -> AsyncIterator[Mesh]:
-    config, alice, bob = write_config(tmp_path)
-    first = await start_broker("--config", str(config), *args)
+    """``count`` brokers sharing one config file, each with its own key, all of them in
+    its [[brokers]]."""
+    keys = [broker_key(tmp_path, f"b{index}") for index in range(1, count + 1)]
+    config, alice, bob = write_config(tmp_path, brokers="".join(key.entry for key in keys))
+    first = await start_broker("--config", str(config), *keys[0].args, *args)
     brokers = [first]
     try:
-        for _ in range(count - 1):
+        for key in keys[1:]:
             brokers.append(
-                await start_broker("--config", str(config), "--seed", first.address, *args)
+                await start_broker(
+                    "--config", str(config), *key.args, "--seed", first.address, *args
+                )
             )
         yield Mesh(brokers, config, alice, bob)
     finally:
@@ -346,8 +355,9 @@ async def test_a_broker_without_users_takes_anyone_as_today(
 async def test_the_config_files_values_take_effect_and_a_flag_overrides_one(
     tmp_path: Path,
 ) -> None:
+    key = broker_key(tmp_path, "from-file")
     config, alice, _ = write_config(
-        tmp_path, 'name = "from-file"', "max-connectors = 7", "max-operators = 3"
+        tmp_path, key.settings, "max-connectors = 7", "max-operators = 3"
     )
     broker = await start_broker("--config", str(config), "--max-connectors", "9")
     try:
@@ -413,7 +423,7 @@ async def test_keygen_output_works_end_to_end(tmp_path: Path) -> None:
     dave = tmp_path / "dave.creds"
     code, dave_entry, err = await run_cli("keygen", "--user", "dave", "--out", str(dave))
     assert code == 0, err
-    config.write_text(out + dave_entry)
+    config.write_text(broker_key(tmp_path, "b1").settings + out + dave_entry)
     code, _, err = await run_cli("keygen", "--user", "carol", "--out", str(creds))
     assert code == 1
     assert "already exists" in err
@@ -441,7 +451,7 @@ async def test_hash_token_output_works_end_to_end(tmp_path: Path) -> None:
     code, entry, err = await run_cli("hash-token", "--user", "dan", stdin=b"dans-token\n")
     assert code == 0, err
     config = tmp_path / "broker.toml"
-    config.write_text(entry)
+    config.write_text(broker_key(tmp_path, "b1").settings + entry)
     code, line, err = await run_cli("hash-token", "--generate")
     assert code == 0, err
     assert line.startswith('token_hash = "scrypt:')

@@ -19,6 +19,7 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.permissions import Permissions
 from meshbus.broker.server import Broker
 from tests.conftest import start_broker
+from tests.integration.helpers import broker_key
 
 # Every denied call must fail well before the client's own timeouts (5 s) would.
 QUICK = 2.0
@@ -113,7 +114,8 @@ async def test_a_brokers_config_gives_each_signed_in_user_its_permissions(tmp_pa
     game, login = Credentials.generate("game"), Credentials.generate("login")
     config = tmp_path / "broker.toml"
     config.write_text(
-        f'[[users]]\nname = "game"\npublic_key = "{game.public_key}"\n'
+        broker_key(tmp_path, "b1").settings
+        + f'[[users]]\nname = "game"\npublic_key = "{game.public_key}"\n'
         "[users.permissions]\n"
         'register = ["game*"]\nsend = ["game*:*", "multicast:chat.*"]\n'
         'join = ["multicast:chat.*"]\n'

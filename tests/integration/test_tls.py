@@ -20,7 +20,13 @@ import trustme
 import meshbus
 from meshbus.tls import TLSOption
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
-from tests.integration.helpers import IO_TIMEOUT, launch_broker, recv_n, start_broker_process
+from tests.integration.helpers import (
+    IO_TIMEOUT,
+    broker_key,
+    launch_broker,
+    recv_n,
+    start_broker_process,
+)
 
 _LOOPBACK = ("127.0.0.1", "localhost")
 
@@ -329,7 +335,8 @@ async def test_a_client_certificate_names_its_user_under_mutual_tls(certs: Certs
     verified certificate that names no user is, and without credentials it is refused."""
     config = certs.directory / "broker.toml"
     config.write_text(
-        '[[users]]\nname = "alice"\ncertificate = "alice.example"\n'
+        broker_key(certs.directory, "b1").settings
+        + '[[users]]\nname = "alice"\ncertificate = "alice.example"\n'
         '[users.permissions]\noperator = ["stat-detail"]\n'
     )
     broker = await start_broker(

@@ -126,6 +126,8 @@ class StatView:
             "route_services": routing.service_count,
             "route_groups": routing.group_count,
             "peers": self._peers.names(),
+            # Whether peers must prove themselves with a key [[brokers]] lists.
+            "mesh_trust": self._config.mesh_trust,
             "capacity": mesh.capacity,
             "max_connectors": self._config.max_connectors,
             "links": links,
