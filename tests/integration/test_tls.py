@@ -120,6 +120,31 @@ async def test_a_mesh_all_over_mutual_tls_carries_a_message_across_brokers(
         assert await stop_all(brokers) == [0, 0, 0]
 
 
+async def test_a_mesh_over_tls_whose_brokers_prove_themselves_with_keys(certs: Certs) -> None:
+    """TLS and mesh trust together: each link is TLS, and each broker also proves itself
+    with its key pair before its peer links to it."""
+    keys = [broker_key(certs.directory, name) for name in ("a", "b")]
+    config = certs.directory / "mesh.toml"
+    config.write_text("".join(key.entry for key in keys))
+    args = [*certs.broker.broker_args(), "--tls-ca", str(certs.ca_file), "--config", str(config)]
+    first = await start_broker(*args, *keys[0].args)
+    brokers = [first]
+    try:
+        brokers.append(await start_broker(*args, *keys[1].args, "--seed", first.address))
+        tls = str(certs.ca_file)
+        async with (
+            await meshbus.connect(first.address, server="a", tls=tls, failover=False) as a,
+            await meshbus.connect(brokers[1].address, server="b", tls=tls, failover=False) as b,
+        ):
+            sender, receiver = await a.register(), await b.register()
+            await sender.send(receiver.address, b"tls and keys")
+            assert [m.payload for m in await recv_n(receiver, 1)] == [b"tls and keys"]
+            data = await b.stat()
+            assert (data["peers"], data["mesh_trust"]) == (["a"], True)
+    finally:
+        assert await stop_all(brokers) == [0, 0]
+
+
 async def test_a_connector_keeps_tls_through_a_redirect_and_a_failover(certs: Certs) -> None:
     # One connector each; after b's crash a takes two (--capacity-boost).
     args = [*certs.broker.broker_args(), "--tls-ca", str(certs.ca_file)]
