@@ -38,6 +38,7 @@ from tests.integration.helpers import (
     stat,
     wait_until,
 )
+from tests.integration.test_auth import run_cli
 
 FAST = ("--heartbeat-interval", "0.2")
 
@@ -274,3 +275,30 @@ async def test_another_user_replaying_a_session_cannot_take_its_fixed_address(
             await link.close()
     finally:
         assert await broker.stop() == 0
+
+
+async def test_keygen_broker_output_makes_a_mesh(tmp_path: Path) -> None:
+    """``meshbus keygen --broker``: the key file is a --broker-key, and what it prints is
+    the [[brokers]] entry."""
+    entries = []
+    for name in ("k1", "k2"):
+        code, entry, err = await run_cli(
+            "keygen", "--broker", "--user", name, "--out", str(tmp_path / f"{name}.key")
+        )
+        assert code == 0, err
+        assert entry.startswith("[[brokers]]\n")
+        entries.append(entry)
+    config = tmp_path / "mesh.toml"
+    config.write_text("".join(entries))
+
+    def flags(name: str) -> tuple[str, ...]:
+        key = str(tmp_path / f"{name}.key")
+        return ("--config", str(config), "--name", name, "--broker-key", key)
+
+    first = await start_broker(*flags("k1"))
+    brokers = [first]
+    try:
+        brokers.append(await start_broker(*flags("k2"), "--seed", first.address))
+        assert (await stat(first, detail=False))["peers"] == ["k2"]
+    finally:
+        assert await stop_all(brokers) == [0, 0]
