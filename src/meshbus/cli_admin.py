@@ -491,11 +491,11 @@ def broker(
         tls_ca=tls_ca or "",
         tls_verify_clients=tls_verify_clients,
     )
-    if config.mesh_trust and not (key and name):
+    if config.brokers and not (key and name):
         raise click.UsageError(
-            "this broker's mesh trusts only its brokers (its config has [[users]] or "
-            "[[brokers]]): give it --name and --broker-key FILE, its key pair for that "
-            "name (meshbus keygen --user NAME writes one)"
+            "this broker's config lists [[brokers]], the only brokers its mesh trusts: "
+            "give it --name and --broker-key FILE, its key pair for that name "
+            "(meshbus keygen --broker --user NAME writes one)"
         )
     try:
         uvloop.run(serve(config))

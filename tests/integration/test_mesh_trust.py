@@ -186,15 +186,20 @@ async def test_a_trusting_broker_does_not_link_to_one_that_does_not_prove_itself
 
 
 async def test_a_broker_with_users_and_no_brokers_refuses_a_peer(tmp_path: Path) -> None:
+    """A broker on its own with users needs no key of its own (it proves itself to
+    nobody), takes no peer, and cannot be given a seed to join."""
     alice = Credentials.generate("alice")
-    key = broker_key(tmp_path, "u")
     config = tmp_path / "users.toml"
     config.write_text(users_entry("alice", public_key=alice.public_key, allow_all=True))
-    with_users = await start_broker("--config", str(config), *key.args)
+    with_users = await start_broker("--config", str(config))
     try:
         code, err = await joining("--seed", with_users.address)
         assert code == 1, err
         assert "lists no [[brokers]]" in err
+        code, err = await joining("--config", str(config), "--seed", with_users.address)
+        assert code == 1, err
+        assert "has [[users]] and --seed, but its config lists no [[brokers]]" in err
+        assert "Traceback" not in err
         async with await meshbus.connect(
             with_users.address, operator=True, credentials=alice
         ) as op:
@@ -214,12 +219,12 @@ async def test_a_broker_with_users_and_no_brokers_refuses_a_peer(tmp_path: Path)
     ],
     ids=["no-key", "no-key-with-name", "key-of-another-name"],
 )
-async def test_a_broker_with_users_needs_a_name_and_its_key_at_start(
+async def test_a_broker_whose_config_lists_brokers_needs_a_name_and_its_key_at_start(
     tmp_path: Path, flags: tuple[str, ...], expected: str, exit_code: int
 ) -> None:
     key = broker_key(tmp_path, "u")
-    config = tmp_path / "users.toml"
-    config.write_text(users_entry("alice", public_key=Credentials.generate("alice").public_key))
+    config = tmp_path / "brokers.toml"
+    config.write_text(key.entry)
     args = [flag.format(key=key.path) for flag in flags]
     code, err = await joining("--config", str(config), *args)
     assert code == exit_code, err

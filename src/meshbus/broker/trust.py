@@ -47,12 +47,22 @@ class MeshTrust:
         self._new_nonce = new_nonce
         if not self.on:
             return
+        if not self._brokers:
+            # Users and no [[brokers]]: a broker on its own, which links to no broker and
+            # so proves itself to none -- it needs no key, and has nobody to join.
+            if config.seeds:
+                raise InvalidArgument(
+                    "this broker has [[users]] and --seed, but its config lists no "
+                    "[[brokers]]: it links only to brokers that prove themselves with a key "
+                    "[[brokers]] lists; list the mesh's brokers (meshbus keygen --broker) "
+                    "and give each its --broker-key"
+                )
+            return
         if self._key is None:
             raise InvalidArgument(
-                "this broker's mesh trusts only its brokers (its config has [[users]] or "
-                "[[brokers]]), so it needs a key pair of its own: give --broker-key FILE "
-                "(meshbus keygen --user NAME writes one) and list every broker of the mesh, "
-                "itself included, in [[brokers]]"
+                "this broker's config lists [[brokers]], the only brokers its mesh trusts, "
+                "so it needs a key pair of its own: give --broker-key FILE (meshbus keygen "
+                "--broker --user NAME writes one) and list it in [[brokers]] too"
             )
         if self._key.public_key is None:
             raise InvalidArgument(
@@ -123,6 +133,9 @@ class MeshTrust:
         else is sent, and this broker's key answers the CHALLENGE."""
         if not self.on:
             return DiallingHandshake(hello)
+        # A broker that dials is one with [[brokers]], and so with a key (__init__): one
+        # with users alone has no seed to dial and refuses every peer.
+        assert self._key is not None
         with_nonce = msgspec.structs.replace(hello, nonce=self._new_nonce())
         return DiallingHandshake(with_nonce, credential=self._key, verifier=self)
 
