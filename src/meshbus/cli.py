@@ -387,8 +387,9 @@ async def _reply(
 
 def _add_commands() -> None:
     """The operator's commands live in modules of their own."""
-    from meshbus.cli_admin import broker, drain, mesh, stat
+    from meshbus.cli_admin import drain, mesh, stat
     from meshbus.cli_auth import hash_token, keygen
+    from meshbus.cli_broker import broker
     from meshbus.cli_stream import stream
     from meshbus.report.cli import report
 

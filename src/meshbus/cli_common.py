@@ -1,7 +1,8 @@
 """What every ``meshbus`` command shares: parameter types, connection options, running.
 
-Both ``meshbus.cli`` (the client commands) and ``meshbus.cli_admin`` (the
-operator's) build on it; neither imports the other's commands.
+``meshbus.cli`` (the client commands), ``meshbus.cli_broker``, ``meshbus.cli_admin``
+(the operator's), ``cli_stream`` and ``cli_auth`` build on it; none imports another's
+commands.
 """
 
 from __future__ import annotations
