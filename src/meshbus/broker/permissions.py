@@ -60,7 +60,11 @@ MEMO_SIZE = 4096
 
 class BadPermissions(InvalidArgument):
     """A ``permissions`` table the broker cannot use; the message names the user, the key
-    and the pattern."""
+    and the pattern, and ``key`` is that key's path (``permissions.send.deny``)."""
+
+    def __init__(self, message: str, key: str = "permissions") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
@@ -140,7 +144,8 @@ class Permissions:
         if not isinstance(streams_table, Mapping):
             raise BadPermissions(
                 f"user {user!r}: permissions.streams is a table of "
-                f"{', '.join(STREAM_OPERATIONS)}, not {streams_table!r}"
+                f"{', '.join(STREAM_OPERATIONS)}, not {streams_table!r}",
+                f"permissions.{STREAMS}",
             )
         _no_unknown_keys(streams_table, tuple(STREAM_OPERATIONS), user, "permissions.streams")
 
@@ -228,7 +233,8 @@ def _no_unknown_keys(
     for key in table:
         if key not in known:
             raise BadPermissions(
-                f"user {user!r}: unknown key {where}.{key} (the keys are {', '.join(known)})"
+                f"user {user!r}: unknown key {where}.{key} (the keys are {', '.join(known)})",
+                f"{where}.{key}",
             )
 
 
@@ -245,19 +251,23 @@ def _patterns(value: object, user: str, where: str, check: Callable[[str], None]
     if not isinstance(value, (list, tuple)):
         raise BadPermissions(
             f"user {user!r}: {where} is a list of patterns, or a table "
-            f"{{ allow = [...], deny = [...] }}; not {value!r}"
+            f"{{ allow = [...], deny = [...] }}; not {value!r}",
+            where,
         )
     patterns: list[str] = []
     for pattern in value:
         if not isinstance(pattern, str) or not pattern or len(pattern) > _MAX_PATTERN:
             raise BadPermissions(
                 f"user {user!r}: {where} has {pattern!r}; a pattern is a string of 1 to "
-                f"{_MAX_PATTERN} characters"
+                f"{_MAX_PATTERN} characters",
+                where,
             )
         try:
             check(pattern)
         except ValueError as exc:
-            raise BadPermissions(f"user {user!r}: {where} pattern {pattern!r}: {exc}") from None
+            raise BadPermissions(
+                f"user {user!r}: {where} pattern {pattern!r}: {exc}", where
+            ) from None
         patterns.append(_canonical(pattern))
     return patterns
 

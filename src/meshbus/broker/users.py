@@ -14,7 +14,7 @@ neither the answer nor its timing says who exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -42,6 +42,40 @@ class User:
     certificate: str | None = None
     # What the user may do (its [users.permissions] table); None: nothing.
     permissions: Permissions | None = None
+
+
+def same_credential(a: User, b: User) -> bool:
+    """Whether ``a`` and ``b`` are proved by the same credential (a reload keeps the links
+    of a user whose credential did not change)."""
+
+    def raw(key: Ed25519PublicKey | None) -> bytes | None:
+        return None if key is None else key.public_bytes_raw()
+
+    return (raw(a.public_key), a.token_hash, a.certificate) == (
+        raw(b.public_key),
+        b.token_hash,
+        b.certificate,
+    )
+
+
+class EntryError(InvalidArgument):
+    """What is wrong with one entry of a config file's ``[[users]]`` or ``[[brokers]]``. The
+    message names the file and the entry; ``key`` says where it is in the file, as a path
+    of TOML keys whose arrays of tables count from 1 (``users[2].permissions.send``: the
+    send key of the second [[users]]), for meshbus.config_lines to find its line."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class BadEntries(InvalidArgument):
+    """Every bad entry of a ``[[users]]`` or ``[[brokers]]`` array (``errors``, in file
+    order); the message is the first one's."""
+
+    def __init__(self, errors: list[EntryError]) -> None:
+        super().__init__(str(errors[0]))
+        self.errors = errors
 
 
 class UserTable:
@@ -100,43 +134,56 @@ class UserTable:
     @classmethod
     def from_config(cls, entries: object, source: str) -> UserTable:
         """The table of a config file's ``[[users]]`` (``source`` names the file).
-        InvalidArgument names the file and the user for anything wrong: a bad key or
-        hash, two users with one name, both credentials or neither, an unknown field."""
-        if not isinstance(entries, list):
-            raise InvalidArgument(f"{source}: users is an array of tables, [[users]]")
-        users = [_user_from_entry(entry, source, index) for index, entry in enumerate(entries, 1)]
-        try:
-            return cls(users)
-        except ValueError as exc:
-            raise InvalidArgument(f"{source}: {exc}; user names are unique") from None
+        BadEntries lists every bad entry, each naming the file and the user: a bad key or
+        hash, two users with one name, both credentials or neither, an unknown field, bad
+        permissions."""
+        return cls(_entries(entries, source, _USERS, _user_from_entry))
 
     @classmethod
     def brokers_from_config(cls, entries: object, source: str) -> UserTable:
         """The table of a config file's ``[[brokers]]``: each a ``name`` and a
         ``public_key``, nothing else (a broker proves itself with its key pair only).
-        InvalidArgument names the file and the broker, as ``from_config`` does."""
-        if not isinstance(entries, list):
-            raise InvalidArgument(f"{source}: brokers is an array of tables, [[brokers]]")
-        brokers = []
-        for index, entry in enumerate(entries, 1):
-            fields, name = _named_entry(entry, source, "brokers", index)
-            where = f"{source}: broker {name!r}"
-            if set(fields) != {"name", "public_key"}:
-                raise InvalidArgument(
-                    f"{where} has exactly a name and a public_key (meshbus keygen --user "
-                    f"{name} prints it); it has {', '.join(sorted(fields))}"
-                )
-            text = fields["public_key"]
-            try:
-                if not isinstance(text, str):
-                    raise ValueError("public_key is a string")
-                brokers.append(User(name, public_key=public_key_from_text(text)))
-            except ValueError as exc:
-                raise InvalidArgument(f"{where}: {exc}") from None
+        BadEntries lists every bad entry, as ``from_config`` does."""
+        return cls(_entries(entries, source, _BROKERS, _broker_from_entry))
+
+    def same_as(self, other: UserTable) -> bool:
+        """Whether both tables have the same names, each with the same credential."""
+        return self._users.keys() == other._users.keys() and all(
+            same_credential(user, other._users[user.name]) for user in self
+        )
+
+
+_USERS, _BROKERS = "users", "brokers"
+
+
+def _entries(
+    entries: object,
+    source: str,
+    section: str,
+    read: Callable[[object, str, int], User],
+) -> list[User]:
+    """Every entry of the array of tables ``section``, read by ``read``; BadEntries with
+    all that is wrong (each entry is checked on its own, and its first fault reported)."""
+    if not isinstance(entries, list):
+        message = f"{source}: {section} is an array of tables, [[{section}]]"
+        raise BadEntries([EntryError(message, section)])
+    read_ones: list[User] = []
+    errors: list[EntryError] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(entries, 1):
         try:
-            return cls(brokers)
-        except ValueError as exc:
-            raise InvalidArgument(f"{source}: {exc}; broker names are unique") from None
+            user = read(entry, source, index)
+        except EntryError as exc:
+            errors.append(exc)
+            continue
+        if user.name in seen:
+            message = f"{source}: two {section} are named {user.name!r}; names are unique"
+            errors.append(EntryError(message, f"{section}[{index}].name"))
+        seen.add(user.name)
+        read_ones.append(user)
+    if errors:
+        raise BadEntries(errors)
+    return read_ones
 
 
 _FIELDS = frozenset({"name", "public_key", "token_hash", "certificate", "permissions"})
@@ -148,41 +195,45 @@ def _named_entry(
 ) -> tuple[Mapping[str, Any], str]:
     """An entry of ``[[section]]`` and its name, checked as a user name is."""
     where = f"{source}: [[{section}]] number {index}"
+    key = f"{section}[{index}]"
     if not isinstance(entry, Mapping):
-        raise InvalidArgument(f"{where} is not a table")
+        raise EntryError(f"{where} is not a table", key)
     fields: Mapping[str, Any] = entry
     name = fields.get("name")
     if not isinstance(name, str):
-        raise InvalidArgument(f'{where} has no name (name = "...")')
+        raise EntryError(f'{where} has no name (name = "...")', key)
     try:
         check_user_name(name)
     except ValueError as exc:
-        raise InvalidArgument(f"{where}: {exc}") from None
+        raise EntryError(f"{where}: {exc}", f"{key}.name") from None
     return fields, name
 
 
 def _user_from_entry(entry: object, source: str, index: int) -> User:
-    fields, name = _named_entry(entry, source, "users", index)
+    fields, name = _named_entry(entry, source, _USERS, index)
     where = f"{source}: user {name!r}"
+    key = f"{_USERS}[{index}]"
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
-        raise InvalidArgument(
+        raise EntryError(
             f"{where} has unknown field {unknown[0]!r} (a user has name, and public_key, "
-            "token_hash or certificate)"
+            "token_hash or certificate)",
+            f"{key}.{unknown[0]}",
         )
-    given = [key for key in _CREDENTIALS if key in fields]
+    given = [field for field in _CREDENTIALS if field in fields]
     if len(given) != 1:
-        raise InvalidArgument(
+        raise EntryError(
             f"{where} needs exactly one of public_key (meshbus keygen prints it), "
             "token_hash (meshbus hash-token) and certificate (a client certificate's "
-            f"common name); it has {' and '.join(given) if given else 'none'}"
+            f"common name); it has {' and '.join(given) if given else 'none'}",
+            key if not given else f"{key}.{given[1]}",
         )
     (credential,) = given
     text = fields[credential]
     try:
         permissions = Permissions.from_table(fields.get("permissions", {}), name)
     except BadPermissions as exc:
-        raise InvalidArgument(f"{source}: {exc}") from None
+        raise EntryError(f"{source}: {exc}", f"{key}.{exc.key}") from None
     try:
         if not isinstance(text, str):
             raise ValueError(f"{credential} is a string")
@@ -194,4 +245,23 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
             raise ValueError("certificate is the common name (CN) of the user's certificate")
         return User(name, certificate=text, permissions=permissions)
     except ValueError as exc:
-        raise InvalidArgument(f"{where}: {exc}") from None
+        raise EntryError(f"{where}: {exc}", f"{key}.{credential}") from None
+
+
+def _broker_from_entry(entry: object, source: str, index: int) -> User:
+    fields, name = _named_entry(entry, source, _BROKERS, index)
+    where = f"{source}: broker {name!r}"
+    key = f"{_BROKERS}[{index}]"
+    if set(fields) != {"name", "public_key"}:
+        raise EntryError(
+            f"{where} has exactly a name and a public_key (meshbus keygen --user "
+            f"{name} prints it); it has {', '.join(sorted(fields))}",
+            key,
+        )
+    text = fields["public_key"]
+    try:
+        if not isinstance(text, str):
+            raise ValueError("public_key is a string")
+        return User(name, public_key=public_key_from_text(text))
+    except ValueError as exc:
+        raise EntryError(f"{where}: {exc}", f"{key}.public_key") from None
