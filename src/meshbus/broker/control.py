@@ -32,7 +32,6 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox
-from meshbus.broker.permissions import Permissions
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.signin import SignIn, bound_session
@@ -268,7 +267,7 @@ class ControlHandler:
         # Each side enforces the smaller of the two limits, so neither sends what the other
         # must refuse.
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
-        permissions = self._permissions_of(user)
+        permissions = self._sign_in.permissions_of(user)
         # A signed-in connector's session is its user's: another user replaying it owns
         # none of its addresses.
         session = hello.session if user is None else bound_session(user, hello.session)
@@ -290,15 +289,6 @@ class ControlHandler:
             trace_every=self._trace_every,
         )
         link.send(link.accepting.welcome(welcome))
-
-    def _permissions_of(self, user: str | None) -> Permissions | None:
-        """What a link signed in as ``user`` may do: its [users.permissions], nothing
-        without them; None (everything) on a broker without users."""
-        if user is None:
-            return None
-        entry = self._config.users.get(user)
-        found = entry.permissions if entry is not None else None
-        return found if found is not None else Permissions(user)
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, redirect: str = "") -> None:
         assert link.accepting is not None

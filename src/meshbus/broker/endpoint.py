@@ -57,6 +57,8 @@ class CloseReason(enum.Enum):
     # Bytes from a peer after a silence past the heartbeat budget: this broker stalled
     # (or the network held them), and the peer has declared it dead meanwhile.
     STALLED = "stalled"
+    # A reload of the config file removed the link's user, or changed its credential.
+    REVOKED = "revoked"
 
 
 @dataclass(eq=False)

@@ -102,8 +102,8 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         # broker has no users, and on a peer's link.
         self.user: str | None = None
         # What that user may do (meshbus.broker.permissions); None: everything. Set by the
-        # sign-in as the link opens, before any frame of it is routed, and never changed:
-        # the link's cached decisions were made with it.
+        # sign-in as the link opens, before any frame of it is routed; changed only by
+        # ``reauthorize``, which drops the cached decisions made with the old one.
         self.permissions: Permissions | None = None
         self.move_sent = 0.0  # when a connector was told to MOVE (0: never)
         self.stat_pages: list[bytes] = []  # the pages of a STATS answer not yet asked for
@@ -179,6 +179,14 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._opening(LinkRole.PEER, name, max_frame)
         self.peer = info
         self.is_peer = True
+
+    def reauthorize(self, permissions: Permissions | None) -> None:
+        """A reload of the config file gave the link's user new permissions. Its cached
+        routing decisions were made with the old ones -- a refusal or a permit -- so they
+        are dropped, as a routing-table change drops them: the next read decides again.
+        Called between reads (a signal handler), never inside ``_process``."""
+        self.permissions = permissions
+        self._decisions_version = -1
 
     def _opening(self, role: LinkRole, name: str, max_frame: int) -> None:
         if self.role is not LinkRole.HANDSHAKING or self.state is LinkState.CLOSED:

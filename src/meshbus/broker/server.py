@@ -46,6 +46,7 @@ from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
 from meshbus.broker.trust import MeshTrust
+from meshbus.broker.users import UserTable
 from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
@@ -104,12 +105,15 @@ class Broker:
         clock: Callable[[], float] = time.monotonic,
         dialer: Dialer | None = None,
         rng: random.Random | None = None,
+        reread_users: Callable[[], UserTable] | None = None,
     ) -> None:
         """``clock`` is the broker's time (deadlines, heartbeats, expiries); ``dialer``
         opens its links to other brokers (by default TCP, with TLS when the config has a
         certificate); ``rng`` makes every random choice (anycast picks, group members,
         redial jitter, claim backoff). Tests give fakes of the first two and a seeded
-        ``rng``, so a simulation runs the same every time.
+        ``rng``, so a simulation runs the same every time. ``reread_users`` reads the
+        users from the config file again, for a reload (``SignIn.reload``); None without
+        a config file.
 
         With ``config.tls_cert`` the certificate, key and CA files are loaded here: a
         file that is missing or does not load raises ``meshbus.TLSError`` naming it. A
@@ -193,6 +197,7 @@ class Broker:
             dialer=dialer or dial_tcp,
             rng=rng,
         )
+        self.sign_in = SignIn(config.users, self.links, reread=reread_users)
         self.stat = StatView(
             config=config,
             routing=self.routing,
@@ -205,8 +210,8 @@ class Broker:
             lag=self.lag,
             pending=self.pending,
             counters=self.traffic_counters,
+            reloads=self.sign_in.reloads,
         )
-        self.sign_in = SignIn(config.users)
         self.control = ControlHandler(
             config=config,
             routing=self.routing,
@@ -539,14 +544,15 @@ class Broker:
         } | dataclasses.asdict(self.stats)
 
 
-async def serve(config: BrokerConfig) -> None:
+async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | None = None) -> None:
     """Run a broker until SIGINT, SIGTERM or a DRAIN request; print the ready line once it
     takes connectors. SIGTERM and DRAIN drain first (connectors move to other brokers);
-    a second signal stops at once."""
+    a second signal stops at once. SIGHUP reloads the users with ``reread_users``
+    (``SignIn.reload``)."""
     import signal
     import sys
 
-    broker = Broker(config)
+    broker = Broker(config, reread_users=reread_users)
     # What exists now -- the interpreter's modules, classes and functions, the broker's
     # parts -- lives as long as the process: out of the collector's sight (the permanent
     # generation), so each full collection walks only what the broker made since (on
@@ -564,6 +570,7 @@ async def serve(config: BrokerConfig) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    loop.add_signal_handler(signal.SIGHUP, broker.sign_in.reload)
     try:
         await broker.start()
     except BaseException:

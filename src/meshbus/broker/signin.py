@@ -7,18 +7,32 @@ in that one thread, so a flood of bad tokens takes one core and never the loop;
 the queue is bounded by the links that may be handshaking at once
 (``--max-handshaking``), and a check whose link closed meanwhile (the handshake
 timeout) is skipped when its turn comes.
+
+The sign-in owns the users (the config file's ``[[users]]``). A SIGHUP reloads them
+(``reload``; docs/security.md, "Reloading"): the file is read again by the function
+the broker was given, and applied whole or not at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import secrets
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from meshbus.broker.users import UserTable
+from meshbus.broker.endpoint import CloseReason
+from meshbus.broker.permissions import Permissions
+from meshbus.broker.registry import LinkRegistry
+from meshbus.broker.users import UserTable, same_credential
+from meshbus.errors import InvalidArgument
 from meshbus.protocol.control import NONCE_SIZE, Auth
+from meshbus.protocol.layout import ErrorCode
+
+log = logging.getLogger("meshbus.broker")
 
 
 def _new_nonce() -> bytes:
@@ -44,12 +58,33 @@ def bound_session(user: str, session: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=len(session), person=_SESSION_PERSON).digest()
 
 
+@dataclass
+class Reloads:
+    """The reloads of the users (``meshbus stat``)."""
+
+    applied: int = 0  # SIGHUPs whose file was applied
+    failed: int = 0  # SIGHUPs whose file had errors: nothing changed
+    applied_at: float = 0.0  # when the last one was applied (Unix time; 0: never)
+
+
 class SignIn:
-    def __init__(self, users: UserTable, *, new_nonce: Callable[[], bytes] = _new_nonce) -> None:
-        """``new_nonce`` draws each CHALLENGE's nonce (``secrets``: never the broker's
+    def __init__(
+        self,
+        users: UserTable,
+        links: LinkRegistry,
+        *,
+        reread: Callable[[], UserTable] | None = None,
+        new_nonce: Callable[[], bytes] = _new_nonce,
+    ) -> None:
+        """``reread`` reads the users from the config file again (InvalidArgument for
+        anything wrong in it); None: the broker has no config file to reload.
+        ``new_nonce`` draws each CHALLENGE's nonce (``secrets``: never the broker's
         seeded rng, whose choices a simulation replays)."""
         self._users = users
+        self._links = links
+        self._reread = reread
         self.new_nonce = new_nonce
+        self.reloads = Reloads()
         self._tokens: ThreadPoolExecutor | None = None
 
     @property
@@ -63,6 +98,15 @@ class SignIn:
         user = self._users.by_certificate(common_name) if common_name else None
         return None if user is None else user.name
 
+    def permissions_of(self, user: str | None) -> Permissions | None:
+        """What a link signed in as ``user`` may do: its [users.permissions], nothing
+        without them; None (everything) on a broker without users."""
+        if user is None:
+            return None
+        entry = self._users.get(user)
+        found = entry.permissions if entry is not None else None
+        return found if found is not None else Permissions(user)
+
     def check_key(self, auth: Auth, signed: bytes) -> bool:
         return self._users.check_signature(auth.user, signed, auth.signature)
 
@@ -71,12 +115,59 @@ class SignIn:
         ``wanted`` (read from that thread) says the link is gone by its turn."""
         if self._tokens is None:
             self._tokens = ThreadPoolExecutor(1, thread_name_prefix="meshbus-token-check")
-        users = self._users
 
         def check() -> bool:
-            return wanted() and users.check_token(auth.user, auth.token)
+            # The users of the moment the check runs: a reload may have come meanwhile.
+            return wanted() and self._users.check_token(auth.user, auth.token)
 
         return asyncio.get_running_loop().run_in_executor(self._tokens, check)
+
+    def reload(self) -> None:
+        """SIGHUP: read the users again and apply them, or, when the file has any error,
+        log it and change nothing. An open link of a user that is still there, with the
+        same credential, gets the user's new permissions at once (``Link.reauthorize``);
+        one of a user that is gone, or whose credential changed, is closed with an
+        ERROR saying so."""
+        if self._reread is None:
+            log.warning("SIGHUP: nothing to reload, the broker was started without --config")
+            return
+        try:
+            users = self._reread()
+            if bool(users) != bool(self._users):
+                raise InvalidArgument(
+                    "a reload cannot add the first user or remove the last one (that turns "
+                    "the sign-in and the mesh's trust on or off): restart the broker"
+                )
+        except InvalidArgument as exc:
+            self.reloads.failed += 1
+            log.error(
+                "config not reloaded; the users and permissions stay as they were",
+                extra={"errors": str(exc)},
+            )
+            return
+        before, self._users = self._users, users
+        kept = closed = 0
+        for link in [*self._links.connectors, *self._links.operators]:
+            name = link.user
+            if name is None:
+                continue
+            now, then = users.get(name), before.get(name)
+            if now is None:
+                why = f"user {name!r} was removed from this broker's config"
+            elif then is None or not same_credential(now, then):
+                why = f"the credential of user {name!r} changed in this broker's config"
+            else:
+                link.reauthorize(self.permissions_of(name))
+                kept += 1
+                continue
+            link.fail(ErrorCode.AUTH_FAILED, f"{why}; this link is closed", CloseReason.REVOKED)
+            closed += 1
+        self.reloads.applied += 1
+        self.reloads.applied_at = time.time()
+        log.info(
+            "config reloaded",
+            extra={"users": len(list(users)), "links_kept": kept, "links_closed": closed},
+        )
 
     def close(self) -> None:
         """Drop the checks not started (the broker is stopping)."""

@@ -19,6 +19,7 @@ from meshbus.broker.mesh import Mesh
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.registry import LinkRegistry, Peers
 from meshbus.broker.routing import RoutingTable
+from meshbus.broker.signin import Reloads
 from meshbus.broker.slices import Slices
 from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import SyncStats
@@ -39,8 +40,10 @@ class StatView:
         lag: LoopLag,
         pending: PendingTable[Endpoint],
         counters: Callable[[], dict[str, int]],
+        reloads: Reloads,
     ) -> None:
-        """``counters``: the broker's cumulative traffic counters (also telemetry's)."""
+        """``counters``: the broker's cumulative traffic counters (also telemetry's);
+        ``reloads``: the config file's reloads (SIGHUP)."""
         self._config = config
         self._routing = routing
         self._links = links
@@ -52,6 +55,7 @@ class StatView:
         self._lag = lag
         self._pending = pending
         self._counters = counters
+        self._reloads = reloads
         self._started_at = time.time()
 
     async def detailed(self) -> dict[str, Any]:
@@ -145,6 +149,10 @@ class StatView:
                 "pending": len(self._pending),
                 "links_accepted": self._links.accepted,
                 "links_closed": dict(self._links.closed),
+                "config_reloads": self._reloads.applied,
+                "config_reloads_failed": self._reloads.failed,
             },
+            # When a SIGHUP last applied the config file (Unix time); None: never.
+            "config_reloaded_at": self._reloads.applied_at or None,
         }
         return data
