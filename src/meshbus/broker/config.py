@@ -68,7 +68,8 @@ class BrokerConfig:
     handshake_timeout: float = 5.0  # seconds to finish it: HELLO, and the sign-in if any
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
     # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone
-    # who reaches the port; with some, connectors and operators sign in first.
+    # who reaches the port; with some, connectors and operators sign in first. The users
+    # at start: SignIn holds the current ones (a SIGHUP reloads them).
     users: UserTable = field(default_factory=UserTable)
     # -- Mesh trust (docs/security.md, "The mesh trusts only its brokers"): the brokers it
     # links to (the config file's [[brokers]], each a name and a public key), and this
