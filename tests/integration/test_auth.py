@@ -304,7 +304,10 @@ async def test_a_flood_of_bad_tokens_does_not_stall_the_loop(users_mesh: Mesh) -
 
     await asyncio.gather(*(bad_token() for _ in range(100)))
     data = await stat_as(users_mesh.address, users_mesh.bob)
-    assert data["loop_lag_ms"]["max"] < 50, data["loop_lag_ms"]
+    # The broker's own share of its loop lag (its loop thread's CPU time): checked on the
+    # loop, the 100 scrypt checks stalled it 833 ms; off it, a few ms. The wall-clock
+    # maximum would also count time the broker waited for a core on a busy machine.
+    assert data["loop_lag_ms"]["max_own"] < 200, data["loop_lag_ms"]
 
 
 # -- failover signs in again; brokers without users --------------------------------------------
