@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
+import ssl
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire
+from bench.wire import CONSUMER, PRODUCER, Dialogue, MeshbusWire, NatsWire, open_transport
+from meshbus.auth import Credentials
 from meshbus.protocol import DataFlags, encode_data
 from meshbus.protocol.layout import DATA_HEADER, DATA_HEADER_SIZE, KIND_DATA
 
@@ -28,10 +29,11 @@ _RESPONSE = int(DataFlags.RESPONSE)
 
 class RequestCodec(Protocol):
     name: str
+    tls: ssl.SSLContext | None
 
-    def open_requester(self, host: str, port: int) -> socket.socket: ...
+    def requester_dialogue(self) -> Dialogue: ...
 
-    def open_responder(self, host: str, port: int) -> socket.socket: ...
+    def responder_dialogue(self) -> Dialogue: ...
 
     def request(self, request_id: int, payload: bytes) -> bytes: ...
 
@@ -47,16 +49,19 @@ class RequestCodec(Protocol):
 class MeshbusRequests:
     name = "meshbus"
 
-    def __init__(self) -> None:
-        self._wire = MeshbusWire()
+    def __init__(
+        self, credentials: Credentials | None = None, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self._wire = MeshbusWire(credentials, tls)
+        self.tls = tls
         self._dst = CONSUMER.to_bytes()
         self._src = PRODUCER.to_bytes()
 
-    def open_requester(self, host: str, port: int) -> socket.socket:
-        return self._wire.open_producer(host, port)
+    def requester_dialogue(self) -> Dialogue:
+        return self._wire.dialogue(PRODUCER)
 
-    def open_responder(self, host: str, port: int) -> socket.socket:
-        return self._wire.open_consumer(host, port)
+    def responder_dialogue(self) -> Dialogue:
+        return self._wire.dialogue(CONSUMER)
 
     def request(self, request_id: int, payload: bytes) -> bytes:
         return encode_data(
@@ -99,14 +104,15 @@ _NATS_MSG = re.compile(rb"MSG (\S+) \S+ (?:(\S+) )?(\d+)\r\n")
 class NatsRequests:
     name = "nats"
 
-    def __init__(self) -> None:
-        self._wire = NatsWire()
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self._wire = NatsWire(tls)
+        self.tls = tls
 
-    def open_requester(self, host: str, port: int) -> socket.socket:
-        return self._wire._open(host, port, b"SUB rsp.* 1\r\n")
+    def requester_dialogue(self) -> Dialogue:
+        return self._wire.dialogue(b"SUB rsp.* 1\r\n")
 
-    def open_responder(self, host: str, port: int) -> socket.socket:
-        return self._wire._open(host, port, b"SUB req 1\r\n")
+    def responder_dialogue(self) -> Dialogue:
+        return self._wire.dialogue(b"SUB req 1\r\n")
 
     def request(self, request_id: int, payload: bytes) -> bytes:
         return b"PUB req rsp.%d %d\r\n%s\r\n" % (request_id, len(payload), payload)
@@ -235,18 +241,23 @@ async def measure_latency(
     size: int = 16,
     timeout: float = 120.0,
 ) -> LatencyResult:
-    loop = asyncio.get_running_loop()
     warmup = min(1000, max(1, requests // 10))
     total = requests + warmup
-    responder_sock = codec.open_responder(host, port)
-    requester_sock = codec.open_requester(host, port)
-    for sock in (responder_sock, requester_sock):
-        sock.setblocking(False)
-    responder_transport, _ = await loop.create_connection(
-        lambda: _Responder(codec), sock=responder_sock
-    )
+    responder_transport = await open_transport(host, port, codec.responder_dialogue(), codec.tls)
+    try:
+        requester_transport = await open_transport(
+            host, port, codec.requester_dialogue(), codec.tls
+        )
+    except BaseException:
+        responder_transport.close()
+        raise
     requester = _Requester(codec, total, warmup, b"x" * size)
-    requester_transport, _ = await loop.create_connection(lambda: requester, sock=requester_sock)
+    for transport, protocol in (
+        (responder_transport, _Responder(codec)),
+        (requester_transport, requester),
+    ):
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
     try:
         requester.send_next(concurrency)
         ended = await asyncio.wait_for(requester.done, timeout)
