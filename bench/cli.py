@@ -15,6 +15,7 @@ import click
 
 from bench.report import new_table, print_tables
 from bench.runs import alternate, count_option, last_line, runs_options, size_option
+from bench.security import Security, auth_option, security, tls_option
 from bench.servers import Server, meshbus_broker, nats_server
 
 # The commands defined elsewhere, by name: the module that defines each. They are imported
@@ -48,12 +49,14 @@ class _BenchGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-def _servers(vs_nats: bool) -> list[AbstractContextManager[Server]]:
-    """A meshbus broker and, with ``vs_nats``, a nats-server, to be started by
-    ``runs.alternate``."""
-    servers: list[AbstractContextManager[Server]] = [meshbus_broker()]
+def _servers(vs_nats: bool, made: Security) -> list[AbstractContextManager[Server]]:
+    """A meshbus broker per system of ``made`` (with --auth both, one without users and
+    one with) and, with ``vs_nats``, a nats-server, to be started by ``runs.alternate``."""
+    servers: list[AbstractContextManager[Server]] = [
+        meshbus_broker(*made.broker_args(kind), kind=kind) for kind in made.kinds()
+    ]
     if vs_nats:
-        servers.append(nats_server())
+        servers.append(nats_server(*made.nats_args()))
     return servers
 
 
@@ -69,6 +72,8 @@ def bench() -> None:
 @size_option
 @count_option(1_000_000)
 @runs_options
+@auth_option
+@tls_option
 @click.option(
     "--destinations",
     type=click.IntRange(1, 9999),
@@ -77,15 +82,29 @@ def bench() -> None:
     help="Spread messages round-robin over this many addresses on the consumer "
     "link (1 = a burst to one address; more defeats per-destination batching).",
 )
-def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) -> None:
+def unicast(
+    size: int, count: int, runs: int, destinations: int, vs_nats: bool, auth: str, tls: bool
+) -> None:
     """One producer -> one consumer through one server: messages per second.
 
-    Last line: `meshbus=<msgs/s> [nats=<msgs/s> ratio=<meshbus/nats>]`.
+    Last line: `meshbus=<msgs/s> [meshbus_auth=<msgs/s> auth_ratio=<r>] [nats=<msgs/s>
+    ratio=<meshbus/nats>]`.
     """
+    with security(auth, tls) as made:
+        _unicast(size, count, runs, destinations, vs_nats, made)
+
+
+def _unicast(
+    size: int, count: int, runs: int, destinations: int, vs_nats: bool, made: Security
+) -> None:
     from bench.throughput import measure_throughput
     from bench.wire import MeshbusWire, NatsWire, Wire
 
-    wires: dict[str, Wire] = {"meshbus": MeshbusWire(), "nats": NatsWire()}
+    tls = made.client_context()
+    wires: dict[str, Wire] = {
+        kind: MeshbusWire(made.credentials_for(kind), tls) for kind in made.kinds()
+    }
+    wires["nats"] = NatsWire(tls)
 
     def measure(server: Server) -> tuple[float, tuple[str, ...]]:
         result = measure_throughput(
@@ -98,9 +117,9 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
         )
 
     medians = alternate(
-        _servers(vs_nats),
+        _servers(vs_nats, made),
         runs,
-        f"unicast: {count:,} x {size} B, {destinations} destination(s)",
+        f"unicast: {count:,} x {size} B, {destinations} destination(s){made.label()}",
         ("msgs/s", "MiB/s", "seconds"),
         measure,
     )
@@ -130,16 +149,32 @@ def unicast(size: int, count: int, runs: int, destinations: int, vs_nats: bool) 
     help="Payload bytes per request and response.",
 )
 @runs_options
-def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -> None:
+@auth_option
+@tls_option
+def request(
+    concurrency: int, count: int, size: int, runs: int, vs_nats: bool, auth: str, tls: bool
+) -> None:
     """Request/response through one server: p50/p99 latency and requests per second.
 
-    Last line: `meshbus_p50_us=<us> [nats_p50_us=<us> ratio=<meshbus/nats>]`.
+    Last line: `meshbus_p50_us=<us> [meshbus_auth_p50_us=<us> auth_ratio=<r>]
+    [nats_p50_us=<us> ratio=<meshbus/nats>]`.
     """
+    with security(auth, tls) as made:
+        _request(concurrency, count, size, runs, vs_nats, made)
+
+
+def _request(
+    concurrency: int, count: int, size: int, runs: int, vs_nats: bool, made: Security
+) -> None:
     import uvloop
 
     from bench.latency import MeshbusRequests, NatsRequests, RequestCodec, measure_latency
 
-    codecs: dict[str, RequestCodec] = {"meshbus": MeshbusRequests(), "nats": NatsRequests()}
+    tls = made.client_context()
+    codecs: dict[str, RequestCodec] = {
+        kind: MeshbusRequests(made.credentials_for(kind), tls) for kind in made.kinds()
+    }
+    codecs["nats"] = NatsRequests(tls)
 
     def measure(server: Server) -> tuple[float, tuple[str, ...]]:
         result = uvloop.run(
@@ -152,9 +187,9 @@ def request(concurrency: int, count: int, size: int, runs: int, vs_nats: bool) -
         )
 
     medians = alternate(
-        _servers(vs_nats),
+        _servers(vs_nats, made),
         runs,
-        f"request/response: {count:,} x {size} B, concurrency {concurrency}",
+        f"request/response: {count:,} x {size} B, concurrency {concurrency}{made.label()}",
         ("p50 µs", "p99 µs", "req/s"),
         measure,
     )

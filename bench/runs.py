@@ -65,8 +65,14 @@ def alternate(
 
 
 def last_line(medians: dict[str, float], suffix: str, digits: int) -> str:
-    """`meshbus<suffix>=<v> [nats<suffix>=<v> ratio=<meshbus/nats>]`, machine-readable."""
+    """`meshbus<suffix>=<v> [meshbus_auth<suffix>=<v> auth_ratio=<with/without users>]
+    [nats<suffix>=<v> ratio=<meshbus/nats>]`, machine-readable."""
     line = f"meshbus{suffix}={medians['meshbus']:.{digits}f}"
+    if "meshbus_auth" in medians:  # --auth both
+        auth = medians["meshbus_auth"]
+        line += (
+            f" meshbus_auth{suffix}={auth:.{digits}f} auth_ratio={auth / medians['meshbus']:.3f}"
+        )
     if "nats" in medians:
         ratio = medians["meshbus"] / medians["nats"]
         line += f" nats{suffix}={medians['nats']:.{digits}f} ratio={ratio:.3f}"

@@ -32,7 +32,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def meshbus_broker(*extra: str) -> Iterator[Server]:
+def meshbus_broker(*extra: str, kind: str = "meshbus") -> Iterator[Server]:
     """A `meshbus broker` subprocess on a free loopback port, stopped on exit."""
     process = subprocess.Popen(broker_command(*extra), stdout=subprocess.PIPE, env=child_env())
     with process:  # closes its stdout once it has stopped
@@ -43,7 +43,7 @@ def meshbus_broker(*extra: str) -> Iterator[Server]:
             if ready is None:
                 raise BenchSetupError(f"meshbus broker did not start: {line!r}")
             host, port = parse_hostport(ready[1])
-            yield Server("meshbus", host, port)
+            yield Server(kind, host, port)
         finally:
             stop_process(process)
 
