@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshbus.broker.process import spawn_broker
@@ -60,13 +61,20 @@ class MeshbusProcesses:
         self.started.append(broker)
         return broker
 
-    async def mesh(self, count: int, *args: str) -> list[MeshbusProcess]:
-        """``count`` brokers with ``args`` in one mesh: the first founds it, the others
-        join through it at the same time. Each has joined (linked to all, tables
+    async def mesh(
+        self, count: int, *args: str, each: Callable[[int], Sequence[str]] | None = None
+    ) -> list[MeshbusProcess]:
+        """``count`` brokers with ``args`` (and broker i with ``each(i)`` too: its name and
+        key in a mesh that trusts only its brokers) in one mesh: the first founds it, the
+        others join through it at the same time. Each has joined (linked to all, tables
         copied) on return."""
-        first = await self.start(*args)
+
+        def own(index: int) -> Sequence[str]:
+            return each(index) if each is not None else ()
+
+        first = await self.start(*args, *own(0))
         rest = await asyncio.gather(
-            *(self.start("--seed", first.address, *args) for _ in range(count - 1)),
+            *(self.start("--seed", first.address, *args, *own(i)) for i in range(1, count)),
             return_exceptions=True,
         )
         for item in rest:

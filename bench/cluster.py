@@ -24,13 +24,14 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import meshbus
 from bench.brokers import MeshbusProcesses
 from bench.servers import BenchSetupError, Server, find_nats_server
+from meshbus.auth import Credentials
 from meshbus.broker.process import BrokerStartError, stop_process
 from meshbus.util import parse_hostport
 
@@ -46,6 +47,8 @@ class Cluster:
     nodes: list[Server]
     # nats-server only: each node's HTTP monitoring port, in the order of ``nodes``.
     monitors: list[int] = field(default_factory=list)
+    # meshbus brokers with users: what the bench's own connectors sign in with.
+    credentials: Credentials | None = None
 
 
 def _wait_until(what: str, check: Callable[[], bool], timeout: float = _FORM_TIMEOUT) -> None:
@@ -59,20 +62,22 @@ def _wait_until(what: str, check: Callable[[], bool], timeout: float = _FORM_TIM
 # -- meshbus ------------------------------------------------------------------------------
 
 
-def broker_stat(server: Server) -> dict[str, Any]:
+def broker_stat(server: Server, credentials: Credentials | None = None) -> dict[str, Any]:
     """The `stat` answer of one broker (without the per-service lists)."""
 
     async def ask() -> dict[str, Any]:
         address = f"{server.host}:{server.port}"
-        async with await meshbus.connect(address, server="bench", failover=False) as conn:
+        async with await meshbus.connect(
+            address, server="bench", failover=False, credentials=credentials
+        ) as conn:
             return await conn.stat(detail=False)
 
     return asyncio.run(ask())
 
 
-def _mesh_formed(nodes: list[Server]) -> bool:
+def _mesh_formed(nodes: list[Server], credentials: Credentials | None) -> bool:
     for node in nodes:
-        stat = broker_stat(node)
+        stat = broker_stat(node, credentials)
         if len(stat["peer_links"]) != len(nodes) - 1:
             return False
         mesh = stat["mesh"]
@@ -82,22 +87,32 @@ def _mesh_formed(nodes: list[Server]) -> bool:
 
 
 @contextlib.contextmanager
-def meshbus_mesh(size: int, *extra: str) -> Iterator[Cluster]:
-    """``size`` brokers with ``extra`` arguments on free loopback ports, the others joined
-    through the first one (``--seed``), all linked to each other and ready; stopped on
-    exit, however it ends."""
+def meshbus_mesh(
+    size: int,
+    *extra: str,
+    kind: str = "meshbus",
+    each: Callable[[int], Sequence[str]] | None = None,
+    credentials: Credentials | None = None,
+) -> Iterator[Cluster]:
+    """``size`` brokers with ``extra`` arguments (broker i also ``each(i)``) on free
+    loopback ports, the others joined through the first one (``--seed``), all linked to
+    each other and ready; stopped on exit, however it ends. ``credentials``: what the
+    bench signs in with to brokers with users."""
     import uvloop
 
     brokers = MeshbusProcesses()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
             try:
-                mesh = runner.run(brokers.mesh(size, *extra))
+                mesh = runner.run(brokers.mesh(size, *extra, each=each))
             except BrokerStartError as exc:
                 raise BenchSetupError(f"a meshbus broker did not start: {exc}") from exc
-            nodes = [Server("meshbus", *parse_hostport(broker.address)) for broker in mesh]
-            _wait_until(f"a full mesh of {size} meshbus brokers", lambda: _mesh_formed(nodes))
-            yield Cluster("meshbus", nodes)
+            nodes = [Server(kind, *parse_hostport(broker.address)) for broker in mesh]
+            _wait_until(
+                f"a full mesh of {size} meshbus brokers",
+                lambda: _mesh_formed(nodes, credentials),
+            )
+            yield Cluster(kind, nodes, credentials=credentials)
         finally:
             try:
                 runner.run(brokers.close())

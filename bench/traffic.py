@@ -15,6 +15,7 @@ receiving link, for both systems alike, then drains the links clean.
 from __future__ import annotations
 
 import contextlib
+import functools
 import select
 import socket
 import time
@@ -27,6 +28,7 @@ import click
 
 from bench.cluster import Cluster, broker_stat, meshbus_mesh, nats_cluster, nats_monitor
 from bench.runs import alternate, count_option, last_line, runs_options, size_option
+from bench.security import AUTH_KIND, Security, auth_option, security
 from bench.servers import BenchSetupError
 from bench.throughput import ThroughputResult, split_batches, time_delivery
 from bench.wire import CONSUMER, PRODUCER, MeshbusWire, NatsWire, Wire
@@ -121,10 +123,25 @@ def wait_for_route(
 # -- the servers -------------------------------------------------------------------------
 
 
-def _clusters(size: int, vs_nats: bool, *broker_args: str) -> list[AbstractContextManager[Cluster]]:
-    """A meshbus mesh of ``size`` brokers and, with ``vs_nats``, a nats-server cluster of
-    ``size`` nodes, to be started by ``runs.alternate``."""
-    clusters: list[AbstractContextManager[Cluster]] = [meshbus_mesh(size, *broker_args)]
+def _clusters(
+    size: int, vs_nats: bool, *broker_args: str, made: Security | None = None
+) -> list[AbstractContextManager[Cluster]]:
+    """A meshbus mesh of ``size`` brokers per system of ``made`` (with --auth both, one
+    without users and one with) and, with ``vs_nats``, a nats-server cluster of ``size``
+    nodes, to be started by ``runs.alternate``."""
+    if made is None:
+        clusters: list[AbstractContextManager[Cluster]] = [meshbus_mesh(size, *broker_args)]
+    else:
+        clusters = [
+            meshbus_mesh(
+                size,
+                *broker_args,
+                kind=kind,
+                each=functools.partial(made.broker_args, kind),
+                credentials=made.credentials_for(kind),
+            )
+            for kind in made.kinds()
+        ]
     if vs_nats:
         clusters.append(nats_cluster(size))
     return clusters
@@ -133,10 +150,10 @@ def _clusters(size: int, vs_nats: bool, *broker_args: str) -> list[AbstractConte
 def _meshbus_quiet(cluster: Cluster) -> None:
     """Wait until no broker holds a service of a bench link any more: the next run
     registers the same fixed addresses, which must not still be in use."""
-    if cluster.kind != "meshbus":
+    if not cluster.kind.startswith("meshbus"):
         return
     deadline = time.monotonic() + _SETTLE_TIMEOUT
-    while any(broker_stat(node)["services"] for node in cluster.nodes):
+    while any(broker_stat(node, cluster.credentials)["services"] for node in cluster.nodes):
         if time.monotonic() > deadline:
             raise BenchSetupError("meshbus brokers kept the services of closed bench links")
         time.sleep(0.02)
@@ -144,8 +161,9 @@ def _meshbus_quiet(cluster: Cluster) -> None:
 
 def _peer_msgs_out(cluster: Cluster) -> dict[str, int]:
     """Data messages the first node has sent to each of its peers so far, by peer."""
-    if cluster.kind == "meshbus":
-        return {p["name"]: p["msgs_out"] for p in broker_stat(cluster.nodes[0])["peer_links"]}
+    if cluster.kind.startswith("meshbus"):
+        stat = broker_stat(cluster.nodes[0], cluster.credentials)
+        return {p["name"]: p["msgs_out"] for p in stat["peer_links"]}
     routes = nats_monitor(cluster.monitors[0], "routez")["routes"]
     return {r["remote_id"]: r["out_msgs"] for r in routes}
 
@@ -154,6 +172,7 @@ def _peer_msgs_out(cluster: Cluster) -> dict[str, int]:
 
 _CROSS_PROBES: dict[str, Probe] = {
     "meshbus": MeshbusProbe(CONSUMER.to_bytes(), PRODUCER.to_bytes()),
+    AUTH_KIND: MeshbusProbe(CONSUMER.to_bytes(), PRODUCER.to_bytes()),
     # NatsWire's consumer subscribes to its first subject.
     "nats": NatsProbe(NatsWire()._subjects(1)[0]),
 }
@@ -180,7 +199,8 @@ def measure_cross(
 @size_option
 @count_option(1_000_000)
 @runs_options
-def cross(size: int, count: int, runs: int, vs_nats: bool) -> None:
+@auth_option
+def cross(size: int, count: int, runs: int, vs_nats: bool, auth: str) -> None:
     """One producer on broker A -> one consumer on broker B of a 2-broker mesh:
     messages per second across the broker-to-broker link.
 
@@ -188,9 +208,21 @@ def cross(size: int, count: int, runs: int, vs_nats: bool) -> None:
     node, subscriber on the other). Each run opens fresh links and waits until a
     probe sent on A arrives at B before timing.
 
-    Last line: `meshbus=<msgs/s> [nats=<msgs/s> ratio=<meshbus/nats>]`.
+    With --auth the brokers have a user and list each other in [[brokers]], each with
+    its own key (docs/security.md), and the links sign in.
+
+    Last line: `meshbus=<msgs/s> [meshbus_auth=<msgs/s> auth_ratio=<r>] [nats=<msgs/s>
+    ratio=<meshbus/nats>]`.
     """
-    wires: dict[str, Wire] = {"meshbus": MeshbusWire(), "nats": NatsWire()}
+    with security(auth, brokers=2) as made:
+        _cross(size, count, runs, vs_nats, made)
+
+
+def _cross(size: int, count: int, runs: int, vs_nats: bool, made: Security) -> None:
+    wires: dict[str, Wire] = {
+        kind: MeshbusWire(made.credentials_for(kind)) for kind in made.kinds()
+    }
+    wires["nats"] = NatsWire()
 
     def measure(cluster: Cluster) -> tuple[float, tuple[str, ...]]:
         result = measure_cross(
@@ -203,9 +235,9 @@ def cross(size: int, count: int, runs: int, vs_nats: bool) -> None:
         )
 
     medians = alternate(
-        _clusters(2, vs_nats),
+        _clusters(2, vs_nats, made=made),
         runs,
-        f"cross: {count:,} x {size} B, producer on server A, consumer on server B",
+        f"cross: {count:,} x {size} B, producer on server A, consumer on server B{made.label()}",
         ("msgs/s", "MiB/s", "seconds"),
         measure,
     )
