@@ -9,14 +9,13 @@ machine noise, and the ratio is taken between the medians of the runs.
 from __future__ import annotations
 
 import importlib
-from contextlib import AbstractContextManager
 
 import click
 
 from bench.report import new_table, print_tables
 from bench.runs import alternate, count_option, last_line, runs_options, size_option
 from bench.security import Security, auth_option, security, tls_option
-from bench.servers import Server, meshbus_broker, nats_server
+from bench.servers import Server, servers_of
 
 # The commands defined elsewhere, by name: the module that defines each. They are imported
 # when looked up, so that a command starts without the others' imports (`unicast` does not
@@ -30,6 +29,7 @@ _ELSEWHERE = {
     "reliable": "bench.reliable",
     "chaos": "bench.chaos",
     "bursts": "bench.bursts",
+    "handshake": "bench.handshake",
     "stream": "bench.streams",
     "spark": "bench.spark",
 }
@@ -47,17 +47,6 @@ class _BenchGroup(click.Group):
             assert isinstance(command, click.Command)
             return command
         return super().get_command(ctx, cmd_name)
-
-
-def _servers(vs_nats: bool, made: Security) -> list[AbstractContextManager[Server]]:
-    """A meshbus broker per system of ``made`` (with --auth both, one without users and
-    one with) and, with ``vs_nats``, a nats-server, to be started by ``runs.alternate``."""
-    servers: list[AbstractContextManager[Server]] = [
-        meshbus_broker(*made.broker_args(kind), kind=kind) for kind in made.kinds()
-    ]
-    if vs_nats:
-        servers.append(nats_server(*made.nats_args()))
-    return servers
 
 
 @click.group(cls=_BenchGroup)
@@ -117,7 +106,7 @@ def _unicast(
         )
 
     medians = alternate(
-        _servers(vs_nats, made),
+        servers_of(made, vs_nats),
         runs,
         f"unicast: {count:,} x {size} B, {destinations} destination(s){made.label()}",
         ("msgs/s", "MiB/s", "seconds"),
@@ -187,7 +176,7 @@ def _request(
         )
 
     medians = alternate(
-        _servers(vs_nats, made),
+        servers_of(made, vs_nats),
         runs,
         f"request/response: {count:,} x {size} B, concurrency {concurrency}{made.label()}",
         ("p50 µs", "p99 µs", "req/s"),

@@ -10,9 +10,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO
 
+from bench.security import Security
 from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
 from meshbus.util import parse_hostport
 
@@ -46,6 +48,17 @@ def meshbus_broker(*extra: str, kind: str = "meshbus") -> Iterator[Server]:
             yield Server(kind, host, port)
         finally:
             stop_process(process)
+
+
+def servers_of(made: Security, vs_nats: bool) -> list[AbstractContextManager[Server]]:
+    """A meshbus broker per system of ``made`` (with --auth both, one without users and
+    one with) and, with ``vs_nats``, a nats-server, to be started by ``runs.alternate``."""
+    servers: list[AbstractContextManager[Server]] = [
+        meshbus_broker(*made.broker_args(kind), kind=kind) for kind in made.kinds()
+    ]
+    if vs_nats:
+        servers.append(nats_server(*made.nats_args()))
+    return servers
 
 
 def find_nats_server() -> str:
