@@ -24,6 +24,7 @@ COMMANDS = (
     "reliable",
     "chaos",
     "bursts",
+    "handshake",
     "stream",
 )
 
