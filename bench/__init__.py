@@ -6,9 +6,10 @@ package (setuptools packages only what is under ``src/``).
 
 The commands: ``cli`` (the group; unicast, request, tables; ``__main__`` runs it),
 ``traffic`` (cross, fanout: traffic across brokers), ``membership`` (failover, join),
-``routes``, ``reliable`` and ``chaos`` (exactly-once sends and message groups while the
-mesh is shaken), ``streams`` (durable stream appends and reads against NATS JetStream,
-whose raw driver is ``jetstream``) and ``spark`` (Spark reading and writing the bus
+``handshake`` (connect time with and without a sign-in), ``routes``, ``reliable`` and
+``chaos`` (exactly-once sends and message groups while the mesh is shaken),
+``streams`` (durable stream appends and reads against NATS JetStream, whose raw driver
+is ``jetstream``) and ``spark`` (Spark reading and writing the bus
 against Parquet).
 
 The load drivers live in ``throughput`` (one producer -> one consumer, bytes
@@ -16,7 +17,8 @@ counted at the consumer) and ``latency`` (request/response with C in flight);
 ``wire`` adapts them to each system. What is measured is started by ``servers``
 (one meshbus broker, one nats-server), ``cluster`` (a meshbus mesh, a nats-server
 cluster) and ``brokers`` (meshbus broker processes, the one place a mesh is
-started). ``runs`` alternates the systems of a --vs-nats run, ``harness`` holds
+started). ``security`` makes the users, broker keys and certificates of --auth and --tls,
+``runs`` alternates the systems of a --vs-nats run, ``harness`` holds
 the connectors and probes of the mesh-operation commands, ``report`` the tables
 and last lines, and ``tables`` times the broker's routing and pending tables in
 process.
