@@ -6,6 +6,8 @@ asked; a link without permissions does what it always did. The sign-in sets
 
 from __future__ import annotations
 
+import pytest
+
 from meshbus.address import Anycast, Multicast, Unicast
 from meshbus.broker.permissions import Permissions
 from meshbus.broker.server import Broker
@@ -320,3 +322,57 @@ async def test_without_permissions_a_link_does_what_it_always_did(network: FakeN
     assert stat.type == ControlType.STATS
     assert broker.stats.dropped_denied == 0
     assert failures(client) == []
+
+
+@pytest.mark.parametrize(
+    ("permission", "request_", "table"),
+    [
+        ("streams.add", StreamRequest(op="add", stream="fresh", captures=[CHAT]), "add"),
+        ("streams.read", StreamRequest(op="info", stream="scores"), "read"),
+        (
+            "streams.consume",
+            StreamRequest(op="consumer_add", stream="scores", consumer="c"),
+            "consume",
+        ),
+        ("streams.delete", StreamRequest(op="delete", stream="scores"), "delete"),
+    ],
+    ids=["add", "read", "consume", "delete"],
+)
+async def test_each_stream_permission_is_granted_alone_and_denied_without_it(
+    network: FakeNetwork, permission: str, request_: StreamRequest, table: str
+) -> None:
+    broker = await start_broker(network, "a")
+    admin = await connector(network, broker, "admin")
+    added = await admin.ask(
+        ControlType.STREAM, StreamRequest(op="add", stream="scores", captures=[CHAT])
+    )
+    assert isinstance(added.body, StreamReply), describe_frame(added)
+    without = await connector(network, broker, "without")
+    others = [op for op in ("add", "read", "consume", "delete") if op != table]
+    as_user(without, {"streams": {op: ["*"] for op in others}})
+    assert denied(await without.ask(ControlType.STREAM, request_)).endswith(
+        f"(permissions.{permission})"
+    )
+    with_it = await connector(network, broker, "with")
+    as_user(with_it, {"streams": {table: ["*"]}})
+    granted = await with_it.ask(ControlType.STREAM, request_)
+    assert isinstance(granted.body, StreamReply), describe_frame(granted)
+
+
+async def test_telemetry_streams_are_read_with_the_telemetry_right_alone(
+    network: FakeNetwork,
+) -> None:
+    broker = await start_broker(network, "a")
+    admin = await connector(network, broker, "admin")
+    added = await admin.ask(
+        ControlType.STREAM, StreamRequest(op="add", stream="telemetry.a", captures=[CHAT])
+    )
+    assert isinstance(added.body, StreamReply), describe_frame(added)
+    reader = await connector(network, broker, "reader")
+    as_user(reader, {"streams": {"read": ["*"]}})
+    info = StreamRequest(op="info", stream="telemetry.a")
+    assert "'telemetry'" in denied(await reader.ask(ControlType.STREAM, info))
+    watcher = await connector(network, broker, "watcher")
+    as_user(watcher, {"operator": ["telemetry"]}, "watcher")
+    granted = await watcher.ask(ControlType.STREAM, info)
+    assert isinstance(granted.body, StreamReply), describe_frame(granted)
