@@ -441,6 +441,14 @@ def _flag_value(ctx: click.Context, option: click.Option, key: str, value: objec
     show_default=True,
     help="Operator links (meshbus stat, drain) open at once; past it one is refused.",
 )
+@click.option(
+    "--allow-anonymous",
+    is_flag=True,
+    help="Listen on an address other than loopback (127.0.0.0/8, ::1, localhost) without "
+    "[[users]]: anyone who reaches the port may then connect, send to and read any "
+    "address and stream, drain the broker and link to it as a peer. Without it such a "
+    "broker refuses to start (docs/security.md).",
+)
 # -- TLS (docs/security.md, "TLS")
 @click.option(
     "--tls-cert",
@@ -511,6 +519,7 @@ def broker(
     max_handshaking: int,
     handshake_timeout: float,
     max_operators: int,
+    allow_anonymous: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
@@ -583,6 +592,7 @@ def broker(
         handshake_timeout=handshake_timeout,
         max_operators=max_operators,
         users=tables.users,
+        allow_anonymous=allow_anonymous,
         brokers=tables.brokers,
         broker_key=key,
         tls_cert=tls_cert or "",

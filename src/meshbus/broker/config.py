@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from meshbus.auth import Credentials
 from meshbus.broker.users import UserTable
+from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
+
+
+class AnonymousExposure(InvalidArgument):
+    """A broker told to listen beyond loopback with no users and no --allow-anonymous
+    (docs/security.md, "Secure by default")."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only: localhost, 127.0.0.0/8, ::1.
+    Other names are not resolved: a name is taken as reachable from anywhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -71,6 +89,9 @@ class BrokerConfig:
     # who reaches the port; with some, connectors and operators sign in first. The users
     # at start: SignIn holds the current ones (a SIGHUP reloads them).
     users: UserTable = field(default_factory=UserTable)
+    # Listen beyond loopback with no users anyway (--allow-anonymous): otherwise such a
+    # broker refuses to start (check_exposure).
+    allow_anonymous: bool = False
     # -- Mesh trust (docs/security.md, "The mesh trusts only its brokers"): the brokers it
     # links to (the config file's [[brokers]], each a name and a public key), and this
     # broker's own key pair (--broker-key), whose user is its name.
@@ -83,6 +104,21 @@ class BrokerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     tls_verify_clients: bool = False
+
+    def check_exposure(self) -> None:
+        """AnonymousExposure when this broker would listen beyond loopback, where anyone
+        who reaches the port could do anything, without users and without
+        allow_anonymous: secure by default, open only on purpose."""
+        if self.users or self.allow_anonymous or is_loopback(self.host):
+            return
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        raise AnonymousExposure(
+            f"refusing to listen on {host}:{self.port} without users: anyone who "
+            "reaches it could connect and do anything; add [[users]] to a config file "
+            "(meshbus keygen --user NAME --out NAME.creds >> broker.toml, then meshbus "
+            "broker --config broker.toml; docs/security.md, Authentication), listen on "
+            "127.0.0.1, or pass --allow-anonymous to take that risk"
+        )
 
     @property
     def mesh_trust(self) -> bool:

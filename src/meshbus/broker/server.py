@@ -297,9 +297,11 @@ class Broker:
 
     async def start(self) -> None:
         """Listen, then found a new mesh or join one through the seeds (MeshJoinError if
-        it cannot). Peers can link while it joins; connectors are taken once it is ready."""
+        it cannot). Peers can link while it joins; connectors are taken once it is ready.
+        AnonymousExposure, before listening, beyond loopback without users."""
         loop = asyncio.get_running_loop()
         config = self.config
+        config.check_exposure()
         if self.tls is not None:
             host, port = self.tls.listen(config.host, config.port)
         else:
