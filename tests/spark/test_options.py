@@ -44,3 +44,18 @@ def test_options_are_case_insensitive_and_checked() -> None:
     assert parse_write({**BUS, "address": "unicast:game01:5"}).address == "game01:5"
     with pytest.raises(ValueError, match="option 'address': address 'chat' has no ':'"):
         parse_write({**BUS, "address": "chat"})
+
+
+def test_credentials_and_tls_files_are_carried_as_paths() -> None:
+    access = {"CREDS": "/etc/a.creds", "tlsca": "/etc/ca.pem"}
+    bus = parse_write({**BUS, **access, "address": "anycast:x"}).bus
+    assert (bus.creds, bus.tls_ca, bus.tls_cert, bus.tls_key) == (
+        "/etc/a.creds",
+        "/etc/ca.pem",
+        None,
+        None,
+    )
+    both = parse_read({**BUS, "stream": "s", "tlsCert": "c.pem", "tlsKey": "k.pem"}, streaming=None)
+    assert (both.bus.tls_cert, both.bus.tls_key) == ("c.pem", "k.pem")
+    with pytest.raises(ValueError, match="'tlsCert' and 'tlsKey' go together"):
+        parse_read({**BUS, "stream": "s", "tlsCert": "c.pem"}, streaming=None)

@@ -26,8 +26,16 @@ from typing import NoReturn, TypeVar
 
 import meshbus
 from meshbus.client.streams import StreamInfo
-from meshbus.errors import ConnectionLost, MeshbusError, StreamError, Timeout
+from meshbus.errors import (
+    AuthenticationFailed,
+    ConnectionLost,
+    MeshbusError,
+    StreamError,
+    Timeout,
+    TLSError,
+)
 from meshbus.spark.options import PREFIX, BusOptions
+from meshbus.tls import cli_context
 
 T = TypeVar("T")
 
@@ -91,6 +99,10 @@ def explain(exc: MeshbusError, bus: BusOptions, doing: str) -> MeshbusError:
         return ConnectionLost(f"{where}: {exc}")
     if isinstance(exc, Timeout):
         return Timeout(f"{where}: {exc}", exc.timeout)
+    if isinstance(exc, AuthenticationFailed):
+        return AuthenticationFailed(f"{where}: {exc} (the data source's option 'creds')")
+    if isinstance(exc, TLSError):
+        return TLSError(f"{where}: {exc} (the data source's options 'tlsCa', 'tlsCert', 'tlsKey')")
     return exc
 
 
@@ -102,12 +114,16 @@ def reraise(exc: MeshbusError, bus: BusOptions, doing: str) -> NoReturn:
 
 
 async def connect(bus: BusOptions, *, keepalive: float = 0.0) -> meshbus.Connector:
+    """A connector to the mesh, signed in with option 'creds' and over TLS when a
+    'tls*' option is given; on the driver and on the executors alike."""
     try:
         return await meshbus.connect(
             bus.brokers,
             server=bus.server,
             timeout=bus.connect_timeout,
             keepalive=keepalive,
+            tls=cli_context(bus.tls_ca, bus.tls_cert, bus.tls_key),
+            credentials=bus.creds,
         )
     except MeshbusError as exc:
         reraise(exc, bus, "connecting")

@@ -34,6 +34,13 @@ class BusOptions:
     server: str  # the server name of the connector's dynamic address
     connect_timeout: float
     request_timeout: float  # one stream request (info, fetch)
+    # Paths, opened where each connector is made -- on the driver and on every executor,
+    # so the files must exist on each (docs/spark.md). None: no credentials (or the file
+    # MESHBUS_CREDS names); no TLS unless one of the TLS files is given.
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,11 +142,18 @@ def parse_bus(options: Mapping[str, str]) -> BusOptions:
         Unicast(server, 1)
     except ValueError as exc:
         raise option_error(f"option 'server': {exc}") from None
+    tls_cert, tls_key = opts.text("tlsCert"), opts.text("tlsKey")
+    if bool(tls_cert) != bool(tls_key):
+        raise option_error("options 'tlsCert' and 'tlsKey' go together: give both, or neither")
     return BusOptions(
         brokers=brokers,
         server=server,
         connect_timeout=opts.seconds("connectTimeout", 10.0),
         request_timeout=opts.seconds("requestTimeout", 60.0),
+        creds=opts.text("creds"),
+        tls_ca=opts.text("tlsCa"),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
     )
 
 
