@@ -87,10 +87,25 @@ SERVER_NAME = Parsed("NAME", _check_server_name)
 class Access:
     """How a client command reaches a broker, besides its address: the TLS context of
     --tls-* (None: plain TCP) and the credentials file of --creds (None: the one
-    MESHBUS_CREDS names, if any). ``connect`` takes them as they are."""
+    MESHBUS_CREDS names, if any). ``connect`` takes them as they are. The TLS files'
+    paths are kept for connections made elsewhere (the Spark tasks of meshbus report)."""
 
     tls: ssl.SSLContext | None
     credentials: str | None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def data_source_options(self) -> dict[str, str]:
+        """The options of the ``meshbus`` Spark data source that connect the same way
+        (docs/spark.md): the paths, which its tasks open themselves."""
+        given = {
+            "creds": self.credentials,
+            "tlsCa": self.tls_ca,
+            "tlsCert": self.tls_cert,
+            "tlsKey": self.tls_key,
+        }
+        return {option: path for option, path in given.items() if path}
 
     async def connect(self, broker_address: str, **options: Any) -> Connector:
         import meshbus
@@ -118,7 +133,7 @@ def access_options(command: F) -> F:
             tls = cli_context(tls_ca, tls_cert, tls_key)
         except TLSError as exc:
             raise click.ClickException(str(exc)) from exc
-        return command(*args, access=Access(tls, creds), **kwargs)
+        return command(*args, access=Access(tls, creds, tls_ca, tls_cert, tls_key), **kwargs)
 
     path = click.Path(dir_okay=False)
     for name, help_text in (

@@ -290,3 +290,48 @@ async def test_report_on_the_brokers_own_telemetry(spark: SparkSession, tmp_path
     summary = {s["broker"]: s for s in data["throughput"]["summary"]}
     assert summary[a.name]["mean_msgs_in_per_s"] > 0
     assert out.read_text().count('<img src="data:image/png;base64,') == 4
+
+
+async def test_report_signs_in_over_tls(spark: SparkSession, tmp_path: Path) -> None:
+    """A broker with users and TLS: --creds and --tls-ca reach the discovery's connector
+    and the Spark tasks' (certificates by trustme, the key by Credentials.generate)."""
+    import trustme
+
+    from meshbus.auth import Credentials, users_entry
+    from tests.conftest import start_broker
+
+    ca = trustme.CA()
+    ca_file, cert_file, key_file = (tmp_path / name for name in ("ca.pem", "b.crt", "b.key"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(str(cert_file))
+    leaf.private_key_pem.write_to_path(str(key_file))
+    ops = Credentials.generate("ops")
+    creds = tmp_path / "ops.creds"
+    ops.write(creds)
+    config = tmp_path / "broker.toml"
+    config.write_text(users_entry("ops", public_key=ops.public_key, allow_all=True))
+    broker = await start_broker(
+        "--config", str(config), "--tls-cert", str(cert_file), "--tls-key", str(key_file),
+        "--telemetry-interval", "0.2",
+    )  # fmt: skip
+    try:
+        async with await meshbus.connect(
+            broker.address, tls=str(ca_file), credentials=creds, operator=True
+        ) as conn:
+            for _ in range(100):  # a few telemetry records
+                listed = {str(e["name"]) for e in await conn.streams.list()}
+                stream = f"telemetry.{broker.name}"
+                if stream in listed and (await conn.streams.info(stream)).messages >= 3:
+                    break
+                await asyncio.sleep(0.1)
+        out, data_file = tmp_path / "report.html", tmp_path / "report.json"
+        access = ("--creds", str(creds), "--tls-ca", str(ca_file))
+        result = await report_cli(
+            "--brokers", broker.address, *access, "--out", str(out), "--json", str(data_file)
+        )
+        assert result.exit_code == 0, result.output
+    finally:
+        assert await broker.stop() == 0
+    data = json.loads(data_file.read_text())
+    assert [x["broker"] for x in data["brokers"]] == [broker.name]

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 import meshbus
+from meshbus.cli_common import Access
 from meshbus.demo import leaderboard, mmo
 from meshbus.demo.mesh import DemoMesh, StepFailed, check
 
@@ -77,7 +78,7 @@ async def run(play_seconds: float, report_path: str) -> int:
         query = None
         await summary(world, admin, failover)
         with console.status("writing the telemetry report (a Spark job over the brokers' streams)"):
-            await write_report(spark, mesh.addresses, report_path)
+            await write_report(spark, mesh.addresses, Access(None, None), report_path)
         say(started, f"wrote [bold]{report_path}[/] (open it in a browser)")
     except* (StepFailed, meshbus.MeshbusError, AssertionError) as group:
         failed = "; ".join(map(str, group.exceptions))
@@ -173,18 +174,18 @@ async def settle(world: mmo.World, started: float) -> None:
     say(started, "every reliable send acknowledged; the leaderboard matches every result")
 
 
-async def write_report(spark: Any, brokers: str, path: str) -> None:
+async def write_report(spark: Any, brokers: str, access: Access, path: str) -> None:
     """``meshbus report`` on the demo's own Spark session. The killed broker's
     telemetry went with it (streams are not replicated): the report shows the others."""
     from meshbus.report.job import discover, report_data
     from meshbus.report.plots import plots
     from meshbus.report.render import render_html
 
-    plans = await discover(brokers, None)
+    plans = await discover(brokers, None, access)
 
     def render() -> None:
         spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
-        data = report_data(spark, brokers, plans)
+        data = report_data(spark, brokers, plans, access=access.data_source_options())
         with open(path, "w", encoding="utf-8") as file:
             file.write(render_html(data, plots(data)))
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from meshbus.cli_common import BROKERS, DEFAULT_BROKER, run
+from meshbus.cli_common import BROKERS, DEFAULT_BROKER, Access, access_options, run
 from meshbus.report.job import ReportError, StreamPlan
 
 _EPILOG = """\b
@@ -102,7 +102,10 @@ def _check_target(path: Path, option: str) -> None:
     metavar="SECONDS",
     help="Only the last SECONDS of telemetry and traces (default: all the streams hold).",
 )
-def report(brokers: str, out: Path, json_out: Path | None, since: float | None) -> None:
+@access_options
+def report(
+    brokers: str, out: Path, json_out: Path | None, since: float | None, access: Access
+) -> None:
     """Write an HTML report on a mesh from its brokers' telemetry and traces.
 
     Reads the streams telemetry.* and traces.* with a local Spark job and plots
@@ -110,6 +113,10 @@ def report(brokers: str, out: Path, json_out: Path | None, since: float | None) 
     cross broker) from the sampled traces, connectors per broker over time
     (joins, drains, failovers) and drops and timeouts. Needs the spark extra
     (pip install 'meshbus[spark]') and Java 17+.
+
+    \b
+    With --creds and --tls-*, the Spark tasks open the same files: on one
+    machine, as here, they are there.
 
     \b
     Exit codes: 0 written, 1 error (no broker reachable, no telemetry,
@@ -128,7 +135,7 @@ def report(brokers: str, out: Path, json_out: Path | None, since: float | None) 
         raise click.ClickException(str(exc)) from exc
 
     with progress.step(f"looking for telemetry streams through {brokers}") as done:
-        plans = run(discover(brokers, since_at))
+        plans = run(discover(brokers, since_at, access))
         assert plans is not None
         done.append(_describe(plans))
     if not any(p.kind == "telemetry" for p in plans):
@@ -143,12 +150,16 @@ def report(brokers: str, out: Path, json_out: Path | None, since: float | None) 
             + (f" from the last {since:g} s" if since is not None else "")
             + ": are the brokers running with --telemetry-interval?"
         )
-    data = _spark_job(progress, brokers, plans, since_at)
+    data = _spark_job(progress, brokers, plans, since_at, access)
     _write(progress, data, out, json_out)
 
 
 def _spark_job(
-    progress: _Progress, brokers: str, plans: list[StreamPlan], since_at: float | None
+    progress: _Progress,
+    brokers: str,
+    plans: list[StreamPlan],
+    since_at: float | None,
+    access: Access,
 ) -> dict[str, Any]:
     from meshbus.report.job import SparkFailed, local_spark, report_data, summarize
 
@@ -165,7 +176,13 @@ def _spark_job(
             streams = sum(1 for p in plans if p.records)
             with progress.step(f"reading {streams} stream(s) and computing") as done:
                 try:
-                    data = report_data(spark, brokers, plans, since_at=since_at)
+                    data = report_data(
+                        spark,
+                        brokers,
+                        plans,
+                        since_at=since_at,
+                        access=access.data_source_options(),
+                    )
                 except ReportError:
                     raise
                 except Exception as exc:

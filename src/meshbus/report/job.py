@@ -30,6 +30,7 @@ from meshbus.report import TELEMETRY_PREFIX, TRACES_PREFIX
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from meshbus.cli_common import Access
     from meshbus.client import Connector
 
 SERVER = "report"  # the server name of the report's connectors
@@ -77,14 +78,12 @@ def _kind(name: str) -> str | None:
     return None
 
 
-async def discover(brokers: str, since_at: float | None) -> list[StreamPlan]:
+async def discover(brokers: str, since_at: float | None, access: Access) -> list[StreamPlan]:
     """The telemetry and trace streams of the mesh that ``brokers`` belong to, with the
     seqs to read: everything, or (``since_at``) from the first message stored at or
     after it -- one more for telemetry (the baseline of the first difference), and
     ``TRACE_MARGIN`` seconds more for traces (entry hops of the first deliveries)."""
-    import meshbus
-
-    async with await meshbus.connect(brokers, server=SERVER, operator=True) as conn:
+    async with await access.connect(brokers, server=SERVER, operator=True) as conn:
         listed = await conn.streams.list()
         plans = []
         for entry in sorted(listed, key=lambda e: str(e["name"])):
@@ -194,8 +193,11 @@ def summarize(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def read_streams(spark: SparkSession, brokers: str, plans: list[StreamPlan]) -> DataFrame:
-    """The messages of ``plans``' streams, in the ``meshbus`` data source's columns.
+def read_streams(
+    spark: SparkSession, brokers: str, plans: list[StreamPlan], access: dict[str, str]
+) -> DataFrame:
+    """The messages of ``plans``' streams, in the ``meshbus`` data source's columns;
+    ``access``, its options that sign in and turn TLS on (``Access.data_source_options``).
 
     The one place that reads the bus: to read some other way (the client's
     ``conn.streams.fetch``), return the same columns (``meshbus.spark.SCHEMA``)."""
@@ -210,6 +212,7 @@ def read_streams(spark: SparkSession, brokers: str, plans: list[StreamPlan]) -> 
         .option("stream", plan.name)
         .option("startingSeq", str(plan.start_seq))
         .option("endingSeq", str(plan.last_seq))  # what was there at discovery
+        .options(**access)
         .load()
         for plan in plans
         if plan.records > 0
@@ -331,13 +334,15 @@ def report_data(
     plans: list[StreamPlan],
     *,
     since_at: float | None = None,
+    access: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Read ``plans``' streams and ``analyse`` them, with what was read and when."""
+    """Read ``plans``' streams and ``analyse`` them, with what was read and when;
+    ``access`` as for ``read_streams``."""
     from pyspark.sql import functions as F
 
     # All streams in one stage (in parallel, and the data source's Python workers start
     # once), kept in memory for the analyses that follow.
-    raw = read_streams(spark, brokers, plans).cache()
+    raw = read_streams(spark, brokers, plans, access or {}).cache()
     try:
         planned = sum(p.records for p in plans)
         if planned and not raw.count():
