@@ -51,6 +51,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     assert "Traceback" not in err, err[-4000:]
     for expected in (
         "3 brokers: 127.0.0.1:",
+        "TLS and sign-in on",
         "durable stream results on mesh-1",
         "12 players logged in",
         "Spark job: stream results",

@@ -1,6 +1,7 @@
 """``python -m meshbus.demo`` (``make demo``): the whole product in one command.
 
-Three real brokers (each with a data dir and telemetry on) carry a small MMO back
+Three real brokers (each with a data dir and telemetry on; TLS, users and mesh trust
+too, with a throwaway CA and keys made in the work dir: ``demo.secure``) carry a small MMO back
 end (``demo.mmo``): a login pool answering anycast requests, game servers with a
 service per player, chat rooms, a master doing interest management with
 ``subscribe_other``, and match results sent reliably into the durable stream

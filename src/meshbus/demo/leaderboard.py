@@ -60,8 +60,11 @@ def start_session(work_dir: str) -> Any:
     return spark
 
 
-def start_leaderboard(spark: Any, brokers: str, stream: str, address: str, checkpoint: str) -> Any:
-    """Start the streaming query; returns it (``query.stop()`` ends it)."""
+def start_leaderboard(
+    spark: Any, brokers: str, access: dict[str, str], stream: str, address: str, checkpoint: str
+) -> Any:
+    """Start the streaming query; returns it (``query.stop()`` ends it). ``access``: the
+    data source's options that sign in and turn TLS on (``Access.data_source_options``)."""
     from pyspark.sql import functions as f
     from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
@@ -78,6 +81,7 @@ def start_leaderboard(spark: Any, brokers: str, stream: str, address: str, check
         .option("brokers", brokers)
         .option("stream", stream)
         .option("startingOffsets", "earliest")
+        .options(**access)
         .load()
     )
     parsed = results.select(f.from_json(f.col("payload").cast("string"), schema).alias("r"))
@@ -95,6 +99,7 @@ def start_leaderboard(spark: Any, brokers: str, stream: str, address: str, check
             .write.format("meshbus")
             .option("brokers", brokers)
             .option("address", address)
+            .options(**access)
             .mode("append")
             .save()
         )

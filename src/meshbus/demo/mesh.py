@@ -1,5 +1,6 @@
-"""The demo's brokers: real ``meshbus broker`` processes, each with its own data dir and
-telemetry on, that are always gone when the demo ends -- also on Ctrl-C or a crash."""
+"""The demo's brokers: real ``meshbus broker`` processes, each with its own data dir,
+telemetry, TLS and users on (demo.secure), that are always gone when the demo ends --
+also on Ctrl-C or a crash."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 from dataclasses import dataclass
 
 from meshbus.broker.process import BrokerStartError, spawn_broker
+from meshbus.demo.secure import DemoSecurity
 
 STARTUP_TIMEOUT = 20.0
 TELEMETRY_INTERVAL = 1.0
@@ -35,8 +37,9 @@ class DemoBroker:
 class DemoMesh:
     """The brokers the demo started, by name."""
 
-    def __init__(self, data_root: str) -> None:
+    def __init__(self, data_root: str, security: DemoSecurity) -> None:
         self.data_root = data_root
+        self.security = security
         self.brokers: dict[str, DemoBroker] = {}
 
     @property
@@ -47,7 +50,7 @@ class DemoMesh:
     async def start(self, name: str, seed: DemoBroker | None = None) -> DemoBroker:
         """A broker that joins through ``seed`` (or founds the mesh); ready once joined."""
         args = [
-            "--name", name,
+            *self.security.broker_args(name),
             "--data-dir", os.path.join(self.data_root, name),
             "--telemetry-interval", str(TELEMETRY_INTERVAL),
             "--trace-sample", str(TRACE_SAMPLE),

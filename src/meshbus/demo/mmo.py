@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import meshbus
 from meshbus import Anycast, Multicast, Service
+from meshbus.cli_common import Access
 
 PLAYERS = 12
 ROOMS = 2
@@ -88,14 +89,15 @@ class World:
         await asyncio.gather(*(c.close() for c in self.connectors.values()))
 
 
-async def build(addresses: str, homes: dict[str, str]) -> World:
+async def build(addresses: str, homes: dict[str, str], access: Access) -> World:
     """Connect every process of the back end (``homes``: connector -> its first broker,
-    the rest of ``addresses`` for failover) and set up its services."""
+    the rest of ``addresses`` for failover; signed in and over TLS with ``access``) and
+    set up its services."""
 
     async def connect(name: str) -> meshbus.Connector:
         first = homes[name]
         rest = [a for a in addresses.split(",") if a != first]
-        return await meshbus.connect([first, *rest], server=name)
+        return await access.connect(",".join([first, *rest]), server=name)
 
     names = ["login01", "login02", "game01", "game02", "master", "matches", "lobby"]
     conns = dict(zip(names, await asyncio.gather(*(connect(n) for n in names)), strict=True))

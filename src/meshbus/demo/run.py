@@ -17,7 +17,7 @@ from rich.table import Table
 
 import meshbus
 from meshbus.cli_common import Access
-from meshbus.demo import leaderboard, mmo
+from meshbus.demo import leaderboard, mmo, secure
 from meshbus.demo.mesh import DemoMesh, StepFailed, check
 
 # Into the play: kill -9 of mesh-2 at this share of it, mesh-4 joins at that one.
@@ -36,7 +36,9 @@ def say(started: float, text: str) -> None:
 async def run(play_seconds: float, report_path: str) -> int:
     started = time.monotonic()
     root = tempfile.mkdtemp(prefix="meshbus-demo-")
-    mesh = DemoMesh(root)
+    security = secure.prepare(root, [f"mesh-{n}" for n in range(1, 5)])
+    mesh = DemoMesh(root, security)
+    mmo_access, spark_access = security.access("mmo"), security.access("spark")
     loop = asyncio.get_running_loop()
     console.rule("[bold]meshbus demo[/]: an MMO back end, a Spark pipeline, a crash and a join")
     spark_ready = loop.run_in_executor(None, leaderboard.start_session, root)
@@ -50,7 +52,11 @@ async def run(play_seconds: float, report_path: str) -> int:
         m2, m3 = await asyncio.gather(mesh.start("mesh-2", m1), mesh.start("mesh-3", m1))
         say(started, f"3 brokers: {mesh.addresses}, telemetry every 1 s")
         say(started, f"work dir {root}")
-        admin = await meshbus.connect(m1.address, server="admin", failover=False)
+        await refused_without_credentials(m1.address, security)
+        say(started, f"TLS and sign-in on: every link TLS (a throwaway CA for {secure.HOST}), "
+            f"clients sign in as users {' and '.join(secure.USERS)} (key pairs; one without "
+            "was refused), brokers prove themselves with keys of their own")  # fmt: skip
+        admin = await mmo_access.connect(m1.address, server="admin", failover=False)
         await admin.streams.add(mmo.RESULTS_STREAM, mmo.RESULTS)
         say(started, f"durable stream [bold]results[/] on mesh-1 captures {mmo.RESULTS}")
         homes = {
@@ -58,7 +64,7 @@ async def run(play_seconds: float, report_path: str) -> int:
             "game02": m3.address, "master": m2.address, "matches": m3.address,
             "lobby": m1.address,
         }  # fmt: skip
-        world = await mmo.build(mesh.addresses, homes)
+        world = await mmo.build(mesh.addresses, homes, mmo_access)
         say(started, "MMO back end up: " + ", ".join(
             f"{name} on {conn.broker_name}" for name, conn in world.connectors.items()
         ))  # fmt: skip
@@ -68,7 +74,8 @@ async def run(play_seconds: float, report_path: str) -> int:
         with console.status("starting Spark (local[2])..."):
             spark = await spark_ready
         query = await asyncio.to_thread(
-            leaderboard.start_leaderboard, spark, mesh.addresses, mmo.RESULTS_STREAM,
+            leaderboard.start_leaderboard, spark, mesh.addresses,
+            spark_access.data_source_options(), mmo.RESULTS_STREAM,
             str(mmo.LEADERBOARD), os.path.join(root, "checkpoint"),
         )  # fmt: skip
         say(started, f"Spark job: stream results -> wins per player -> {mmo.LEADERBOARD}")
@@ -78,7 +85,7 @@ async def run(play_seconds: float, report_path: str) -> int:
         query = None
         await summary(world, admin, failover)
         with console.status("writing the telemetry report (a Spark job over the brokers' streams)"):
-            await write_report(spark, mesh.addresses, Access(None, None), report_path)
+            await write_report(spark, mesh.addresses, spark_access, report_path)
         say(started, f"wrote [bold]{report_path}[/] (open it in a browser)")
     except* (StepFailed, meshbus.MeshbusError, AssertionError) as group:
         failed = "; ".join(map(str, group.exceptions))
@@ -101,6 +108,18 @@ async def run(play_seconds: float, report_path: str) -> int:
         return 1
     console.print(f"[bold green]demo passed[/] in {time.monotonic() - started:.1f} s")
     return 0
+
+
+async def refused_without_credentials(address: str, security: secure.DemoSecurity) -> None:
+    """The mesh is really closed: a TLS connector without credentials is refused."""
+    try:
+        conn = await meshbus.connect(
+            address, server="nobody", tls=security.certificates.ca, failover=False
+        )
+    except meshbus.AuthenticationFailed:
+        return
+    await conn.close()
+    raise StepFailed(f"broker {address} let in a connector without credentials")
 
 
 async def play(world: mmo.World, mesh: DemoMesh, started: float, seconds: float) -> float:

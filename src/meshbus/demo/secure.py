@@ -1,0 +1,171 @@
+"""The demo runs as a mesh should: TLS on every link, every client signed in, every
+broker proving itself to the others (docs/security.md). Everything it needs is made
+at start in its work dir and goes with it: a throwaway CA and one certificate for
+127.0.0.1 that every broker shows, a key pair per user and per broker, and the
+brokers' config file listing them."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from meshbus.auth import Credentials, brokers_entry, users_entry
+from meshbus.cli_common import Access
+from meshbus.tls import cli_context
+
+HOST = "127.0.0.1"  # where the demo's brokers listen, and what their certificate names
+USERS = ("mmo", "spark")  # the back end's connectors; the Spark jobs (and the report)
+# Long enough for any run, short enough that a copy left behind is soon worthless.
+VALIDITY = datetime.timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """PEM files: the CA's certificate, and a certificate and key signed by it."""
+
+    ca: str
+    cert: str
+    key: str
+
+
+def write_certificates(directory: str, host: str) -> Certificates:
+    """A new CA, and a certificate for ``host`` (an IP address) signed by it, good for
+    both ends of a TLS link (a broker also shows it when it dials its peers)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshbus demo CA")])
+    ca_cert = (
+        _builder(ca_name, ca_name, ca_key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(cert_sign=True), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    cert = (
+        _builder(name, ca_name, key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(cert_sign=False), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = Certificates(
+        *(os.path.join(directory, n) for n in ("ca.pem", "broker.crt", "broker.key"))
+    )
+    _write(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    _write(
+        files.key,
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    return files
+
+
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    now: datetime.datetime,
+) -> x509.CertificateBuilder:
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # clocks a little apart
+        .not_valid_after(now + VALIDITY)
+    )
+
+
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def _write(path: str, data: bytes) -> None:
+    """Owner-only, as a key file must be (and no harm for the rest)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+        file.write(data)
+
+
+@dataclass(frozen=True)
+class DemoSecurity:
+    """The files of the demo's TLS, users and mesh trust, in its work dir."""
+
+    config: str  # the brokers' config file: [[users]] and [[brokers]]
+    certificates: Certificates
+    credentials: dict[str, str]  # user -> credentials file
+    broker_keys: dict[str, str]  # broker name -> its key pair's file
+
+    def broker_args(self, name: str) -> list[str]:
+        """The flags of broker ``name``: the config, its name and key, TLS."""
+        certificates = self.certificates
+        return [
+            "--config", self.config, "--name", name, "--broker-key", self.broker_keys[name],
+            "--tls-cert", certificates.cert, "--tls-key", certificates.key,
+            "--tls-ca", certificates.ca,
+        ]  # fmt: skip
+
+    def access(self, user: str) -> Access:
+        """How ``user`` connects: TLS checked against the demo's CA, signed in."""
+        ca = self.certificates.ca
+        return Access(cli_context(ca, None, None), self.credentials[user], tls_ca=ca)
+
+
+def prepare(directory: str, brokers: Sequence[str]) -> DemoSecurity:
+    """Certificates, the users' and ``brokers``' key pairs, and the config file listing
+    them (every user allowed everything: the demo is about the bus, not its rules)."""
+    certificates = write_certificates(directory, HOST)
+    credentials: dict[str, str] = {}
+    broker_keys: dict[str, str] = {}
+    entries: list[str] = []
+    for user in USERS:
+        credentials[user], public_key = _key_pair(directory, user)
+        entries.append(users_entry(user, public_key=public_key, allow_all=True))
+    for broker in brokers:
+        broker_keys[broker], public_key = _key_pair(directory, broker)
+        entries.append(brokers_entry(broker, public_key))
+    config = os.path.join(directory, "brokers.toml")
+    with open(config, "w", encoding="utf-8") as file:
+        file.write("\n".join(entries))
+    return DemoSecurity(config, certificates, credentials, broker_keys)
+
+
+def _key_pair(directory: str, user: str) -> tuple[str, str]:
+    """A new key pair for ``user`` in DIRECTORY/USER.key: (that path, its public key)."""
+    pair = Credentials.generate(user)
+    assert pair.public_key is not None  # a generated pair has both halves
+    path = os.path.join(directory, f"{user}.key")
+    pair.write(path)
+    return path, pair.public_key
