@@ -69,7 +69,22 @@ def mesh() -> None:
     show_default=True,
     help="Connectors per broker.",
 )
-def up(count: int, host: str, base_port: int, data_dir: str | None, max_connectors: int) -> None:
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A broker config file (meshbus broker --config) every broker starts with: e.g. "
+    "allow-anonymous = true for --host 0.0.0.0, or [[users]] for -n 1 (more brokers "
+    "with users need [[brokers]] and a key each: start them with meshbus broker).",
+)
+def up(
+    count: int,
+    host: str,
+    base_port: int,
+    data_dir: str | None,
+    max_connectors: int,
+    config: str | None,
+) -> None:
     """Start N brokers (-n) as one mesh, in the foreground; Ctrl-C drains and stops them.
 
     The first broker starts the mesh and the others join it through the first.
@@ -97,6 +112,8 @@ def up(count: int, host: str, base_port: int, data_dir: str | None, max_connecto
             args += ["--seed", seed]
         if data_dir:
             args += ["--data-dir", os.path.join(data_dir, name)]
+        if config:
+            args += ["--config", config]
         # A session of its own: Ctrl-C reaches `mesh up`, which drains them in order.
         return subprocess.Popen(broker_argv(*args), stdout=subprocess.PIPE, start_new_session=True)
 

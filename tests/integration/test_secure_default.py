@@ -6,6 +6,8 @@ them on 127.0.0.1, which 0.0.0.0 includes."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from pathlib import Path
 
 import meshbus
@@ -56,3 +58,32 @@ async def test_users_start_it_and_sign_in(tmp_path: Path) -> None:
             await conn.ping()
     finally:
         await broker.stop()
+
+
+async def test_mesh_up_on_every_interface_takes_a_config_file(tmp_path: Path) -> None:
+    up = (sys.executable, "-m", "meshbus", "mesh", "up", "-n", "2", "--host", "0.0.0.0")
+    pipes = {"stdout": asyncio.subprocess.PIPE, "stderr": asyncio.subprocess.PIPE}
+    refused = await asyncio.create_subprocess_exec(*up, "--base-port", "0", **pipes)
+    _, err = await asyncio.wait_for(refused.communicate(), 60)
+    assert refused.returncode == 1
+    assert "refusing to listen on 0.0.0.0:0 without users" in err.decode()
+
+    config = tmp_path / "broker.toml"
+    config.write_text("allow-anonymous = true\n")
+    process = await asyncio.create_subprocess_exec(
+        *up, "--base-port", "0", "--config", str(config), **pipes
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().strip()
+        addresses = [_loopback(address) for address in line.split(",")]
+        assert len(addresses) == 2, line
+        async with await meshbus.connect(addresses[0], server="up") as conn:
+            assert len((await conn.stat(detail=False))["peers"]) == 1
+        process.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 0, err.decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
