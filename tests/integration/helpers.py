@@ -392,3 +392,37 @@ def broker_key(directory: Path, name: str) -> BrokerKey:
     credentials.write(path)
     assert credentials.public_key is not None
     return BrokerKey(name, path, credentials.public_key)
+
+
+@dataclass
+class SecureBroker:
+    """A broker with TLS and one user (see ``start_secure_broker``)."""
+
+    process: BrokerProcess
+    ca_file: Path  # the CA its certificate is signed by
+    creds: Path  # the user's credentials file (a key pair)
+
+
+async def start_secure_broker(directory: Path, user: str, *args: str) -> SecureBroker:
+    """A broker with TLS -- a trustme CA and a certificate for 127.0.0.1, written to
+    ``directory`` -- and one user allowed everything, signing in with a key pair."""
+    import trustme
+
+    from meshbus.auth import users_entry
+    from tests.conftest import start_broker
+
+    ca = trustme.CA()
+    ca_file, cert_file, key_file = (directory / name for name in ("ca.pem", "b.crt", "b.key"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(str(cert_file))
+    leaf.private_key_pem.write_to_path(str(key_file))
+    credentials = Credentials.generate(user)
+    creds = directory / f"{user}.creds"
+    credentials.write(creds)
+    config = directory / "broker.toml"
+    config.write_text(users_entry(user, public_key=credentials.public_key, allow_all=True))
+    process = await start_broker(
+        "--config", str(config), "--tls-cert", str(cert_file), "--tls-key", str(key_file), *args
+    )
+    return SecureBroker(process, ca_file, creds)

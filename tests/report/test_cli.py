@@ -295,26 +295,10 @@ async def test_report_on_the_brokers_own_telemetry(spark: SparkSession, tmp_path
 async def test_report_signs_in_over_tls(spark: SparkSession, tmp_path: Path) -> None:
     """A broker with users and TLS: --creds and --tls-ca reach the discovery's connector
     and the Spark tasks' (certificates by trustme, the key by Credentials.generate)."""
-    import trustme
+    from tests.integration.helpers import start_secure_broker
 
-    from meshbus.auth import Credentials, users_entry
-    from tests.conftest import start_broker
-
-    ca = trustme.CA()
-    ca_file, cert_file, key_file = (tmp_path / name for name in ("ca.pem", "b.crt", "b.key"))
-    ca.cert_pem.write_to_path(str(ca_file))
-    leaf = ca.issue_cert("127.0.0.1")
-    leaf.cert_chain_pems[0].write_to_path(str(cert_file))
-    leaf.private_key_pem.write_to_path(str(key_file))
-    ops = Credentials.generate("ops")
-    creds = tmp_path / "ops.creds"
-    ops.write(creds)
-    config = tmp_path / "broker.toml"
-    config.write_text(users_entry("ops", public_key=ops.public_key, allow_all=True))
-    broker = await start_broker(
-        "--config", str(config), "--tls-cert", str(cert_file), "--tls-key", str(key_file),
-        "--telemetry-interval", "0.2",
-    )  # fmt: skip
+    secure = await start_secure_broker(tmp_path, "ops", "--telemetry-interval", "0.2")
+    broker, ca_file, creds = secure.process, secure.ca_file, secure.creds
     try:
         async with await meshbus.connect(
             broker.address, tls=str(ca_file), credentials=creds, operator=True

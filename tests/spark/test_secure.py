@@ -7,32 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import trustme
 from pyspark.sql import SparkSession
 
 import meshbus
-from meshbus.auth import Credentials, users_entry
-from tests.conftest import start_broker
+from tests.integration.helpers import start_secure_broker
 from tests.spark.conftest import in_thread
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 
 async def test_a_read_and_a_write_sign_in_over_tls(spark: SparkSession, tmp_path: Path) -> None:
-    ca = trustme.CA()
-    ca_file, cert_file, key_file = (tmp_path / name for name in ("ca.pem", "b.crt", "b.key"))
-    ca.cert_pem.write_to_path(str(ca_file))
-    leaf = ca.issue_cert("127.0.0.1")
-    leaf.cert_chain_pems[0].write_to_path(str(cert_file))
-    leaf.private_key_pem.write_to_path(str(key_file))
-    alice = Credentials.generate("alice")
-    creds = tmp_path / "alice.creds"
-    alice.write(creds)
-    config = tmp_path / "broker.toml"
-    config.write_text(users_entry("alice", public_key=alice.public_key, allow_all=True))
-    broker = await start_broker(
-        "--config", str(config), "--tls-cert", str(cert_file), "--tls-key", str(key_file)
-    )
+    secure = await start_secure_broker(tmp_path, "alice")
+    broker, ca_file, creds = secure.process, secure.ca_file, secure.creds
     access = {"brokers": broker.address, "creds": str(creds), "tlsCa": str(ca_file)}
     try:
         async with await meshbus.connect(
