@@ -559,3 +559,23 @@ def test_the_collector_tracks_one_object_per_group_not_one_per_membership() -> N
     # track, so neither are the tuples of them; a broker's Link objects add one shared
     # tuple per group that was routed to.) Sets and link-keyed dicts made it 3,000.
     assert grown <= len(groups) + 10, grown
+
+
+def test_a_client_using_ever_new_server_names_does_not_grow_the_table() -> None:
+    """Each server name's next dynamic id is remembered while it has ids in use and for
+    the FREED_NAMES names freed last; beyond that, a name is forgotten (it starts again
+    at its first id), so new names cannot grow the table without bound."""
+    from meshbus.broker import routing
+
+    rt = table()
+    kept = server_name_bytes("kept")
+    first = rt.allocate_dynamic(kept, "link")
+    rt.remove_service(first, "link")
+    again = rt.allocate_dynamic(kept, "link")
+    assert again != first, "a name freed recently goes on round its ids"
+    rt.remove_service(again, "link")
+    for i in range(routing.FREED_NAMES + 500):
+        rt.remove_service(rt.allocate_dynamic(server_name_bytes(f"n{i}"), "link"), "link")
+    remembered = len(rt._next_seq) + len(rt._freed_seq)
+    assert remembered <= routing.FREED_NAMES, remembered
+    assert rt.allocate_dynamic(kept, "link") == first, "forgotten: it starts over"

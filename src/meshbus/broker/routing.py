@@ -32,7 +32,11 @@ counts deletions, and once they outnumber what is left (and ``COMPACT_AFTER``),
 copies its dicts into right-sized ones -- amortised O(1) per deletion
 (``_maybe_compact``). Kept as they are: a group's own member dicts (freed with the
 group when its last member leaves) and where each server name's next dynamic id
-is (``_next_seq``: one small entry per server name ever used).
+is: ``_next_seq`` for the names with ids of this broker's slot in use, and, for the
+``FREED_NAMES`` names whose last such id went most recently, ``_freed_seq`` -- so a
+name that comes back goes on round the ids where it was (a late frame for a gone
+service is not handed to a new one at once), while a client that uses ever new
+names cannot grow the table without bound.
 
 What the collector sees. CPython's cyclic garbage collector walks every object it
 tracks on each full collection, and with a large table those collections stalled the
@@ -49,7 +53,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
@@ -80,6 +84,8 @@ def _exhausted() -> RoutingError:
 
 # Deletions before the dicts are rebuilt right-sized, at the least (see the docstring).
 COMPACT_AFTER = 4096
+# Server names with no dynamic id in use whose next id is still remembered.
+FREED_NAMES = 4096
 
 
 def _never_remote(link: object) -> bool:
@@ -172,6 +178,7 @@ class RoutingTable(Generic[L]):
         self._numbers = itertools.count(1)
         self._deleted = 0  # deletions since the dicts were last rebuilt
         self._next_seq: dict[bytes, int] = {}  # server name -> next dynamic sequence
+        self._freed_seq: OrderedDict[bytes, int] = OrderedDict()  # names with none in use
         # Dynamic ids in the table per (server name, slot): a full server name is refused
         # at once instead of after a scan of all 65536 ids.
         self._dynamic_used: Counter[bytes] = Counter()
@@ -218,7 +225,9 @@ class RoutingTable(Generic[L]):
             raise RoutingError("this broker has no dynamic-id slot yet (it is joining the mesh)")
         if self._dynamic_used[server + self.slot.to_bytes(2, "big")] > 0xFFFF:
             raise _exhausted()
-        start = self._next_seq.get(server, 0)
+        start = self._next_seq.get(server)
+        if start is None:
+            start = self._freed_seq.pop(server, 0)
         for step in range(0x10000):
             seq = (start + step) & 0xFFFF
             address = (
@@ -248,6 +257,8 @@ class RoutingTable(Generic[L]):
                 self._dynamic_used[name] = left
             else:
                 del self._dynamic_used[name]
+                if name[-2:] == self.slot.to_bytes(2, "big"):
+                    self._forget_name(name[:-2])
         owned = self._by_link[link]
         owned.discard(address)
         if not owned:
@@ -255,6 +266,17 @@ class RoutingTable(Generic[L]):
         self.version += 1
         self._deleted += 1
         self._maybe_compact()
+
+    def _forget_name(self, server: bytes) -> None:
+        """``server`` has no dynamic id of this slot left: its next id moves to the
+        bounded memory of freed names, the oldest of which goes past ``FREED_NAMES``."""
+        seq = self._next_seq.pop(server, None)
+        if seq is None:
+            return
+        freed = self._freed_seq
+        freed[server] = seq
+        if len(freed) > FREED_NAMES:
+            freed.popitem(last=False)
 
     def join(self, member: bytes, group: bytes) -> None:
         link = self._owner.get(member)
@@ -330,6 +352,7 @@ class RoutingTable(Generic[L]):
         self._joined = dict(self._joined)
         self._link_memberships = Counter(self._link_memberships)
         self._dynamic_used = Counter(self._dynamic_used)
+        self._next_seq = dict(self._next_seq)
 
     def remove_link(self, link: L, limit: int | None = None) -> list[bytes]:
         """Drop the services of ``link`` (a connector or a peer broker went away): all of
