@@ -18,11 +18,10 @@ from typing import Any
 import click
 
 from meshbus.cli_common import (
-    DEFAULT_BROKER,
     DEFAULT_SERVER,
-    HOSTPORT,
     Access,
     access_options,
+    broker_option,
     connection_options,
     run,
 )
@@ -192,14 +191,7 @@ def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], cons
 
 
 @click.command()
-@click.option(
-    "--broker",
-    "broker_address",
-    type=HOSTPORT,
-    default=DEFAULT_BROKER,
-    show_default=True,
-    help="The broker to drain.",
-)
+@broker_option("--broker", "broker_address", one=True, help_text="The broker to drain.")
 @click.option(
     "--grace",
     type=click.FloatRange(0, min_open=True),

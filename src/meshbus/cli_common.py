@@ -17,14 +17,22 @@ import click
 
 from meshbus.address import Address, Unicast
 from meshbus.auth import CREDS_ENV
+from meshbus.client.connecting import (
+    BROKER_ENV,
+    DEFAULT_PORT,
+    TLS_CA_ENV,
+    broker_list,
+)
+from meshbus.client.connecting import (
+    DEFAULT_BROKER as DEFAULT_BROKER,  # the CLI's default too
+)
 from meshbus.errors import MeshbusError, TLSError
 from meshbus.tls import cli_context
-from meshbus.util import parse_hostport
+from meshbus.util import hostport_text, parse_hostport
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
 
-DEFAULT_BROKER = "127.0.0.1:7400"
 DEFAULT_SERVER = "cli"
 
 # Exit codes besides click's own (1 error, 2 usage), the same for every command.
@@ -65,19 +73,23 @@ def _check_hostport(text: str) -> str:
     return text
 
 
+def _check_one_broker(text: str) -> str:
+    if "," in text:
+        raise ValueError(f"{text!r}: this command takes one broker, HOST:PORT")
+    return hostport_text(*parse_hostport(text, default_port=DEFAULT_PORT))
+
+
 def _check_server_name(text: str) -> str:
     Unicast(text, 1)  # the server part of a unicast address: <= 11 bytes of UTF-8, no ':'
     return text
 
 
 def _check_brokers(text: str) -> str:
-    from meshbus.client.connecting import broker_list
-
-    broker_list(text)
-    return text
+    return ",".join(broker_list(text))
 
 
 HOSTPORT = Parsed("HOST:PORT", _check_hostport)
+ONE_BROKER = Parsed("HOST:PORT", _check_one_broker)
 BROKERS = Parsed("HOST:PORT[,...]", _check_brokers)
 ADDRESS = Parsed("ADDRESS", Address.parse)
 SERVER_NAME = Parsed("NAME", _check_server_name)
@@ -115,6 +127,21 @@ class Access:
         )
 
 
+def broker_option(*decls: str, help_text: str, one: bool = False) -> Callable[[F], F]:
+    """The --broker option of a client command (``decls`` as click's): HOST:PORT, or
+    several separated by commas unless ``one``; a bare HOST means port 7400; from
+    MESHBUS_BROKER when not given."""
+    return click.option(
+        *decls,
+        type=ONE_BROKER if one else BROKERS,
+        default=DEFAULT_BROKER,
+        show_default=True,
+        envvar=BROKER_ENV,
+        show_envvar=True,
+        help=help_text,
+    )
+
+
 def access_options(command: F) -> F:
     """--creds, --tls-ca, --tls-cert and --tls-key, the same on every client command; the
     command gets them as one argument, ``access`` (an ``Access``). A TLS file that does
@@ -136,20 +163,29 @@ def access_options(command: F) -> F:
         return command(*args, access=Access(tls, creds, tls_ca, tls_cert, tls_key), **kwargs)
 
     path = click.Path(dir_okay=False)
-    for name, help_text in (
-        ("--tls-key", "PEM private key (unencrypted) of --tls-cert."),
+    for name, envvar, help_text in (
+        ("--tls-key", None, "PEM private key (unencrypted) of --tls-cert."),
         (
             "--tls-cert",
+            None,
             "PEM client certificate, for a broker that requires one (--tls-verify-clients); "
             "needs --tls-key.",
         ),
         (
             "--tls-ca",
+            TLS_CA_ENV,
             "PEM CA certificate the broker's certificate must be signed by. Any --tls-* "
             "option connects with TLS; without --tls-ca the system's CAs are used.",
         ),
     ):
-        click.option(name, type=path, default=None, help=help_text)(with_access)
+        click.option(
+            name,
+            type=path,
+            default=None,
+            envvar=envvar,
+            show_envvar=envvar is not None,
+            help=help_text,
+        )(with_access)
     click.option(
         "--creds",
         type=path,
@@ -176,13 +212,10 @@ def connection_options(command: F) -> F:
         show_default=True,
         help="Server name of the command's own dynamic address (SERVER:65536 and up).",
     )(command)
-    command = click.option(
+    command = broker_option(
         "--broker",
         "broker_address",
-        type=BROKERS,
-        default=DEFAULT_BROKER,
-        show_default=True,
-        help="Broker to connect to: HOST:PORT, or several of one mesh as HOST:PORT,HOST:PORT.",
+        help_text="Broker to connect to: HOST:PORT, or several of one mesh as HOST:PORT,HOST:PORT.",
     )(command)
     return command
 

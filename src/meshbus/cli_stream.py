@@ -20,13 +20,11 @@ import click
 
 from meshbus.address import Address, Multicast
 from meshbus.cli_common import (
-    BROKERS,
-    DEFAULT_BROKER,
     DEFAULT_SERVER,
-    HOSTPORT,
     Access,
     Parsed,
     access_options,
+    broker_option,
     run,
 )
 
@@ -65,13 +63,10 @@ CAPTURE = Parsed("multicast:NAME", _parse_capture)
 def _broker_option(command: F) -> F:
     """--broker and the access options (--creds, --tls-*) of every stream command but
     ``add``: any broker of the mesh will do."""
-    return click.option(
+    return broker_option(
         "--broker",
         "broker_address",
-        type=BROKERS,
-        default=DEFAULT_BROKER,
-        show_default=True,
-        help="Broker to ask (HOST:PORT, or HOST:PORT,HOST:PORT: the first that answers); "
+        help_text="Broker to ask (HOST:PORT, or HOST:PORT,HOST:PORT: the first that answers); "
         "any broker of the mesh relays the request to the stream's host.",
     )(access_options(command))
 
@@ -142,13 +137,11 @@ def stream() -> None:
     help="Seconds during which a publish with the same publish id is stored only once "
     "(0: no deduplication).",
 )
-@click.option(
+@broker_option(
     "--broker",
     "broker_address",
-    type=HOSTPORT,
-    default=DEFAULT_BROKER,
-    show_default=True,
-    help="The broker that is to host the stream (stores its messages).",
+    one=True,
+    help_text="The broker that is to host the stream (stores its messages).",
 )
 @access_options
 @_json_option

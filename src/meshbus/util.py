@@ -41,9 +41,10 @@ class BackgroundTasks:
 
 
 def parse_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6); ValueError names what is wrong."""
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6); ValueError names what is wrong.
+    With ``default_port``, a bare ``HOST`` (or ``[v6]``) means that port."""
     host, sep, port_text = text.rpartition(":")
-    if not sep:
+    if not sep or text.endswith("]"):  # "host" or "[v6]": no port
         if default_port is None:
             raise ValueError(f"{text!r} is not HOST:PORT")
         host, port_text = text, str(default_port)
@@ -58,3 +59,8 @@ def parse_hostport(text: str, *, default_port: int | None = None) -> tuple[str, 
     if not 0 <= port <= 65535:
         raise ValueError(f"{text!r}: port {port} is out of range 0..65535")
     return host, port
+
+
+def hostport_text(host: str, port: int) -> str:
+    """``HOST:PORT`` again, with an IPv6 host in brackets: what ``parse_hostport`` reads."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -16,11 +16,14 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
 
 import meshbus
+from tests.conftest import stop_all
+from tests.integration.helpers import start_secure_broker
 
 CLI_TIMEOUT = 30.0
 READY_TIMEOUT = 10.0
@@ -278,6 +281,44 @@ async def test_stat_json_and_table(broker: Broker) -> None:
             assert text in table.out
 
 
+# -- configuration from the environment -------------------------------------------------
+
+
+async def test_the_environment_names_the_broker_its_ca_and_the_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secure = await start_secure_broker(tmp_path, "alice")
+    try:
+        monkeypatch.setenv("MESHBUS_BROKER", secure.process.address)
+        monkeypatch.setenv("MESHBUS_TLS_CA", str(secure.ca_file))
+        monkeypatch.setenv("MESHBUS_CREDS", str(secure.creds))
+        result = await run_cli("stat", "--json")
+        assert result.code == 0, result.err
+        assert json.loads(result.out)["name"] == secure.process.name
+        async with await meshbus.connect(server="envtest") as conn:
+            assert conn.broker_name == secure.process.name
+        elsewhere = f"127.0.0.1:{free_port()}"  # an explicit --broker wins
+        refused = await run_cli("stat", "--broker", elsewhere)
+        assert refused.err.startswith(f"Error: could not connect to broker {elsewhere}")
+    finally:
+        await stop_all([secure.process])
+
+
+async def test_a_broker_without_a_port_means_port_7400() -> None:
+    if not _port_is_free(7400):
+        pytest.skip("something listens on 127.0.0.1:7400")
+    result = await run_cli("stat", "--broker", "127.0.0.1")
+    assert result.code == 1, result
+    assert result.err.startswith("Error: could not connect to broker 127.0.0.1:7400")
+    with pytest.raises(meshbus.MeshbusError, match=r"127\.0\.0\.1:7400"):
+        await meshbus.connect("127.0.0.1", timeout=1)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
 # -- errors ----------------------------------------------------------------------------
 
 
@@ -286,7 +327,7 @@ async def test_stat_json_and_table(broker: Broker) -> None:
     [
         (["send", "nocolon", "x"], "has no ':'"),
         (["send", "game01:abc", "x"], "is not a decimal integer"),
-        (["send", "--broker", "localhost", "multicast:a", "x"], "is not HOST:PORT"),
+        (["send", "--broker", "localhost:x", "multicast:a", "x"], "is not a number"),
         (["stat", "--broker", "127.0.0.1:99999"], "out of range"),
         (["send", "multicast:" + "a" * 16, "x"], "the limit is 15 bytes"),
         (["listen", "averylongname:1"], "the limit is 11 bytes"),

@@ -160,7 +160,7 @@ async def test_errors_are_one_line_and_exit_non_zero(broker: BrokerProcess) -> N
         (("info", "nope", *at), 1, "Error: no stream named 'nope' on this broker; create it"),
         (("fetch", "nope", *at), 1, "Error: no stream named 'nope'"),
         (("delete", "nope", "--yes", *at), 1, "Error: no stream named 'nope'"),
-        (("info", "x", "--broker", "nohost"), 2, "Error: Invalid value for '--broker'"),
+        (("info", "x", "--broker", "nohost:x"), 2, "Error: Invalid value for '--broker'"),
         (
             ("info", "x", "--broker", f"127.0.0.1:{_closed_port()}"),
             1,

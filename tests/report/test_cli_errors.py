@@ -65,7 +65,7 @@ async def test_empty_telemetry_streams(broker: BrokerProcess, tmp_path: Path) ->
         (["--out", "/nonexistent-dir/report.html"], "directory /nonexistent-dir does not exist"),
         (["--out", "."], "is a directory"),
         (["--out", "r.html", "--since", "0"], "--since"),
-        (["--out", "r.html", "--brokers", "nohost"], "--brokers"),
+        (["--out", "r.html", "--brokers", "nohost:x"], "--brokers"),
         ([], "Missing option '--out'"),
     ],
 )

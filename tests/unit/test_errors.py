@@ -141,7 +141,7 @@ def test_a_bad_value_is_an_invalid_argument(call: Callable[[], object]) -> None:
 CONNECT_CALLS: dict[str, Callable[[], Awaitable[meshbus.Connector]]] = {
     "no broker": lambda: meshbus.connect("", server="x"),
     "no broker in a list": lambda: meshbus.connect([" ", ""], server="x"),
-    "broker without a port": lambda: meshbus.connect("localhost", server="x"),
+    "broker port not a number": lambda: meshbus.connect("localhost:x", server="x"),
     "broker port out of range": lambda: meshbus.connect("127.0.0.1:70000", server="x"),
     "one bad broker of several": lambda: meshbus.connect([NOWHERE, "h:x"], server="x"),
     "server name too long": lambda: meshbus.connect(NOWHERE, server="x" * 12),

@@ -18,21 +18,28 @@ from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.tls import TLSOption, client_context
-from meshbus.util import parse_hostport
+from meshbus.util import hostport_text, parse_hostport
+
+DEFAULT_PORT = 7400
+DEFAULT_BROKER = f"127.0.0.1:{DEFAULT_PORT}"
+# The client's configuration from the environment; an argument given wins.
+BROKER_ENV = "MESHBUS_BROKER"
+TLS_CA_ENV = "MESHBUS_TLS_CA"
 
 
 def broker_list(brokers: str | Sequence[str]) -> list[str]:
-    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``; InvalidArgument names a bad entry."""
+    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``, each as ``HOST:PORT`` (a bare ``HOST``
+    means port 7400); InvalidArgument names a bad entry."""
     items = brokers.split(",") if isinstance(brokers, str) else list(brokers)
     addresses = [item.strip() for item in items if item.strip()]
     if not addresses:
         raise InvalidArgument("no broker address given; expected HOST:PORT[,HOST:PORT...]")
-    for address in addresses:
-        try:
-            parse_hostport(address)
-        except ValueError as exc:
-            raise InvalidArgument(f"broker address {exc}") from exc
-    return addresses
+    try:
+        return [
+            hostport_text(*parse_hostport(item, default_port=DEFAULT_PORT)) for item in addresses
+        ]
+    except ValueError as exc:
+        raise InvalidArgument(f"broker address {exc}") from exc
 
 
 def _check_options(
@@ -60,7 +67,7 @@ def _check_options(
 
 
 async def connect(
-    broker: str | Sequence[str] = "127.0.0.1:7400",
+    broker: str | Sequence[str] | None = None,
     *,
     server: str | None = None,
     name: str = "",
@@ -77,7 +84,8 @@ async def connect(
     tls: TLSOption = None,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
-    by commas, or a list) and complete the handshake.
+    by commas, or a list; a bare ``HOST`` means port 7400) and complete the handshake.
+    Without ``broker``, the brokers ``MESHBUS_BROKER`` names, else 127.0.0.1:7400.
 
     ``server`` is the server name of this process's unicast addresses (at most
     11 bytes); it defaults to the host name when that fits. ``timeout`` bounds
@@ -106,17 +114,20 @@ async def connect(
     system's CAs, a CA file path (str or os.PathLike) against that CA, and an
     ``ssl.SSLContext`` is used as given (a client certificate for a broker with
     --tls-verify-clients: ``context.load_cert_chain(cert, key)``). The certificate
-    must be good for the host dialled. None or False: plain TCP. Failover, redirects
+    must be good for the host dialled. Failover, redirects
     and moves dial with the same settings. A TLS failure raises ``meshbus.TLSError``
-    naming its cause.
+    naming its cause. Without ``tls`` (None), the CA file ``MESHBUS_TLS_CA`` names turns
+    TLS on, if set; ``tls=False`` is plain TCP whatever the environment says.
     """
     if server is None:
         server = socket.gethostname().split(".")[0]
     Unicast(server, 1)  # a bad server name fails here, before any I/O
-    addresses = broker_list(broker)
+    addresses = broker_list(
+        broker if broker is not None else os.environ.get(BROKER_ENV) or DEFAULT_BROKER
+    )
     _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
     signing_in = resolve_credentials(credentials)
-    tls_context = client_context(tls)
+    tls_context = client_context(os.environ.get(TLS_CA_ENV) if tls is None else tls)
     parts = ConnectorParts(
         server=server,
         name=name or server,

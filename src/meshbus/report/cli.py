@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from meshbus.cli_common import BROKERS, DEFAULT_BROKER, Access, access_options, run
+from meshbus.cli_common import Access, access_options, broker_option, run
 from meshbus.report.job import ReportError, StreamPlan
 
 _EPILOG = """\b
@@ -71,14 +71,11 @@ def _check_target(path: Path, option: str) -> None:
 
 
 @click.command(epilog=_EPILOG)
-@click.option(
+@broker_option(
     "--brokers",
     "--broker",
     "brokers",
-    type=BROKERS,
-    default=DEFAULT_BROKER,
-    show_default=True,
-    help="The mesh to report on: HOST:PORT, or several as HOST:PORT,HOST:PORT "
+    help_text="The mesh to report on: HOST:PORT, or several as HOST:PORT,HOST:PORT "
     "(the first that answers; any broker of the mesh will do).",
 )
 @click.option(
