@@ -122,6 +122,11 @@ class Address:
             if not sep:
                 raise InvalidArgument(f"address {text!r}: expected unicast:SERVER:INSTANCE")
         if not (rest.isascii() and rest.isdigit()):
+            if kind.lower() in _RESERVED_SERVER_NAMES:  # "Multicast:chat", "ANYCAST:login"
+                raise InvalidArgument(
+                    f"address {text!r}: the prefix is lower case; "
+                    f"did you mean {kind.lower()}:{rest}?"
+                )
             raise InvalidArgument(f"address {text!r}: instance {rest!r} is not a decimal integer")
         return Unicast(kind, int(rest))
 

@@ -327,6 +327,7 @@ def _port_is_free(port: int) -> bool:
     [
         (["send", "nocolon", "x"], "has no ':'"),
         (["send", "game01:abc", "x"], "is not a decimal integer"),
+        (["send", "Multicast:chat", "x"], "did you mean multicast:chat?"),
         (["send", "--broker", "localhost:x", "multicast:a", "x"], "is not a number"),
         (["stat", "--broker", "127.0.0.1:99999"], "out of range"),
         (["send", "multicast:" + "a" * 16, "x"], "the limit is 15 bytes"),

@@ -120,6 +120,9 @@ def test_str_round_trip(address: Address, text: str) -> None:
         ("multicast:a:b", "NUL or ':'"),
         ("abcdefghijkl:1", "limit is 11 bytes"),
         ("multicast:abcdefghijklmnop", "limit is 15 bytes"),
+        ("Multicast:chat", "lower case; did you mean multicast:chat?"),
+        ("ANYCAST:login", "lower case; did you mean anycast:login?"),
+        ("Unicast:game01:5", "lower case; did you mean unicast:game01:5?"),
     ],
 )
 def test_parse_rejects(text: str, error: str) -> None:
