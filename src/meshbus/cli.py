@@ -9,10 +9,12 @@ missing route with their own exit codes so scripts can tell them apart.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, BinaryIO
 
 import click
 
@@ -91,13 +93,23 @@ def _text(payload: bytes) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def _json_payload(payload: bytes) -> tuple[str, str]:
+    """A payload for JSON and its encoding: UTF-8 text as it is, other bytes in base64."""
+    try:
+        return payload.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(payload).decode("ascii"), "base64"
+
+
 def _print_message(msg: Message, as_json: bool) -> None:
     if as_json:
+        payload, encoding = _json_payload(msg.payload)
         line = json.dumps(
             {
                 "src": str(msg.src),
                 "dst": str(msg.dst),
-                "payload": msg.payload.decode("utf-8", errors="backslashreplace"),
+                "payload": payload,
+                "encoding": encoding,
                 "request": msg.is_request,
                 "msg_id": msg.msg_id,
             }
@@ -131,6 +143,22 @@ async def _bind(conn: Connector, address: Address) -> Service:
     return service
 
 
+async def _messages(service: Service, timeout: float | None) -> AsyncIterator[Message]:
+    """The messages to ``service`` as they come, until ``timeout`` seconds have passed
+    (None: no end)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        remaining = None if deadline is None else deadline - loop.time()
+        if remaining is not None and remaining <= 0:
+            return
+        try:
+            msg = await service.recv(timeout=remaining)
+        except Timeout:
+            return
+        yield msg
+
+
 # -- send ------------------------------------------------------------------------
 
 
@@ -141,13 +169,28 @@ async def _bind(conn: Connector, address: Address) -> Service:
     is_flag=True,
     help=f"Ask the broker to report a missing route; exit {EXIT_NO_ROUTE} if it does.",
 )
+@click.option(
+    "--file",
+    "payload_file",
+    type=click.File("rb"),
+    default=None,
+    help="Send the bytes of this file (- for stdin) instead of TEXT.",
+)
 @click.argument("address", type=ADDRESS)
-@click.argument("text")
+@click.argument("text", required=False)
 def send(
-    broker_address: str, server: str, access: Access, notify: bool, address: Address, text: str
+    broker_address: str,
+    server: str,
+    access: Access,
+    notify: bool,
+    payload_file: BinaryIO | None,
+    address: Address,
+    text: str | None,
 ) -> None:
     """Send TEXT (UTF-8) to ADDRESS, at most once, and exit.
 
+    The payload is TEXT; or the bytes of --file PATH; or, with TEXT `-` or no
+    TEXT and stdin not a terminal, the bytes read from stdin.
     The message comes from a dynamic address SERVER:N. A send with no route is
     dropped silently unless --notify is given.
 
@@ -155,7 +198,20 @@ def send(
     Exit codes: 0 sent, 1 error (e.g. no broker),
     2 bad arguments, 4 no route (with --notify).
     """
-    run(_send(broker_address, server, access, address, _payload(text), notify))
+    run(_send(broker_address, server, access, address, _send_payload(text, payload_file), notify))
+
+
+def _send_payload(text: str | None, payload_file: BinaryIO | None) -> bytes:
+    """What `send` sends: TEXT, the --file, or stdin (TEXT `-`, or no TEXT off a terminal)."""
+    if payload_file is not None:
+        if text is not None:
+            raise click.UsageError("TEXT and --file exclude each other")
+        return payload_file.read()
+    if text == "-" or (text is None and not sys.stdin.isatty()):
+        return sys.stdin.buffer.read()
+    if text is None:
+        raise click.UsageError("Missing argument 'TEXT' (or --file PATH, or a payload on stdin)")
+    return _payload(text)
 
 
 async def _send(
@@ -234,22 +290,15 @@ async def _listen(
     as_json: bool,
 ) -> None:
 
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
     received = 0
     async with await access.connect(broker_address, server=server) as conn:
         service = await _bind(conn, address)
         click.echo(f"listening on {address} as {service.address}", err=True)
-        while count is None or received < count:
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                break
-            try:
-                msg = await service.recv(timeout=remaining)
-            except Timeout:
-                break
+        async for msg in _messages(service, timeout):
             _print_message(msg, as_json)
             received += 1
+            if received == count:
+                break
     if count is not None and received < count:
         raise TimedOut(f"received {received} of {count} messages within {timeout} s")
 
@@ -327,6 +376,12 @@ async def _request(
     default=None,
     help="Stop after answering N requests (default: never).",
 )
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help=f"Stop after S seconds; with --count, exit {EXIT_TIMEOUT} if fewer than N were answered.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print each request as a JSON object.")
 @click.argument("address", type=ADDRESS)
 def reply(
@@ -336,6 +391,7 @@ def reply(
     echo: bool,
     text: str | None,
     count: int | None,
+    timeout: float | None,
     as_json: bool,
     address: Address,
 ) -> None:
@@ -343,11 +399,11 @@ def reply(
 
     ADDRESS is joined (groups) or registered (SERVER:INSTANCE) as for
     `listen`. Plain (non-request) messages are printed but not answered.
-    Runs until --count requests were answered, or Ctrl-C.
+    Runs until --count requests were answered, --timeout passed, or Ctrl-C.
 
     \b
     Exit codes: 0 done, 1 error (e.g. address in use, no broker),
-    2 bad arguments.
+    2 bad arguments, 3 --timeout passed before --count requests.
     """
     if echo and text is not None:
         raise click.UsageError("--echo and --text exclude each other")
@@ -355,7 +411,14 @@ def reply(
     answer = None if text is None else _payload(text)
     run(
         _reply(
-            broker_address, _server_for(address, server), access, address, answer, count, as_json
+            broker_address,
+            _server_for(address, server),
+            access,
+            address,
+            answer,
+            count,
+            timeout,
+            as_json,
         ),
         interruptible=True,
     )
@@ -368,6 +431,7 @@ async def _reply(
     address: Address,
     answer: bytes | None,
     count: int | None,
+    timeout: float | None,
     as_json: bool,
 ) -> None:
 
@@ -375,14 +439,17 @@ async def _reply(
     async with await access.connect(broker_address, server=server) as conn:
         service = await _bind(conn, address)
         click.echo(f"answering {address} as {service.address}", err=True)
-        while count is None or answered < count:
-            msg = await service.recv()
+        async for msg in _messages(service, timeout):
             _print_message(msg, as_json)
             if msg.is_request:
                 await msg.reply(msg.payload if answer is None else answer)
                 answered += 1
+                if answered == count:
+                    break
         # The last response must reach the broker before the link closes.
         await conn.ping()
+    if count is not None and answered < count:
+        raise TimedOut(f"answered {answered} of {count} requests within {timeout} s")
 
 
 def _add_commands() -> None:

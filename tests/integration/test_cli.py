@@ -9,7 +9,9 @@ output must reach the pipe line by line on its own.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import re
 import socket
 import sys
@@ -41,22 +43,28 @@ class Result:
     err: str
 
 
-async def spawn_cli(*args: str) -> asyncio.subprocess.Process:
-    """`python -m meshbus ARGS` with stdout and stderr captured."""
+async def spawn_cli(
+    *args: str, stdin: int = asyncio.subprocess.DEVNULL
+) -> asyncio.subprocess.Process:
+    """`python -m meshbus ARGS` with stdout and stderr captured; stdin empty unless PIPE."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "meshbus",
         *args,
+        stdin=stdin,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
 
 
-async def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> Result:
-    process = await spawn_cli(*args)
+async def run_cli(*args: str, timeout: float = CLI_TIMEOUT, stdin: bytes | None = None) -> Result:
+    """Run a command to its end; ``stdin``: the bytes it reads there."""
+    process = await spawn_cli(
+        *args, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE
+    )
     try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout)
+        out, err = await asyncio.wait_for(process.communicate(stdin), timeout)
     finally:
         if process.returncode is None:
             process.kill()
@@ -203,7 +211,67 @@ async def test_send_notify_is_quiet_when_delivered(broker: Broker) -> None:
         assert message.payload == b"hi"
 
 
+async def test_send_reads_the_payload_from_stdin_or_a_file(broker: Broker, tmp_path: Path) -> None:
+    binary = bytes(range(256))
+    payload_file = tmp_path / "payload.bin"
+    payload_file.write_bytes(binary)
+    async with await meshbus.connect(broker.address, server="game01") as conn:
+        room = await conn.register(instance=4)
+        for args, stdin in (
+            (["game01:4", "-"], b"from stdin\n"),
+            (["game01:4"], b"stdin, no TEXT"),
+            (["game01:4", "--file", str(payload_file)], None),
+        ):
+            sent = await run_cli("send", "--broker", broker.address, *args, stdin=stdin)
+            assert sent.code == 0, sent.err
+            assert (await room.recv(timeout=5)).payload == (binary if stdin is None else stdin)
+    both = await run_cli("send", "game01:4", "text", "--file", str(payload_file))
+    assert both.code == 2
+    assert "TEXT and --file exclude each other" in both.err
+
+
+async def test_send_without_text_on_a_terminal_asks_for_it() -> None:
+    terminal, stdin = os.openpty()
+    try:
+        process = await spawn_cli("send", "multicast:a", stdin=stdin)
+        result = await finish(process)
+    finally:
+        os.close(terminal)
+        os.close(stdin)
+    assert result.code == 2
+    assert "Missing argument 'TEXT' (or --file PATH, or a payload on stdin)" in result.err
+
+
+async def test_listen_json_puts_binary_payloads_in_base64(broker: Broker) -> None:
+    async with cli_process(
+        "listen", "--json", "--broker", broker.address, "multicast:bin", "--count", "2"
+    ) as listener:
+        await wait_for_stat(broker.address, members("multicast:bin"), "the listener")
+        async with await meshbus.connect(broker.address, server="game01") as conn:
+            service = await conn.register()
+            await service.send(meshbus.Multicast("bin"), b"\xff\x00binary")
+            await service.send(meshbus.Multicast("bin"), "text über".encode())
+        result = await finish(listener)
+    assert result.code == 0, result.err
+    binary, text = (json.loads(line) for line in result.out.splitlines())
+    assert (binary["encoding"], base64.b64decode(binary["payload"])) == (
+        "base64",
+        b"\xff\x00binary",
+    )
+    assert (text["encoding"], text["payload"]) == ("utf-8", "text über")
+
+
 # -- request / reply -------------------------------------------------------------------
+
+
+async def test_reply_timeout_stops_it(broker: Broker) -> None:
+    quiet = await run_cli("reply", "--broker", broker.address, "anycast:quiet", "--timeout", "0.3")
+    assert quiet.code == 0, quiet.err
+    short = await run_cli(
+        "reply", "--broker", broker.address, "anycast:quiet", "--count", "1", "--timeout", "0.3"
+    )
+    assert short.code == 3
+    assert "answered 0 of 1 requests" in short.err
 
 
 async def test_reply_echo_and_request(broker: Broker) -> None:
@@ -336,7 +404,6 @@ def _port_is_free(port: int) -> bool:
         (["listen", "game01:70000"], "only fixed ids 1..65535"),
         (["request", "--timeout", "0", "anycast:a", "x"], "--timeout"),
         (["reply", "--echo", "--text", "a", "anycast:a"], "exclude each other"),
-        (["send", "multicast:a"], "Missing argument 'TEXT'"),
     ],
 )
 async def test_bad_arguments_exit_2(args: list[str], message: str) -> None:
