@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +263,14 @@ async def launch_broker(*args: str, listen: str = "127.0.0.1:0") -> LaunchedBrok
         _, err = await process.communicate()
         raise AssertionError(f"broker did not print its ready line ({line!r}): {err.decode()!r}")
     return LaunchedBroker(process, ready[0], ready[1], line)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 # -- a mesh of brokers ----------------------------------------------------------------------

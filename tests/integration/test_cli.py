@@ -25,7 +25,7 @@ import pytest
 
 import meshbus
 from tests.conftest import stop_all
-from tests.integration.helpers import start_secure_broker
+from tests.integration.helpers import free_port, start_secure_broker
 
 CLI_TIMEOUT = 30.0
 READY_TIMEOUT = 10.0
@@ -113,14 +113,6 @@ def members(group: str, count: int = 1) -> Callable[[dict[str, Any]], bool]:
 
 def registered(address: str) -> Callable[[dict[str, Any]], bool]:
     return lambda data: address in data["service_addresses"]
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- send / listen -------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -70,6 +71,63 @@ async def test_join_fails_clearly_without_a_seed():
 
     with pytest.raises(AssertionError, match="no seed answered"):
         await launch_broker("--seed", "127.0.0.1:1", "--join-timeout", "0.3")
+
+
+async def test_a_second_broker_with_a_taken_name_fails_at_once_saying_so():
+    from tests.integration.helpers import launch_broker, start_broker_process
+
+    first = await launch_broker("--name", "twin")
+    try:
+        second = await start_broker_process(
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "twin",
+            "--seed",
+            first.address,
+            "--join-timeout",
+            "60",
+        )
+        _, err = await asyncio.wait_for(second.communicate(), 10)
+        assert second.returncode == 1
+        assert "a broker named 'twin' is already in the mesh" in err.decode()
+        assert "no seed answered" not in err.decode()
+    finally:
+        await stop_all([first])
+
+
+async def test_sigterm_while_joining_stops_the_broker_at_once():
+    from tests.integration.helpers import free_port, start_broker_process
+
+    port = free_port()
+    joining = await start_broker_process(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--seed",
+        f"127.0.0.1:{free_port()}",
+        "--join-timeout",
+        "60",
+    )
+    try:
+        await wait_listening(port)  # it listens before it joins
+        joining.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(joining.wait(), 5)
+    finally:
+        if joining.returncode is None:
+            joining.kill()
+            await joining.wait()
+
+
+async def wait_listening(port: int) -> None:
+    for _ in range(200):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 # -- routing across brokers ------------------------------------------------------------------

@@ -148,9 +148,9 @@ class Mesh:
         self.ready = False
         self.draining = False
         self._dialling: dict[str, str] = {}  # address -> expected name ("" unknown)
-        # The last link refused for want of a proof, either way (AUTH_FAILED): a join
-        # stops on it.
-        self._proof_refusal = ""
+        # The last link refused for a reason dialling again cannot mend -- a proof either
+        # way (AUTH_FAILED), or our name taken (NAME_IN_USE): a join stops on it.
+        self._join_refusal = ""
         self._dial_waiters: dict[Link, asyncio.Future[bool]] = {}
         # Brokers to link to and not linked to (meshbus.broker.redial): lost peers, brokers
         # heard of in gossip, and the seeds while this broker is alone.
@@ -226,9 +226,8 @@ class Mesh:
                 if await self.dial(seed):
                     break
             else:
-                if self._proof_refusal:
-                    # A key the mesh does not list does not get better by dialling again.
-                    raise MeshJoinError(f"could not join the mesh: {self._proof_refusal}")
+                if self._join_refusal:
+                    raise MeshJoinError(f"could not join the mesh: {self._join_refusal}")
                 if loop.time() >= deadline:
                     raise MeshJoinError(
                         "could not join the mesh: no seed answered ("
@@ -344,17 +343,21 @@ class Mesh:
         if isinstance(answer, Welcomed):
             self._welcomed(link, answer.welcome)
             return
-        if answer.code != ErrorCode.AUTH_FAILED:
+        if answer.code == ErrorCode.NAME_IN_USE:
+            # Our --name is taken: dialling again, or another seed, cannot help.
+            self._join_refusal = answer.message
+            log.warning("a broker refused our name", extra={"error": answer.message})
+        elif answer.code != ErrorCode.AUTH_FAILED:
             log.info(
                 "a broker refused our link", extra={"code": answer.code, "error": answer.message}
             )
         elif answer.local:
             # It did not prove itself: nothing more was sent to it, nor will be.
-            self._proof_refusal = f"the broker at {link.remote}: {answer.message}"
-            log.warning("did not link to an unproven broker", extra={"error": self._proof_refusal})
+            self._join_refusal = f"the broker at {link.remote}: {answer.message}"
+            log.warning("did not link to an unproven broker", extra={"error": self._join_refusal})
         else:
-            self._proof_refusal = f"the broker at {link.remote} refused this one: {answer.message}"
-            log.warning("a broker refused our proof", extra={"error": self._proof_refusal})
+            self._join_refusal = f"the broker at {link.remote} refused this one: {answer.message}"
+            log.warning("a broker refused our proof", extra={"error": self._join_refusal})
         link.close(CloseReason.REFUSED)
 
     def _welcomed(self, link: Link, welcome: Welcome) -> None:

@@ -573,11 +573,23 @@ async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | No
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     loop.add_signal_handler(signal.SIGHUP, broker.sign_in.reload)
+    starting = asyncio.create_task(broker.start())
+    signalled = asyncio.create_task(broker.drain_requested.wait())
     try:
-        await broker.start()
+        await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # A signal while joining the mesh (up to --join-timeout): nothing to drain yet.
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("stopped while joining the mesh", extra={"broker": config.name})
+            await broker.stop()
+            return
+        starting.result()
     except BaseException:
         await broker.stop()
         raise
+    finally:
+        signalled.cancel()
     # The one line scripts and tests wait for; it carries the real port when --listen used 0.
     sys.stdout.write(ready_line(config.name, broker.address) + "\n")
     sys.stdout.flush()
