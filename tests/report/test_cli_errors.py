@@ -48,6 +48,7 @@ async def test_no_telemetry_streams(broker: BrokerProcess, tmp_path: Path) -> No
     assert result.exit_code == 1, result.output
     assert "no telemetry streams" in result.stderr
     assert "--telemetry-interval" in result.stderr
+    assert "✓" not in result.stderr  # the step failed: no "found 0 telemetry streams"
 
 
 async def test_empty_telemetry_streams(broker: BrokerProcess, tmp_path: Path) -> None:
@@ -57,6 +58,7 @@ async def test_empty_telemetry_streams(broker: BrokerProcess, tmp_path: Path) ->
     result = await asyncio.to_thread(invoke, "--brokers", broker.address, "--out", out)
     assert result.exit_code == 1, result.output
     assert "the telemetry streams hold no records" in result.stderr
+    assert "✓" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -134,7 +134,14 @@ def report(
     with progress.step(f"looking for telemetry streams through {brokers}") as done:
         plans = run(discover(brokers, since_at, access))
         assert plans is not None
+        _check_telemetry(plans, brokers, since)  # a failed step gets no check mark
         done.append(_describe(plans))
+    data = _spark_job(progress, brokers, plans, since_at, access)
+    _write(progress, data, out, json_out)
+
+
+def _check_telemetry(plans: list[StreamPlan], brokers: str, since: float | None) -> None:
+    """ClickException unless the mesh has telemetry records to report on."""
     if not any(p.kind == "telemetry" for p in plans):
         raise click.ClickException(
             f"no telemetry streams (telemetry.BROKER) in the mesh of {brokers}: start the "
@@ -147,8 +154,6 @@ def report(
             + (f" from the last {since:g} s" if since is not None else "")
             + ": are the brokers running with --telemetry-interval?"
         )
-    data = _spark_job(progress, brokers, plans, since_at, access)
-    _write(progress, data, out, json_out)
 
 
 def _spark_job(
