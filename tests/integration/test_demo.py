@@ -66,6 +66,14 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     ):
         assert expected in out, f"{expected!r} missing from the demo output:\n{out}"
     assert re.search(r"reliable rewards: lost / duplicated\s*│\s*0 / 0", out), out
+    stopped = (
+        "brokers stopped: mesh-1 exit 0, mesh-2 killed (signal 9), mesh-3 exit 0, mesh-4 exit 0"
+    )
+    assert stopped in " ".join(out.split()), out  # as words: the console wraps long lines
+    # Each broker linked to mesh-2 reports its loss once, naming itself (past the time stamp).
+    lost = [line.split(" ", 2)[2] for line in err.splitlines() if "peer broker lost" in line]
+    assert lost, err[-4000:]
+    assert len(lost) == len(set(lost)), lost
     work_dir = re.search(r"work dir (\S+)", out)
     assert work_dir, out
     assert not left_behind(work_dir[1])

@@ -572,9 +572,15 @@ class Mesh:
         if not graceful:
             self.stats.peers_crashed += 1
             self._boost_until = self._clock() + self.config.boost_window
+            # Every broker linked to it logs this: the line says which one does.
             log.warning(
                 "peer broker lost; its services are withdrawn",
-                extra={"peer": link.name, "reason": reason.value, "capacity": self.capacity},
+                extra={
+                    "broker": self.name,
+                    "peer": link.name,
+                    "reason": reason.value,
+                    "capacity": self.capacity,
+                },
             )
         self.lists_changed()
         return True

@@ -94,5 +94,4 @@ async def _stop(process: asyncio.subprocess.Process) -> int:
         return await asyncio.wait_for(process.wait(), 15)
     except TimeoutError:
         process.kill()
-        await process.wait()
-        return -1
+        return await process.wait()

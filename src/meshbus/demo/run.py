@@ -102,12 +102,20 @@ async def run(play_seconds: float, report_path: str) -> int:
         codes = await mesh.stop()
         mesh.kill_all()
         shutil.rmtree(root, ignore_errors=True)
-    say(started, f"brokers stopped: {codes}")
+    say(
+        started,
+        "brokers stopped: " + ", ".join(_exit(name, code) for name, code in sorted(codes.items())),
+    )
     if failed:
         console.print(f"[bold red]demo FAILED[/]: {failed}")
         return 1
     console.print(f"[bold green]demo passed[/] in {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _exit(name: str, code: int) -> str:
+    """How a broker ended, in words: ``mesh-1 exit 0``, ``mesh-2 killed (signal 9)``."""
+    return f"{name} killed (signal {-code})" if code < 0 else f"{name} exit {code}"
 
 
 async def refused_without_credentials(address: str, security: secure.DemoSecurity) -> None:
