@@ -12,7 +12,9 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -114,7 +116,12 @@ def up(
         if config:
             args += ["--config", config]
         # A session of its own: Ctrl-C reaches `mesh up`, which drains them in order.
-        return subprocess.Popen(broker_argv(*args), stdout=subprocess.PIPE, start_new_session=True)
+        return subprocess.Popen(
+            broker_argv(*args),
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_terminated_with_this_process(),
+        )
 
     def wait_ready(process: subprocess.Popen[bytes]) -> tuple[str, str]:
         assert process.stdout is not None
@@ -155,6 +162,29 @@ def up(
     finally:
         stop.restore()
         _stop_in_order(brokers, console)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _terminated_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` after which the child gets SIGTERM (a broker drains and exits)
+    when this process dies, even of kill -9, which leaves no chance to stop it: Linux's
+    PR_SET_PDEATHSIG. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    # Looked up here: the child, between fork and exec, only makes the call.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the call: no signal will come
+            os._exit(1)
+
+    return set_death_signal
 
 
 class _StopFlag:

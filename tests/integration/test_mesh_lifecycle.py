@@ -6,8 +6,10 @@ Every broker here is a real process; crashes are kill -9 and SIGSTOP, drains are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -420,6 +422,47 @@ async def test_mesh_up_starts_a_working_mesh_and_ctrl_c_stops_it(tmp_path):
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_mesh_up_killed_with_kill_9_takes_its_brokers_with_it(tmp_path):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshbus", "mesh", "up", "-n", "2", "--base-port", "0",
+        "--data-dir", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().strip()
+        addresses = line.split(",")
+        assert len(addresses) == 2, line
+        process.kill()
+        await process.wait()
+
+        async def all_gone() -> bool:
+            for address in addresses:
+                host, port = address.rsplit(":", 1)
+                try:
+                    _, writer = await asyncio.open_connection(host, int(port))
+                except OSError:
+                    continue
+                writer.close()
+                return False
+            return True
+
+        await wait_until(all_gone, "the brokers of a killed mesh up to stop", timeout=5)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        kill_processes_naming(str(tmp_path))  # its brokers, should they outlive it
+
+
+def kill_processes_naming(text: str) -> None:
+    """kill -9 of every process whose command line has ``text`` in it."""
+    found = subprocess.run(["pgrep", "-f", text], capture_output=True, text=True)
+    for pid in found.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 @pytest.mark.slow  # 4000 services, so that moving them takes a while: ~13 s
