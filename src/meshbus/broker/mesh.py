@@ -1,28 +1,14 @@
 """The mesh: this broker's links to its peers, and the life of the mesh over time.
 
-Membership (docs/mesh.md has the long form):
-
-* **Join** (the seed patent's steps): link to a seed, learn the broker list, link
-  to every broker, claim a dynamic-id slot, take every peer's table
-  (meshbus.broker.sync), announce READY; then every broker moves its excess
-  connectors to the newcomer (meshbus.broker.balance.excess).
-* **Duplicate links** are resolved at the handshake by one rule applied on both
-  ends (meshbus.broker.balance.incoming_link_wins), before any route is sent --
-  and, when the mesh trusts only its brokers, after both proved themselves
-  (meshbus.broker.trust), so a HELLO in a linked broker's name replaces nothing.
-* **Gossip**: brokers send each other the list of brokers they know; a ready
-  broker links to every ready broker it hears of, so the mesh stays full.
-* **Heartbeats**: LOAD frames every ``heartbeat_interval``; a peer that sends
-  nothing for ``heartbeat_misses`` intervals is dead. A peer that closes without
-  BYE crashed: its routes go, and this broker raises its connector capacity by
-  ``capacity_boost`` for ``boost_window`` seconds so the orphans can land.
-* **Drain**: take no connector, tell the peers, move every connector to the
-  broker with the most room, wait up to the grace period.
-
-Moving connectors -- for a newcomer or a drain -- is meshbus.broker.moves. What the
-broker does when a peer's link closes (its routes, claims, relayed requests and
-streams go) is the broker's ordered cleanup (meshbus.broker.server); the mesh
-only forgets the peer and counts a crash.
+Membership is docs/mesh.md's: the join (the seed patent's steps: link to a seed,
+learn the broker list, link to every broker, claim a dynamic-id slot, take every
+peer's table, announce READY), duplicate links resolved at the handshake by one
+rule on both ends (meshbus.broker.balance) after both brokers proved themselves
+when the mesh trusts only its brokers (meshbus.broker.trust), gossip of the broker
+list with every heartbeat, heartbeats and the capacity boost after a crash, and the
+drain. Moving connectors is meshbus.broker.moves; what goes when a peer's link
+closes is the broker's ordered cleanup (meshbus.broker.server): the mesh only
+forgets the peer and counts a crash.
 """
 
 from __future__ import annotations
@@ -32,11 +18,12 @@ import logging
 import math
 import random
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshbus.broker.balance import incoming_link_wins, redirect_target
 from meshbus.broker.config import BrokerConfig
+from meshbus.broker.dialer import Dialer, dial_tcp
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
 from meshbus.broker.fence import Fence
 from meshbus.broker.link import Link
@@ -79,21 +66,6 @@ _GRACEFUL = frozenset(
 
 class MeshJoinError(MeshbusError):
     """The broker could not join the mesh through any of its seeds."""
-
-
-# Opens a TCP link to HOST:PORT for the link the factory makes: (host, port, factory).
-Dialer = Callable[[str, int, Callable[[], Link]], Awaitable[Link]]
-
-
-async def dial_tcp(
-    host: str, port: int, new_link: Callable[[], Link], *, tls: ssl.SSLContext | None = None
-) -> Link:
-    """With ``tls`` (meshbus.tls.dial_context) the link is TLS, and the peer's certificate
-    must be good for ``host``, the host dialled."""
-    _, link = await asyncio.get_running_loop().create_connection(
-        new_link, host, port, ssl=tls, server_hostname=host if tls is not None else None
-    )
-    return link
 
 
 @dataclass

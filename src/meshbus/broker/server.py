@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.control import ControlHandler
+from meshbus.broker.dialer import Dialer, dial_tcp
 from meshbus.broker.dispatch import ControlDispatch, ControlTable
 from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.forward import Forwarder
@@ -31,7 +32,7 @@ from meshbus.broker.groups import GroupTable
 from meshbus.broker.guarantees import Guarantees
 from meshbus.broker.lag import LoopLag
 from meshbus.broker.link import Link
-from meshbus.broker.mesh import Dialer, Mesh, dial_tcp
+from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.process import ready_line

@@ -51,11 +51,11 @@ from typing import Any, TypeVar
 
 from meshbus.address import Anycast, Unicast
 from meshbus.broker.config import BrokerConfig
+from meshbus.broker.dialer import Dialer
 from meshbus.broker.dispatch import ControlDispatch
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo, is_peer
 from meshbus.broker.forward import Forwarder
 from meshbus.broker.link import Link
-from meshbus.broker.mesh import Dialer
 from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.routing import RoutingTable
@@ -608,7 +608,7 @@ class FakeNetwork:
         return wire
 
     def dialer_from(self, origin: str) -> Dialer:
-        """A ``Dialer`` (meshbus.broker.mesh) for the broker at ``origin``, which names
+        """A ``Dialer`` (meshbus.broker.dialer) for the broker at ``origin``, which names
         its wires (``wire_between``, ``crash``)."""
 
         async def dial(host: str, port: int, new_link: Callable[[], Link]) -> Link:
