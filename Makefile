@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench lint typecheck unit integration nats-server clean
+.PHONY: test demo bench lint typecheck unit integration nats-server prometheus clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +28,20 @@ nats-server:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null \
 	  || { echo "could not install nats-server: run 'apt-get install nats-server' as root"; exit 1; }; }
 
-test: lint typecheck nats-server
+# The monitoring tests scrape a mesh with a real Prometheus server, a Debian package.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "installing the prometheus Debian package (the monitoring tests' scraper)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null \
+	  || { echo "could not install prometheus: run 'apt-get install prometheus' as root"; exit 1; }; }
+
+test: lint typecheck nats-server prometheus
 	$(BIN)/pytest -q
 
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
-integration: $(STAMP)
+integration: $(STAMP) prometheus
 	$(BIN)/pytest -q tests/integration
 
 demo: $(STAMP)

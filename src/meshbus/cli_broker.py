@@ -486,6 +486,22 @@ def _flag_value(ctx: click.Context, option: click.Option, key: str, value: objec
     "the config has [[brokers]] or [[users]]: then the broker links only to the brokers "
     "[[brokers]] lists, each proving itself.",
 )
+# -- monitoring over HTTP (docs/operations.md)
+@click.option(
+    "--monitor",
+    type=str,
+    default=None,
+    help="Serve /metrics (Prometheus), /healthz and /varz over HTTP on HOST:PORT (or "
+    ":PORT, on 127.0.0.1). Off by default. Beyond loopback it needs --monitor-token-hash "
+    "(or, for a broker without users, --allow-anonymous).",
+)
+@click.option(
+    "--monitor-token-hash",
+    type=str,
+    default=None,
+    help="The hash of the bearer token /metrics and /varz then need (Authorization: Bearer "
+    "TOKEN), as `meshbus hash-token --generate` prints it; /healthz needs none.",
+)
 def broker(
     tables: ConfigTables,
     listen: str,
@@ -525,6 +541,8 @@ def broker(
     tls_ca: str | None,
     tls_verify_clients: bool,
     broker_key: str | None,
+    monitor: str | None,
+    monitor_token_hash: str | None,
 ) -> None:
     """Run a broker in the foreground until SIGINT or SIGTERM.
 
@@ -536,7 +554,7 @@ def broker(
     """
     import uvloop
 
-    from meshbus.auth import Credentials
+    from meshbus.auth import Credentials, TokenHash
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh import MeshJoinError
     from meshbus.broker.store_errors import StoreError
@@ -555,6 +573,21 @@ def broker(
     except InvalidArgument as exc:
         raise click.BadParameter(str(exc), param_hint="'--broker-key'") from None
     host, port = parse_hostport(listen)
+    token_hash = None
+    if monitor_token_hash:
+        try:
+            token_hash = TokenHash.parse(monitor_token_hash)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--monitor-token-hash'") from None
+    if monitor:
+        try:
+            monitor_host, monitor_port = parse_hostport(
+                monitor if not monitor.startswith(":") else "127.0.0.1" + monitor
+            )
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--monitor'") from None
+        shown = f"[{monitor_host}]" if ":" in monitor_host else monitor_host
+        monitor = f"{shown}:{monitor_port}"
     if data_dir:
         os.makedirs(data_dir, exist_ok=True)
     config = BrokerConfig(
@@ -599,6 +632,8 @@ def broker(
         tls_key=tls_key or "",
         tls_ca=tls_ca or "",
         tls_verify_clients=tls_verify_clients,
+        monitor=monitor or "",
+        monitor_token_hash=token_hash,
     )
     if config.brokers and not (key and name):
         raise click.UsageError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from meshbus.auth import Credentials
+from meshbus.auth import Credentials, TokenHash
 from meshbus.broker.users import UserTable
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
@@ -104,6 +104,32 @@ class BrokerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     tls_verify_clients: bool = False
+    # -- Monitoring over HTTP (broker/monitor.py, docs/operations.md): HOST:PORT of
+    # /metrics, /healthz and /varz, "" for none; and the hash of the bearer token that
+    # /metrics and /varz then need (None: no token).
+    monitor: str = ""
+    monitor_token_hash: TokenHash | None = None
+
+    def check_monitor(self) -> tuple[str, int] | None:
+        """Where the monitor listens, or None without one. A monitor beyond loopback
+        without a token is refused unless the broker is open on purpose (no users and
+        allow_anonymous): /varz names the users signed in."""
+        if not self.monitor:
+            return None
+        host, _, port = self.monitor.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        if (
+            not is_loopback(host)
+            and self.monitor_token_hash is None
+            and (self.users or not self.allow_anonymous)
+        ):
+            raise AnonymousExposure(
+                f"refusing to serve --monitor on {self.monitor} without a token: anyone who "
+                "reaches it could read the broker's state; add --monitor-token-hash (meshbus "
+                "hash-token --generate prints a token and its hash), use 127.0.0.1, or (no "
+                "users) pass --allow-anonymous"
+            )
+        return host, int(port)
 
     def check_exposure(self) -> None:
         """AnonymousExposure when this broker would listen beyond loopback, where anyone

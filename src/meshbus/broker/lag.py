@@ -31,6 +31,7 @@ class LoopLag:
         self.max_ms = 0.0
         self.max_own_ms = 0.0
         self.samples = 0
+        self.sum_ms = 0.0  # of every sample: the histogram's sum (broker/monitor.py)
         self._counts = [0] * (len(BOUNDS_MS) + 1)
 
     def record(self, lag_s: float, busy_s: float) -> None:
@@ -40,6 +41,7 @@ class LoopLag:
         self.max_ms = max(self.max_ms, ms)
         self.max_own_ms = max(self.max_own_ms, min(ms, busy_s * 1000))
         self.samples += 1
+        self.sum_ms += ms
         self._counts[bisect.bisect_left(BOUNDS_MS, ms)] += 1
 
     def percentile(self, fraction: float) -> float:
@@ -54,6 +56,10 @@ class LoopLag:
             if seen >= rank and count:
                 return float(BOUNDS_MS[i]) if i < len(BOUNDS_MS) else self.max_ms
         return self.max_ms
+
+    def counts(self) -> list[int]:
+        """The samples in each bucket of ``BOUNDS_MS``, then those above the last bound."""
+        return list(self._counts)
 
     def snapshot(self) -> dict[str, float]:
         return {

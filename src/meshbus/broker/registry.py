@@ -29,6 +29,8 @@ class LinkRegistry:
         # Traffic of links that have closed; open links keep their own counts.
         self._closed_msgs_in = 0
         self._closed_msgs_out = 0
+        self._closed_bytes_in = 0
+        self._closed_bytes_out = 0
         self._next_id = 1
 
     def next_id(self) -> int:
@@ -69,6 +71,8 @@ class LinkRegistry:
         self.closed[reason.value] += 1
         self._closed_msgs_in += link.msgs_in
         self._closed_msgs_out += link.msgs_out
+        self._closed_bytes_in += link.bytes_in
+        self._closed_bytes_out += link.bytes_out
         if link in self.connectors:
             self.connectors.discard(link)
             return True
@@ -80,6 +84,14 @@ class LinkRegistry:
 
     def msgs_out(self) -> int:
         return self._closed_msgs_out + sum(link.msgs_out for link in self.links.values())
+
+    def traffic_bytes(self) -> tuple[int, int]:
+        """Bytes read and written since the broker started, over every link it has had."""
+        links = self.links.values()
+        return (
+            self._closed_bytes_in + sum(link.bytes_in for link in links),
+            self._closed_bytes_out + sum(link.bytes_out for link in links),
+        )
 
 
 class Peers:

@@ -21,6 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.control import ControlHandler
@@ -49,11 +50,15 @@ from meshbus.broker.telemetry import Telemetry
 from meshbus.broker.trust import MeshTrust
 from meshbus.broker.users import UserTable
 from meshbus.broker.watch import ServiceWatch
+from meshbus.errors import InvalidArgument
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.tls import dial_context, server_context
 from meshbus.util import BackgroundTasks
+
+if TYPE_CHECKING:
+    from meshbus.broker.monitor import MonitorServer
 
 __all__ = ["Broker", "BrokerConfig", "serve"]
 
@@ -552,10 +557,21 @@ async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | No
     takes connectors. SIGTERM and DRAIN drain first (connectors move to other brokers);
     a second signal stops at once. SIGHUP reloads the users with ``reread_users``
     (``SignIn.reload``)."""
+    broker = Broker(config, reread_users=reread_users)
+    # Before the join, so /healthz answers 503 "joining" while it lasts; and before the
+    # freeze below, so the monitor's modules are frozen with the rest.
+    monitor = await start_monitor(broker)
+    try:
+        await _run(broker, config)
+    finally:
+        if monitor is not None:
+            await monitor.stop()
+
+
+async def _run(broker: Broker, config: BrokerConfig) -> None:
     import signal
     import sys
 
-    broker = Broker(config, reread_users=reread_users)
     # What exists now -- the interpreter's modules, classes and functions, the broker's
     # parts -- lives as long as the process: out of the collector's sight (the permanent
     # generation), so each full collection walks only what the broker made since (on
@@ -603,3 +619,58 @@ async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | No
     interrupted.cancel()
     log.info("stopping", extra={"broker": config.name})
     await broker.stop()
+
+
+def broker_state(mesh: Mesh) -> str:
+    """What /healthz says: "ready" (200), else "draining" or "joining" (503)."""
+    if mesh.draining:
+        return "draining"
+    return "ready" if mesh.ready else "joining"
+
+
+async def start_monitor(broker: Broker) -> MonitorServer | None:
+    """The HTTP endpoint of ``--monitor`` (broker/monitor.py), listening; None without
+    one. Built from the parts it reads: the stat view, the link registry's byte counts,
+    the loop-lag probe, the stream store."""
+    config = broker.config
+    where = config.check_monitor()
+    if where is None:
+        return None
+    # Only with --monitor: a broker without one does not load prometheus_client.
+    from meshbus.broker.monitor import (
+        BrokerCollector,
+        MonitorServer,
+        StreamReading,
+        monitor_registry,
+    )
+
+    streams = broker.streams
+
+    def stream_readings() -> list[StreamReading]:
+        readings = []
+        for name in streams.names():
+            info = streams.store.info(name)
+            readings.append(StreamReading(name, info.messages, info.bytes))
+        return readings
+
+    collector = BrokerCollector(
+        stat=broker.stat.brief,
+        traffic_bytes=broker.links.traffic_bytes,
+        lag=broker.lag,
+        streams=stream_readings,
+    )
+    monitor = MonitorServer(
+        registry=monitor_registry(collector),
+        health=functools.partial(broker_state, broker.mesh),
+        varz=broker.stat.brief,
+        token=config.monitor_token_hash,
+    )
+    try:
+        await monitor.start(*where)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot serve --monitor on {config.monitor}: {exc.strerror or exc}; "
+            "choose another HOST:PORT"
+        ) from None
+    log.info("monitor listening", extra={"broker": config.name, "address": monitor.address})
+    return monitor
