@@ -12,10 +12,11 @@ import importlib
 
 import click
 
+from bench.monitor import MONITOR_KIND, monitor_option, monitor_servers
 from bench.report import new_table, print_tables
 from bench.runs import alternate, count_option, last_line, runs_options, size_option
 from bench.security import Security, auth_option, security, tls_option
-from bench.servers import Server, servers_of
+from bench.servers import Server, nats_server, servers_of
 
 # The commands defined elsewhere, by name: the module that defines each. They are imported
 # when looked up, so that a command starts without the others' imports (`unicast` does not
@@ -63,6 +64,7 @@ def bench() -> None:
 @runs_options
 @auth_option
 @tls_option
+@monitor_option
 @click.option(
     "--destinations",
     type=click.IntRange(1, 9999),
@@ -72,19 +74,36 @@ def bench() -> None:
     "link (1 = a burst to one address; more defeats per-destination batching).",
 )
 def unicast(
-    size: int, count: int, runs: int, destinations: int, vs_nats: bool, auth: str, tls: bool
+    size: int,
+    count: int,
+    runs: int,
+    destinations: int,
+    vs_nats: bool,
+    auth: str,
+    tls: bool,
+    monitor: str,
+    scrape_interval: float,
 ) -> None:
     """One producer -> one consumer through one server: messages per second.
 
-    Last line: `meshbus=<msgs/s> [meshbus_auth=<msgs/s> auth_ratio=<r>] [nats=<msgs/s>
-    ratio=<meshbus/nats>]`.
+    Last line: `meshbus=<msgs/s> [meshbus_auth=<msgs/s> auth_ratio=<r>]
+    [meshbus_monitor=<msgs/s> monitor_ratio=<r>] [nats=<msgs/s> ratio=<meshbus/nats>]`.
     """
+    if monitor != "off" and auth == "both":
+        raise click.UsageError("--monitor and --auth both alternate systems: use one of them")
     with security(auth, tls) as made:
-        _unicast(size, count, runs, destinations, vs_nats, made)
+        _unicast(size, count, runs, destinations, vs_nats, made, monitor, scrape_interval)
 
 
 def _unicast(
-    size: int, count: int, runs: int, destinations: int, vs_nats: bool, made: Security
+    size: int,
+    count: int,
+    runs: int,
+    destinations: int,
+    vs_nats: bool,
+    made: Security,
+    monitor: str = "off",
+    scrape_interval: float = 1.0,
 ) -> None:
     from bench.throughput import measure_throughput
     from bench.wire import MeshbusWire, NatsWire, Wire
@@ -93,7 +112,14 @@ def _unicast(
     wires: dict[str, Wire] = {
         kind: MeshbusWire(made.credentials_for(kind), tls) for kind in made.kinds()
     }
+    wires[MONITOR_KIND] = wires["meshbus"]
     wires["nats"] = NatsWire(tls)
+    systems = servers_of(made, vs_nats)
+    if monitor != "off":
+        systems = monitor_servers(monitor, made.broker_args(), scrape_interval)
+        if vs_nats:
+            systems.append(nats_server(*made.nats_args()))
+    label = made.label() + (f", monitor {monitor}" if monitor != "off" else "")
 
     def measure(server: Server) -> tuple[float, tuple[str, ...]]:
         result = measure_throughput(
@@ -106,9 +132,9 @@ def _unicast(
         )
 
     medians = alternate(
-        servers_of(made, vs_nats),
+        systems,
         runs,
-        f"unicast: {count:,} x {size} B, {destinations} destination(s){made.label()}",
+        f"unicast: {count:,} x {size} B, {destinations} destination(s){label}",
         ("msgs/s", "MiB/s", "seconds"),
         measure,
     )

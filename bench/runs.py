@@ -73,6 +73,12 @@ def last_line(medians: dict[str, float], suffix: str, digits: int) -> str:
         line += (
             f" meshbus_auth{suffix}={auth:.{digits}f} auth_ratio={auth / medians['meshbus']:.3f}"
         )
+    if "meshbus_monitor" in medians:  # unicast --monitor both
+        monitored = medians["meshbus_monitor"]
+        line += (
+            f" meshbus_monitor{suffix}={monitored:.{digits}f}"
+            f" monitor_ratio={monitored / medians['meshbus']:.3f}"
+        )
     if "nats" in medians:
         ratio = medians["meshbus"] / medians["nats"]
         line += f" nats{suffix}={medians['nats']:.{digits}f} ratio={ratio:.3f}"
