@@ -68,3 +68,15 @@ def test_handshake_last_line(tls: tuple[str, ...]) -> None:
     assert got["auth_ratio"] == pytest.approx(
         got["meshbus_auth_p50_us"] / got["meshbus_p50_us"], rel=0.01
     )
+
+
+def test_unicast_monitor_both() -> None:
+    """A broker with --monitor scraped every 0.1 s beside one without: both figures real."""
+    line = run_bench(
+        "unicast", "--count", "20000", "--runs", "1", "--monitor", "both",
+        "--scrape-interval", "0.1",
+    )  # fmt: skip
+    got = _fields(line, "meshbus", "meshbus_monitor", "monitor_ratio")
+    assert got["meshbus"] > 0
+    assert got["meshbus_monitor"] > 0
+    assert got["monitor_ratio"] == pytest.approx(got["meshbus_monitor"] / got["meshbus"], rel=0.01)

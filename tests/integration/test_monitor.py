@@ -21,7 +21,13 @@ import pytest
 import meshbus
 from meshbus.auth import TokenHash
 from tests.conftest import BrokerProcess, start_broker, stop_all
-from tests.integration.helpers import RawLink, recv_n, wait_routes, wait_until
+from tests.integration.helpers import (
+    RawLink,
+    recv_n,
+    start_broker_process,
+    wait_routes,
+    wait_until,
+)
 
 TOKEN = "monitor-test-token"
 N = 250
@@ -246,3 +252,45 @@ async def test_healthz_is_503_draining_while_a_broker_drains() -> None:
         await stays.close()
     finally:
         assert await stop_all([broker, other]) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ("--monitor", "0.0.0.0:0"),
+            "Error: refusing to serve --monitor on 0.0.0.0:0 without a token",
+        ),
+        (
+            ("--monitor", "127.0.0.1:0", "--monitor-token-hash", "nope"),
+            "Error: Invalid value for '--monitor-token-hash': a token hash is written",
+        ),
+        (("--monitor", "nohost"), "Error: Invalid value for '--monitor': 'nohost' is not"),
+    ],
+    ids=["beyond-loopback-without-token", "bad-token-hash", "bad-address"],
+)
+async def test_a_monitor_it_cannot_serve_safely_is_refused_in_one_line(
+    args: tuple[str, ...], says: str
+) -> None:
+    process = await start_broker_process("--listen", "127.0.0.1:0", *args)
+    out, err = await asyncio.wait_for(process.communicate(), 20)
+    stderr = err.decode()
+    assert process.returncode in (1, 2), stderr
+    assert out == b""
+    # A bad flag value comes after click's usage lines; the error itself is one line.
+    error = stderr.splitlines()[-1]
+    assert error.startswith(says), stderr
+    assert error.count("Error:") == stderr.count("Error:") == 1, stderr
+
+
+async def test_a_monitor_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = await start_broker_process("--monitor", f"127.0.0.1:{port}")
+        _, err = await asyncio.wait_for(process.communicate(), 20)
+    stderr = err.decode()
+    assert process.returncode == 1, stderr
+    assert stderr.startswith(f"Error: cannot serve --monitor on 127.0.0.1:{port}: "), stderr
+    assert stderr.count("\n") == 1, stderr
