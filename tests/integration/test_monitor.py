@@ -294,3 +294,21 @@ async def test_a_monitor_port_in_use_is_one_line() -> None:
     assert process.returncode == 1, stderr
     assert stderr.startswith(f"Error: cannot serve --monitor on 127.0.0.1:{port}: "), stderr
     assert stderr.count("\n") == 1, stderr
+
+
+async def test_the_config_file_keys_turn_the_monitor_on_with_its_token(tmp_path: Path) -> None:
+    monitor = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "broker.toml"
+    config.write_text(f'monitor = "{monitor}"\nmonitor-token-hash = "{TokenHash.of(TOKEN)}"\n')
+    broker = await start_broker("--config", str(config))
+    try:
+        metrics = f"http://{monitor}/metrics"
+        assert (await asyncio.to_thread(http_get, metrics))[0] == 401
+        status, body = await asyncio.to_thread(http_get, metrics, TOKEN)
+        assert status == 200
+        assert f'meshbus_ready{{broker="{broker.name}"}} 1.0'.encode() in body
+        status, body = await asyncio.to_thread(http_get, f"http://{monitor}/varz", TOKEN)
+        assert status == 200
+        assert json.loads(body)["name"] == broker.name
+    finally:
+        assert await broker.stop() == 0
