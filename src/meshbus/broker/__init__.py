@@ -9,12 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshbus.broker.server import Broker, BrokerConfig, serve
+    from meshbus.broker.run import serve
+    from meshbus.broker.server import Broker, BrokerConfig
 
 __all__ = ["Broker", "BrokerConfig", "serve"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "serve":
+        from meshbus.broker import run
+
+        return run.serve
     if name in __all__:
         from meshbus.broker import server
 
