@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from meshbus.auth import Credentials, users_entry
-from meshbus.cli_broker import BadConfig, broker, read_config, reread_users
+from meshbus.cli_broker import broker
+from meshbus.cli_config import BadConfig, read_config, reread_users
 from meshbus.config_lines import KeyLines
 
 TEXT = """\
@@ -93,7 +94,7 @@ def test_every_bad_user_is_reported_not_just_the_first(tmp_path: Path) -> None:
         '[[users]]\nname = "c"\ncertificate = "c2"\n'  # 12-14: a second "c"
     )
     with pytest.raises(BadConfig) as caught:
-        read_config(str(config))
+        read_config(str(config), broker)
     assert [line for line, _ in caught.value.errors] == [1, 8, 13]
     assert "user 'a' needs exactly one of public_key" in str(caught.value)
     assert "permissions.request pattern 'nope'" in str(caught.value)
@@ -125,11 +126,11 @@ def test_a_reload_refuses_changed_brokers(tmp_path: Path) -> None:
     a, b = Credentials.generate("a"), Credentials.generate("b")
     config = tmp_path / "broker.toml"
     config.write_text(f'[[brokers]]\nname = "a"\npublic_key = "{a.public_key}"\n')
-    started = read_config(str(config)).tables
-    assert list(reread_users(str(config), started.brokers)) == []
+    started = read_config(str(config), broker).tables
+    assert list(reread_users(str(config), started.brokers, broker)) == []
     config.write_text(
         users_entry("alice", public_key=b.public_key)
         + f'[[brokers]]\nname = "b"\npublic_key = "{b.public_key}"\n'
     )
     with pytest.raises(BadConfig, match=r"broker\.toml:11: \[\[brokers\]\] changed"):
-        reread_users(str(config), started.brokers)
+        reread_users(str(config), started.brokers, broker)
