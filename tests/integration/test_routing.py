@@ -9,7 +9,9 @@ duplicate or a stray copy would show up in its place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -469,3 +471,93 @@ async def test_frame_larger_than_receivers_limit_does_not_break_its_link(broker,
                 if msg.payload == b"after the big one":
                     break
         await small.ping()
+
+
+# -- a message that comes right behind the answer that makes its address ---------------
+
+
+@contextlib.asynccontextmanager
+async def batching_proxy(upstream: str, every: float = 0.05) -> AsyncIterator[str]:
+    """A TCP proxy that hands the broker's bytes on in batches every ``every`` seconds, as
+    a busy client reads them: an answer and the frames behind it arrive in one read."""
+    host, port = upstream.rsplit(":", 1)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def batched(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pending = bytearray()
+
+        async def flush() -> None:
+            while True:
+                await asyncio.sleep(every)
+                if pending:
+                    writer.write(bytes(pending))
+                    pending.clear()
+
+        flusher = asyncio.create_task(flush())
+        try:
+            while chunk := await reader.read(65536):
+                pending += chunk
+        finally:
+            flusher.cancel()
+            writer.close()
+
+    async def straight(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await reader.read(65536):
+                writer.write(chunk)
+        finally:
+            writer.close()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        for pump in (batched(up_reader, writer), straight(reader, up_writer)):
+            task = asyncio.create_task(pump)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize("change", ["register", "join"])
+async def test_a_message_read_together_with_the_answer_that_makes_its_address_arrives(
+    broker, conns, change
+):
+    """A sender keeps sending to an address while a connector behind a slow reader makes
+    it (registers the fixed address, or joins the group): the first message the broker
+    routes can come in the same read as the answer, and must find its service there."""
+    sender = await conns[0].register()
+    group = meshbus.Multicast("fresh")
+    target: meshbus.Address = meshbus.Unicast("fresh", 1) if change == "register" else group
+    sending = True
+
+    async def keep_sending() -> None:
+        while sending:
+            await sender.send(target, b"m")
+            await asyncio.sleep(0.001)
+
+    async with (
+        batching_proxy(broker.address) as address,
+        await meshbus.connect(address, server="fresh") as slow,
+    ):
+        first = None if change == "register" else await slow.register()
+        task = asyncio.create_task(keep_sending())
+        try:
+            await asyncio.sleep(0.05)
+            if first is None:
+                receiver = await slow.register(instance=1)
+            else:
+                await first.join(group)
+                receiver = first
+            await asyncio.sleep(0.2)
+        finally:
+            sending = False
+            await task
+        assert (await receiver.recv(timeout=5)).payload == b"m"
+        assert slow.dropped == 0

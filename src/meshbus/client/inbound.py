@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshbus.client")
 
+K = TypeVar("K")
+V = TypeVar("V")
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Undeliverable:
@@ -84,7 +88,7 @@ class Inbound:
         self._unacked = unacked
         self._outbound = outbound
         self._tasks = tasks
-        self._answers: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
+        self._answers: dict[int, _Answer] = {}
         # SYNCED after the answer to a change: the change is known mesh-wide.
         self._synced: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
         self._responses: dict[tuple[bytes, int], tuple[asyncio.Future[Message], BrokerLink]] = {}
@@ -95,11 +99,21 @@ class Inbound:
 
     # -- waiters -------------------------------------------------------------------------
 
+    @contextlib.contextmanager
     def answer(
-        self, correlation: int, link: BrokerLink
-    ) -> contextlib.AbstractContextManager[asyncio.Future[ControlFrame]]:
-        """The future of the answer with ``correlation`` over ``link``, while in the block."""
-        return _waiting(self._answers, correlation, link)
+        self, correlation: int, link: BrokerLink, settle: Callable[[ControlFrame], T]
+    ) -> Iterator[asyncio.Future[T]]:
+        """The future of the answer with ``correlation`` over ``link``, while in the block:
+        what ``settle`` makes of the answer, or what it raised.
+
+        ``settle`` runs as the answer is read, before the frames read with it: a service
+        an answer makes is there for the message right behind it."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._answers[correlation] = _Answer(future, link, settle)
+        try:
+            yield future
+        finally:
+            self._answers.pop(correlation, None)
 
     def expect_synced(
         self, correlation: int, link: BrokerLink, future: asyncio.Future[ControlFrame]
@@ -120,7 +134,7 @@ class Inbound:
         """Fail what waits for an answer (a control answer, a SYNCED, a response) that can
         only come over ``link``; over any link when it is None."""
         waiting: list[tuple[asyncio.Future[Any], BrokerLink]] = [
-            *self._answers.values(),
+            *((answer.future, answer.link) for answer in self._answers.values()),
             *self._synced.values(),
             *self._responses.values(),
         ]
@@ -227,8 +241,12 @@ class Inbound:
             return True
         waiting = self._answers.get(frame.correlation) if frame.correlation else None
         if waiting is not None:
-            if not waiting[0].done():
-                waiting[0].set_result(frame)
+            future = waiting.future
+            if not future.done():
+                try:
+                    future.set_result(waiting.settle(frame))
+                except Exception as exc:  # the asker's to raise, not the link's
+                    future.set_exception(exc)
             return True
         if isinstance(body, Left):
             left = [describe_address(address) for address in body.addresses]
@@ -266,8 +284,13 @@ class Inbound:
             handler(report)
 
 
-K = TypeVar("K")
-V = TypeVar("V")
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A control request waiting for its answer."""
+
+    future: asyncio.Future[Any]
+    link: BrokerLink
+    settle: Callable[[ControlFrame], Any]
 
 
 @contextlib.contextmanager

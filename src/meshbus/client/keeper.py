@@ -170,10 +170,8 @@ class Changes:
                 async with self._gate.change():
                     # A failover may have begun while we waited: wait it out.
                     if links.current is link and links.connected.is_set():
-                        result = apply(
-                            await self._requester.ask(
-                                type_, body, answer, subject, link=link, synced=synced
-                            )
+                        result = await self._requester.ask_and_apply(
+                            type_, body, answer, apply, subject, link=link, synced=synced
                         )
                         try:
                             await synced

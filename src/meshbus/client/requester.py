@@ -17,6 +17,7 @@ the inbound dispatcher's (meshbus.client.inbound).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TypeVar
 
 from meshbus.address import Address
@@ -42,6 +43,7 @@ from meshbus.protocol.control import Body, Error, check_bounds
 from meshbus.protocol.layout import FATAL_ERRORS, FLAG_REQUEST, ControlType, ErrorCode
 
 B = TypeVar("B", bound=Body)
+T = TypeVar("T")
 
 # How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
 _LOCAL_TIMEOUT_GRACE = 1.0
@@ -72,6 +74,26 @@ class Requester:
         Without ``link`` it goes to the current broker (waiting out a failover). With
         ``synced``, that future gets the SYNCED frame that follows a change's answer.
         ``subject`` names what the request is about, for the error messages."""
+        return await self.ask_and_apply(
+            type_, body, answer, _itself, subject, link=link, synced=synced
+        )
+
+    async def ask_and_apply(
+        self,
+        type_: ControlType,
+        body: Body,
+        answer: type[B],
+        apply: Callable[[B], T],
+        subject: str = "",
+        *,
+        link: BrokerLink | None = None,
+        synced: asyncio.Future[ControlFrame] | None = None,
+    ) -> T:
+        """``ask``, and return what ``apply`` makes of the answer's body.
+
+        ``apply`` runs as the answer is read, before any frame that came behind it: the
+        service a REGISTER answer makes, or the membership a JOIN answer confirms, is in
+        place for the first message the broker routes to it."""
         correlation = self._next_correlation
         self._next_correlation = correlation % 0xFFFFFFFF + 1
         try:
@@ -85,34 +107,38 @@ class Requester:
             link = await self._links.usable()
         if synced is not None:
             self._inbound.expect_synced(correlation, link, synced)
+        address = link.address
+
+        def settle(frame: ControlFrame) -> T:
+            reply = frame.body
+            if isinstance(reply, Error):
+                if synced is not None:
+                    synced.cancel()  # no change, so no SYNCED
+                raise _error_from(reply, type_, subject)
+            if not isinstance(reply, answer):
+                raise ProtocolError(
+                    f"broker {address} answered {describe(type_)} with {describe(frame.type)}"
+                )
+            return apply(reply)
+
         limit = self._request_timeout
-        with self._inbound.answer(correlation, link) as future:
+        with self._inbound.answer(correlation, link, settle) as future:
             if link.closed:
-                future.set_exception(ConnectionLost(f"the link to {link.address} is closed"))
+                future.set_exception(ConnectionLost(f"the link to {address} is closed"))
             else:
                 link.write(request)
             try:
                 # A dead broker is the keepalive's to find; this is for one that is alive
                 # and does not answer (a relay that went wrong, a bug): never wait forever.
                 async with asyncio.timeout(limit or None):
-                    frame = await future
+                    return await future
             except TimeoutError:
                 raise Timeout(
-                    f"broker {link.address} did not answer {describe(type_)}"
+                    f"broker {address} did not answer {describe(type_)}"
                     + (f" for {subject}" if subject else "")
                     + f" within {limit} s (connect(request_timeout=...))",
                     limit,
                 ) from None
-        reply = frame.body
-        if isinstance(reply, Error):
-            if synced is not None:
-                synced.cancel()  # no change, so no SYNCED
-            raise _error_from(reply, type_, subject)
-        if not isinstance(reply, answer):
-            raise ProtocolError(
-                f"broker {link.address} answered {describe(type_)} with {describe(frame.type)}"
-            )
-        return reply
 
     async def request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
         """Send a request from ``src`` and wait for its response."""
@@ -157,3 +183,7 @@ def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError
     if request == ControlType.GROUP_BIND and code == ErrorCode.UNAVAILABLE:
         return NoRoute(body.message)
     return RegistrationError(f"{request.name.lower()} refused: {body.message}", code)
+
+
+def _itself(body: B) -> B:
+    return body
