@@ -97,6 +97,26 @@ async def test_a_connector_sends_and_receives_over_tls(certs: Certs) -> None:
         assert await broker.stop() == 0
 
 
+async def test_a_tls_connector_is_closed_when_close_returns(certs: Certs) -> None:
+    """A program whose loop ends right after ``close()`` (``uvloop.run``, as the CLI and
+    ``meshbus report`` run) must find the TLS socket closed: uvloop refuses to close a
+    loop with an open socket (EBUSY), and TLS says goodbye in frames of its own."""
+    import uvloop
+
+    broker = await start_broker(*certs.broker.broker_args())
+
+    async def connect_and_close() -> None:
+        conn = await meshbus.connect(broker.address, server="tls", tls=str(certs.ca_file))
+        await conn.register()
+        await conn.close()
+
+    try:
+        for _ in range(5):
+            await asyncio.to_thread(uvloop.run, connect_and_close())
+    finally:
+        assert await broker.stop() == 0
+
+
 async def test_a_mesh_all_over_mutual_tls_carries_a_message_across_brokers(
     certs: Certs,
 ) -> None:

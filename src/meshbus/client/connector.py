@@ -65,6 +65,9 @@ from meshbus.protocol.control import (
 from meshbus.protocol.layout import ControlType
 from meshbus.util import BackgroundTasks
 
+# How long close() waits for a TLS link's goodbye before it drops the socket.
+_CLOSE_GRACE = 1.0
+
 
 class ConnectorParts:
     """Every part of one connector, built and wired here; and what belongs to the whole."""
@@ -381,5 +384,8 @@ class Connector:
             ) from None
 
     async def close(self) -> None:
-        """Say goodbye and close the link. Pending requests fail with ``NotConnected``."""
+        """Say goodbye and close the link. Pending requests fail with ``NotConnected``.
+        It returns once the link's socket is closed (a TLS link's within a second)."""
+        links = self._parts.links.all()
         self._parts.close()
+        await asyncio.gather(*(link.gone(_CLOSE_GRACE) for link in links))

@@ -75,6 +75,7 @@ class BrokerLink(asyncio.Protocol):
         self.write_paused = False
         self._loop = asyncio.get_running_loop()
         self.welcomed: asyncio.Future[Welcomed | HelloRefused] = self._loop.create_future()
+        self._gone: asyncio.Future[None] = self._loop.create_future()  # connection_lost
         self._handshake: DiallingHandshake | None = handshake  # None once answered
         self._decoder = FrameDecoder(max_frame)
         self._reader = reader
@@ -112,6 +113,8 @@ class BrokerLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if not self._gone.done():
+            self._gone.set_result(None)
         reason = self.error or (str(exc) if exc else "the broker closed the connection")
         error = ConnectionLost(
             f"lost the link to broker {self.broker_name or self.address}: {reason}"
@@ -245,6 +248,21 @@ class BrokerLink(asyncio.Protocol):
         self._out.clear()
         if self.transport is not None:
             self.transport.abort()
+
+    async def gone(self, grace: float) -> None:
+        """Return once the transport is gone, aborting it past ``grace`` seconds.
+
+        Closing a TLS link sends its close_notify and waits for the broker's: a loop
+        ended meanwhile (``asyncio.run`` returning right after ``close()``) finds the
+        socket still open, which uvloop refuses with EBUSY."""
+        if self.transport is None:
+            return  # never connected: nothing to wait for
+        try:
+            async with asyncio.timeout(grace):
+                await asyncio.shield(self._gone)
+        except TimeoutError:
+            self.transport.abort()
+            await self._gone
 
 
 class Links:
