@@ -35,14 +35,17 @@ prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null \
 	  || { echo "could not install prometheus: run 'apt-get install prometheus' as root"; exit 1; }; }
 
+# One worker per core; the Spark tests share one worker, so one JVM (tests/conftest.py).
+PYTEST_WORKERS ?= -n auto --dist loadgroup
+
 test: lint typecheck nats-server prometheus
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_WORKERS)
 
 unit: $(STAMP)
-	$(BIN)/pytest -q tests/unit
+	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
 integration: $(STAMP) prometheus
-	$(BIN)/pytest -q tests/integration
+	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
 demo: $(STAMP)
 	$(BIN)/python -m meshbus.demo

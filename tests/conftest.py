@@ -82,3 +82,11 @@ async def broker() -> AsyncIterator[BrokerProcess]:
     finally:
         code = await proc.stop()
         assert code == 0, f"broker exited with {code} on SIGTERM"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (make test runs two workers), every test that needs Spark runs
+    # on one worker: one JVM, and one SparkSession shared as in a serial run.
+    for item in items:
+        if item.get_closest_marker("spark"):
+            item.add_marker(pytest.mark.xdist_group("spark"))
