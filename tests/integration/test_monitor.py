@@ -204,18 +204,30 @@ async def test_prometheus_counts_exactly_the_messages_sent_and_sees_a_killed_bro
             await prometheus.scraped_after(monitor, start)
         sender_in = f'meshbus_messages_in_total{{broker="{brokers[0].name}"}}'
         receiver_in = f'meshbus_messages_in_total{{broker="{brokers[1].name}"}}'
-        before = [await asyncio.to_thread(prometheus.value, q) for q in (sender_in, receiver_in)]
+        # The same messages on the two connectors' own links.
+        tx_link = (
+            f'meshbus_link_messages_in_total{{broker="{brokers[0].name}",kind="connector",'
+            'name="tx"}'
+        )
+        rx_link = (
+            f'meshbus_link_messages_out_total{{broker="{brokers[1].name}",kind="connector",'
+            'name="rx"}'
+        )
+        queries = (sender_in, receiver_in, tx_link, rx_link)
+        before = [await asyncio.to_thread(prometheus.value, q) for q in queries]
         for i in range(N):
             await sender.send(receiver.address, b"%d" % i)
         assert len(await recv_n(receiver, N)) == N
         sent = time.time()
         for monitor in monitors[:2]:
             await prometheus.scraped_after(monitor, sent)
-        after = [await asyncio.to_thread(prometheus.value, q) for q in (sender_in, receiver_in)]
-    # In from the sender's connector on broker 0, and in from the peer link on broker 1.
+        after = [await asyncio.to_thread(prometheus.value, q) for q in queries]
+    # In from the sender's connector on broker 0, and in from the peer link on broker 1;
+    # in on the sender's link, out on the receiver's.
     assert None not in before
     assert None not in after
-    assert [a - b for a, b in zip(after, before, strict=True)] == [N, N]  # type: ignore[operator]
+    moved = [a - b for a, b in zip(after, before, strict=True)]  # type: ignore[operator]
+    assert moved == [N, N, N, N]
 
     brokers[2].process.send_signal(signal.SIGKILL)
     await brokers[2].process.wait()

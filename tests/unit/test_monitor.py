@@ -57,6 +57,36 @@ def fake_stat() -> dict[str, Any]:
         "streams": {"stored": 40, "dropped": 41},
         "mesh_counters": {"peers_lost": 1, "stalls": 0, "route_ops_in": 30},
         "counters": counters,
+        "links": [
+            {
+                "id": 4,
+                "name": "game",
+                "role": "connector",
+                "msgs_in": 31,
+                "msgs_out": 32,
+                "bytes_in": 3100,
+                "bytes_out": 3200,
+            },
+            {
+                "id": 5,
+                "name": "meshbus-cli",
+                "role": "operator",
+                "msgs_in": 0,
+                "msgs_out": 0,
+                "bytes_in": 70,
+                "bytes_out": 900,
+            },
+        ],
+        "peer_links": [
+            {
+                "name": "b2",
+                "link_id": 2,
+                "msgs_in": 51,
+                "msgs_out": 52,
+                "bytes_in": 5100,
+                "bytes_out": 5200,
+            },
+        ],
     }
 
 
@@ -97,6 +127,28 @@ def test_every_counter_is_exposed_with_its_value_and_broker_label() -> None:
     assert got[("meshbus_mesh_events_total", (("broker", "b1"), ("event", "peers_lost")))] == 1
     assert got[("meshbus_stream_messages", (("broker", "b1"), ("stream", "orders")))] == 5
     assert got[("meshbus_stream_bytes", (("broker", "b1"), ("stream", "audit")))] == 600
+
+
+def test_every_open_link_has_its_traffic_with_its_kind_name_and_id() -> None:
+    got = samples()
+
+    def link(kind: str, name: str, number: int) -> tuple[tuple[str, str], ...]:
+        return (("broker", "b1"), ("id", str(number)), ("kind", kind), ("name", name))
+
+    game, cli, peer = (
+        link("connector", "game", 4),
+        link("operator", "meshbus-cli", 5),
+        link("peer", "b2", 2),
+    )
+    assert got[("meshbus_link_messages_in_total", game)] == 31
+    assert got[("meshbus_link_messages_out_total", game)] == 32
+    assert got[("meshbus_link_bytes_in_total", game)] == 3100
+    assert got[("meshbus_link_bytes_out_total", game)] == 3200
+    assert got[("meshbus_link_bytes_out_total", cli)] == 900
+    assert got[("meshbus_link_messages_in_total", peer)] == 51
+    assert got[("meshbus_link_bytes_out_total", peer)] == 5200
+    series = {labels for name, labels in got if name == "meshbus_link_messages_in_total"}
+    assert series == {game, cli, peer}
 
 
 def test_every_drop_counter_has_its_reason_label() -> None:

@@ -149,6 +149,7 @@ class BrokerCollector(Collector):
         for event, count in sorted(data["mesh_counters"].items()):
             events.add_metric([name, event], count)
         yield events
+        yield from _per_link(name, data)
         yield gauge("meshbus_ready", "1 when the broker takes connectors.", int(data["ready"]))
         yield gauge("meshbus_draining", "1 while the broker drains.", int(data["draining"]))
         yield gauge("meshbus_peers", "Peer brokers linked.", len(data["peers"]))
@@ -184,6 +185,30 @@ class BrokerCollector(Collector):
             buckets.append((repr(bound / 1000) if bound is not None else "+Inf", cumulative))
         histogram.add_metric([name], buckets, lag.sum_ms / 1000)
         yield histogram
+
+
+# (metric, help, key of each link's entry in stat): the per-link counters.
+_LINK_COUNTERS = (
+    ("meshbus_link_messages_in", "Data frames read from one link.", "msgs_in"),
+    ("meshbus_link_messages_out", "Data frames written to one link.", "msgs_out"),
+    ("meshbus_link_bytes_in", "Bytes read from one link.", "bytes_in"),
+    ("meshbus_link_bytes_out", "Bytes written to one link.", "bytes_out"),
+)
+
+
+def _per_link(broker: str, data: dict[str, Any]) -> Iterator[Metric]:
+    """The traffic of each open link: ``kind`` is connector, operator or peer, ``name``
+    the connector's server name or the peer broker's, ``id`` the broker's number for the
+    link (a connector's name need not be unique). One series per open link, so as many
+    as --max-connectors, operator links and peers allow; a closed link's series ends and
+    its traffic stays in the broker-wide totals."""
+    links = [(link["role"], link["name"], link["id"], link) for link in data["links"]]
+    links += [("peer", link["name"], link["link_id"], link) for link in data["peer_links"]]
+    for metric, doc, key in _LINK_COUNTERS:
+        family = CounterMetricFamily(metric, doc, labels=["broker", "kind", "name", "id"])
+        for kind, link_name, number, link in links:
+            family.add_metric([broker, kind, str(link_name), str(number)], link[key])
+        yield family
 
 
 def monitor_registry(collector: BrokerCollector, *, process: bool = True) -> CollectorRegistry:
