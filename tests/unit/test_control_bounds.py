@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from meshbus.protocol.codec import FrameError, decode_body
-from meshbus.protocol.control import BODY_TYPES, StreamRequest, check_bounds
+from meshbus.protocol.control import BODY_TYPES, StreamRequest, encode_in_bounds
 from meshbus.protocol.layout import ControlType, ErrorCode
 from tests.unit.test_codec import SAMPLE_BODIES
 
@@ -115,9 +115,9 @@ def test_out_of_range_is_a_protocol_error(
 
 
 def test_a_sender_may_check_the_bounds_first() -> None:
-    check_bounds(ControlType.STREAM, StreamRequest(op="add", max_msgs=2**40))
+    encode_in_bounds(ControlType.STREAM, StreamRequest(op="add", max_msgs=2**40))
     with pytest.raises(ValueError, match="out of range") as error:
-        check_bounds(ControlType.STREAM, StreamRequest(op="add", max_msgs=2**64 - 1))
+        encode_in_bounds(ControlType.STREAM, StreamRequest(op="add", max_msgs=2**64 - 1))
     assert str(error.value) == (
         "a number out of range in the STREAM request: "
         "Expected `int` <= 1099511627776 - at `$.max_msgs`"

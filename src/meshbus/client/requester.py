@@ -38,9 +38,15 @@ from meshbus.errors import (
     StreamError,
     Timeout,
 )
-from meshbus.protocol.codec import ControlFrame, describe, encode_control, encode_data
-from meshbus.protocol.control import Body, Error, check_bounds
-from meshbus.protocol.layout import FATAL_ERRORS, FLAG_REQUEST, ControlType, ErrorCode
+from meshbus.protocol.codec import ControlFrame, describe, encode_control_raw, encode_data
+from meshbus.protocol.control import Body, Error, encode_in_bounds
+from meshbus.protocol.layout import (
+    DEFAULT_MAX_FRAME,
+    FATAL_ERRORS,
+    FLAG_REQUEST,
+    ControlType,
+    ErrorCode,
+)
 
 B = TypeVar("B", bound=Body)
 T = TypeVar("T")
@@ -99,10 +105,10 @@ class Requester:
         try:
             # A number the broker's decoder would refuse costs the link (PROTOCOL_ERROR):
             # refused here instead, as the caller's mistake.
-            check_bounds(type_, body)
-            request = encode_control(type_, body, correlation)
+            raw = encode_in_bounds(type_, body)
         except (OverflowError, ValueError) as exc:  # msgpack: integers of at most 64 bits
             raise InvalidArgument(f"a number in the {describe(type_)} request: {exc}") from exc
+        request = encode_control_raw(int(type_), raw, correlation, max_frame=DEFAULT_MAX_FRAME)
         if link is None:
             link = await self._links.usable()
         if synced is not None:

@@ -169,19 +169,17 @@ def encode_data(
 def encode_control(
     type_: ControlType, body: Body, correlation: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME
 ) -> bytes:
-    raw = ENCODER.encode(body)
+    return encode_control_raw(int(type_), ENCODER.encode(body), correlation, max_frame=max_frame)
+
+
+def encode_control_raw(
+    type_: int, raw: bytes, correlation: int = 0, *, max_frame: int | None = None
+) -> bytes:
+    """A control frame around an already encoded body (one relayed from a peer, or one a
+    client checked); with ``max_frame``, FrameTooLarge past it."""
     total = CONTROL_HEADER_SIZE + len(raw)
-    if total > max_frame:
+    if max_frame is not None and total > max_frame:
         raise FrameTooLarge(total, max_frame)
-    header = CONTROL_HEADER.pack(
-        total - LENGTH_SIZE, KIND_CONTROL, PROTOCOL_VERSION, int(type_), correlation
-    )
-    return header + raw
-
-
-def encode_control_raw(type_: int, raw: bytes, correlation: int = 0) -> bytes:
-    """A control frame around an already encoded body (one relayed from a peer)."""
-    total = CONTROL_HEADER_SIZE + len(raw)
     header = CONTROL_HEADER.pack(
         total - LENGTH_SIZE, KIND_CONTROL, PROTOCOL_VERSION, type_, correlation
     )

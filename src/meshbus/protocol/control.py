@@ -457,12 +457,15 @@ DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {
 ENCODER = msgspec.msgpack.Encoder()
 
 
-def check_bounds(ctype: ControlType, body: Body) -> None:
-    """ValueError naming the field when a number of ``body`` is outside its bounds -- what
-    the receiver's decoder refuses as a PROTOCOL_ERROR, closing the link -- for a sender
-    that would rather refuse it itself (a client's InvalidArgument). It encodes the body
-    once more: for requests, not for the hot path."""
+def encode_in_bounds(ctype: ControlType, body: Body) -> bytes:
+    """``body`` encoded, once it is checked the way the receiver's decoder checks it: a
+    ValueError names the field when a number is outside its bounds -- what the receiver
+    refuses as a PROTOCOL_ERROR, closing the link -- for a sender that would rather
+    refuse it itself (a client's InvalidArgument). The check decodes the body once more:
+    for requests, not for the hot path."""
+    raw = ENCODER.encode(body)
     try:
-        DECODERS[int(ctype)].decode(ENCODER.encode(body))
+        DECODERS[int(ctype)].decode(raw)
     except msgspec.ValidationError as exc:
         raise ValueError(f"a number out of range in the {ctype.name} request: {exc}") from None
+    return raw
