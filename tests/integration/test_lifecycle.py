@@ -198,6 +198,14 @@ async def test_connect_to_port_without_broker(free_port):
     assert "refused" in message.lower(), message
 
 
+async def test_connect_to_a_host_that_does_not_resolve_says_so():
+    with pytest.raises(meshbus.ConnectionLost) as info:
+        await meshbus.connect("no-such-host.invalid:7400", server="g", timeout=IO_TIMEOUT)
+    message = str(info.value)
+    assert "'no-such-host.invalid' does not resolve" in message, message
+    assert "Unknown error" not in message, message
+
+
 async def test_connect_to_silent_server_times_out():
     accepted: list[asyncio.StreamWriter] = []
 

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import random
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -324,6 +325,11 @@ class LinkKeeper:
             )
         except ssl.SSLError as exc:
             raise handshake_error(exc, address) from None
+        except socket.gaierror as exc:  # its errno is getaddrinfo's, which strerror misreads
+            raise ConnectionLost(
+                f"could not connect to broker {address}: the host {host!r} does not resolve "
+                f"({exc.strerror or exc})"
+            ) from exc
         except OSError as exc:
             # asyncio's own message ("Connect call failed ...") hides the reason; errno has it.
             # uvloop's reset during a TLS handshake is a bare ConnectionResetError().
