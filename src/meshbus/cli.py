@@ -458,9 +458,10 @@ def _add_commands() -> None:
     from meshbus.cli_auth import hash_token, keygen
     from meshbus.cli_broker import broker
     from meshbus.cli_stream import stream
+    from meshbus.cli_top import top
     from meshbus.report.cli import report
 
-    for command in (broker, mesh, drain, stat, stream, report, keygen, hash_token):
+    for command in (broker, mesh, drain, stat, top, stream, report, keygen, hash_token):
         main.add_command(command)
 
 
