@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench lint typecheck unit integration nats-server prometheus clean
+.PHONY: test demo bench lint typecheck unit integration nats-server prometheus tmux clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,16 +35,23 @@ prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null \
 	  || { echo "could not install prometheus: run 'apt-get install prometheus' as root"; exit 1; }; }
 
+# The tests of meshbus top run it in a terminal of tmux's, a Debian package.
+tmux:
+	@command -v tmux >/dev/null 2>&1 || { \
+	  echo "installing the tmux Debian package (the terminal of meshbus top's tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null \
+	  || { echo "could not install tmux: run 'apt-get install tmux' as root"; exit 1; }; }
+
 # One worker per core; the Spark tests share one worker, so one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n auto --dist loadgroup
 
-test: lint typecheck nats-server prometheus
+test: lint typecheck nats-server prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
 
 unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
-integration: $(STAMP) prometheus
+integration: $(STAMP) prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
 demo: $(STAMP)
