@@ -170,12 +170,12 @@ class MeshWatch:
             if broker.conn is None:
                 broker.conn = await self._connect(broker.address, ANSWER_TIMEOUT)
             data = await broker.conn.stat(detail=False)
+            sample = Sample.from_stat(data)
         except MeshbusError as exc:
             await self._unlink(broker)
             # Its last sample goes too: a rate across the outage would be no rate of now.
             broker.sample, broker.rates, broker.error = None, None, str(exc) or type(exc).__name__
             return []
-        sample = Sample.from_stat(data)
         broker.rates = rates(broker.sample, sample)
         broker.sample, broker.error = sample, ""
         return list(data.get("mesh", []))

@@ -12,6 +12,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from meshbus.errors import MeshbusError
+
 # How a line is drawn: the live view gives each its own attribute (cli_top._Screen).
 Style = Literal["title", "header", "row", "down", "total", "note"]
 
@@ -24,6 +26,10 @@ LAG_HEADER = ("LAG", "P99", "OWN")
 # Without it the table of a three-broker mesh fits an 80-column terminal: the first
 # column to give up, as it never changes while the view runs.
 _ADDRESS = 1
+
+
+class StatUnusable(MeshbusError):
+    """A stat answer without a figure top shows: a broker of an older meshbus."""
 
 
 @dataclass(frozen=True)
@@ -52,25 +58,31 @@ class Sample:
 
     @classmethod
     def from_stat(cls, data: dict[str, Any]) -> Sample:
-        counters: dict[str, Any] = data["counters"]
-        lag: dict[str, Any] = data["loop_lag_ms"]
-        # Every reason a broker counts (dropped_no_route, dropped_too_large, ...: the
-        # monitor's meshbus_dropped_total) and the frames its streams would not store.
-        drops = sum(v for k, v in counters.items() if k.startswith("dropped_"))
-        drops += data.get("streams", {}).get("dropped", 0)
-        return cls(
-            uptime_s=float(data["uptime_s"]),
-            state=broker_state(data),
-            connectors=int(data["connectors"]),
-            services=int(data["services"]),
-            msgs_in=int(counters["msgs_in"]),
-            msgs_out=int(counters["msgs_out"]),
-            pending=int(counters["pending"]),
-            drops=int(drops),
-            lag_max_ms=float(lag["max"]),
-            lag_p99_ms=float(lag["p99"]),
-            lag_own_ms=float(lag["max_own"]),
-        )
+        """StatUnusable when a figure is missing (an older broker's answer)."""
+        try:
+            counters: dict[str, Any] = data["counters"]
+            lag: dict[str, Any] = data["loop_lag_ms"]
+            # Every reason a broker counts (dropped_no_route, dropped_too_large, ...: the
+            # monitor's meshbus_dropped_total) and the frames its streams would not store.
+            drops = sum(v for k, v in counters.items() if k.startswith("dropped_"))
+            drops += data.get("streams", {}).get("dropped", 0)
+            return cls(
+                uptime_s=float(data["uptime_s"]),
+                state=broker_state(data),
+                connectors=int(data["connectors"]),
+                services=int(data["services"]),
+                msgs_in=int(counters["msgs_in"]),
+                msgs_out=int(counters["msgs_out"]),
+                pending=int(counters["pending"]),
+                drops=int(drops),
+                lag_max_ms=float(lag["max"]),
+                lag_p99_ms=float(lag["p99"]),
+                lag_own_ms=float(lag["max_own"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StatUnusable(
+                f"its stat has no usable {exc}: does it run an older meshbus than this command?"
+            ) from exc
 
 
 def broker_state(data: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from meshbus.broker.outbox import TrafficStats
 from meshbus.cli_top_view import (
     Row,
     Sample,
+    StatUnusable,
     broker_state,
     figure,
     fit,
@@ -66,6 +67,13 @@ def test_a_sample_takes_the_figures_and_every_drop_counter() -> None:
     assert s.drops == len(DROP_REASONS) + 1
     assert (s.lag_max_ms, s.lag_p99_ms, s.lag_own_ms) == (12.345, 5.0, 0.5)
     assert s.state == "running"
+
+
+def test_an_answer_without_a_figure_says_which() -> None:
+    old = stat()
+    del old["loop_lag_ms"]["max_own"]
+    with pytest.raises(StatUnusable, match="no usable 'max_own': does it run an older meshbus"):
+        Sample.from_stat(old)
 
 
 @pytest.mark.parametrize(
