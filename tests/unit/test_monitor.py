@@ -85,6 +85,16 @@ def fake_stat() -> dict[str, Any]:
                 "msgs_out": 52,
                 "bytes_in": 5100,
                 "bytes_out": 5200,
+                "rtt_ms": 0.25,
+            },
+            {  # linked, its round trip not timed yet
+                "name": "b3",
+                "link_id": 3,
+                "msgs_in": 0,
+                "msgs_out": 0,
+                "bytes_in": 0,
+                "bytes_out": 0,
+                "rtt_ms": None,
             },
         ],
     }
@@ -148,7 +158,13 @@ def test_every_open_link_has_its_traffic_with_its_kind_name_and_id() -> None:
     assert got[("meshbus_link_messages_in_total", peer)] == 51
     assert got[("meshbus_link_bytes_out_total", peer)] == 5200
     series = {labels for name, labels in got if name == "meshbus_link_messages_in_total"}
-    assert series == {game, cli, peer}
+    assert series == {game, cli, peer, link("peer", "b3", 3)}
+
+
+def test_a_peers_heartbeat_round_trip_is_a_gauge_once_timed() -> None:
+    got = samples()
+    assert got[("meshbus_peer_rtt_seconds", (("broker", "b1"), ("peer", "b2")))] == 0.00025
+    assert ("meshbus_peer_rtt_seconds", (("broker", "b1"), ("peer", "b3"))) not in got
 
 
 def test_every_drop_counter_has_its_reason_label() -> None:

@@ -25,6 +25,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
+from meshbus.protocol.control import Load
+
 
 class LinkState(enum.Enum):
     AWAIT_HELLO = "await-hello"
@@ -81,9 +85,29 @@ class PeerInfo:
     clock: Callable[[], float]
     budget: float  # seconds of silence that mean the peer is dead
     heard_at: float = field(init=False)  # when bytes last came
+    rtt: float | None = field(init=False, default=None)  # seconds; None until measured
+    _their_sent_at: float = field(init=False, default=0.0)  # of the peer's last LOAD
+    _their_load_at: float = field(init=False, default=0.0)  # when it came, by our clock
 
     def __post_init__(self) -> None:
         self.heard_at = self.clock()
+
+    def timed(self, load: Load) -> Load:
+        """Our heartbeat ``load`` for this peer: stamped now, echoing its last LOAD."""
+        now = self.clock()
+        held = now - self._their_load_at if self._their_sent_at else 0.0
+        return msgspec.structs.replace(load, sent_at=now, echo=self._their_sent_at, held=held)
+
+    def loaded(self, load: Load) -> None:
+        """The peer's LOAD came: keep its stamp to echo, and time the round trip of ours
+        it echoes -- from when we sent it to now, less the time the peer held it."""
+        now = self.clock()
+        if load.sent_at:
+            self._their_sent_at, self._their_load_at = load.sent_at, now
+        if load.echo:
+            rtt = now - load.echo - load.held
+            if 0 <= rtt <= now - load.echo:  # an echo of a stamp we never sent is no time
+                self.rtt = rtt
 
     def silence(self) -> float:
         return self.clock() - self.heard_at

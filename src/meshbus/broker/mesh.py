@@ -391,6 +391,7 @@ class Mesh:
         state.ready = body.ready
         state.draining = body.draining
         state.slot = link.peer.slot = body.slot
+        link.peer.loaded(body)
         if changed:
             self.lists_changed()
 
@@ -575,7 +576,10 @@ class Mesh:
                     f"no frame for {silence:.1f} s (the budget is {peer.budget:g} s)",
                     CloseReason.HEARTBEAT_TIMEOUT,
                 )
-        self._send_all(ControlType.LOAD, self._load())
+        load = self._load()
+        for link in self.peers.links():
+            assert link.peer is not None
+            link.send(encode_control(ControlType.LOAD, link.peer.timed(load)))
         # The broker list travels with every heartbeat, not only when it changes: a link
         # between two brokers that both reach a third is repaired within an interval or
         # two of the network working again.

@@ -150,6 +150,15 @@ class BrokerCollector(Collector):
             events.add_metric([name, event], count)
         yield events
         yield from _per_link(name, data)
+        rtt = GaugeMetricFamily(
+            "meshbus_peer_rtt_seconds",
+            "Round trip of the last heartbeat PING to a peer broker.",
+            labels=["broker", "peer"],
+        )
+        for peer in data["peer_links"]:
+            if peer["rtt_ms"] is not None:
+                rtt.add_metric([name, str(peer["name"])], peer["rtt_ms"] / 1000)
+        yield rtt
         yield gauge("meshbus_ready", "1 when the broker takes connectors.", int(data["ready"]))
         yield gauge("meshbus_draining", "1 while the broker drains.", int(data["draining"]))
         yield gauge("meshbus_peers", "Peer brokers linked.", len(data["peers"]))

@@ -269,6 +269,13 @@ class Load(Body):
     ready: bool = False
     draining: bool = False
     streams: list[str] = msgspec.field(default_factory=list)  # the streams it hosts
+    # The round trip between two brokers, on the heartbeat's LOAD (no frame of its own, so
+    # nothing but a peer's own heartbeat keeps it alive): the sender's clock as it sent
+    # this, and the ``sent_at`` of the receiver's last LOAD with how long it was held
+    # here since. Each end's clock is read by that end only. 0: not stamped.
+    sent_at: Seconds = 0.0
+    echo: Seconds = 0.0
+    held: Seconds = 0.0
 
 
 class Ready(Body):

@@ -8,7 +8,9 @@ import math
 
 import pytest
 
+from meshbus.broker.endpoint import PeerInfo
 from meshbus.broker.server import Broker
+from meshbus.protocol.control import Load
 from tests.unit.broker.fakes import (
     FakeClock,
     FakeNetwork,
@@ -82,3 +84,43 @@ async def test_a_hung_peer_is_declared_dead_by_the_broker_that_hears_nothing(
     await tick(network, [a, b], INTERVAL)
     assert (a.peers.names(), b.peers.names()) == ([], [])
     assert a.links.closed["heartbeat-timeout"] == b.links.closed["heartbeat-timeout"] == 1
+
+
+async def test_a_peers_round_trip_is_timed_by_the_heartbeat_loads(
+    network: FakeNetwork, clock: FakeClock, pair: list[Broker]
+) -> None:
+    """Each heartbeat LOAD is stamped with its sender's clock and echoes the stamp of
+    the peer's last LOAD with how long it was held: the round trip is the time since our
+    stamp less the holding, whichever way the delay was (stat's ``rtt_ms``, /metrics)."""
+    a, b = pair
+
+    def rtt_ms() -> float | None:
+        [peer] = a.stat.brief()["peer_links"]
+        return peer["rtt_ms"]  # type: ignore[no-any-return]
+
+    assert rtt_ms() is None  # the LOADs of the join are not stamped
+    wire = network.wire_between(address_of("a"), address_of("b"))
+    await tick(network, [a], INTERVAL)  # a's stamped LOAD reaches b at once
+    wire.hold()
+    await tick(network, [b], INTERVAL)  # b echoes it, held 0.5 s; 0.2 s on the way back
+    clock.advance(0.2)
+    wire.release()
+    await network.settle()
+    assert rtt_ms() == pytest.approx(200)
+    wire.hold()
+    await tick(network, [a], INTERVAL)  # 0.3 s on the way out this time
+    clock.advance(0.3)
+    wire.release()
+    await network.settle()
+    await tick(network, [b], INTERVAL)
+    assert rtt_ms() == pytest.approx(300)
+
+
+async def test_an_echo_of_a_stamp_never_sent_times_nothing(clock: FakeClock) -> None:
+    peer = PeerInfo(listen="b:1", slot=2, tag_in=1, tag_out=b"\0\0\0\1", clock=clock, budget=1.5)
+    now = clock()
+    peer.loaded(Load(sent_at=5.0, echo=now + 10, held=0.0))  # from the future
+    peer.loaded(Load(sent_at=5.0, echo=now - 1, held=3.0))  # held longer than it was out
+    assert peer.rtt is None
+    peer.loaded(Load(sent_at=5.0, echo=now - 1, held=0.25))
+    assert peer.rtt == pytest.approx(0.75)
