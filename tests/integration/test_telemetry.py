@@ -99,6 +99,12 @@ async def test_brokers_record_telemetry_and_every_hop_of_traced_sends(
         connector = next(link for link in last["links"] if link["kind"] == "connector")
         assert connector["name"] == "tsend"
         assert connector["msgs_in"] >= 40
+        # How a saw the mesh: b with b's connector, and the joins -- its own, then b's.
+        assert last["peers"] == [
+            {"name": b.name, "address": b.address, "connectors": 1, "draining": False}
+        ]
+        seen = [(e["kind"], e["broker"]) for t in telemetry for e in t["events"]]
+        assert seen == [("join", a.name), ("join", b.name)]
     finally:
         await sender_conn.close()
         await receiver_conn.close()

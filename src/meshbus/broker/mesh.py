@@ -8,7 +8,8 @@ when the mesh trusts only its brokers (meshbus.broker.trust), gossip of the brok
 list with every heartbeat, heartbeats and the capacity boost after a crash, and the
 drain. Moving connectors is meshbus.broker.moves; what goes when a peer's link
 closes is the broker's ordered cleanup (meshbus.broker.server): the mesh only
-forgets the peer and counts a crash.
+forgets the peer and counts a crash. Joins, drains, leaves and crashes are told to
+``on_event`` as they happen (the telemetry records them: docs/report.md).
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ class MeshJoinError(MeshbusError):
     """The broker could not join the mesh through any of its seeds."""
 
 
+@dataclass(frozen=True)
+class MeshEvent:
+    """A change of the mesh as this broker saw it: ``kind`` is "join", "drain", "leave"
+    (a goodbye) or "crash" (lost without one); ``broker`` is the broker it happened to,
+    this one or a peer. A peer's closed link also has its close ``reason`` and how long
+    the peer had been silent (``silent_for``, seconds): when it was last heard from."""
+
+    kind: str
+    broker: str
+    reason: str | None = None
+    silent_for: float | None = None
+
+
 @dataclass
 class MeshStats:
     duplicate_links: int = 0
@@ -91,6 +105,7 @@ class Mesh:
         new_peer_link: Callable[[], Link],
         greet_peer: Callable[[Link], None],
         on_ready: Callable[[], None],
+        on_event: Callable[[MeshEvent], None],
         hosted_streams: Callable[[], list[str]],
         dialer: Dialer = dial_tcp,
         rng: random.Random | None = None,
@@ -99,8 +114,8 @@ class Mesh:
         the mesh trusts only its brokers); ``new_peer_link`` makes the link for a broker
         this one dials; ``greet_peer``
         sends a newly linked peer what it must know first (routes, group bindings);
-        ``on_ready`` runs once the broker takes connectors; ``hosted_streams`` are
-        announced in LOAD."""
+        ``on_ready`` runs once the broker takes connectors; ``on_event`` hears of every
+        ``MeshEvent``; ``hosted_streams`` are announced in LOAD."""
         self.config = config
         self._clock = clock
         self.peers = peers
@@ -112,6 +127,7 @@ class Mesh:
         self._new_peer_link = new_peer_link
         self._greet_peer = greet_peer
         self._on_ready = on_ready
+        self._on_event = on_event
         self._hosted_streams = hosted_streams
         self._dialer = dialer
         # Every other broker we know of: from its handshake, its LOAD frames and gossip.
@@ -173,7 +189,11 @@ class Mesh:
         never targets. Gossip can be stale -- a peer that has not yet noticed a crash
         still lists the dead broker -- and a target that is gone would cost a connector
         its redirect or move."""
-        return [self.self_state(), *(self.known[n] for n in self.peers if n in self.known)]
+        return [self.self_state(), *self.peer_states()]
+
+    def peer_states(self) -> list[BrokerInfo]:
+        """The brokers this one is linked to, as they last told it (their LOAD)."""
+        return [self.known[n] for n in self.peers if n in self.known]
 
     # -- start: a new mesh, or a join through seeds ------------------------------------
 
@@ -184,6 +204,8 @@ class Mesh:
 
     def _became_ready(self) -> None:
         self.ready = True
+        # Before on_ready, which starts the telemetry: its first record has the join.
+        self._on_event(MeshEvent("join", self.name))
         self._on_ready()
         # Connectors get the list in WELCOME from now on; only changes are pushed.
         self._pushed = self._connector_addresses()
@@ -426,6 +448,7 @@ class Mesh:
         state = self.known.get(link.name)
         if state is not None:
             state.ready = True
+        self._on_event(MeshEvent("join", link.name))
         self.lists_changed()
         if not self.draining:
             self.moves.share_with(link, body.counts, self.name)
@@ -434,6 +457,7 @@ class Mesh:
         state = self.known.get(link.name)
         if state is not None:
             state.draining = True
+        self._on_event(MeshEvent("drain", link.name))
         self.lists_changed()
 
     def on_bye(self, link: Link, correlation: int, body: Body) -> None:
@@ -526,6 +550,8 @@ class Mesh:
             waiter.set_result(False)
         if not link.is_peer or not self.peers.remove(link):
             return False  # never opened, or a duplicate that lost
+        peer = link.peer
+        assert peer is not None
         self.stats.peers_lost += 1
         if reason is CloseReason.STALLED:
             self.fence.stalled()
@@ -538,10 +564,14 @@ class Mesh:
         if reason is CloseReason.DUPLICATE_LINK or not graceful:
             # Replaced by another link, or lost without a goodbye: it may be back (or
             # be reachable again) at any moment, and one of us must dial.
-            assert link.peer is not None
-            self.redials.want(link.name, link.peer.listen, self._clock())
+            self.redials.want(link.name, peer.listen, self._clock())
         else:
             self.redials.left(link.name)
+        # Not a link replaced (the peer is still linked) nor one this broker said
+        # goodbye to (this broker is the one leaving).
+        if reason is not CloseReason.DUPLICATE_LINK and leaving is None:
+            kind = "leave" if graceful else "crash"
+            self._on_event(MeshEvent(kind, link.name, reason.value, peer.silence()))
         if not graceful:
             self.stats.peers_crashed += 1
             self._boost_until = self._clock() + self.config.boost_window
@@ -593,6 +623,7 @@ class Mesh:
         if self.draining:
             return
         self.draining = True
+        self._on_event(MeshEvent("drain", self.name))
         self._send_all(ControlType.DRAINING, Empty())
         self.lists_changed()
         await self.moves.move_all(self.name, self.brokers(), grace)

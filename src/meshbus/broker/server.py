@@ -171,6 +171,7 @@ class Broker:
             routing=self.routing,
             pending=self.pending,
             counters=self.traffic_counters,
+            peers=lambda: self.mesh.peer_states(),
         )
         self.forwarder = Forwarder(
             self.routing,
@@ -193,6 +194,7 @@ class Broker:
             new_peer_link=functools.partial(self.new_link, dialled=True),
             greet_peer=self._greet_peer,
             on_ready=self._became_ready,
+            on_event=self.telemetry.mesh_event,
             hosted_streams=self.streams.names,
             dialer=dialer or dial_tcp,
             rng=rng,

@@ -6,6 +6,11 @@ queued bytes, route-table size, connectors, pending requests, and the cumulative
 counters (timeouts, drops). Counters are cumulative since the broker started, so
 a lost or late record loses no information; a restart shows as a reset.
 
+A record also says how the broker saw the mesh: its peers, with the connectors each
+last announced (their LOAD), and the mesh's events since the previous record (a
+join, a drain, a goodbye, a crash: meshbus.broker.mesh.MeshEvent). A broker's streams
+die with it, so what its peers recorded is all a report has of a dead broker.
+
 Traces: the broker tells its connectors in WELCOME to trace one send in
 ``1 / --trace-sample``. A traced frame carries the TRACE flag and, in its extension
 block, the time its connector sent it. The broker records a hop when such a frame
@@ -35,13 +40,14 @@ from meshbus.address import describe_address
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import Endpoint, LinkRole
 from meshbus.broker.link import Link
+from meshbus.broker.mesh import MeshEvent
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.store import NewMessage, StreamConfig
 from meshbus.broker.store_errors import StoreError
 from meshbus.broker.streams import StreamHost
-from meshbus.protocol.control import Body, TraceReport
+from meshbus.protocol.control import Body, BrokerInfo, TraceReport
 
 log = logging.getLogger("meshbus.broker")
 
@@ -68,20 +74,24 @@ class Telemetry:
         routing: RoutingTable[Endpoint],
         pending: PendingTable[Endpoint],
         counters: Callable[[], dict[str, int]],
+        peers: Callable[[], list[BrokerInfo]],
     ) -> None:
-        """``counters`` are the broker's cumulative traffic counters (``meshbus stat``)."""
+        """``counters`` are the broker's cumulative traffic counters (``meshbus stat``);
+        ``peers``, the brokers it is linked to as they last told it."""
         self._config = config
         self._streams = streams
         self._links = links
         self._routing = routing
         self._pending = pending
         self._counters = counters
+        self._peers = peers
         self.interval = config.telemetry_interval
         # What WELCOME tells connectors: trace one send in this many (0: none).
         self.trace_every = (
             round(1 / config.trace_sample) if self.interval > 0 and config.trace_sample else 0
         )
         self.hops: list[bytes] = []
+        self.events: list[dict[str, Any]] = []  # for the next record
         self.records = 0
         self._task: asyncio.Task[None] | None = None
         self._names = ("", "")
@@ -119,7 +129,8 @@ class Telemetry:
     def publish(self) -> None:
         """Store a telemetry record and the waiting trace hops."""
         now = time.time()
-        self._append(self._names[0], [_encode(self.record(now))], now)
+        events, self.events = self.events, []
+        self._append(self._names[0], [_encode(self.record(now, events))], now)
         self.records += 1
         self._flush_hops(now)
 
@@ -139,7 +150,7 @@ class Telemetry:
         except StoreError as exc:
             log.error("could not store telemetry", extra={"stream": name, "error": str(exc)})
 
-    def record(self, now: float) -> dict[str, Any]:
+    def record(self, now: float, events: list[dict[str, Any]]) -> dict[str, Any]:
         connectors = self._links.connectors
         return {
             "broker": self._config.name,
@@ -164,7 +175,34 @@ class Telemetry:
                 for link in self._links.links.values()
                 if link.is_peer or link.role is LinkRole.CONNECTOR
             ],
+            "peers": [
+                {
+                    "name": peer.name,
+                    "address": peer.address,
+                    "connectors": peer.connectors,
+                    "draining": peer.draining,
+                }
+                for peer in self._peers()
+            ],
+            "events": events,
         }
+
+    def mesh_event(self, event: MeshEvent) -> None:
+        """A change of the mesh, for the next record; ``last_heard`` is the Unix time of
+        a closed peer link's last frame."""
+        if self.interval <= 0:
+            return
+        now = time.time()
+        last_heard = None if event.silent_for is None else now - event.silent_for
+        self.events.append(
+            {
+                "at": now,
+                "kind": event.kind,
+                "broker": event.broker,
+                "reason": event.reason,
+                "last_heard": last_heard,
+            }
+        )
 
     def on_trace(self, link: Link, correlation: int, body: Body) -> None:
         """A connector got a traced frame: its hop, with the time it was sent."""
