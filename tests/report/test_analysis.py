@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import html
 from typing import Any
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
 from meshbus.report import analysis as A
-from meshbus.report.job import ReportError, analyse, rows
+from meshbus.report.job import ReportError, analyse, rows, with_unanswered
 from meshbus.report.plots import PLOTS
 from meshbus.report.render import render_html
 from tests.report.conftest import stream_rows, telemetry, trace
@@ -152,6 +153,137 @@ def test_connector_totals_count_a_broker_whose_sample_missed_a_bucket(
     ]
 
 
+def crash_records() -> list[dict[str, Any]]:
+    """A mesh of a, b, and three brokers with no telemetry here: c crashes at T0 + 4.2
+    (its 2 connectors fail over, one to a and one to b), d (no connectors) drains and
+    leaves at T0 + 6.5, e (no connectors) runs without telemetry. a samples on the
+    second, b half a second later."""
+
+    def peers(at: float) -> list[dict[str, Any]]:
+        listed = [("c", 2, 4.0), ("d", 0, 6.5), ("e", 0, 99.0)]
+        return [
+            {"name": name, "address": f"{name}:1", "connectors": count, "draining": False}
+            for name, count, until in listed
+            if at - T0 <= until
+        ]
+
+    def event(at: float, kind: str, broker: str, reason: str | None = None, **more: Any) -> Any:
+        return {"at": T0 + at, "kind": kind, "broker": broker, "reason": reason, **more}
+
+    a_events = {
+        0: [event(0, "join", "a")],
+        1: [event(0.45, "join", "b")],
+        5: [event(4.2, "crash", "c", "connection-lost", last_heard=T0 + 4.1)],
+        7: [event(6.0, "drain", "d"), event(6.5, "leave", "d", "peer-bye", last_heard=T0 + 6.49)],
+    }
+    b_events = {
+        0.5: [event(0.4, "join", "b")],
+        4.5: [event(4.25, "crash", "c", "connection-lost", last_heard=T0 + 4.12)],
+        6.5: [event(6.02, "drain", "d")],
+        7.5: [event(6.51, "leave", "d", "peer-bye", last_heard=T0 + 6.5)],
+    }
+    records = []
+    for name, offset, events in (("a", 0.0, a_events), ("b", 0.5, b_events)):
+        for i in range(10):
+            at = i + offset
+            records.append(
+                telemetry(
+                    name,
+                    T0 + at,
+                    connectors=3 if at < 5 else 4,
+                    peers=peers(T0 + at),
+                    events=events.get(at, []),
+                )
+            )
+    return records
+
+
+@pytest.fixture(scope="module")
+def crash(spark: SparkSession) -> DataFrame:
+    records = crash_records()
+    raw = stream_rows(spark, "telemetry.a", [r for r in records if r["broker"] == "a"])
+    raw = raw.unionByName(
+        stream_rows(spark, "telemetry.b", [r for r in records if r["broker"] == "b"])
+    )
+    return A.parse_telemetry(raw).cache()
+
+
+def test_a_dead_brokers_connectors_are_counted_once(crash: DataFrame) -> None:
+    """8 connectors before c's crash and after: c's 2, counted from what a and b heard
+    from it, until it crashed, then where they went. The dip is the failover, while
+    they were on no broker (counting the brokers with records only: 6, then 8)."""
+    totals = by(A.connector_totals(crash, 1.0), "at")
+    got = [(round(t["at"] - T0, 2), t["connectors"], t["brokers"]) for t in totals]
+    assert got == [
+        (0.5, 8, 5),
+        (1.5, 8, 5),
+        (2.5, 8, 5),
+        (3.5, 8, 5),
+        (4.5, 6, 4),  # c crashed at 4.2: its connectors are failing over
+        (5.5, 8, 4),
+        (6.51, 8, 3),  # d left at 6.51 (the bucket's last event)
+        (7.5, 8, 3),
+        (8.5, 8, 3),
+        (9.5, 8, 3),
+    ]
+    views = by(A.peer_view_series(crash, 1.0), "broker", "at")
+    assert [(round(v["at"] - T0, 2), v["connectors"]) for v in views if v["broker"] == "c"] == [
+        (0.5, 2),
+        (1.5, 2),
+        (2.5, 2),
+        (3.5, 2),
+        (4.0, 2),
+    ]
+    assert {v["broker"] for v in views} == {"c", "d", "e"}
+
+
+def test_brokers_gone_from_the_mesh_are_unreachable(crash: DataFrame) -> None:
+    """c crashed and d left; e, still a peer in a's and b's latest records, is not gone."""
+    gone = {u["broker"]: u for u in by(A.unreachable(crash), "broker")}
+    assert sorted(gone) == ["c", "d"]
+    c, d = gone["c"], gone["d"]
+    # the last frame b heard from c, after a's last record with it (T0 + 4)
+    assert c["last_seen"] - T0 == pytest.approx(4.12)
+    assert (round(c["lost_at"] - T0, 2), c["how"], c["reason"]) == (
+        4.25,
+        "crash",
+        "connection-lost",
+    )
+    assert (c["address"], c["seen_by"]) == ("c:1", ["a", "b"])
+    assert d["last_seen"] - T0 == pytest.approx(6.5)
+    assert (round(d["lost_at"] - T0, 2), d["how"], d["reason"]) == (6.51, "leave", "peer-bye")
+
+
+def test_an_event_is_listed_once_however_many_brokers_recorded_it(
+    spark: SparkSession, crash: DataFrame
+) -> None:
+    events = by(A.event_occurrences(A.mesh_events(crash)), "at")
+    assert [(round(e["at"] - T0, 2), e["kind"], e["broker"], e["seen_by"]) for e in events] == [
+        (0, "join", "a", ["a"]),
+        (0.4, "join", "b", ["a", "b"]),
+        (4.2, "crash", "c", ["a", "b"]),
+        (6.0, "drain", "d", ["a", "b"]),
+        (6.5, "leave", "d", ["a", "b"]),
+    ]
+    crashed = events[2]
+    assert (crashed["reason"], round(crashed["last_heard"] - T0, 2)) == ("connection-lost", 4.1)
+    # The same kind about the same broker EVENT_GAP after the last report: another one.
+    again = stream_rows(
+        spark,
+        "telemetry.a",
+        [
+            telemetry(
+                "a",
+                T0 + 20,
+                events=[{"at": T0 + 10, "kind": "crash", "broker": "c"}],
+            )
+        ],
+    )
+    both = A.mesh_events(crash).unionByName(A.mesh_events(A.parse_telemetry(again)))
+    crashes = by(A.event_occurrences(both).where("kind = 'crash'"), "at")
+    assert [round(c["at"] - T0, 2) for c in crashes] == [4.2, 10]
+
+
 def test_parse_skips_what_is_not_a_record(spark: SparkSession) -> None:
     records: list[Any] = [
         b"not json",
@@ -258,6 +390,8 @@ def test_analyse_a_window(analysed: dict[str, Any]) -> None:
         (10, -3),
         (11, 1),
     ]
+    # records of brokers older than the peers and events: no mesh to tell of
+    assert (data["unreachable"], data["events"], data["connectors"]["peer_views"]) == ([], [], [])
     # deliveries received before the window are left out: 2..100 ms of the first set
     same = next(p for p in data["latency"]["percentiles"] if p["path"] == A.SAME_BROKER)
     assert same["count"] == 99 + 1
@@ -292,6 +426,53 @@ def test_render_draws_every_plot_and_escapes(analysed: dict[str, Any]) -> None:
     assert "&lt;script&gt;alert(&quot;$x$&quot;)&lt;/script&gt;" in page
 
 
+def test_render_tells_of_unreachable_brokers_and_events(analysed: dict[str, Any]) -> None:
+    """b1's report with what a crash adds: c, which b1 saw crash, with its connectors as
+    b1 heard them; c:1 and x:1 were asked for and did not answer."""
+    from meshbus.report.plots import _colors, plot_connectors
+
+    data = copy.deepcopy(analysed)
+    seen = {
+        "broker": "c",
+        "address": "c:1",
+        "last_seen": T0 + 4.12,
+        "lost_at": T0 + 4.25,
+        "how": "crash",
+        "reason": "connection-lost",
+        "seen_by": ["b1"],
+    }
+    data["unreachable"] = with_unanswered([seen], {"c:1": "refused", "x:1": "timed out"})
+    assert [(u["broker"], u["address"], u["no_answer"]) for u in data["unreachable"]] == [
+        ("c", "c:1", "refused"),
+        (None, "x:1", "timed out"),
+    ]
+    data["events"] = [
+        {"at": T0 + 4.2, "kind": "crash", "broker": "c", "reason": "connection-lost",
+         "last_heard": T0 + 4.12, "seen_by": ["b1"]},
+        {"at": T0 + 10.5, "kind": "join", "broker": "b1", "reason": None,
+         "last_heard": None, "seen_by": ["b1"]},
+    ]  # fmt: skip
+    data["connectors"]["peer_views"] = [
+        {"broker": "c", "at": T0 + at, "connectors": 2} for at in (2.0, 4.0)
+    ]
+    page = render_html(data)
+    assert "<h2>Unreachable brokers</h2>" in page
+    assert "<td>crashed (connection-lost)</td>" in page
+    assert "<td>timed out</td>" in page
+    assert "<h2>Mesh events</h2>" in page
+    assert "<td>crash</td><td>c</td><td>b1</td>" in page
+    coverage = (
+        "b1, c (c: as its peers saw it, unreachable since 07:06:44 UTC; "
+        "x:1: unreachable, not counted)"
+    )
+    assert html.escape(coverage) in page
+    figure = plot_connectors(data, _colors(["b1", "c"]))
+    assert figure is not None
+    for axes in figure.axes:  # each event a vertical line in each panel
+        assert len([line for line in axes.get_lines() if len(set(line.get_xdata())) == 1]) == 2
+    assert "crash c" in [text.get_text().strip() for text in figure.axes[0].texts]
+
+
 def rename_brokers(data: Any, name: str) -> Any:
     """``data`` with every "broker" value set to ``name``."""
     if isinstance(data, dict):
@@ -307,7 +488,7 @@ def test_a_count_plot_of_nothing_but_zeros_has_whole_number_ticks() -> None:
     from meshbus.report.plots import _colors, plot_errors
 
     points = [{"broker": "b1", "at": T0 + i, "drops": 0, "timeouts": 0} for i in range(5)]
-    figure = plot_errors({"errors": {"series": points}}, _colors(["b1"]))
+    figure = plot_errors({"errors": {"series": points}, "events": []}, _colors(["b1"]))
     assert figure is not None
     for axes in figure.axes:
         assert axes.get_ylim()[1] >= 1

@@ -203,16 +203,17 @@ async def settle(world: mmo.World, started: float) -> None:
 
 async def write_report(spark: Any, brokers: str, access: Access, path: str) -> None:
     """``meshbus report`` on the demo's own Spark session. The killed broker's
-    telemetry went with it (streams are not replicated): the report shows the others."""
+    telemetry went with it (streams are not replicated): the report lists it as
+    unreachable, with what the others saw of it."""
     from meshbus.report.job import discover, report_data
     from meshbus.report.plots import plots
     from meshbus.report.render import render_html
 
-    plans = await discover(brokers, None, access)
+    found = await discover(brokers, None, access)
 
     def render() -> None:
         spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
-        data = report_data(spark, brokers, plans, access=access.data_source_options())
+        data = report_data(spark, brokers, found, access=access.data_source_options())
         with open(path, "w", encoding="utf-8") as file:
             file.write(render_html(data, plots(data)))
 

@@ -5,7 +5,9 @@ UTF-8 JSON record a broker wrote; docs/report.md has both record formats):
 
 * ``telemetry.<broker>``: one record per broker every ``--telemetry-interval``
   seconds; its counters are cumulative since that broker started, so a counter
-  that went *down* means the broker restarted (and started again from 0).
+  that went *down* means the broker restarted (and started again from 0). It also
+  has the broker's peers (with the connectors each announced) and the mesh's events
+  it saw: a broker's streams die with it, so these are all there is of a dead one.
 * ``traces.<broker>``: one record per hop of a sampled message -- ``entry``,
   ``exit``, ``received`` -- joined by (src, msg_id).
 
@@ -19,6 +21,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
+    BooleanType,
     DoubleType,
     LongType,
     StringType,
@@ -43,6 +46,19 @@ DROPS = ("dropped_no_route", "dropped_too_large", "dropped_bad_hop")
 ERRORS = (*DROPS, "timeouts", "late_responses")
 GAUGES = ("connectors", "services", "routes", "pending")
 
+# The kinds of the mesh's events (meshbus.broker.mesh.MeshEvent); after the last two a
+# broker is no longer in the mesh.
+JOIN, DRAIN, LEAVE, CRASH = "join", "drain", "leave", "crash"
+GONE = (LEAVE, CRASH)
+# The brokers linked to a crashed one notice within a heartbeat budget of each other
+# (1.5 s by default): reports of one event about one broker closer than this are one.
+EVENT_GAP = 5.0
+# A broker's connector count holds for this many totals buckets after its sample, unless
+# it left or crashed first: brokers sample out of step and a record may come late, yet
+# one that stopped reporting with no leave or crash recorded (an older broker) must
+# count no more.
+STALE_BUCKETS = 3
+
 SAME_BROKER = "same broker"
 CROSS_BROKER = "cross broker"
 UNKNOWN_PATH = "unknown"  # a received hop whose entry hop is not in the traces read
@@ -63,6 +79,23 @@ _LINK = StructType(
         ),
     ]
 )
+_PEER = StructType(
+    [
+        StructField("name", StringType()),
+        StructField("address", StringType()),
+        StructField("connectors", LongType()),
+        StructField("draining", BooleanType()),
+    ]
+)
+_EVENT = StructType(
+    [
+        StructField("at", DoubleType()),
+        StructField("kind", StringType()),
+        StructField("broker", StringType()),
+        StructField("reason", StringType()),
+        StructField("last_heard", DoubleType()),
+    ]
+)
 TELEMETRY_SCHEMA = StructType(
     [
         StructField("broker", StringType()),
@@ -71,6 +104,8 @@ TELEMETRY_SCHEMA = StructType(
         *(StructField(name, LongType()) for name in GAUGES),
         StructField("counters", StructType([StructField(c, LongType()) for c in COUNTERS])),
         StructField("links", ArrayType(_LINK)),
+        StructField("peers", ArrayType(_PEER)),
+        StructField("events", ArrayType(_EVENT)),
     ]
 )
 TRACE_SCHEMA = StructType(
@@ -95,9 +130,9 @@ def _record(raw: DataFrame, schema: StructType) -> DataFrame:
 
 def parse_telemetry(raw: DataFrame) -> DataFrame:
     """One row per telemetry record: broker, at, interval, the gauges (connectors,
-    services, routes, pending), one column per counter, and links. Rows that are not
-    telemetry records (no ``at``) are left out; a record without ``broker`` is named
-    after its stream."""
+    services, routes, pending), one column per counter, links, peers and events (null
+    in a record of a broker older than them). Rows that are not telemetry records (no
+    ``at``) are left out; a record without ``broker`` is named after its stream."""
     rec = _record(raw, TELEMETRY_SCHEMA)
     from_stream = F.regexp_replace("stream", "^" + TELEMETRY_PREFIX.replace(".", r"\."), "")
     return rec.where(F.col("r.at").isNotNull()).select(
@@ -107,6 +142,8 @@ def parse_telemetry(raw: DataFrame) -> DataFrame:
         *(F.col(f"r.{name}").alias(name) for name in GAUGES),
         *(F.col(f"r.counters.{name}").alias(name) for name in COUNTERS),
         F.col("r.links").alias("links"),
+        F.col("r.peers").alias("peers"),
+        F.col("r.events").alias("events"),
     )
 
 
@@ -278,40 +315,172 @@ def connector_changes(telemetry: DataFrame) -> DataFrame:
 
 def connector_totals(telemetry: DataFrame, width: float) -> DataFrame:
     """Connectors of the whole mesh over time, in buckets of ``width`` seconds (one
-    telemetry interval or more): at (the bucket's last sample), connectors (added up),
-    brokers (how many counted). A broker counts with its last count so far if it
-    reported in that bucket or the one before: brokers sample out of step, and one
-    whose sample fell just past a bucket's edge is still there (counting only the
-    samples inside a bucket drew a failover where there was none). A broker that
-    stopped reporting counts no more."""
-    bucket = F.floor(F.col("at") / F.lit(width)).alias("bucket")
-    per_broker = telemetry.groupBy("broker", bucket).agg(
-        F.max("at").alias("at"), F.max_by("connectors", "at").alias("connectors")
+    telemetry interval or more): at (the bucket's last sample or event), connectors
+    (added up), brokers (how many counted).
+
+    Each broker counts with its latest count so far -- its own sample, or for a broker
+    without records of its own, what its peers heard (``peer_views``) -- for
+    ``STALE_BUCKETS`` buckets, and not after a broker recorded that it left or crashed.
+    So a dead broker's connectors, which fail over to the others, are counted once:
+    where they were until the crash, where they went after. (Counting only the brokers
+    with records left out a dead broker's connectors before its crash -- its streams
+    died with it -- and the failover looked like growth.)"""
+
+    def counts(frame: DataFrame, gone: bool) -> DataFrame:
+        return frame.select("broker", "at", "connectors", F.lit(gone).alias("gone"))
+
+    ends = mesh_events(telemetry).where(F.col("kind").isin(*GONE))
+    rows = (
+        counts(telemetry, False)
+        .unionByName(counts(peer_views(telemetry), False))
+        .unionByName(counts(ends.withColumn("connectors", F.lit(None).cast("long")), True))
+        .withColumn("bucket", F.floor(F.col("at") / F.lit(width)))
     )
+    per_broker = rows.groupBy("broker", "bucket").agg(
+        F.max_by(F.struct("at", "connectors", "gone"), "at").alias("last")
+    )
+    buckets = rows.groupBy("bucket").agg(F.max("at").alias("at"))
     grid = (
         per_broker.select("broker")
         .distinct()
-        .crossJoin(per_broker.select("bucket").distinct())
+        .crossJoin(buckets)
         .join(per_broker, ["broker", "bucket"], "left")
     )
     so_far = (
         Window.partitionBy("broker").orderBy("bucket").rowsBetween(Window.unboundedPreceding, 0)
     )
     filled = grid.select(
-        "bucket",
-        "at",
-        F.last("connectors", ignorenulls=True).over(so_far).alias("connectors"),
-        F.last(F.when(F.col("at").isNotNull(), F.col("bucket")), ignorenulls=True)
-        .over(so_far)
-        .alias("reported"),
+        "bucket", "at", F.last("last", ignorenulls=True).over(so_far).alias("last")
     )
-    live = filled.where(F.col("reported") >= F.col("bucket") - 1)
+    fresh = F.col("at") - F.col("last.at") <= F.lit(STALE_BUCKETS * width)
+    live = filled.where(~F.col("last.gone") & fresh)
     totals = live.groupBy("bucket").agg(
         F.max("at").alias("at"),
-        F.sum("connectors").cast("long").alias("connectors"),
+        F.sum("last.connectors").cast("long").alias("connectors"),
         F.count(F.lit(1)).alias("brokers"),
     )
     return totals.drop("bucket")
+
+
+# -- the mesh as the brokers saw it --------------------------------------------------------
+
+
+def _listed(telemetry: DataFrame) -> DataFrame:
+    """One row per peer in each record: seen_by (the record's broker), at, broker (the
+    peer), address, connectors."""
+    peers = telemetry.select(F.col("broker").alias("seen_by"), "at", F.explode("peers").alias("p"))
+    return peers.where(F.col("p.name").isNotNull()).select(
+        "seen_by",
+        "at",
+        F.col("p.name").alias("broker"),
+        F.col("p.address").alias("address"),
+        F.col("p.connectors").alias("connectors"),
+    )
+
+
+def peer_views(telemetry: DataFrame) -> DataFrame:
+    """The connectors of the brokers with no telemetry records here -- dead, gone, or
+    without telemetry -- as the brokers linked to them heard it (their LOAD, sent with
+    every heartbeat and every change) at each of their own samples: broker, at,
+    connectors, seen_by."""
+    own = telemetry.select("broker").distinct()
+    return _listed(telemetry).join(own, "broker", "left_anti")
+
+
+def peer_view_series(telemetry: DataFrame, width: float) -> DataFrame:
+    """``peer_views`` per broker in buckets of ``width`` seconds, for a plot: broker,
+    at, connectors (the bucket's last view)."""
+    bucket = F.floor(F.col("at") / F.lit(width)).alias("bucket")
+    return (
+        peer_views(telemetry)
+        .groupBy("broker", bucket)
+        .agg(F.max("at").alias("at"), F.max_by("connectors", "at").alias("connectors"))
+        .drop("bucket")
+    )
+
+
+def mesh_events(telemetry: DataFrame) -> DataFrame:
+    """Every event of the mesh the brokers recorded, one row per record of it: seen_by
+    (the broker that recorded it), at, kind (``JOIN``, ``DRAIN``, ``LEAVE``, ``CRASH``),
+    broker (the one it happened to), reason and last_heard (a closed link's: why, and
+    when the broker last heard from it)."""
+    events = telemetry.select(F.col("broker").alias("seen_by"), F.explode("events").alias("e"))
+    complete = F.col("e.at").isNotNull() & F.col("e.kind").isNotNull()
+    return events.where(complete & F.col("e.broker").isNotNull()).select(
+        "seen_by", *(F.col(f"e.{f.name}").alias(f.name) for f in _EVENT)
+    )
+
+
+def event_occurrences(events: DataFrame, gap: float = EVENT_GAP) -> DataFrame:
+    """``mesh_events`` once per occurrence, however many brokers recorded it: the records
+    of one kind about one broker less than ``gap`` seconds after the one before are one
+    occurrence. at, kind, broker, reason and last_heard (those of its first record), and
+    seen_by (sorted)."""
+    order = Window.partitionBy("kind", "broker").orderBy("at")
+    starts = events.withColumn(
+        "starts", F.coalesce(F.col("at") - F.lag("at").over(order) >= gap, F.lit(True))
+    )
+    numbered = starts.withColumn(
+        "occurrence",
+        F.sum(F.col("starts").cast("int")).over(order.rowsBetween(Window.unboundedPreceding, 0)),
+    )
+    return (
+        numbered.groupBy("kind", "broker", "occurrence")
+        .agg(
+            F.min("at").alias("at"),
+            F.min_by("reason", "at").alias("reason"),
+            F.min_by("last_heard", "at").alias("last_heard"),
+            F.array_sort(F.collect_set("seen_by")).alias("seen_by"),
+        )
+        .drop("occurrence")
+    )
+
+
+def unreachable(telemetry: DataFrame) -> DataFrame:
+    """The brokers gone from the mesh: named as a peer or in an event, with no telemetry
+    records here (their streams died with them), and a peer in no broker's latest record.
+
+    broker, address (the last one its peers had); last_seen, the latest of the last
+    sample that had it as a peer and (when a broker recorded its link closing) the last
+    time a broker heard from it; lost_at, how ("leave" or "crash") and reason, of the
+    last such event about it (null when none was recorded, as by brokers older than
+    the events); seen_by, the brokers that had it as a peer or recorded an event of it
+    (sorted)."""
+    listed = _listed(telemetry)
+    events = mesh_events(telemetry)
+    latest = telemetry.groupBy(F.col("broker").alias("seen_by")).agg(F.max("at").alias("at"))
+    still_there = listed.join(latest, ["seen_by", "at"]).select("broker")
+    witnesses = listed.select("broker", "seen_by").unionByName(events.select("broker", "seen_by"))
+    gone = (
+        witnesses.groupBy("broker")
+        .agg(F.array_sort(F.collect_set("seen_by")).alias("seen_by"))
+        .join(telemetry.select("broker").distinct(), "broker", "left_anti")
+        .join(still_there.distinct(), "broker", "left_anti")
+    )
+    sightings = listed.groupBy("broker").agg(
+        F.max("at").alias("last_listed"), F.max_by("address", "at").alias("address")
+    )
+    ends = (
+        events.where(F.col("kind").isin(*GONE))
+        .groupBy("broker")
+        .agg(
+            F.max_by(F.struct("at", "kind", "reason"), "at").alias("end"),
+            F.max("last_heard").alias("last_heard"),
+        )
+    )
+    return (
+        gone.join(sightings, "broker", "left")
+        .join(ends, "broker", "left")
+        .select(
+            "broker",
+            "address",
+            F.greatest("last_listed", "last_heard").alias("last_seen"),
+            F.col("end.at").alias("lost_at"),
+            F.col("end.kind").alias("how"),
+            F.col("end.reason").alias("reason"),
+            "seen_by",
+        )
+    )
 
 
 # -- latency from traces ----------------------------------------------------------------

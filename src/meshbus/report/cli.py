@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from meshbus.cli_common import Access, access_options, broker_option, run
-from meshbus.report.job import ReportError, StreamPlan
+from meshbus.report.job import Discovery, ReportError, StreamPlan
 
 _EPILOG = """\b
 Enable telemetry on every broker to report on:
@@ -53,14 +53,15 @@ class _Progress:
         self.console.print(f"[green]✓[/green] {line} [dim]({took:.1f} s)[/dim]")
 
 
-def _describe(plans: list[StreamPlan]) -> str:
+def _describe(found: Discovery) -> str:
     def streams(kind: str) -> str:
-        chosen = [p for p in plans if p.kind == kind]
+        chosen = [p for p in found.plans if p.kind == kind]
         records = sum(p.in_window for p in chosen)
         label = "trace" if kind == "traces" else kind
         return f"{len(chosen)} {label} stream{'s' * (len(chosen) != 1)} ({records:,} records)"
 
-    return f"found {streams('telemetry')} and {streams('traces')}"
+    silent = "".join(f"; {address} did not answer" for address in found.unanswered)
+    return f"found {streams('telemetry')} and {streams('traces')}{silent}"
 
 
 def _check_target(path: Path, option: str) -> None:
@@ -132,11 +133,11 @@ def report(
         raise click.ClickException(str(exc)) from exc
 
     with progress.step(f"looking for telemetry streams through {brokers}") as done:
-        plans = run(discover(brokers, since_at, access))
-        assert plans is not None
-        _check_telemetry(plans, brokers, since)  # a failed step gets no check mark
-        done.append(_describe(plans))
-    data = _spark_job(progress, brokers, plans, since_at, access)
+        found = run(discover(brokers, since_at, access))
+        assert found is not None
+        _check_telemetry(found.plans, brokers, since)  # a failed step gets no check mark
+        done.append(_describe(found))
+    data = _spark_job(progress, brokers, found, since_at, access)
     _write(progress, data, out, json_out)
 
 
@@ -159,7 +160,7 @@ def _check_telemetry(plans: list[StreamPlan], brokers: str, since: float | None)
 def _spark_job(
     progress: _Progress,
     brokers: str,
-    plans: list[StreamPlan],
+    found: Discovery,
     since_at: float | None,
     access: Access,
 ) -> dict[str, Any]:
@@ -175,13 +176,13 @@ def _spark_job(
             with progress.step("starting Spark (local[2]; takes 6-10 s)") as done:
                 spark = stack.enter_context(local_spark(log))
                 done.append(f"Spark {spark.version} started")
-            streams = sum(1 for p in plans if p.records)
+            streams = sum(1 for p in found.plans if p.records)
             with progress.step(f"reading {streams} stream(s) and computing") as done:
                 try:
                     data = report_data(
                         spark,
                         brokers,
-                        plans,
+                        found,
                         since_at=since_at,
                         access=access.data_source_options(),
                     )

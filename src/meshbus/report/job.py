@@ -4,7 +4,8 @@ Three steps, each its own function so the command can show progress between them
 
 * ``discover`` (the client, no Spark): every ``telemetry.*`` and ``traces.*`` stream
   of the mesh and the range of seqs to read -- with ``--since``, found by a binary
-  search on ``stored_at``, so a long-lived stream is not read from its start.
+  search on ``stored_at``, so a long-lived stream is not read from its start -- and
+  which of the brokers asked for did not answer.
 * ``local_spark``: a local[2] SparkSession whose JVM writes its log to a file
   instead of the terminal.
 * ``read_streams`` and ``analyse``: the rows through the ``meshbus`` data source,
@@ -14,6 +15,7 @@ Three steps, each its own function so the command can show progress between them
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import math
@@ -25,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from meshbus.client.connecting import broker_list
+from meshbus.errors import MeshbusError
 from meshbus.report import TELEMETRY_PREFIX, TRACES_PREFIX
 
 if TYPE_CHECKING:
@@ -37,6 +41,7 @@ SERVER = "report"  # the server name of the report's connectors
 MAX_POINTS = 600  # per broker and plot: longer windows are resampled into buckets
 MAX_CHANGES = 1000  # connector changes kept in the JSON (the latest ones)
 TRACE_MARGIN = 10.0  # with --since, also read traces this much older: entry hops
+PROBE_TIMEOUT = 2.0  # for each broker asked for that the mesh does not list
 
 
 class ReportError(Exception):
@@ -68,6 +73,15 @@ class StreamPlan:
         return max(0, self.last_seq - self.window_seq + 1)
 
 
+@dataclass(frozen=True)
+class Discovery:
+    """What ``discover`` found: the streams to read, and the brokers asked for (in
+    ``--brokers``) that did not answer, by address, with the error."""
+
+    plans: list[StreamPlan]
+    unanswered: dict[str, str]
+
+
 # -- discover ------------------------------------------------------------------------------
 
 
@@ -78,12 +92,15 @@ def _kind(name: str) -> str | None:
     return None
 
 
-async def discover(brokers: str, since_at: float | None, access: Access) -> list[StreamPlan]:
+async def discover(brokers: str, since_at: float | None, access: Access) -> Discovery:
     """The telemetry and trace streams of the mesh that ``brokers`` belong to, with the
     seqs to read: everything, or (``since_at``) from the first message stored at or
     after it -- one more for telemetry (the baseline of the first difference), and
-    ``TRACE_MARGIN`` seconds more for traces (entry hops of the first deliveries)."""
+    ``TRACE_MARGIN`` seconds more for traces (entry hops of the first deliveries).
+    And which of ``brokers`` did not answer: each that the mesh does not list is asked
+    itself (it may be in the mesh under another address)."""
     async with await access.connect(brokers, server=SERVER, operator=True) as conn:
+        in_mesh = {*conn.brokers, conn.broker_address}
         listed = await conn.streams.list()
         plans = []
         for entry in sorted(listed, key=lambda e: str(e["name"])):
@@ -100,7 +117,21 @@ async def discover(brokers: str, since_at: float | None, access: Access) -> list
                 else:
                     start = await _first_at(conn, name, since_at - TRACE_MARGIN)
             plans.append(StreamPlan(name, kind, info.broker, start, info.last_seq, window))
-    return plans
+    others = [address for address in broker_list(brokers) if address not in in_mesh]
+    errors = await asyncio.gather(*(_no_answer(address, access) for address in others))
+    return Discovery(plans, {a: e for a, e in zip(others, errors, strict=True) if e})
+
+
+async def _no_answer(address: str, access: Access) -> str:
+    """Why the broker at ``address`` does not take a connection ("" if it does)."""
+    try:
+        conn = await access.connect(
+            address, server=SERVER, operator=True, failover=False, timeout=PROBE_TIMEOUT
+        )
+    except MeshbusError as exc:
+        return str(exc)
+    await conn.close()
+    return ""
 
 
 async def _first_at(conn: Connector, stream: str, since_at: float) -> int:
@@ -247,12 +278,14 @@ def analyse(
     *,
     since_at: float | None = None,
     max_points: int = MAX_POINTS,
+    unanswered: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every number of the report, as a JSON-able dict (docs/report.md describes it).
 
     ``since_at`` (Unix time) leaves out samples and deliveries before it; samples just
     before it still serve as the baseline of the first difference. A broker with more
-    than ``max_points`` samples has its time series resampled into that many buckets."""
+    than ``max_points`` samples has its time series resampled into that many buckets.
+    ``unanswered``: the brokers asked for that did not answer (``Discovery``)."""
     from pyspark.sql import functions as F
 
     from meshbus.report import analysis as A
@@ -283,7 +316,8 @@ def analyse(
         for broker in brokers:
             broker["restarts"] = restarts.get(broker["broker"], 0)
         changes = rows(A.connector_changes(telemetry).where(in_window), "at", "broker")
-        connector_totals = A.connector_totals(samples, max(interval, resolution or 0.0))
+        width = max(interval, resolution or 0.0)
+        events = A.event_occurrences(A.mesh_events(samples))
         stats = rows(A.latency_stats(lat), "path")
         cdf = {
             s["path"]: [list(p) for p in zip(A.CDF_FRACTIONS, s.pop("cdf"), strict=True)]
@@ -292,6 +326,10 @@ def analyse(
         return {
             "window": {"start": start, "end": end, "since_at": since_at},
             "brokers": brokers,
+            "unreachable": with_unanswered(
+                rows(A.unreachable(samples), "broker"), unanswered or {}
+            ),
+            "events": rows(events, "at", "kind", "broker"),
             "throughput": {
                 "resolution": resolution,
                 "series": [_pick(p, ("restart", *_RATES)) for p in series if p["dt"]],
@@ -299,7 +337,8 @@ def analyse(
             },
             "connectors": {
                 "series": [_pick(p, ("connectors",)) for p in series],
-                "totals": rows(connector_totals, "at"),
+                "peer_views": rows(A.peer_view_series(samples, width), "broker", "at"),
+                "totals": rows(A.connector_totals(samples, width), "at"),
                 "changes": changes[-MAX_CHANGES:],
                 "change_count": len(changes),
             },
@@ -331,14 +370,17 @@ def _pick(point: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 def report_data(
     spark: SparkSession,
     brokers: str,
-    plans: list[StreamPlan],
+    found: Discovery,
     *,
     since_at: float | None = None,
     access: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Read ``plans``' streams and ``analyse`` them, with what was read and when;
-    ``access`` as for ``read_streams``."""
+    """Read the streams ``discover`` found and ``analyse`` them, with what was read and
+    when, and the brokers asked for that did not answer; ``access`` as for
+    ``read_streams``."""
     from pyspark.sql import functions as F
+
+    plans = found.plans
 
     # All streams in one stage (in parallel, and the data source's Python workers start
     # once), kept in memory for the analyses that follow.
@@ -352,7 +394,7 @@ def report_data(
             )
         telemetry = raw.where(F.col("stream").startswith(TELEMETRY_PREFIX))
         traces = raw.where(F.col("stream").startswith(TRACES_PREFIX))
-        data = analyse(telemetry, traces, since_at=since_at)
+        data = analyse(telemetry, traces, since_at=since_at, unanswered=found.unanswered)
     finally:
         raw.unpersist()
     return {
@@ -370,3 +412,28 @@ def report_data(
         ],
         **data,
     }
+
+
+def with_unanswered(
+    unreachable: list[dict[str, Any]], unanswered: dict[str, str]
+) -> list[dict[str, Any]]:
+    """``unreachable`` (``analysis.unreachable``'s rows) with ``no_answer``, the error of
+    each address asked for that did not answer: on the row of the broker its peers knew
+    at that address, or on a row of its own (no name, nothing seen of it)."""
+    by_address = {row["address"]: row for row in unreachable}
+    merged = [{**row, "no_answer": unanswered.get(row["address"])} for row in unreachable]
+    for address, error in unanswered.items():
+        if address not in by_address:
+            merged.append(
+                {
+                    "broker": None,
+                    "address": address,
+                    "last_seen": None,
+                    "lost_at": None,
+                    "how": None,
+                    "reason": None,
+                    "seen_by": [],
+                    "no_answer": error,
+                }
+            )
+    return merged

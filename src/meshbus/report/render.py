@@ -14,7 +14,8 @@ from datetime import UTC, datetime
 from string import Template
 from typing import Any
 
-from meshbus.report.plots import PATH_ORDER, plots
+from meshbus.report.analysis import CRASH, LEAVE, STALE_BUCKETS
+from meshbus.report.plots import PATH_ORDER, coverage, plots
 
 MAX_CHANGE_ROWS = 50
 
@@ -123,7 +124,77 @@ def _brokers_section(data: dict[str, Any]) -> str:
         for b in data["brokers"]
     ]
     headers = ("broker", "samples", "first", "last", "restarts", "connectors", "range")
-    return "<h2>Brokers</h2>" + _table(headers, body)
+    parts = ["<h2>Brokers</h2>", _table(headers, body)]
+    if not data["unreachable"]:
+        parts.append(_note("Every broker the others had as a peer is still in the mesh."))
+    return "".join(parts)
+
+
+def _gone_how(row: dict[str, Any]) -> str:
+    if row["how"] is None:
+        return "-"
+    what = {CRASH: "crashed", LEAVE: "left"}.get(row["how"], row["how"])
+    return f"{what} ({row['reason']})" if row["reason"] else what
+
+
+def _unreachable_section(data: dict[str, Any]) -> str:
+    gone = data["unreachable"]
+    if not gone:
+        return ""
+    body = [
+        (
+            u["broker"] or "?",
+            u["address"] or "-",
+            when(u["last_seen"]),
+            when(u["lost_at"]),
+            _gone_how(u),
+            ", ".join(u["seen_by"]) or "-",
+            u["no_answer"] or "-",
+        )
+        for u in gone
+    ]
+    headers = ("broker", "address", "last seen", "lost", "how", "seen by", "report's connection")
+    return (
+        "<h2>Unreachable brokers</h2>"
+        + _table(headers, body)
+        + _note(
+            "Brokers gone from the mesh: the others had them as a peer (or recorded an "
+            "event of them), no broker has them as a peer any more, and their own "
+            "telemetry went with them. Last seen: the last time a broker had it as a "
+            "peer, or heard from it before its link closed. Lost: when its link closed "
+            "(a crash: without a goodbye). An address given in --brokers that did not "
+            "answer is listed with the error."
+        )
+    )
+
+
+def _events_section(data: dict[str, Any]) -> str:
+    events = data["events"]
+    parts = ["<h2>Mesh events</h2>"]
+    if not events:
+        parts.append(_note("No broker recorded a join, drain, leave or crash in the window."))
+        return "".join(parts)
+    body = [
+        (
+            when(e["at"]),
+            e["kind"],
+            e["broker"],
+            ", ".join(e["seen_by"]),
+            e["reason"] or "-",
+            when(e["last_heard"]),
+        )
+        for e in events
+    ]
+    parts.append(_table(("time", "event", "broker", "seen by", "reason", "last heard"), body))
+    parts.append(
+        _note(
+            "From the brokers' telemetry: each records the joins, drains, leaves (with a "
+            "goodbye) and crashes (without) it sees, its own and its peers'. An event "
+            "recorded by several brokers is listed once, at the first record. Dashed "
+            "lines mark them on the time plots."
+        )
+    )
+    return "".join(parts)
 
 
 def _throughput_section(data: dict[str, Any], image: str | None) -> str:
@@ -200,6 +271,14 @@ def _connectors_section(data: dict[str, Any], image: str | None) -> str:
     parts = ["<h2>Connectors</h2>"]
     if image:
         parts.append(_img(image, "connectors per broker"))
+    parts.append(
+        _note(
+            f"The whole mesh: {coverage(data)}. At each interval each broker counts "
+            "with its latest count (its own, or for a broker without telemetry here, "
+            f"what its peers heard from it) if not older than {STALE_BUCKETS} intervals, "
+            "and not after it left or crashed: connectors that fail over are counted once."
+        )
+    )
     changes = connectors["changes"][-MAX_CHANGE_ROWS:]
     if changes:
         body = [
@@ -261,6 +340,8 @@ def render_html(data: dict[str, Any], images: dict[str, str | None] | None = Non
     body = "\n".join(
         [
             _brokers_section(data),
+            _unreachable_section(data),
+            _events_section(data),
             _throughput_section(data, images.get("throughput")),
             _latency_section(data, images.get("latency")),
             _connectors_section(data, images.get("connectors")),
