@@ -80,6 +80,12 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     page = await asyncio.to_thread(pathlib.Path(report).read_text, encoding="utf-8")
     assert page.count('<img src="data:image/png;base64,') == 4, page[:2000]
     assert "mesh-1" in page
+    # mesh-2's streams died with it: the report says so, from what the others recorded.
+    gone = page.split("<h2>Unreachable brokers</h2>")[1].split("<h2>")[0]
+    assert "<td>mesh-2</td>" in gone, gone
+    assert "crashed (" in gone, gone
+    assert "<td>crash</td><td>mesh-2</td>" in page
+    assert "<td>join</td><td>mesh-4</td>" in page
 
 
 @pytest.mark.timeout(120)

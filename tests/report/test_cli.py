@@ -243,53 +243,109 @@ async def test_since_finds_the_first_message_stored_after(broker: BrokerProcess)
 
 
 async def test_report_on_the_brokers_own_telemetry(spark: SparkSession, tmp_path: Path) -> None:
-    """No stand-in: two brokers record telemetry and trace every send, and the report
-    counts exactly the sends of each path."""
+    """No stand-in: three brokers record telemetry and trace every send. The report counts
+    exactly the sends of each path. Then one broker is killed (SIGKILL) and its two
+    connectors fail over: the report lists it as unreachable, marks its crash, and counts
+    the mesh's 4 connectors before the kill and after the failover."""
     from tests.conftest import start_mesh, stop_all
+    from tests.integration.helpers import wait_until
 
-    brokers = await start_mesh(2, "--telemetry-interval", "0.2", "--trace-sample", "1")
+    interval = 0.2
+    started_at = time.time()
+    brokers = await start_mesh(3, "--telemetry-interval", str(interval), "--trace-sample", "1")
+    conns: list[meshbus.Connector] = []
     try:
-        a, b = brokers
+        a, b, doomed = brokers
         sender_conn = await meshbus.connect(a.address, server="rsend", failover=False)
         receiver_conn = await meshbus.connect(b.address, server="rrecv", failover=False)
-        try:
-            sender, near = await sender_conn.register(), await sender_conn.register()
-            far = await receiver_conn.register()
-            for i in range(15):
-                await sender.send(near.address, b"same %d" % i)
-                await sender.send(far.address, b"cross %d" % i)
-            for service in (near, far):
-                for _ in range(15):
-                    await service.recv(timeout=5)
+        movers = [await meshbus.connect(doomed.address, server=f"rmove{i}") for i in range(2)]
+        conns = [sender_conn, receiver_conn, *movers]
+        connected_at = time.time()
+        sender, near = await sender_conn.register(), await sender_conn.register()
+        far = await receiver_conn.register()
+        for i in range(15):
+            await sender.send(near.address, b"same %d" % i)
+            await sender.send(far.address, b"cross %d" % i)
+        for service in (near, far):
+            for _ in range(15):
+                await service.recv(timeout=5)
 
-            async def hops() -> int:
-                infos = [await sender_conn.streams.info(f"traces.{x.name}") for x in brokers]
-                return sum(info.messages for info in infos)
+        async def hops() -> int:
+            infos = [await sender_conn.streams.info(f"traces.{x.name}") for x in (a, b)]
+            return sum(info.messages for info in infos)
 
-            for _ in range(100):  # every hop stored: 30 sends x (entry, exit, received)
-                if await hops() == 90:
-                    break
-                await asyncio.sleep(0.1)
-            assert await hops() == 90
-            await asyncio.sleep(0.5)  # telemetry records with all of it counted
-        finally:
-            await sender_conn.close()
-            await receiver_conn.close()
+        for _ in range(100):  # every hop stored: 30 sends x (entry, exit, received)
+            if await hops() == 90:
+                break
+            await asyncio.sleep(0.1)
+        assert await hops() == 90
+        await asyncio.sleep(5 * interval)  # records of the mesh before the kill
+
+        killed_before = time.time()
+        doomed.process.kill()
+        await doomed.process.wait()
+        killed_after = time.time()
+
+        async def failed_over() -> bool:
+            return all(m.broker_address in (a.address, b.address) for m in movers)
+
+        await wait_until(failed_over, "both connectors of the killed broker failing over")
+        settled_at = time.time()
+        await asyncio.sleep(6 * interval)  # records of the mesh after the failover
+        closed_at = time.time()
+    finally:
+        for conn in conns:
+            await conn.close()
+    try:
         out, data_file = tmp_path / "report.html", tmp_path / "report.json"
-        addresses = ",".join(x.address for x in brokers)
+        addresses = ",".join(x.address for x in brokers)  # the killed one among them
         result = await report_cli(
             "--brokers", addresses, "--out", str(out), "--json", str(data_file)
         )
         assert result.exit_code == 0, result.output
+        assert f"{doomed.address} did not answer" in result.stderr
     finally:
         await stop_all(brokers)
     data = json.loads(data_file.read_text())
-    assert sorted(x["broker"] for x in data["brokers"]) == sorted(x.name for x in brokers)
+    assert sorted(x["broker"] for x in data["brokers"]) == sorted([a.name, b.name])
     paths = {p["path"]: p["count"] for p in data["latency"]["percentiles"]}
     assert (paths["same broker"], paths["cross broker"]) == (15, 15)
     summary = {s["broker"]: s for s in data["throughput"]["summary"]}
     assert summary[a.name]["mean_msgs_in_per_s"] > 0
-    assert out.read_text().count('<img src="data:image/png;base64,') == 4
+
+    # The killed broker: gone, last seen alive by the others between its start and when
+    # they found it dead (its link's EOF, read right after the kill).
+    [gone] = data["unreachable"]
+    assert (gone["broker"], gone["address"], gone["how"]) == (doomed.name, doomed.address, "crash")
+    assert gone["seen_by"] == sorted([a.name, b.name])
+    assert "Connection refused" in gone["no_answer"]
+    assert killed_before <= gone["lost_at"] <= killed_after + 1.5  # the heartbeat budget
+    # heard from at every heartbeat (0.5 s), listed in every record (0.2 s)
+    assert started_at < killed_before - 1.0 <= gone["last_seen"] <= gone["lost_at"]
+    crashes = [e for e in data["events"] if e["kind"] == "crash"]
+    assert [(e["broker"], e["seen_by"]) for e in crashes] == [
+        (doomed.name, sorted([a.name, b.name]))
+    ]
+    assert crashes[0]["at"] == pytest.approx(gone["lost_at"], abs=1.5)
+    joined = {e["broker"] for e in data["events"] if e["kind"] == "join"}
+    assert joined == {a.name, b.name, doomed.name}
+
+    # 4 connectors all along: 2 on a and b, 2 on the killed broker (as a and b heard from
+    # it) until its crash, then on a or b. While they fail over, fewer; never more.
+    totals = [(t["at"], t["connectors"]) for t in data["connectors"]["totals"]]
+    before = [n for at, n in totals if connected_at + 3 * interval <= at < killed_before]
+    failing = [n for at, n in totals if killed_before <= at < settled_at + 3 * interval]
+    after = [n for at, n in totals if settled_at + 3 * interval <= at < closed_at]
+    assert set(before) == set(after) == {4}, totals
+    assert min(len(before), len(after)) >= 2, totals
+    assert all(n <= 4 for n in failing), totals
+
+    page = out.read_text()
+    assert page.count('<img src="data:image/png;base64,') == 4
+    unreachable = page.split("<h2>Unreachable brokers</h2>")[1].split("<h2>")[0]
+    assert f"<td>{doomed.name}</td><td>{doomed.address}</td>" in unreachable
+    events = page.split("<h2>Mesh events</h2>")[1].split("<h2>")[0]
+    assert f"<td>crash</td><td>{doomed.name}</td>" in events
 
 
 async def test_report_signs_in_over_tls(spark: SparkSession, tmp_path: Path) -> None:
