@@ -320,8 +320,9 @@ def connector_totals(telemetry: DataFrame, width: float) -> DataFrame:
 
     Each broker counts with its latest count so far -- its own sample, or for a broker
     without records of its own, what its peers heard (``peer_views``) -- for
-    ``STALE_BUCKETS`` buckets, and not after a broker recorded that it left or crashed.
-    So a dead broker's connectors, which fail over to the others, are counted once:
+    ``STALE_BUCKETS`` buckets, and not once a broker recorded that it left or crashed
+    (until a later record has it as a peer again: it is back, or that peer had not
+    noticed yet). So a dead broker's connectors, which fail over to the others, are counted once:
     where they were until the crash, where they went after. (Counting only the brokers
     with records left out a dead broker's connectors before its crash -- its streams
     died with it -- and the failover looked like growth.)"""
