@@ -20,6 +20,8 @@
     │                                     (.address, .msg_id)
     ├── NoQueue                           next_message() on a service that has listeners
     ├── StreamError                       a stream request was refused (.code)
+    ├── SparkSetupError                   Spark's Python workers cannot run meshbus's
+    │                                     data source (meshbus.spark.register's check)
     ├── PermissionDenied (PermissionError) the broker's permissions for this user
     │                                     refused it: a register, join, request, send,
     │                                     stream or operator request
@@ -190,3 +192,9 @@ class StreamError(MeshbusError):
     def __init__(self, message: str, code: int = 0) -> None:
         super().__init__(message)
         self.code = code
+
+
+class SparkSetupError(MeshbusError):
+    """Spark cannot run the ``meshbus`` data source: its Python workers do not start, or
+    cannot import meshbus (``meshbus.spark.register`` asks them). The message names the
+    Python they run and what to set: ``PYSPARK_PYTHON``."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 from pyspark.errors import AnalysisException, StreamingQueryException
 from pyspark.sql import SparkSession
 
+import meshbus
+import meshbus.spark
 from tests.conftest import BrokerProcess
 from tests.spark.conftest import checkpoint, in_thread, publish
 
@@ -116,3 +119,20 @@ async def test_a_streaming_write_without_payload_fails_before_sending(
     # Spark makes the stream writer only when the first micro-batch runs (on the driver).
     assert "Failed to initialize Python data source writer" in message
     assert "writing needs a 'payload' column (binary, or string sent as UTF-8)" in message
+
+
+def test_register_says_when_the_workers_python_does_not_start(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PYSPARK_PYTHON naming a Python that executors do not have. (Workers that run a
+    Python without meshbus: test_cluster.py.)"""
+    missing = str(tmp_path / "bin" / "python3")
+    # What PYSPARK_PYTHON=missing gives a session: PySpark reads it into this attribute
+    # when the SparkContext starts, and hands it to every Python function it ships.
+    monkeypatch.setattr(spark.sparkContext, "pythonExec", missing)
+    with pytest.raises(meshbus.SparkSetupError) as refused:
+        meshbus.spark.register(spark)
+    message = str(refused.value)
+    assert f'did not run a task: java.io.IOException: Cannot run program "{missing}"' in message
+    assert "set PYSPARK_PYTHON to a Python 3." in message
+    assert f"such as this driver's {sys.executable} --" in message
