@@ -36,14 +36,14 @@ from tests.spark.conftest import forget_last_commit, publish, reader
 BOARD = "multicast:board"
 
 
-def start(master: str, python: str, work: Path, java: str, **conf: str) -> SparkSession:
-    """An application on ``master`` whose Python workers run ``python``; executors of
-    512 MiB and one core, as many as the cluster has; ``java``: the JVMs' options."""
+def start(master: str, name: str, python: str, java: str, **conf: str) -> SparkSession:
+    """Application ``name`` on ``master``, its Python workers running ``python``;
+    executors of 512 MiB and one core; ``java``: the JVMs' options."""
     # The Python worker executable is read from here when the SparkContext starts.
     os.environ["PYSPARK_PYTHON"] = python
     settings = {
         "spark.master": master,
-        "spark.app.name": f"meshbus-{work.name}",
+        "spark.app.name": f"meshbus-{name}",
         "spark.driver.host": "127.0.0.1",
         "spark.driver.bindAddress": "127.0.0.1",
         "spark.executor.memory": "512m",
@@ -64,12 +64,12 @@ def start(master: str, python: str, work: Path, java: str, **conf: str) -> Spark
     return spark
 
 
-def refusal(master: str, work: Path, java: str, bare_python: str) -> str:
+def refusal(master: str, java: str, bare_python: str) -> str:
     """What ``register()`` says to workers without meshbus, on one executor. The
     session also sets spark.pyspark.python to a good interpreter, which a session
     built in Python ignores: the message must say so."""
     conf = {"spark.pyspark.python": sys.executable, "spark.cores.max": "1"}
-    spark = start(master, bare_python, work, java, **conf)
+    spark = start(master, "bare", bare_python, java, **conf)
     try:
         meshbus.spark.register(spark)
     except meshbus.SparkSetupError as exc:
@@ -129,15 +129,14 @@ def stream_stopped_and_restarted(spark: SparkSession, brokers: str, work: Path) 
 
 def main() -> None:
     master, brokers, work_dir, bare_python, java_options, result = sys.argv[1:]
-    work = Path(work_dir)
-    refused = refusal(master, work / "bare", java_options, bare_python)
+    refused = refusal(master, java_options, bare_python)
     # Executors import the meshbus this driver imports -- the code under test -- even
     # when the cluster's own environment would find another one (or none). Both cores
     # said again: the builder and the driver's JVM keep the first application's
     # settings (spark.cores.max=1) for the next one.
     here = str(Path(meshbus.__file__).parents[1])
     conf = {"spark.executorEnv.PYTHONPATH": here, "spark.cores.max": "2"}
-    spark = start(master, sys.executable, work / "app", java_options, **conf)
+    spark = start(master, "app", sys.executable, java_options, **conf)
     try:
         meshbus.spark.register(spark)
         ids = executors(spark)
@@ -148,7 +147,7 @@ def main() -> None:
             "app": spark.sparkContext.applicationId,
             "executors": ids,
             "task_dirs": sorted(set(task_dirs.collect())),
-            **stream_stopped_and_restarted(spark, brokers, work / "app"),
+            **stream_stopped_and_restarted(spark, brokers, Path(work_dir)),
         }
     finally:
         spark.stop()
