@@ -85,8 +85,10 @@ async def broker() -> AsyncIterator[BrokerProcess]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (make test runs two workers), every test that needs Spark runs
-    # on one worker: one JVM, and one SparkSession shared as in a serial run.
+    # Under pytest-xdist (make test runs a worker per core), every test that uses the
+    # session's SparkSession runs on one worker: one JVM of it, started once, as in a
+    # serial run. Tests that run Spark in a process of their own (the demo, the spark
+    # bench, the standalone cluster) go wherever there is room.
     for item in items:
-        if item.get_closest_marker("spark"):
+        if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("spark"))
