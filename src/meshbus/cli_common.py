@@ -122,8 +122,10 @@ class Access:
     async def connect(self, broker_address: str, **options: Any) -> Connector:
         import meshbus
 
+        # The options already read MESHBUS_TLS_CA: no context is plain TCP (--no-tls).
+        tls = False if self.tls is None else self.tls
         return await meshbus.connect(
-            broker_address, tls=self.tls, credentials=self.credentials, **options
+            broker_address, tls=tls, credentials=self.credentials, **options
         )
 
 
@@ -143,7 +145,8 @@ def broker_option(*decls: str, help_text: str, one: bool = False) -> Callable[[F
 
 
 def access_options(command: F) -> F:
-    """--creds, --tls-ca, --tls-cert and --tls-key, the same on every client command; the
+    """--creds, --tls-ca, --tls-cert, --tls-key and --no-tls, the same on every client
+    command; the
     command gets them as one argument, ``access`` (an ``Access``). A TLS file that does
     not load fails here, before any I/O (meshbus.tls.cli_context)."""
 
@@ -154,8 +157,19 @@ def access_options(command: F) -> F:
         tls_ca: str | None,
         tls_cert: str | None,
         tls_key: str | None,
+        no_tls: bool,
         **kwargs: Any,
     ) -> Any:
+        if no_tls:
+            source = click.get_current_context().get_parameter_source
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in ("tls_ca", "tls_cert", "tls_key")
+                if source(name) is click.core.ParameterSource.COMMANDLINE
+            ]
+            if given:
+                raise click.UsageError(f"--no-tls contradicts {', '.join(given)}")
+            tls_ca = tls_cert = tls_key = None  # MESHBUS_TLS_CA too
         try:
             tls = cli_context(tls_ca, tls_cert, tls_key)
         except TLSError as exc:
@@ -186,6 +200,11 @@ def access_options(command: F) -> F:
             show_envvar=envvar is not None,
             help=help_text,
         )(with_access)
+    click.option(
+        "--no-tls",
+        is_flag=True,
+        help="Plain TCP, even with MESHBUS_TLS_CA set (for a broker without TLS).",
+    )(with_access)
     click.option(
         "--creds",
         type=path,

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+import trustme
 
 import meshbus
-from tests.conftest import stop_all
+from tests.conftest import BrokerProcess, stop_all
 from tests.integration.helpers import free_port, start_secure_broker
 
 CLI_TIMEOUT = 30.0
@@ -362,6 +363,22 @@ async def test_the_environment_names_the_broker_its_ca_and_the_credentials(
         assert refused.err.startswith(f"Error: could not connect to broker {elsewhere}")
     finally:
         await stop_all([secure.process])
+
+
+async def test_no_tls_is_plain_tcp_whatever_meshbus_tls_ca_says(
+    broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = tmp_path / "ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(ca))
+    monkeypatch.setenv("MESHBUS_TLS_CA", str(ca))
+    over_tls = await run_cli("stat", "--json", "--broker", broker.address)
+    assert over_tls.code == 1, over_tls  # the environment's TLS, against a plain broker
+    plain = await run_cli("stat", "--json", "--no-tls", "--broker", broker.address)
+    assert plain.code == 0, plain.err
+    assert json.loads(plain.out)["name"] == broker.name
+    both = await run_cli("stat", "--no-tls", "--tls-ca", str(ca), "--broker", broker.address)
+    assert both.code == 2, both
+    assert "--no-tls contradicts --tls-ca" in both.err
 
 
 async def test_a_broker_without_a_port_means_port_7400() -> None:
