@@ -146,9 +146,8 @@ def broker_option(*decls: str, help_text: str, one: bool = False) -> Callable[[F
 
 def access_options(command: F) -> F:
     """--creds, --tls-ca, --tls-cert, --tls-key and --no-tls, the same on every client
-    command; the
-    command gets them as one argument, ``access`` (an ``Access``). A TLS file that does
-    not load fails here, before any I/O (meshbus.tls.cli_context)."""
+    command; the command gets them as one argument, ``access`` (an ``Access``). A TLS
+    file that does not load fails here, before any I/O (meshbus.tls.cli_context)."""
 
     @functools.wraps(command)
     def with_access(

@@ -152,7 +152,7 @@ class BrokerCollector(Collector):
         yield from _per_link(name, data)
         rtt = GaugeMetricFamily(
             "meshbus_peer_rtt_seconds",
-            "Round trip of the last heartbeat PING to a peer broker.",
+            "Round trip to a peer broker, timed by the heartbeat LOADs.",
             labels=["broker", "peer"],
         )
         for peer in data["peer_links"]:

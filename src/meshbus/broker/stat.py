@@ -111,7 +111,7 @@ class StatView:
                     "tag_in": link.peer.tag_in,
                     "tag_out": int.from_bytes(link.peer.tag_out, "big"),
                     "dialled": link.dialled,
-                    # The last heartbeat PING's round trip; None until one is answered.
+                    # The round trip the heartbeat LOADs timed; None until the peer echoed one.
                     "rtt_ms": None if link.peer.rtt is None else round(link.peer.rtt * 1000, 3),
                     "msgs_in": link.msgs_in,
                     "msgs_out": link.msgs_out,
