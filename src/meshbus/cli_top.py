@@ -160,8 +160,8 @@ class MeshWatch:
         return [Row(b.name, b.address, b.sample, b.rates, b.error) for b in self._brokers.values()]
 
     async def close(self) -> None:
-        for broker in self._brokers.values():
-            await self._unlink(broker)
+        # At once: closing a TLS link waits for the broker's goodbye (up to a second).
+        await asyncio.gather(*(self._unlink(broker) for broker in self._brokers.values()))
 
     async def _ask(self, broker: _Broker) -> list[dict[str, Any]]:
         """The broker's stat into ``broker``, and its mesh list; [] when it does not
