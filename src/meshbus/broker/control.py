@@ -279,13 +279,13 @@ class ControlHandler:
                 hello.name, session, max_frame, hello.synced, hello.epoch, user, permissions
             )
             links.connector_opened(link)
-            mesh.lists_changed()
+            mesh.gossip.changed()
         assert link.accepting is not None
         welcome = Welcome(
             broker=self._config.name,
             slot=self._routing.slot,
             max_frame=max_frame,
-            brokers=mesh.connector_list(),
+            brokers=mesh.gossip.connector_list(),
             trace_every=self._trace_every,
         )
         link.send(link.accepting.welcome(welcome))

@@ -4,9 +4,10 @@ Membership is docs/mesh.md's: the join (the seed patent's steps: link to a seed,
 learn the broker list, link to every broker, claim a dynamic-id slot, take every
 peer's table, announce READY), duplicate links resolved at the handshake by one
 rule on both ends (meshbus.broker.balance) after both brokers proved themselves
-when the mesh trusts only its brokers (meshbus.broker.trust), gossip of the broker
-list with every heartbeat, heartbeats and the capacity boost after a crash, and the
-drain. Moving connectors is meshbus.broker.moves; what goes when a peer's link
+when the mesh trusts only its brokers (meshbus.broker.trust), heartbeats and the
+capacity boost after a crash, and the drain. What it tells peers and connectors of
+the mesh (LOAD, the broker lists) is meshbus.broker.gossip; moving connectors is
+meshbus.broker.moves; what goes when a peer's link
 closes is the broker's ordered cleanup (meshbus.broker.server): the mesh only
 forgets the peer and counts a crash. Joins, drains, leaves and crashes are told to
 ``on_event`` as they happen (the telemetry records them: docs/report.md).
@@ -27,6 +28,7 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.dialer import Dialer, dial_tcp
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
 from meshbus.broker.fence import Fence
+from meshbus.broker.gossip import Gossip
 from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
 from meshbus.broker.outbox import Outbox
@@ -128,7 +130,6 @@ class Mesh:
         self._greet_peer = greet_peer
         self._on_ready = on_ready
         self._on_event = on_event
-        self._hosted_streams = hosted_streams
         self._dialer = dialer
         # Every other broker we know of: from its handshake, its LOAD frames and gossip.
         self.known: dict[str, BrokerInfo] = {}
@@ -148,8 +149,9 @@ class Mesh:
         )
         self.redials.add_seeds(config.seeds, clock())
         self.fence = Fence(clock, config.heartbeat_budget, self.redials)
-        self._lists_scheduled = False
-        self._pushed: tuple[str, ...] = ()
+        self.gossip = Gossip(
+            peers=peers, links=links, brokers=self.brokers, hosted_streams=hosted_streams
+        )
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
         self.moves = Moves(clock, links, self.stats)
@@ -207,8 +209,7 @@ class Mesh:
         # Before on_ready, which starts the telemetry: its first record has the join.
         self._on_event(MeshEvent("join", self.name))
         self._on_ready()
-        # Connectors get the list in WELCOME from now on; only changes are pushed.
-        self._pushed = self._connector_addresses()
+        self.gossip.started()
 
     async def join(self, seeds: list[str]) -> None:
         """The seed patent's join, steps in order: link to a seed, learn the broker list,
@@ -246,8 +247,8 @@ class Mesh:
             raise MeshJoinError("peers did not send their routing tables in time") from None
         self._became_ready()
         counts = {s.name: s.connectors for s in self.brokers() if not s.draining}
-        self._send_all(ControlType.READY, Ready(counts=counts))
-        self.lists_changed()
+        self.gossip.send_all(ControlType.READY, Ready(counts=counts))
+        self.gossip.changed()
         log.info("joined the mesh", extra={"broker": self.name, "peers": sorted(self.peers)})
 
     # -- dialling and handshakes ---------------------------------------------------------
@@ -394,11 +395,10 @@ class Mesh:
         self.redials.linked(name, listen)
         self._greet_peer(link)
         self.peers.add(link)
-        link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self.brokers())))
-        link.send(encode_control(ControlType.LOAD, self._load()))
+        self.gossip.greet(link)
         if not self.ready:
             self._sync.expect_snapshot(link)
-        self.lists_changed()
+        self.gossip.changed()
         log.info("peer linked", extra={"peer": name, "address": listen, "link": link.link_id})
 
     # -- frames from peers --------------------------------------------------------------------
@@ -415,7 +415,7 @@ class Mesh:
         state.slot = link.peer.slot = body.slot
         link.peer.loaded(body)
         if changed:
-            self.lists_changed()
+            self.gossip.changed()
 
     def on_brokers(self, link: Link, correlation: int, body: Body) -> None:
         """Gossip (with every heartbeat): every ready broker we hear of and are not linked
@@ -449,7 +449,7 @@ class Mesh:
         if state is not None:
             state.ready = True
         self._on_event(MeshEvent("join", link.name))
-        self.lists_changed()
+        self.gossip.changed()
         if not self.draining:
             self.moves.share_with(link, body.counts, self.name)
 
@@ -458,7 +458,7 @@ class Mesh:
         if state is not None:
             state.draining = True
         self._on_event(MeshEvent("drain", link.name))
-        self.lists_changed()
+        self.gossip.changed()
 
     def on_bye(self, link: Link, correlation: int, body: Body) -> None:
         link.close(CloseReason.PEER_BYE)
@@ -486,55 +486,8 @@ class Mesh:
         """A broker with room for a connector this one refuses."""
         return redirect_target(self.brokers(), exclude=self.name)
 
-    # -- broker lists and load --------------------------------------------------------------------
-
-    def lists_changed(self) -> None:
-        """The mesh's membership or a broker's state changed: tell peers and connectors
-        at the end of this loop turn (once, however many changes it saw)."""
-        if not self._lists_scheduled:
-            self._lists_scheduled = True
-            asyncio.get_running_loop().call_soon(self._push_lists)
-
-    def connector_list(self) -> list[BrokerInfo]:
-        """The brokers a connector may fail over or be redirected to: ready, not draining."""
-        return [s for s in self.brokers() if s.ready and not s.draining]
-
-    def _connector_addresses(self) -> tuple[str, ...]:
-        return tuple(sorted(b.address for b in self.connector_list()))
-
-    def _push_lists(self) -> None:
-        self._lists_scheduled = False
-        self._send_all(ControlType.LOAD, self._load())
-        self._send_all(ControlType.BROKERS, Brokers(brokers=self.brokers()))
-        # Connectors only need to hear when the set of brokers changes, not every load.
-        addresses = self._connector_addresses()
-        if addresses != self._pushed:
-            self._pushed = addresses
-            frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
-            for connector in self._links.connectors:
-                connector.send(frame)
-
-    def _load(self) -> Load:
-        s = self.self_state()
-        return Load(
-            connectors=s.connectors,
-            capacity=s.capacity,
-            slot=s.slot,
-            ready=s.ready,
-            draining=s.draining,
-            streams=self._hosted_streams(),
-        )
-
-    def load_changed(self) -> None:
-        """Tell the peers now (the streams this broker hosts changed)."""
-        self._send_all(ControlType.LOAD, self._load())
-
-    def _send_all(self, type_: ControlType, body: Body) -> None:
-        if self.peers:
-            self.peers.send_all(encode_control(type_, body))
-
     def connector_left(self) -> None:
-        self.lists_changed()
+        self.gossip.changed()
         self.moves.connector_left()
 
     # -- losing a peer ----------------------------------------------------------------------------
@@ -585,7 +538,7 @@ class Mesh:
                     "capacity": self.capacity,
                 },
             )
-        self.lists_changed()
+        self.gossip.changed()
         return True
 
     # -- heartbeats -----------------------------------------------------------------------------
@@ -606,14 +559,7 @@ class Mesh:
                     f"no frame for {silence:.1f} s (the budget is {peer.budget:g} s)",
                     CloseReason.HEARTBEAT_TIMEOUT,
                 )
-        load = self._load()
-        for link in self.peers.links():
-            assert link.peer is not None
-            link.send(encode_control(ControlType.LOAD, link.peer.timed(load)))
-        # The broker list travels with every heartbeat, not only when it changes: a link
-        # between two brokers that both reach a third is repaired within an interval or
-        # two of the network working again.
-        self._send_all(ControlType.BROKERS, Brokers(brokers=self.brokers()))
+        self.gossip.heartbeat()
 
     # -- drain and stop -------------------------------------------------------------------------
 
@@ -624,8 +570,8 @@ class Mesh:
             return
         self.draining = True
         self._on_event(MeshEvent("drain", self.name))
-        self._send_all(ControlType.DRAINING, Empty())
-        self.lists_changed()
+        self.gossip.send_all(ControlType.DRAINING, Empty())
+        self.gossip.changed()
         await self.moves.move_all(self.name, self.brokers(), grace)
 
     async def stop(self) -> None:

@@ -162,7 +162,7 @@ class Broker:
             sync=self.sync,
             relay=self.relay,
             outbox=self.outbox,
-            hosted_changed=lambda: self.mesh.load_changed(),
+            hosted_changed=lambda: self.mesh.gossip.load_changed(),
         )
         self.telemetry = Telemetry(
             config=config,
