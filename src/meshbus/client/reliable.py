@@ -344,7 +344,16 @@ class Reliable:
         state: _GroupSend | None = None
         key = (src, dst, group)
         if group:
-            state = await self._bound(key, b"")
+            try:
+                state = await self._bound(key, b"")
+            except NoRoute:
+                held = self._unacked.groups.get(key)
+                if held is None:
+                    raise
+                # The home cannot answer now (out of reach behind a cut link, re-linking
+                # after a stall): the message waits for the member the group has, and the
+                # resend pass asks the home again.
+                state = held
             target = state.member
         elif cast == CAST_MULTICAST:
             now = _now()
