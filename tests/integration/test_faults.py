@@ -16,6 +16,7 @@ import pytest
 
 import meshbus
 from bench.gate import BrokerGate
+from meshbus.broker.groups import home_of
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import ACK_TIMEOUT, Collector, stat, wait_members
 
@@ -28,8 +29,9 @@ HEAL_BUDGET = 3 * HEARTBEAT + 1.0
 POLL_SLACK = 1.0
 
 
-async def gated_mesh(count: int) -> tuple[list[BrokerProcess], list[BrokerGate]]:
-    """``count`` brokers, each behind its own gate; they dial each other through the gates."""
+async def gated_mesh(count: int, *args: str) -> tuple[list[BrokerProcess], list[BrokerGate]]:
+    """``count`` brokers (with ``args``), each behind its own gate; they dial each other
+    through the gates."""
     gates = [BrokerGate() for _ in range(count)]
     addresses = [await gate.start() for gate in gates]
     brokers: list[BrokerProcess] = []
@@ -37,7 +39,7 @@ async def gated_mesh(count: int) -> tuple[list[BrokerProcess], list[BrokerGate]]
         seed = ["--seed", addresses[0]] if i else []
         broker = await start_broker(
             "--name", f"g{i}", "--advertise", addresses[i], "--heartbeat-interval",
-            str(HEARTBEAT), *seed,
+            str(HEARTBEAT), *seed, *args,
         )  # fmt: skip
         gate.upstream = broker.address
         brokers.append(broker)
@@ -297,3 +299,64 @@ async def test_a_member_that_fails_over_from_a_paused_broker_keeps_its_group() -
         await scene.sender_conn.wait_acked(ACK_TIMEOUT)
         assert scene.m2.payloads == [], "the group moved although its member came back in time"
         assert scene.m1.payloads == [b"%d" % seq for seq in range(61)]
+
+
+@pytest.mark.parametrize("home", [0, 1], ids=["home-with-the-sender", "home-with-the-member"])
+async def test_a_group_stays_with_its_member_behind_a_cut_link(home: int) -> None:
+    """The a-b link is cut for longer than the heartbeat budget plus the group grace while
+    both still reach c. m1 on b holds the group; the sender on a cannot reach it, and m2
+    on c could take it. But m1 is alive and c reaches it: b is out of reach, not gone, so
+    the group does not move. The sender's messages wait and reach m1, in order, once the
+    link works again; m2 gets none. (Before, a -- the home, or the home it picked without
+    b -- moved the group to m2 while m1 still had it.)"""
+    brokers, gates = await gated_mesh(3, "--group-grace", "1.0")
+    a, b, c = brokers
+    names = [broker.name for broker in brokers]
+
+    def decided_by(key: bytes) -> tuple[str, str]:
+        """The group's home, and the home a would pick without b."""
+        key = POOL.to_bytes() + key
+        return home_of(key, names), home_of(key, [a.name, c.name])
+
+    # Without b, a is the home it would pick: the one that would move the group.
+    group = next(
+        key.decode() for i in range(1000) if decided_by(key := b"g%d" % i) == (names[home], a.name)
+    )
+    m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
+    m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
+    sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
+    collectors: list[Collector] = []
+    try:
+        m1 = await m1_conn.register()
+        await m1.join(POOL)
+        await wait_members(brokers, POOL, 1)
+        collectors.append(Collector(m1))
+        sender = await sender_conn.register()
+        await sender.send(POOL, b"0", reliable=True, group=group)
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        m2 = await m2_conn.register()
+        await m2.join(POOL)
+        await wait_members(brokers, POOL, 2)
+        collectors.append(Collector(m2))
+        gates[0].shut_out(b.name)
+        gates[1].shut_out(a.name)
+        for seq in range(1, 21):  # 3 s of sends while the link is cut
+            await sender.send(POOL, b"%d" % seq, reliable=True, group=group)
+            await asyncio.sleep(0.15)
+        await asyncio.sleep(1.0)  # 4 s apart: past the 1.5 s budget plus the 1 s grace
+        assert (await stat(a, detail=False))["out_of_reach"] == [b.name]
+        gates[0].open_to(b.name)
+        gates[1].open_to(a.name)
+        await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+        await sender_conn.wait_acked(ACK_TIMEOUT)
+        m1_got, m2_got = collectors
+        assert m2_got.payloads == [], "the group moved while its member was out of reach"
+        assert m1_got.payloads == [b"%d" % seq for seq in range(21)]
+    finally:
+        for collector in collectors:
+            collector.stop()
+        for conn in (m1_conn, m2_conn, sender_conn):
+            await conn.close()
+        await stop_all(brokers)
+        for gate in gates:
+            await gate.close()

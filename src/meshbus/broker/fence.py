@@ -6,6 +6,9 @@ whose peers are gone for good does not refuse for ever -- it decides nothing for
 mesh: ``Guarantees`` binds no group while ``fenced()`` (docs/mesh.md, "Fencing").
 A stall is found by the loop-lag probe (``Broker._measure_lag``) or by a peer's bytes
 read after a silence past the budget (``PeerInfo.hear``, a STALLED close).
+
+Its counterpart for a cut link is ``OutOfReach``: a broker that lost a peer another
+peer still reaches decides nothing for the groups that peer may hold.
 """
 
 from __future__ import annotations
@@ -41,3 +44,33 @@ class Fence:
             self._stalled_at = 0.0
             return False
         return True
+
+
+class OutOfReach:
+    """Brokers this one is not linked to that one of its peers is: alive behind a cut
+    link (a partial partition), not gone. Each peer's broker list (gossip, with every
+    heartbeat) names the brokers it is linked to.
+
+    While one is out of reach this broker decides nothing for it (docs/mesh.md, "One
+    group, one member"): it counts it when it picks a group's home, and moves no group
+    away from a member it cannot see -- the member may be on it, processing. A sighting
+    lasts ``ttl`` seconds: a peer that has not yet noticed a crash names the dead broker
+    for up to a heartbeat budget, and then a crashed broker's groups move as before."""
+
+    def __init__(self, clock: Callable[[], float], ttl: float) -> None:
+        self._clock = clock
+        self._ttl = ttl
+        self._seen: dict[str, float] = {}  # broker -> when a peer last named it
+
+    def seen(self, name: str) -> None:
+        self._seen[name] = self._clock()
+
+    def forget(self, name: str) -> None:
+        """Linked to it again, or it left the mesh."""
+        self._seen.pop(name, None)
+
+    def names(self) -> list[str]:
+        now = self._clock()
+        for name in [n for n, at in self._seen.items() if now - at > self._ttl]:
+            del self._seen[name]
+        return sorted(self._seen)

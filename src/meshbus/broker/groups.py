@@ -73,11 +73,18 @@ class GroupTable:
         return self._held[member]
 
     def bind(
-        self, key: GroupKey, members: list[bytes], failed: bytes, expiry: float, now: float
+        self,
+        key: GroupKey,
+        members: list[bytes],
+        failed: bytes,
+        expiry: float,
+        now: float,
+        hold: bool = False,
     ) -> Binding | None:
         """The binding of ``key`` for a sender at the home: kept (and refreshed) while its
-        member is in ``members`` or missing for less than the grace; otherwise a new
-        member, one that holds no group when there is one. None: no member at all."""
+        member is in ``members``, missing for less than the grace, or ``hold`` (a broker
+        the member may be on is out of reach, not gone); otherwise a new member, one that
+        holds no group when there is one. None: no member at all."""
         binding = self._bindings.get(key)
         if binding is not None:
             if binding.member in members:
@@ -87,7 +94,7 @@ class GroupTable:
                 return binding
             if binding.missing_since == 0.0:
                 binding.missing_since = now
-            if now - binding.missing_since < self.grace or not members:
+            if now - binding.missing_since < self.grace or hold or not members:
                 binding.updated = now
                 return binding
         if not members:

@@ -57,9 +57,12 @@ class Guarantees:
         outbox: Outbox,
         clock: Callable[[], float],
         fenced: Callable[[], bool],
+        out_of_reach: Callable[[], list[str]],
     ) -> None:
         """``name`` gives this broker's name (known once it listens); ``fenced`` is true
-        while it re-links after a stall (meshbus.broker.fence), when it binds nothing."""
+        while it re-links after a stall (meshbus.broker.fence), when it binds nothing;
+        ``out_of_reach`` names the brokers a peer is linked to and this one is not
+        (``OutOfReach``): alive behind a cut link."""
         self._name = name
         self.groups = groups
         self._routing = routing
@@ -68,6 +71,7 @@ class Guarantees:
         self._outbox = outbox
         self._clock = clock
         self._fenced = fenced
+        self._out_of_reach = out_of_reach
 
     # -- members ------------------------------------------------------------------------
 
@@ -85,10 +89,17 @@ class Guarantees:
 
     # -- message groups -----------------------------------------------------------------------
 
-    def _home(self, key: bytes) -> Link | None:
-        """The peer that is the group's home; None when it is this broker."""
-        home = home_of(key, [self._name(), *self._peers])
-        return self._peers.get(home)
+    def _mesh(self) -> list[str]:
+        """The brokers a group's home is chosen from. Those out of reach are counted: they
+        are alive and decide for their groups, so this side of a cut link must not pick a
+        home of its own for those groups and bind them a second time."""
+        return [self._name(), *self._peers, *self._out_of_reach()]
+
+    def _home(self, key: bytes) -> tuple[str, Link | None]:
+        """The group's home, and the link to it (None: the home is this broker, or out of
+        reach)."""
+        home = home_of(key, self._mesh())
+        return home, self._peers.get(home)
 
     def _check_sender(self, link: Link, sender: bytes) -> None:
         """A connector binds and ends a message group only as a service of its own: a
@@ -104,9 +115,19 @@ class Guarantees:
     def on_bind(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, GroupBind)
         self._check_sender(link, body.sender)
-        home = None if link.is_peer else self._home(body.group + body.key)
+        name, home = (self._name(), None) if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             self._relay.relay(home, ControlType.GROUP_BIND, body, link, correlation)
+            return
+        if name != self._name():
+            self._relay.refuse(
+                link,
+                ErrorCode.UNAVAILABLE,
+                f"broker {name}, the home of message group {body.key.decode(errors='replace')!r}, "
+                f"is out of reach from broker {self._name()} (a link between them is down); "
+                "ask again in a moment",
+                correlation,
+            )
             return
         if self._fenced():
             # Its peers took this broker for dead while it stalled; the group's home among
@@ -120,7 +141,9 @@ class Guarantees:
             return
         members = self._routing.members(body.group)
         key = (body.group, body.key)
-        binding = self.groups.bind(key, members, body.failed, body.expiry, self._clock())
+        # A member this broker cannot see may be on a broker out of reach, alive: keep it.
+        hold = bool(self._out_of_reach())
+        binding = self.groups.bind(key, members, body.failed, body.expiry, self._clock(), hold)
         if binding is None:
             self._relay.refuse(
                 link,
@@ -139,11 +162,12 @@ class Guarantees:
     def on_end(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, GroupEnd)
         self._check_sender(link, body.sender)
-        home = None if link.is_peer else self._home(body.group + body.key)
+        name, home = (self._name(), None) if link.is_peer else self._home(body.group + body.key)
         if home is not None:
             home.send(encode_control(ControlType.GROUP_END, body))
-        else:
+        elif name == self._name():
             self.groups.end((body.group, body.key), body.sender, self._clock())
+        # else the home is out of reach: its binding goes at its idle expiry instead.
         if correlation:
             self._relay.answer(link, ControlType.OK, Empty(), correlation)
 
@@ -159,7 +183,7 @@ class Guarantees:
         holds, and without this rule each would take the other's -- swapped, not one."""
         assert isinstance(body, Groups)
         now = self._clock()
-        brokers = [self._name(), *self._peers]
+        brokers = self._mesh()
         for anycast, group, member, expiry in body.ops:
             key = (anycast, group)
             if self.groups.get(key) is not None and home_of(anycast + group, brokers) != link.name:

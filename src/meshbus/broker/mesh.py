@@ -27,7 +27,7 @@ from meshbus.broker.balance import incoming_link_wins, redirect_target
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.dialer import Dialer, dial_tcp
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
-from meshbus.broker.fence import Fence
+from meshbus.broker.fence import Fence, OutOfReach
 from meshbus.broker.gossip import Gossip
 from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
@@ -149,6 +149,9 @@ class Mesh:
         )
         self.redials.add_seeds(config.seeds, clock())
         self.fence = Fence(clock, config.heartbeat_budget, self.redials)
+        # A peer's list is at most a budget behind (it has not noticed a crash yet), and
+        # comes once an interval.
+        self.out_of_reach = OutOfReach(clock, ttl=config.heartbeat_budget + interval)
         self.gossip = Gossip(
             peers=peers, links=links, brokers=self.brokers, hosted_streams=hosted_streams
         )
@@ -393,6 +396,7 @@ class Mesh:
         state.address = listen
         state.slot = slot
         self.redials.linked(name, listen)
+        self.out_of_reach.forget(name)
         self._greet_peer(link)
         self.peers.add(link)
         self.gossip.greet(link)
@@ -419,8 +423,9 @@ class Mesh:
 
     def on_brokers(self, link: Link, correlation: int, body: Body) -> None:
         """Gossip (with every heartbeat): every ready broker we hear of and are not linked
-        to becomes a candidate to dial (a joining broker dials us itself); one that
-        announces its drain is leaving."""
+        to becomes a candidate to dial (a joining broker dials us itself), and is out of
+        reach rather than gone while a peer names it; one that announces its drain is
+        leaving."""
         assert isinstance(body, Brokers)
         now = self._clock()
         for info in body.brokers:
@@ -429,8 +434,10 @@ class Mesh:
             self.known[info.name] = info
             if info.draining:
                 self.redials.left(info.name)
+                self.out_of_reach.forget(info.name)
             elif info.ready:
                 self.redials.want(info.name, info.address, now)
+                self.out_of_reach.seen(info.name)
         self._gossip.set()
         self._dial_due()
 
@@ -520,6 +527,7 @@ class Mesh:
             self.redials.want(link.name, peer.listen, self._clock())
         else:
             self.redials.left(link.name)
+            self.out_of_reach.forget(link.name)
         # Not a link replaced (the peer is still linked) nor one this broker said
         # goodbye to (this broker is the one leaving).
         if reason is not CloseReason.DUPLICATE_LINK and leaving is None:

@@ -155,6 +155,7 @@ class Broker:
             outbox=self.outbox,
             clock=clock,
             fenced=lambda: self.mesh.fence.fenced(),
+            out_of_reach=lambda: self.mesh.out_of_reach.names(),
         )
         self.streams = StreamHost(
             config=config,

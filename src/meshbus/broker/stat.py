@@ -146,6 +146,9 @@ class StatView:
             "groups_bound": len(self._groups),
             "loop_lag_ms": self._lag.snapshot(),
             "redialling": self._mesh.redials.names(),
+            # Brokers a peer is linked to and this one is not (a cut link): alive, and
+            # counted for message groups' homes (docs/mesh.md, "One group, one member").
+            "out_of_reach": self._mesh.out_of_reach.names(),
             "counters": self._counters()
             | {
                 "pending": len(self._pending),

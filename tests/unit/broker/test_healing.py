@@ -13,9 +13,10 @@ from meshbus.address import Anycast
 from meshbus.broker.groups import home_of
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
-from meshbus.protocol.control import GroupBind, GroupBound, Revoked
-from meshbus.protocol.layout import ControlType
+from meshbus.protocol.control import Error, GroupBind, GroupBound, Revoked
+from meshbus.protocol.layout import ControlType, ErrorCode
 from tests.unit.broker.fakes import (
+    FakeClient,
     FakeClock,
     FakeNetwork,
     address_of,
@@ -206,3 +207,106 @@ async def test_a_fixed_address_taken_on_both_sides_of_a_split_has_one_owner_afte
     await network.settle()
     assert brokers[1].stats.dropped_revoked == 1
     assert brokers[1].links.connectors, "on-b's link stays open"
+
+
+# -- one group, one member, across a cut link --------------------------------------------------
+
+GRACE = 4.0  # the default --group-grace
+
+
+def group_homed_at(name: str, brokers: list[str]) -> bytes:
+    """A message group id whose home, over ``brokers``, is ``name``."""
+    return next(key for i in range(1000) if home_of(POOL + (key := b"g%d" % i), brokers) == name)
+
+
+async def bound_group(
+    network: FakeNetwork, mesh3: list[Broker], home: str
+) -> tuple[bytes, bytes, bytes]:
+    """A group homed at ``home``, bound to member m_b on b (the only member then); then m_c
+    on c joins the pool. Returns (group id, m_b, m_c)."""
+    _, b, c = mesh3
+    key = group_homed_at(home, ["a", "b", "c"])
+    on_b = await connector(network, b, "on-b")
+    m_b = await on_b.register("m")
+    await on_b.join(m_b, POOL)
+    await network.settle()
+    bound = await on_b.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key))
+    assert isinstance(bound.body, GroupBound)
+    assert bound.body.member == m_b
+    on_c = await connector(network, c, "on-c")
+    m_c = await on_c.register("m")
+    await on_c.join(m_c, POOL)
+    await network.settle()
+    return key, m_b, m_c
+
+
+async def gone_past_the_grace(
+    network: FakeNetwork, brokers: list[Broker], key: bytes, m_b: bytes
+) -> FakeClient:
+    """A sender on a that reports m_b unreachable at once (its home starts counting the
+    grace), then time past the grace with ``brokers`` running; the sender is returned."""
+    on_a = await connector(network, brokers[0], "on-a")
+    await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key, failed=m_b))
+    for _ in range(int(GRACE / INTERVAL) + 2):
+        await tick(network, brokers, INTERVAL)
+    return on_a
+
+
+async def test_a_group_is_not_moved_from_a_member_behind_a_cut_link(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    """a, the group's home, cannot see m_b past the grace -- but c still names b in its
+    broker list, so b is out of reach, not gone, and m_b may be processing: the group stays
+    with it (moving it would hand the group to m_c while m_b has it)."""
+    a, _, _ = mesh3
+    key, m_b, _ = await bound_group(network, mesh3, home="a")
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    on_a = await gone_past_the_grace(network, mesh3, key, m_b)
+    assert linked(mesh3) == {"a": ["c"], "b": ["c"], "c": ["a", "b"]}
+    assert a.mesh.out_of_reach.names() == ["b"]
+    again = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key, failed=m_b))
+    assert isinstance(again.body, GroupBound)
+    assert again.body.member == m_b
+    network.heal(address_of("a"), address_of("b"))
+    await ticks_until_whole(network, clock, mesh3, HEAL_BUDGET)
+    assert a.mesh.out_of_reach.names() == []
+    held = {bx.config.name: bx.guarantees.groups.get((POOL, key)) for bx in mesh3}
+    assert {name: binding.member for name, binding in held.items() if binding} == {
+        "a": m_b,
+        "b": m_b,
+        "c": m_b,
+    }
+
+
+async def test_a_group_whose_home_is_behind_a_cut_link_is_not_bound_on_this_side(
+    network: FakeNetwork, mesh3: list[Broker]
+) -> None:
+    """Without b, a would be (or ask c to be) the home of b's group and bind it afresh --
+    to m_c, a second member. It counts b while c names it, and refuses for now."""
+    key, m_b, _ = await bound_group(network, mesh3, home="b")
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()
+    on_a = await gone_past_the_grace(network, mesh3, key, m_b)
+    refused = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key, failed=m_b))
+    assert isinstance(refused.body, Error), refused
+    assert refused.body.code == ErrorCode.UNAVAILABLE
+    assert "broker b" in refused.body.message
+    assert "out of reach from broker a" in refused.body.message
+
+
+async def test_a_crashed_brokers_groups_still_move_after_the_grace(
+    network: FakeNetwork, mesh3: list[Broker]
+) -> None:
+    """Nobody names a crashed broker once its peers noticed: out of reach only for a
+    budget and an interval, then its member is gone and the group moves on."""
+    a, _, c = mesh3
+    key, m_b, m_c = await bound_group(network, mesh3, home="a")
+    network.crash(address_of("b"))
+    await network.settle()
+    on_a = await gone_past_the_grace(network, [a, c], key, m_b)
+    assert a.mesh.out_of_reach.names() == []
+    moved = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key, failed=m_b))
+    assert isinstance(moved.body, GroupBound)
+    assert moved.body.member == m_c
+    assert moved.body.reassigned
