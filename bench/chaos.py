@@ -12,13 +12,12 @@ every event. While the traffic runs:
   data dir, joining through C;
 * at 32%, broker C is paused (SIGSTOP) for ``PAUSE`` seconds, twice the heartbeat
   budget, then resumed: its peers declare it dead meanwhile, and the mesh must heal;
-* at 42%, the link between A and B is cut for ``PARTITION`` seconds while both still
-  reach C (every broker is behind a TCP gate, bench.gate, that the others dial), then
-  works again, and the mesh must heal. The cut is longer than the heartbeat budget (A
-  and B drop each other) and shorter than the group grace: a member out of reach for
-  less than the grace keeps its groups. A longer cut may move a group, and then what
-  its member processed with acknowledgements lost in the cut goes to the next member
-  too -- the limit docs/mesh.md states (the fence is local, not a quorum).
+* at 42%, the link between A and B is cut for ``--cut`` seconds (3 by default) while
+  both still reach C (every broker is behind a TCP gate, bench.gate, that the others
+  dial), then works again, and the mesh must heal. The cut is longer than the heartbeat
+  budget (A and B drop each other); however long it is, a group whose member is out of
+  reach from its sender stays with that member, since C still names its broker
+  (docs/mesh.md, "One group, one member"): the sender's messages wait for the link.
   ``healed_s``: the longer of the two heals, from SIGCONT or from the link working
   again until every broker links to every other;
 * at 55%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
@@ -65,7 +64,6 @@ _CONNECTORS_PER_KIND = 3  # senders, and receivers: one of each per founding bro
 # The share of the sends at which each event begins: kill, pause, partition, drain, join.
 _MARKS = (0.20, 0.32, 0.42, 0.55, 0.72)
 PAUSE = 3.0  # seconds broker C stays stopped: twice the default 1.5 s heartbeat budget
-PARTITION = 3.0  # seconds the A-B link is cut: past the 1.5 s budget, under the 4 s grace
 # Give-up bounds: far above anything healthy, they only turn a hang into a clear result.
 _STEP_LIMIT = 30.0  # a broker starting, forming the mesh, draining
 _ACK_LIMIT = 120.0  # every send acknowledged (or given up: ~15 s after its first attempt)
@@ -270,6 +268,7 @@ async def _shake(
     mesh: list[MeshbusProcess],
     traffic: Traffic,
     timeline: Timeline,
+    cut: float,
 ) -> None:
     """The events, each once the senders reach its mark (they wait there until it begins)."""
     a, b, c = mesh
@@ -298,9 +297,9 @@ async def _shake(
     gate_a, gate_b = gates.by_dir[dirs["a"]], gates.by_dir[dirs["b"]]
     gate_a.shut_out(b.name)
     gate_b.shut_out(again.name)
-    timeline.add("link cut", f"{again.name} - {b.name} for {PARTITION:.0f} s, both reach {c.name}")
+    timeline.add("link cut", f"{again.name} - {b.name} for {cut:g} s, both reach {c.name}")
     traffic.marks[2].begun.set()
-    await asyncio.sleep(PARTITION)
+    await asyncio.sleep(cut)
     gate_a.open_to(b.name)
     gate_b.open_to(again.name)
     mended = time.perf_counter()
@@ -374,11 +373,11 @@ class Outcome:
 
 
 async def _run(
-    brokers: MeshbusProcesses, workdir: str, count: int, groups: int, group_size: int
+    brokers: MeshbusProcesses, workdir: str, count: int, groups: int, group_size: int, cut: float
 ) -> Outcome:
     gates = Gates()
     try:
-        return await _run_gated(brokers, gates, workdir, count, groups, group_size)
+        return await _run_gated(brokers, gates, workdir, count, groups, group_size, cut)
     finally:
         await gates.close()
 
@@ -390,6 +389,7 @@ async def _run_gated(
     count: int,
     groups: int,
     group_size: int,
+    cut: float,
 ) -> Outcome:
     dirs = {name: os.path.join(workdir, name) for name in "abcd"}
     first = await _start(brokers, gates, dirs["a"])
@@ -437,7 +437,7 @@ async def _run_gated(
                 timeline.add("all sent", f"{traffic.sent:,} sent")
 
             tasks = [
-                asyncio.create_task(_shake(brokers, gates, dirs, mesh, traffic, timeline)),
+                asyncio.create_task(_shake(brokers, gates, dirs, mesh, traffic, timeline, cut)),
                 asyncio.create_task(send_everything()),
             ]
             try:
@@ -496,7 +496,15 @@ async def _run_gated(
     show_default=True,
     help="Messages per group, the last one final.",
 )
-def chaos(count: int, groups: int, group_size: int) -> None:
+@click.option(
+    "--cut",
+    type=click.FloatRange(0.1, 60.0),
+    default=3.0,
+    show_default=True,
+    help="Seconds the A-B link is cut (past the 1.5 s heartbeat budget by default; "
+    "above the 4 s --group-grace, a group's member stays out of reach past the grace).",
+)
+def chaos(count: int, groups: int, group_size: int, cut: float) -> None:
     """Reliable traffic through a 3-broker mesh while one broker is killed and restarted,
     one is paused past its heartbeat budget, one link is cut, one broker drains and a
     4th joins: count lost, duplicated and out-of-order messages, groups that reached
@@ -509,7 +517,9 @@ def chaos(count: int, groups: int, group_size: int) -> None:
     Last line: `lost=<n> duplicated=<n> out_of_order=<n> two_members=<n> healed_s=<s>`.
     """
     with tempfile.TemporaryDirectory(prefix="meshbus-chaos-") as workdir:
-        outcome = run_on_brokers(lambda brokers: _run(brokers, workdir, count, groups, group_size))
+        outcome = run_on_brokers(
+            lambda brokers: _run(brokers, workdir, count, groups, group_size, cut)
+        )
     traffic, tally = outcome.traffic, outcome.tally
     counts = tally.counts
     sent_ids = traffic.sent_ids
