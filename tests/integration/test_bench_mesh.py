@@ -7,8 +7,9 @@ cannot start inside a running one.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import click
 import pytest
@@ -86,3 +87,30 @@ def test_bursts_reports_the_loop_lag_of_both_brokers() -> None:
     assert fields["suspicions"] == "0"
     # A p99 of at least the first bucket's bound: the probe took samples through the burst.
     assert float(fields["entry_p99_ms"]) >= 1, line
+
+
+def test_bursts_can_give_one_broker_a_core_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--own-core pins that broker to the last core and every other process (the other
+    brokers, the load generator) to the rest, then gives the load generator its cores
+    back; the last line adds that broker's lag."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    placed: list[tuple[int, set[int]]] = []
+    pin = os.sched_setaffinity
+
+    def recording(pid: int, mask: Iterable[int]) -> None:
+        placed.append((pid, set(mask)))
+        pin(pid, mask)
+
+    monkeypatch.setattr(os, "sched_setaffinity", recording)
+    line = last_line(bursts, "--count", "300", "--own-core", "joining")
+    fields = dict(item.split("=") for item in line.split())
+    assert float(fields["alone_max_lag_ms"]) >= 0, line
+    alone = [pid for pid, mask in placed if mask == {cores[-1]}]
+    rest = {pid for pid, mask in placed if mask == set(cores[:-1])}
+    assert len(alone) == 1, placed
+    assert alone[0] not in rest, placed
+    assert len(rest) == 3, placed  # the two other brokers, and the load generator (pid 0)
+    assert 0 in rest, placed
+    assert os.sched_getaffinity(0) == set(cores)
