@@ -41,8 +41,8 @@ from meshbus.protocol.layout import ControlType, ErrorCode
 log = logging.getLogger("meshbus.broker")
 
 # Bindings per GROUPS frame: about 60 bytes each, so a frame stays far below the frame
-# limit and a peer applies it in a couple of milliseconds.
-GROUPS_CHUNK = 2_000
+# limit and a peer applies it in a millisecond or two (as ROUTES_CHUNK).
+GROUPS_CHUNK = 500
 
 
 class Guarantees:

@@ -380,17 +380,18 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                 if not total:
                     break
                 if buf[pos + 4] == KIND_CONTROL:
+                    # A pipelined burst of registrations or joins is handled in slices:
+                    # past the slice, the rest waits for the next loop turn, so one link
+                    # never holds the loop. The slice starts with the first control frame
+                    # (it counts that frame too, a peer's ROUTES being a few ms of work);
+                    # data frames are not timed (they are cheap).
+                    if not slice_end:
+                        slice_end = perf_counter() + slices.SLICE
                     self._on_control(bytes(buf[pos : pos + total]))
                     if self._decisions_version != routing.version:
                         decisions.clear()
                         self._decisions_version = routing.version
-                    # A pipelined burst of registrations or joins is handled in slices:
-                    # past the slice, the rest waits for the next loop turn, so one link
-                    # never holds the loop. Data frames are not timed (they are cheap).
-                    now = perf_counter()
-                    if not slice_end:
-                        slice_end = now + slices.SLICE
-                    elif now > slice_end and self.state is not LinkState.CLOSED:
+                    if perf_counter() > slice_end and self.state is not LinkState.CLOSED:
                         pos += total
                         run_start = pos
                         if not self._blocked:

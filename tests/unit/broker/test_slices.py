@@ -1,6 +1,6 @@
 """Never stall: a link's pipelined burst of control frames is handled in slices, so the
 other links get their turns in between (docs/architecture.md, the event loop's budget).
-Here the slice is 0 s: each loop turn handles two of the burst's frames at most."""
+Here the slice is 0 s: each loop turn handles one of the burst's frames."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from meshbus.address import Unicast
 from meshbus.broker import slices
+from meshbus.broker.link import Link
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import ROLE_OPERATOR, Empty, Error, Register, StatRequest, Stats
 from meshbus.protocol.layout import ControlType
@@ -55,6 +56,37 @@ async def test_a_burst_of_registrations_yields_to_other_links_and_is_answered_in
     )
     assert {f.type for f in answers if isinstance(f, ControlFrame)} == {ControlType.REGISTERED}
     assert broker.routing.service_count == BURST
+
+
+async def test_a_slice_counts_its_first_frame(
+    network: FakeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slice's clock starts before the first control frame of a read, not after it: a
+    peer's ROUTES frame is milliseconds of work, and a read's callback must not run a
+    whole frame before it even starts to count. With a zero slice, a callback handles one
+    frame, then yields the loop (blocks the link until its next turn)."""
+    monkeypatch.setattr(slices, "SLICE", 0.0)
+    broker = await start_broker(network, "a")
+    client = await connector(network, broker, "pinger")
+    steps: list[str] = []
+    on_control, block = Link._on_control, Link.block
+
+    def handled(link: Link, frame: bytes) -> None:
+        steps.append("frame")
+        on_control(link, frame)
+
+    def yielded(link: Link) -> None:
+        steps.append("yield")
+        block(link)
+
+    monkeypatch.setattr(Link, "_on_control", handled)
+    monkeypatch.setattr(Link, "block", yielded)
+    client.send(b"".join(encode_control(ControlType.PING, Empty(), c) for c in range(1, 6)))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if len(client.controls()) == 5:
+            break
+    assert steps == ["frame", "yield"] * 5, steps
 
 
 async def test_a_big_connectors_services_leave_every_table_in_slices(
