@@ -256,7 +256,7 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
         print(f"{allocator} loop lag through the abuse and its withdrawal: {lag}")
         (during, after), (_, after_again) = figures
         assert during > baseline + 50 * 1024, "the abuse took memory"
-        # pymalloc: measured 1.09-1.23x after one abuser, 1.16-1.33x after each of up to six
+        # pymalloc: measured 1.09-1.20x after one abuser, 1.16-1.33x after each of up to six
         # (1.5-1.85x before the broker emptied the free lists and kept its tables out of
         # the collector's sight). A fixed step per abuser failed: the pinned arenas vary by
         # a few MiB from one abuser to the next, up or down.
