@@ -126,6 +126,17 @@ from meshbus.util import parse_hostport
     "before it is forgotten; it comes back the moment a peer lists it or it dials in.",
 )
 @click.option(
+    "--partition-handling",
+    type=click.Choice(["ignore", "pause-minority"]),
+    default="ignore",
+    show_default=True,
+    help="pause-minority: a broker linked to no more than half of the brokers it knows "
+    "(the others crashed or cut off) closes its connectors' links and takes none until it "
+    "is linked to more than half again, so a message group is never processed on both "
+    "sides of a partition. Use with 3 brokers or more: in a mesh of 2 the survivor of a "
+    "crash pauses too. ignore: every side goes on (docs/mesh.md).",
+)
+@click.option(
     "--drain-grace",
     type=click.FloatRange(0),
     default=10.0,
@@ -357,6 +368,7 @@ def broker(
     heartbeat_interval: float,
     heartbeat_misses: int,
     peer_forget: float,
+    partition_handling: str,
     drain_grace: float,
     join_timeout: float,
     data_dir: str | None,
@@ -447,6 +459,7 @@ def broker(
         heartbeat_interval=heartbeat_interval,
         heartbeat_misses=heartbeat_misses,
         peer_forget=peer_forget,
+        partition_handling=partition_handling,
         drain_grace=drain_grace,
         join_timeout=join_timeout,
         data_dir=data_dir or "",

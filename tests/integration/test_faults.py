@@ -360,3 +360,80 @@ async def test_a_group_stays_with_its_member_behind_a_cut_link(home: int) -> Non
         await stop_all(brokers)
         for gate in gates:
             await gate.close()
+
+
+async def keep_sending(sender: meshbus.Service, payloads: list[bytes], group: str) -> None:
+    """Send each reliably, 0.2 s apart; a send refused while the connector fails over is
+    made again once it has a link."""
+    for payload in payloads:
+        while True:
+            try:
+                await sender.send(POOL, payload, reliable=True, group=group)
+                break
+            except meshbus.ConnectionLost:
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
+
+
+async def test_under_pause_minority_a_cut_off_broker_hands_its_connectors_to_the_majority() -> None:
+    """b is cut off from a and c for 7 s, past the heartbeat budget and the 4 s group
+    grace, while every connector still reaches every broker. m1 on b holds a group that a
+    sender on a and a sender on b both send to; m2 on c could take it. Under --partition-
+    handling pause-minority b, linked to none of the two others, closes its connectors'
+    links and takes no new ones: m1 and b's sender fail over to the majority within the
+    grace, and the group stays with m1 -- no message reaches m2. (With ``ignore`` b goes on:
+    it binds the group to m1 as its own home while a's side moves it to m2, and the group
+    is processed on both sides.)"""
+    brokers, gates = await gated_mesh(3, "--partition-handling", "pause-minority")
+    a, b, c = brokers
+    conns = [
+        await meshbus.connect([b.address, c.address], server="m1"),
+        await meshbus.connect(c.address, server="m2", failover=False),
+        await meshbus.connect(a.address, server="sa", failover=False),
+        await meshbus.connect([b.address, a.address], server="sb"),
+    ]
+    collectors: list[Collector] = []
+    try:
+        m1 = await conns[0].register()
+        await m1.join(POOL)
+        await wait_members(brokers, POOL, 1)
+        collectors.append(Collector(m1))
+        from_a, from_b = await conns[2].register(), await conns[3].register()
+        for sender in (from_a, from_b):
+            await sender.send(POOL, b"first", reliable=True, group="g")
+        for conn in (conns[2], conns[3]):
+            await conn.wait_acked(ACK_TIMEOUT)
+        m2 = await conns[1].register()
+        await m2.join(POOL)
+        await wait_members(brokers, POOL, 2)
+        collectors.append(Collector(m2))
+        for gate, other in ((gates[0], b), (gates[2], b), (gates[1], a), (gates[1], c)):
+            gate.shut_out(other.name)
+        await asyncio.gather(
+            keep_sending(from_a, [b"a%d" % i for i in range(35)], "g"),
+            keep_sending(from_b, [b"b%d" % i for i in range(35)], "g"),
+        )
+        b_stat = await stat(b, detail=False)
+        assert b_stat["mesh_counters"]["minority_pauses"] == 1
+        with pytest.raises(meshbus.ConnectionLost, match="cut off from most of the mesh"):
+            await meshbus.connect(b.address, server="late", failover=False)
+        for gate, other in ((gates[0], b), (gates[2], b), (gates[1], a), (gates[1], c)):
+            gate.open_to(other.name)
+        await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+        for conn in (conns[2], conns[3]):
+            await conn.wait_acked(ACK_TIMEOUT)
+        m1_got, m2_got = collectors
+        assert m2_got.payloads == [], "the group was processed on both sides of the cut"
+        assert sorted(set(m1_got.payloads)) == sorted(
+            [b"first", *(b"%s%d" % (side, i) for side in (b"a", b"b") for i in range(35))]
+        )
+        async with await meshbus.connect(b.address, server="after", failover=False):
+            pass  # b takes connectors again once it is linked to most of the mesh
+    finally:
+        for collector in collectors:
+            collector.stop()
+        for conn in conns:
+            await conn.close()
+        await stop_all(brokers)
+        for gate in gates:
+            await gate.close()

@@ -63,6 +63,9 @@ class CloseReason(enum.Enum):
     STALLED = "stalled"
     # A reload of the config file removed the link's user, or changed its credential.
     REVOKED = "revoked"
+    # A connector's link, closed by a broker cut off from most of the mesh
+    # (--partition-handling pause-minority).
+    MINORITY = "minority"
 
 
 @dataclass(eq=False)

@@ -8,7 +8,9 @@ A stall is found by the loop-lag probe (``Broker._measure_lag``) or by a peer's 
 read after a silence past the budget (``PeerInfo.hear``, a STALLED close).
 
 Its counterpart for a cut link is ``OutOfReach``: a broker that lost a peer another
-peer still reaches decides nothing for the groups that peer may hold.
+peer still reaches decides nothing for the groups that peer may hold. And for a cut
+that leaves a broker no way to any majority, ``minority``: under ``--partition-handling
+pause-minority`` such a broker takes no connectors (docs/mesh.md, "Partitions").
 """
 
 from __future__ import annotations
@@ -74,3 +76,21 @@ class OutOfReach:
         for name in [n for n, at in self._seen.items() if now - at > self._ttl]:
             del self._seen[name]
         return sorted(self._seen)
+
+
+def minority(name: str, linked: int, lost: list[str]) -> str:
+    """Why broker ``name`` is in a minority -- linked to ``linked`` peers, with the brokers
+    ``lost`` (gone without a goodbye, dialled again) -- or "" if it is not. A broker counts
+    itself: it is in a minority when it and its peers are no more than half of all the
+    brokers it knows. Half is not enough, as in RabbitMQ's pause_minority: of two halves
+    that cannot tell which is alive, neither may go on alone."""
+    if not lost:
+        return ""
+    known = 1 + linked + len(lost)
+    if 2 * (1 + linked) > known:
+        return ""
+    return (
+        f"broker {name} is cut off from most of the mesh (linked to {linked} of the "
+        f"{known - 1} other brokers it knows; lost: {', '.join(sorted(lost))}); "
+        "connect to another broker"
+    )

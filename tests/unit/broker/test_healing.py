@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 
 from meshbus.address import Anycast
+from meshbus.broker.fence import minority
 from meshbus.broker.groups import home_of
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
-from meshbus.protocol.control import Error, GroupBind, GroupBound, Revoked
+from meshbus.protocol.control import ROLE_CONNECTOR, Error, GroupBind, GroupBound, Hello, Revoked
 from meshbus.protocol.layout import ControlType, ErrorCode
 from tests.unit.broker.fakes import (
     FakeClient,
@@ -21,6 +22,7 @@ from tests.unit.broker.fakes import (
     FakeNetwork,
     address_of,
     build_mesh,
+    connect_client,
     connector,
     routes_everywhere,
     tick,
@@ -310,3 +312,57 @@ async def test_a_crashed_brokers_groups_still_move_after_the_grace(
     assert isinstance(moved.body, GroupBound)
     assert moved.body.member == m_c
     assert moved.body.reassigned
+
+
+@pytest.mark.parametrize(
+    ("linked", "lost", "in_minority"),
+    [
+        (0, 0, False),  # a mesh of one: nothing lost
+        (1, 1, False),  # two of three: the majority
+        (0, 2, True),  # one of three: cut off
+        (0, 1, True),  # one of two: half is not a majority
+        (1, 2, True),  # two of four
+        (2, 2, False),  # three of five
+    ],
+)
+def test_a_broker_is_in_a_minority_when_it_and_its_peers_are_no_more_than_half(
+    linked: int, lost: int, in_minority: bool
+) -> None:
+    why = minority("b", linked, [f"lost{i}" for i in range(lost)])
+    assert bool(why) is in_minority
+    if in_minority:
+        assert f"linked to {linked} of the {linked + lost} other brokers" in why
+        assert "lost0" in why
+
+
+async def test_under_pause_minority_a_broker_cut_off_from_the_others_takes_no_connectors(
+    network: FakeNetwork, clock: FakeClock
+) -> None:
+    a, b, c = await build_mesh(
+        network, 3, heartbeat_interval=INTERVAL, partition_handling="pause-minority"
+    )
+    on_a, on_b = await connector(network, a, "on-a"), await connector(network, b, "on-b")
+    network.partition(address_of("b"), address_of("a"))
+    await network.settle()
+    assert not on_b.closed, "linked to c, b is half of what it knows with a lost: it stays"
+    assert b.mesh.minority() == ""
+    network.partition(address_of("b"), address_of("c"))
+    await network.settle()
+    (error,) = on_b.take(ControlType.ERROR)
+    assert isinstance(error.body, Error)
+    assert error.body.code == ErrorCode.UNAVAILABLE
+    assert "broker b is cut off from most of the mesh (linked to 0 of the 2" in error.body.message
+    assert on_b.closed
+    assert not on_a.closed, "a, linked to c, is in the majority"
+    refused = connect_client(network, b, "late")
+    refused.send_control(ControlType.HELLO, Hello(role=ROLE_CONNECTOR, name="late"))
+    await network.settle()
+    (frame,) = refused.take(ControlType.ERROR)
+    assert isinstance(frame.body, Error)
+    assert frame.body.code == ErrorCode.REDIRECT
+    assert "cut off from most of the mesh" in frame.body.message
+    network.heal(address_of("b"), address_of("a"))
+    network.heal(address_of("b"), address_of("c"))
+    await ticks_until_whole(network, clock, [a, b, c], HEAL_BUDGET)
+    await connector(network, b, "after")  # welcomed again
+    assert b.mesh.stats.minority_pauses == 1
