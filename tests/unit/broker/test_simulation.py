@@ -12,6 +12,8 @@ heartbeat interval. After every step, what must always hold is checked; after th
 schedule, the network is made whole and what must hold *eventually* is checked:
 
 - always: at most one link between two brokers; no route leads through a closed link;
+  under ``--partition-handling pause-minority``, no broker cut off from most of the
+  mesh (and awake) serves a connector;
 - eventually (within a few heartbeat intervals): one mesh; every broker routes every
   fixed address to the same broker, so no address has two owners; every connector
   that lost an address was told (REVOKED); every broker holds the same binding for
@@ -51,8 +53,8 @@ class World:
     clients: list[FakeClient] = field(default_factory=list)
     cut: set[frozenset[str]] = field(default_factory=set)
     paused: set[str] = field(default_factory=set)
-    # (client index, correlation) of every REGISTER of a fixed address sent.
-    registers: list[tuple[int, int]] = field(default_factory=list)
+    # (client, correlation) of every REGISTER of a fixed address sent.
+    registers: list[tuple[FakeClient, int]] = field(default_factory=list)
 
     def address(self, broker: Broker) -> str:
         return broker.config.advertise
@@ -85,9 +87,8 @@ class World:
         elif action == "register":
             index = rng.randrange(len(self.clients))
             body = Register(server="game", instance=rng.randrange(1, len(FIXED) + 1))
-            self.registers.append(
-                (index, self.clients[index].send_control(ControlType.REGISTER, body))
-            )
+            client = self.clients[index]
+            self.registers.append((client, client.send_control(ControlType.REGISTER, body)))
         elif action == "bind":
             client = rng.choice(self.clients)
             client.send_control(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
@@ -95,7 +96,25 @@ class World:
             action = "tick"
             await self.tick()
         await net.settle()
+        await self.fail_over()
         return action
+
+    async def fail_over(self) -> None:
+        """A connector whose link its broker closed (pause-minority) links to a broker
+        that takes connectors, as a real one fails over, and registers and joins again."""
+        for index, old in enumerate(self.clients):
+            welcoming = [
+                b
+                for b in self.brokers
+                if self.address(b) not in self.paused and b.mesh.refusal(0) == ""
+            ]
+            if not old.closed or not welcoming:
+                continue
+            client = await connector(
+                self.network, self.rng.choice(welcoming), old.name, session=bytes([index + 1]) * 16
+            )
+            await client.join(await client.register(f"m{index}"), POOL)
+            self.clients[index] = client
 
     async def tick(self) -> None:
         self.clock.advance(INTERVAL)
@@ -124,6 +143,9 @@ def check_always(world: World) -> None:
         assert all(n == 1 for n in open_peers.values()), f"{broker.config.name}: {open_peers}"
         for _, owner in broker.routing.services():
             assert not owner.closed, f"{broker.config.name} routes through a closed link"
+        # pause-minority: a broker cut off from most of the mesh serves no connector.
+        if broker.mesh.minority() and broker.config.advertise not in world.paused:
+            assert not broker.links.connectors, f"{broker.config.name} serves in a minority"
 
 
 def owners(world: World) -> dict[bytes, set[str]]:
@@ -152,8 +174,9 @@ def check_eventually(world: World) -> None:
     members = {name: binding.member for name, binding in bindings.items() if binding}
     assert len(set(members.values())) <= 1, f"group bound to two members: {members}"
     # Every connector that was granted an address no broker gives it now was told.
-    for index, correlation in world.registers:
-        client = world.clients[index]
+    for client, correlation in world.registers:
+        if client.closed:
+            continue  # its broker closed its link, with an ERROR saying why: it was told
         answers = [f for f in client.controls() if f.correlation == correlation]
         if not answers or answers[0].type != ControlType.REGISTERED:
             continue
@@ -178,13 +201,16 @@ def check_eventually(world: World) -> None:
             assert revoked, f"{client.name} lost {Unicast.from_bytes(address)} silently"
 
 
+@pytest.mark.parametrize("handling", ["ignore", "pause-minority"])
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed-{s}" for s in SEEDS])
 async def test_partitions_and_pauses_never_leave_two_owners_or_two_meshes(
-    seed: int, network: FakeNetwork, clock: FakeClock
+    seed: int, handling: str, network: FakeNetwork, clock: FakeClock
 ) -> None:
     random.seed(seed)  # the brokers' own choices (claim back-off, picks) follow the seed too
     rng = random.Random(seed)
-    brokers = await build_mesh(network, BROKERS, heartbeat_interval=INTERVAL)
+    brokers = await build_mesh(
+        network, BROKERS, heartbeat_interval=INTERVAL, partition_handling=handling
+    )
     world = World(rng, network, clock, brokers)
     for i, broker in enumerate(brokers):
         client = await connector(network, broker, f"conn{i}", session=bytes([i + 1]) * 16)
