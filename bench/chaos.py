@@ -19,7 +19,9 @@ every event. While the traffic runs:
   reach from its sender stays with that member, since C still names its broker
   (docs/mesh.md, "One group, one member"): the sender's messages wait for the link.
   ``healed_s``: the longer of the two heals, from SIGCONT or from the link working
-  again until every broker links to every other;
+  again until every broker links to every other. With ``--isolate`` B is cut off from
+  A and C both: to each side the other looks crashed, and only ``--partition-handling
+  pause-minority`` keeps a group from being processed on both sides;
 * at 55%, broker B gets SIGTERM: it drains (its connectors move away), then exits;
 * at 72%, a 4th broker D joins through C, and the mesh rebalances onto it.
 
@@ -212,33 +214,41 @@ async def _send_all(
         traffic.sent += 1
 
 
-class Gates:
-    """Each broker's gate, by data dir: a restarted broker keeps its gate."""
+class Starter:
+    """Starts the run's brokers, each behind a gate of its own that the others dial (by
+    data dir: a restarted broker keeps its gate), every one with ``args``."""
 
-    def __init__(self) -> None:
-        self.by_dir: dict[str, BrokerGate] = {}
+    def __init__(self, brokers: MeshbusProcesses, args: tuple[str, ...]) -> None:
+        self._brokers = brokers
+        self._args = args
+        self.gates: dict[str, BrokerGate] = {}
 
-    async def advertise(self, data_dir: str) -> str:
-        gate = self.by_dir.get(data_dir)
+    async def start(self, data_dir: str, *args: str) -> MeshbusProcess:
+        gate = self.gates.get(data_dir)
         if gate is None:
-            gate = self.by_dir[data_dir] = BrokerGate()
+            gate = self.gates[data_dir] = BrokerGate()
             await gate.start()
-        return gate.address
+        broker = await asyncio.wait_for(
+            self._brokers.start(
+                "--data-dir", data_dir, "--advertise", gate.address, *self._args, *args
+            ),
+            _STEP_LIMIT,
+        )
+        gate.upstream = broker.address
+        return broker
 
     async def close(self) -> None:
-        for gate in self.by_dir.values():
+        for gate in self.gates.values():
             await gate.close()
 
 
-async def _start(
-    brokers: MeshbusProcesses, gates: Gates, data_dir: str, *args: str
-) -> MeshbusProcess:
-    advertise = await gates.advertise(data_dir)
-    broker = await asyncio.wait_for(
-        brokers.start("--data-dir", data_dir, "--advertise", advertise, *args), _STEP_LIMIT
-    )
-    gates.by_dir[data_dir].upstream = broker.address
-    return broker
+@dataclass(frozen=True)
+class Cut:
+    """The partition nemesis: B's link to A cut for ``seconds`` while both reach C, or,
+    with ``isolate``, B cut off from A and C both."""
+
+    seconds: float
+    isolate: bool
 
 
 async def _formed(mesh: list[MeshbusProcess]) -> None:
@@ -262,13 +272,12 @@ async def _formed(mesh: list[MeshbusProcess]) -> None:
 
 
 async def _shake(
-    brokers: MeshbusProcesses,
-    gates: Gates,
+    starter: Starter,
     dirs: dict[str, str],
     mesh: list[MeshbusProcess],
     traffic: Traffic,
     timeline: Timeline,
-    cut: float,
+    cut: Cut,
 ) -> None:
     """The events, each once the senders reach its mark (they wait there until it begins)."""
     a, b, c = mesh
@@ -277,7 +286,7 @@ async def _shake(
     await a.process.wait()
     timeline.add("kill -9", a.name)
     traffic.marks[0].begun.set()
-    again = await _start(brokers, gates, dirs["a"], "--listen", a.address, "--seed", c.address)
+    again = await starter.start(dirs["a"], "--listen", a.address, "--seed", c.address)
     timeline.add("restarted", f"{again.name} at {again.address}, ready in {again.start_ms:.0f} ms")
 
     await traffic.marks[1].reached.wait()
@@ -294,16 +303,24 @@ async def _shake(
     timeline.add("healed", f"a full mesh again {healed:.2f} s after SIGCONT")
 
     await traffic.marks[2].reached.wait()
-    gate_a, gate_b = gates.by_dir[dirs["a"]], gates.by_dir[dirs["b"]]
-    gate_a.shut_out(b.name)
-    gate_b.shut_out(again.name)
-    timeline.add("link cut", f"{again.name} - {b.name} for {cut:g} s, both reach {c.name}")
+    gate_a, gate_b, gate_c = (starter.gates[dirs[n]] for n in "abc")
+    # Each gate keeps out the brokers on the other side (a gate holds no name twice).
+    apart = [(gate_a, b.name), (gate_b, again.name)]
+    if cut.isolate:
+        apart += [(gate_c, b.name), (gate_b, c.name)]
+        timeline.add("isolated", f"{b.name} from {again.name} and {c.name} for {cut.seconds:g} s")
+    else:
+        timeline.add(
+            "link cut", f"{again.name} - {b.name} for {cut.seconds:g} s, both reach {c.name}"
+        )
+    for gate, name in apart:
+        gate.shut_out(name)
     traffic.marks[2].begun.set()
-    await asyncio.sleep(cut)
-    gate_a.open_to(b.name)
-    gate_b.open_to(again.name)
+    await asyncio.sleep(cut.seconds)
+    for gate, name in apart:
+        gate.open_to(name)
     mended = time.perf_counter()
-    timeline.add("link works", f"{again.name} - {b.name}")
+    timeline.add("link works", f"{b.name} linked again")
     await _formed([again, b, c])
     healed = time.perf_counter() - mended
     timeline.healed_s = max(timeline.healed_s, healed)
@@ -322,7 +339,7 @@ async def _shake(
 
     await traffic.marks[4].reached.wait()
     timeline.add("join", "a 4th broker, seed " + c.name)
-    joined = await _start(brokers, gates, dirs["d"], "--seed", c.address)
+    joined = await starter.start(dirs["d"], "--seed", c.address)
     timeline.add("joined", f"{joined.name}, ready in {joined.start_ms:.0f} ms")
     # Only now: the rest of the traffic runs while connectors move onto the newcomer.
     traffic.marks[4].begun.set()
@@ -373,29 +390,20 @@ class Outcome:
 
 
 async def _run(
-    brokers: MeshbusProcesses, workdir: str, count: int, groups: int, group_size: int, cut: float
+    starter: Starter, workdir: str, count: int, groups: int, group_size: int, cut: Cut
 ) -> Outcome:
-    gates = Gates()
     try:
-        return await _run_gated(brokers, gates, workdir, count, groups, group_size, cut)
+        return await _run_gated(starter, workdir, count, groups, group_size, cut)
     finally:
-        await gates.close()
+        await starter.close()
 
 
 async def _run_gated(
-    brokers: MeshbusProcesses,
-    gates: Gates,
-    workdir: str,
-    count: int,
-    groups: int,
-    group_size: int,
-    cut: float,
+    starter: Starter, workdir: str, count: int, groups: int, group_size: int, cut: Cut
 ) -> Outcome:
     dirs = {name: os.path.join(workdir, name) for name in "abcd"}
-    first = await _start(brokers, gates, dirs["a"])
-    rest = await asyncio.gather(
-        *(_start(brokers, gates, dirs[n], "--seed", first.address) for n in "bc")
-    )
+    first = await starter.start(dirs["a"])
+    rest = await asyncio.gather(*(starter.start(dirs[n], "--seed", first.address) for n in "bc"))
     mesh = [first, *rest]
     await _formed(mesh)
     addresses = [broker.address for broker in mesh]
@@ -437,7 +445,7 @@ async def _run_gated(
                 timeline.add("all sent", f"{traffic.sent:,} sent")
 
             tasks = [
-                asyncio.create_task(_shake(brokers, gates, dirs, mesh, traffic, timeline, cut)),
+                asyncio.create_task(_shake(starter, dirs, mesh, traffic, timeline, cut)),
                 asyncio.create_task(send_everything()),
             ]
             try:
@@ -504,7 +512,23 @@ async def _run_gated(
     help="Seconds the A-B link is cut (past the 1.5 s heartbeat budget by default; "
     "above the 4 s --group-grace, a group's member stays out of reach past the grace).",
 )
-def chaos(count: int, groups: int, group_size: int, cut: float) -> None:
+@click.option(
+    "--isolate",
+    is_flag=True,
+    help="Cut B off from A and C both for --cut seconds, instead of the A-B link alone: "
+    "to each side the other looks crashed.",
+)
+@click.option(
+    "--partition-handling",
+    type=click.Choice(["ignore", "pause-minority"]),
+    default="ignore",
+    show_default=True,
+    help="The brokers' --partition-handling: with pause-minority an isolated B hands "
+    "its connectors to A and C.",
+)
+def chaos(
+    count: int, groups: int, group_size: int, cut: float, isolate: bool, partition_handling: str
+) -> None:
     """Reliable traffic through a 3-broker mesh while one broker is killed and restarted,
     one is paused past its heartbeat budget, one link is cut, one broker drains and a
     4th joins: count lost, duplicated and out-of-order messages, groups that reached
@@ -518,7 +542,14 @@ def chaos(count: int, groups: int, group_size: int, cut: float) -> None:
     """
     with tempfile.TemporaryDirectory(prefix="meshbus-chaos-") as workdir:
         outcome = run_on_brokers(
-            lambda brokers: _run(brokers, workdir, count, groups, group_size, cut)
+            lambda brokers: _run(
+                Starter(brokers, ("--partition-handling", partition_handling)),
+                workdir,
+                count,
+                groups,
+                group_size,
+                Cut(cut, isolate),
+            )
         )
     traffic, tally = outcome.traffic, outcome.tally
     counts = tally.counts

@@ -47,8 +47,10 @@ def test_chaos_in_process() -> None:
     _check_chaos(last_line(chaos, "--count", "3000", "--groups", "5"))
 
 
-def test_chaos_as_a_command() -> None:
-    _check_chaos(run_bench("chaos", "--count", "3000", "--groups", "7", "--group-size", "4"))
+def test_chaos_as_a_command_with_b_isolated_under_pause_minority() -> None:
+    sizes = ("--count", "3000", "--groups", "7", "--group-size", "4")
+    rule = ("--isolate", "--partition-handling", "pause-minority")
+    _check_chaos(run_bench("chaos", *sizes, *rule))
 
 
 # -- the counting -------------------------------------------------------------------------
