@@ -216,9 +216,12 @@ async def test_a_fixed_address_taken_on_both_sides_of_a_split_has_one_owner_afte
 GRACE = 4.0  # the default --group-grace
 
 
-def group_homed_at(name: str, brokers: list[str]) -> bytes:
-    """A message group id whose home, over ``brokers``, is ``name``."""
-    return next(key for i in range(1000) if home_of(POOL + (key := b"g%d" % i), brokers) == name)
+def group_homed_at(name: str, brokers: list[str], prefix: bytes = b"g") -> bytes:
+    """A message group id (``prefix`` and a number) whose home, over ``brokers``, is
+    ``name``."""
+    return next(
+        key for i in range(1000) if home_of(POOL + (key := prefix + b"%d" % i), brokers) == name
+    )
 
 
 async def bound_group(
@@ -295,6 +298,24 @@ async def test_a_group_whose_home_is_behind_a_cut_link_is_not_bound_on_this_side
     assert refused.body.code == ErrorCode.UNAVAILABLE
     assert "broker b" in refused.body.message
     assert "out of reach from broker a" in refused.body.message
+
+
+async def test_a_group_homed_behind_a_link_cut_a_moment_ago_is_not_bound_on_this_side(
+    network: FakeNetwork, mesh3: list[Broker]
+) -> None:
+    """Before c's next broker list, a knows b only as a lost peer. It counts it as out of
+    reach from the moment it lost it, so a group homed at b that starts now is not bound
+    afresh on a's side (where it would go to m_c while b binds it to m_b)."""
+    a, _, _ = mesh3
+    await bound_group(network, mesh3, home="b")
+    fresh = group_homed_at("b", ["a", "b", "c"], prefix=b"new")
+    network.partition(address_of("a"), address_of("b"))
+    await network.settle()  # no tick: no broker list has come from c since the cut
+    assert a.mesh.out_of_reach.names() == ["b"]
+    on_a = await connector(network, a, "on-a")
+    refused = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=fresh))
+    assert isinstance(refused.body, Error), refused
+    assert refused.body.code == ErrorCode.UNAVAILABLE
 
 
 async def test_a_crashed_brokers_groups_still_move_after_the_grace(
