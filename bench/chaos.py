@@ -58,6 +58,7 @@ from bench.brokers import MeshbusProcess, MeshbusProcesses
 from bench.gate import BrokerGate
 from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
+from meshbus.cli_broker import PARTITION_HANDLING
 
 PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), seq
 NO_GROUP = 0xFFFF
@@ -520,7 +521,7 @@ async def _run_gated(
 )
 @click.option(
     "--partition-handling",
-    type=click.Choice(["ignore", "pause-minority"]),
+    type=click.Choice(PARTITION_HANDLING),
     default="ignore",
     show_default=True,
     help="The brokers' --partition-handling: with pause-minority an isolated B hands "

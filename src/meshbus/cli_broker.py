@@ -27,6 +27,10 @@ from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.util import parse_hostport
 
+# What --partition-handling offers (meshbus.broker.fence.MinorityRule); bench chaos passes
+# it on to its brokers.
+PARTITION_HANDLING = ("ignore", "pause-minority")
+
 # -- broker --------------------------------------------------------------------------------
 
 
@@ -127,7 +131,7 @@ from meshbus.util import parse_hostport
 )
 @click.option(
     "--partition-handling",
-    type=click.Choice(["ignore", "pause-minority"]),
+    type=click.Choice(PARTITION_HANDLING),
     default="ignore",
     show_default=True,
     help="pause-minority: a broker linked to no more than half of the brokers it knows "

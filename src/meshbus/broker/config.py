@@ -54,8 +54,9 @@ class BrokerConfig:
     # A broker this one lost (or heard of) is dialled again, with a backoff capped at two
     # heartbeat intervals, until it is back, has left, or this many seconds passed.
     peer_forget: float = 600.0
-    # "pause-minority": a broker linked to no more than half of the brokers it knows
-    # takes no connectors (docs/mesh.md, "Partitions: pause-minority"); "ignore": it goes on.
+    # One of meshbus.cli_broker.PARTITION_HANDLING. "pause-minority": a broker linked to
+    # no more than half of the brokers it knows takes no connectors (docs/mesh.md,
+    # "Partitions"); "ignore": it goes on.
     partition_handling: str = "ignore"
     drain_grace: float = 10.0
     join_timeout: float = 30.0

@@ -9,8 +9,9 @@ read after a silence past the budget (``PeerInfo.hear``, a STALLED close).
 
 Its counterpart for a cut link is ``OutOfReach``: a broker that lost a peer another
 peer still reaches decides nothing for the groups that peer may hold. And for a cut
-that leaves a broker no way to any majority, ``minority``: under ``--partition-handling
-pause-minority`` such a broker takes no connectors (docs/mesh.md, "Partitions").
+that leaves a broker no way to any majority, ``MinorityRule``: under
+``--partition-handling pause-minority`` such a broker takes no connectors (docs/mesh.md,
+"Partitions").
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from meshbus.broker.endpoint import CloseReason
 from meshbus.broker.redial import RedialTable
+from meshbus.broker.registry import LinkRegistry, Peers
+from meshbus.protocol.layout import ErrorCode
 
 log = logging.getLogger("meshbus.broker")
 
@@ -94,3 +98,49 @@ def minority(name: str, linked: int, lost: list[str]) -> str:
         f"{known - 1} other brokers it knows; lost: {', '.join(sorted(lost))}); "
         "connect to another broker"
     )
+
+
+class MinorityRule:
+    """``--partition-handling pause-minority``: a broker cut off from most of the mesh --
+    whose peers may move its members' groups on -- closes its connectors' links, so they
+    fail over to a broker on the majority's side, and takes none until it is linked to
+    most of the mesh again. The brokers it knows: its peers, and those it lost without a
+    goodbye and still dials (``redials``)."""
+
+    def __init__(
+        self,
+        *,
+        name: Callable[[], str],
+        enabled: bool,
+        redials: RedialTable,
+        peers: Peers,
+        links: LinkRegistry,
+    ) -> None:
+        """``name`` gives this broker's name (known once it listens)."""
+        self.pauses = 0  # times this broker closed its connectors' links, cut off
+        self._name = name
+        self._enabled = enabled
+        self._redials = redials
+        self._peers = peers
+        self._links = links
+
+    def refusal(self) -> str:
+        """Why this broker takes no connectors now, or "" (the rule is off, or it is not
+        cut off)."""
+        if not self._enabled:
+            return ""
+        lost = [name for name in self._redials.names() if name not in self._peers]
+        return minority(self._name(), len(self._peers), lost)
+
+    def peer_lost(self) -> None:
+        """A peer was lost without a goodbye: if that leaves this broker cut off, its
+        connectors go."""
+        why = self.refusal()
+        if not why or not self._links.connectors:
+            return
+        self.pauses += 1
+        log.warning(
+            "cut off from most of the mesh; closing connectors' links", extra={"error": why}
+        )
+        for link in list(self._links.connectors):
+            link.fail(ErrorCode.UNAVAILABLE, why, CloseReason.MINORITY)

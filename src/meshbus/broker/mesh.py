@@ -27,7 +27,7 @@ from meshbus.broker.balance import incoming_link_wins, redirect_target
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.dialer import Dialer, dial_tcp
 from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo
-from meshbus.broker.fence import Fence, OutOfReach, minority
+from meshbus.broker.fence import Fence, MinorityRule, OutOfReach
 from meshbus.broker.gossip import Gossip
 from meshbus.broker.link import Link
 from meshbus.broker.moves import Moves
@@ -90,7 +90,6 @@ class MeshStats:
     peers_lost: int = 0
     peers_crashed: int = 0
     moves_sent: int = 0
-    minority_pauses: int = 0  # times this broker closed its connectors, cut off (pause-minority)
 
 
 class Mesh:
@@ -153,6 +152,13 @@ class Mesh:
         # A peer's list is at most a budget behind (it has not noticed a crash yet), and
         # comes once an interval.
         self.out_of_reach = OutOfReach(clock, ttl=config.heartbeat_budget + interval)
+        self.minority = MinorityRule(
+            name=lambda: self.name,
+            enabled=config.partition_handling == "pause-minority",
+            redials=self.redials,
+            peers=peers,
+            links=links,
+        )
         self.gossip = Gossip(
             peers=peers, links=links, brokers=self.brokers, hosted_streams=hosted_streams
         )
@@ -488,15 +494,7 @@ class Mesh:
             return f"broker {self.name} is still joining the mesh"
         if connectors >= self.capacity:
             return f"broker {self.name} is full ({self.capacity} connectors)"
-        return self.minority()
-
-    def minority(self) -> str:
-        """Why this broker takes no connectors under ``--partition-handling pause-minority``
-        (cut off from most of the mesh), or "" (the rule is off, or it is not)."""
-        if self.config.partition_handling != "pause-minority":
-            return ""
-        lost = [name for name in self.redials.names() if name not in self.peers]
-        return minority(self.name, len(self.peers), lost)
+        return self.minority.refusal()
 
     def redirect(self) -> str:
         """A broker with room for a connector this one refuses."""
@@ -549,7 +547,7 @@ class Mesh:
             self._on_event(MeshEvent(kind, link.name, reason.value, peer.silence()))
         if not graceful:
             self.stats.peers_crashed += 1
-            self._pause_if_minority()
+            self.minority.peer_lost()
             self._boost_until = self._clock() + self.config.boost_window
             # Every broker linked to it logs this: the line says which one does.
             log.warning(
@@ -563,20 +561,6 @@ class Mesh:
             )
         self.gossip.changed()
         return True
-
-    def _pause_if_minority(self) -> None:
-        """Cut off from most of the mesh: the others may move this broker's members' groups
-        on, so its connectors go to a broker on their side (failover) and it takes none
-        until it is linked to most of the mesh again (``refusal``)."""
-        why = self.minority()
-        if not why or not self._links.connectors:
-            return
-        self.stats.minority_pauses += 1
-        log.warning(
-            "cut off from most of the mesh; closing connectors' links", extra={"error": why}
-        )
-        for link in list(self._links.connectors):
-            link.fail(ErrorCode.UNAVAILABLE, why, CloseReason.MINORITY)
 
     # -- heartbeats -----------------------------------------------------------------------------
 

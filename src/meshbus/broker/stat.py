@@ -141,7 +141,7 @@ class StatView:
             "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],
             "mesh_counters": dataclasses.asdict(mesh.stats)
             | dataclasses.asdict(self._sync_stats)
-            | {"stalls": mesh.fence.stalls},
+            | {"stalls": mesh.fence.stalls, "minority_pauses": mesh.minority.pauses},
             "streams": self._streams.snapshot(),
             "groups_bound": len(self._groups),
             "loop_lag_ms": self._lag.snapshot(),

@@ -366,7 +366,7 @@ async def test_under_pause_minority_a_broker_cut_off_from_the_others_takes_no_co
     network.partition(address_of("b"), address_of("a"))
     await network.settle()
     assert not on_b.closed, "linked to c, b is half of what it knows with a lost: it stays"
-    assert b.mesh.minority() == ""
+    assert b.mesh.minority.refusal() == ""
     network.partition(address_of("b"), address_of("c"))
     await network.settle()
     (error,) = on_b.take(ControlType.ERROR)
@@ -386,4 +386,4 @@ async def test_under_pause_minority_a_broker_cut_off_from_the_others_takes_no_co
     network.heal(address_of("b"), address_of("c"))
     await ticks_until_whole(network, clock, [a, b, c], HEAL_BUDGET)
     await connector(network, b, "after")  # welcomed again
-    assert b.mesh.stats.minority_pauses == 1
+    assert b.mesh.minority.pauses == 1

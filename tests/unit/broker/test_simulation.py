@@ -144,7 +144,7 @@ def check_always(world: World) -> None:
         for _, owner in broker.routing.services():
             assert not owner.closed, f"{broker.config.name} routes through a closed link"
         # pause-minority: a broker cut off from most of the mesh serves no connector.
-        if broker.mesh.minority() and broker.config.advertise not in world.paused:
+        if broker.mesh.minority.refusal() and broker.config.advertise not in world.paused:
             assert not broker.links.connectors, f"{broker.config.name} serves in a minority"
 
 
