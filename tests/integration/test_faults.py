@@ -212,10 +212,11 @@ POOL = meshbus.Anycast("pool")
 
 @dataclass
 class GroupScene:
-    """Brokers a, b, c; member m1 on b, m2 on c, in one pool; a sender on a whose group "g"
-    is bound to m1 (its first message, "0", went there before m2 joined)."""
+    """Brokers a, b, c; member m1 on b, m2 on c, in one pool; a sender on a whose group
+    ``group`` is bound to m1 (its first message, "0", went there before m2 joined)."""
 
     brokers: list[BrokerProcess]
+    group: str
     sender: meshbus.Service
     sender_conn: meshbus.Connector
     m1: Collector
@@ -223,15 +224,17 @@ class GroupScene:
 
     async def send(self, seqs: range, pace: float = 0.0) -> None:
         for seq in seqs:
-            await self.sender.send(POOL, b"%d" % seq, reliable=True, group="g")
+            await self.sender.send(POOL, b"%d" % seq, reliable=True, group=self.group)
             await asyncio.sleep(pace)
 
 
 @contextlib.asynccontextmanager
-async def group_scene(*args: str, m1_fails_over: bool) -> AsyncIterator[GroupScene]:
-    """``m1_fails_over``: m1's connector knows b and c and has its keepalive; otherwise it
-    knows only b and never gives up on it (it stays with b through any pause)."""
-    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT), *args)
+async def group_scene_on(
+    brokers: list[BrokerProcess], group: str, *, m1_fails_over: bool
+) -> AsyncIterator[GroupScene]:
+    """The scene's connectors on ``brokers`` (a, b, c). ``m1_fails_over``: m1's connector
+    knows b and c and has its keepalive; otherwise it knows only b and never gives up on
+    it (it stays with b through any pause or cut)."""
     a, b, c = brokers
     if m1_fails_over:
         m1_conn = await meshbus.connect([b.address, c.address], server="m1")
@@ -246,20 +249,30 @@ async def group_scene(*args: str, m1_fails_over: bool) -> AsyncIterator[GroupSce
         await wait_members(brokers, POOL, 1)
         sender = await sender_conn.register()
         collectors.append(Collector(m1))
-        await sender.send(POOL, b"0", reliable=True, group="g")
+        await sender.send(POOL, b"0", reliable=True, group=group)
         await sender_conn.wait_acked(ACK_TIMEOUT)
         m2 = await m2_conn.register()
         await m2.join(POOL)
         await wait_members(brokers, POOL, 2)
         collectors.append(Collector(m2))
-        yield GroupScene(brokers, sender, sender_conn, *collectors)
+        yield GroupScene(brokers, group, sender, sender_conn, *collectors)
     finally:
         for collector in collectors:
             collector.stop()
         for conn in (m1_conn, m2_conn, sender_conn):
             await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def group_scene(*args: str, m1_fails_over: bool) -> AsyncIterator[GroupScene]:
+    """The scene on a mesh of its own (``args`` to every broker), group "g"."""
+    brokers = await start_mesh(3, "--heartbeat-interval", str(HEARTBEAT), *args)
+    try:
+        async with group_scene_on(brokers, "g", m1_fails_over=m1_fails_over) as scene:
+            yield scene
+    finally:
         with contextlib.suppress(ProcessLookupError):
-            b.process.send_signal(signal.SIGCONT)
+            brokers[1].process.send_signal(signal.SIGCONT)
         await stop_all(brokers)
 
 
@@ -322,41 +335,20 @@ async def test_a_group_stays_with_its_member_behind_a_cut_link(home: int) -> Non
     group = next(
         key.decode() for i in range(1000) if decided_by(key := b"g%d" % i) == (names[home], a.name)
     )
-    m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
-    m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
-    sender_conn = await meshbus.connect(a.address, server="sender", failover=False)
-    collectors: list[Collector] = []
     try:
-        m1 = await m1_conn.register()
-        await m1.join(POOL)
-        await wait_members(brokers, POOL, 1)
-        collectors.append(Collector(m1))
-        sender = await sender_conn.register()
-        await sender.send(POOL, b"0", reliable=True, group=group)
-        await sender_conn.wait_acked(ACK_TIMEOUT)
-        m2 = await m2_conn.register()
-        await m2.join(POOL)
-        await wait_members(brokers, POOL, 2)
-        collectors.append(Collector(m2))
-        gates[0].shut_out(b.name)
-        gates[1].shut_out(a.name)
-        for seq in range(1, 21):  # 3 s of sends while the link is cut
-            await sender.send(POOL, b"%d" % seq, reliable=True, group=group)
-            await asyncio.sleep(0.15)
-        await asyncio.sleep(1.0)  # 4 s apart: past the 1.5 s budget plus the 1 s grace
-        assert (await stat(a, detail=False))["out_of_reach"] == [b.name]
-        gates[0].open_to(b.name)
-        gates[1].open_to(a.name)
-        await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
-        await sender_conn.wait_acked(ACK_TIMEOUT)
-        m1_got, m2_got = collectors
-        assert m2_got.payloads == [], "the group moved while its member was out of reach"
-        assert m1_got.payloads == [b"%d" % seq for seq in range(21)]
+        async with group_scene_on(brokers, group, m1_fails_over=False) as scene:
+            gates[0].shut_out(b.name)
+            gates[1].shut_out(a.name)
+            await scene.send(range(1, 21), pace=0.15)  # 3 s of sends while the link is cut
+            await asyncio.sleep(1.0)  # 4 s apart: past the 1.5 s budget plus the 1 s grace
+            assert (await stat(a, detail=False))["out_of_reach"] == [b.name]
+            gates[0].open_to(b.name)
+            gates[1].open_to(a.name)
+            await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
+            await scene.sender_conn.wait_acked(ACK_TIMEOUT)
+            assert scene.m2.payloads == [], "the group moved while its member was out of reach"
+            assert scene.m1.payloads == [b"%d" % seq for seq in range(21)]
     finally:
-        for collector in collectors:
-            collector.stop()
-        for conn in (m1_conn, m2_conn, sender_conn):
-            await conn.close()
         await stop_all(brokers)
         for gate in gates:
             await gate.close()
