@@ -535,11 +535,6 @@ class Mesh:
         else:
             self.redials.left(link.name)
             self.out_of_reach.forget(link.name)
-        if reason is not CloseReason.DUPLICATE_LINK and not graceful and self.peers:
-            # Until the other peers' lists say whether they still reach it, a lost peer
-            # is out of reach, not gone: no group homed at it is bound afresh here.
-            # (With no other peer, nobody could reach it: it is gone.)
-            self.out_of_reach.seen(link.name)
         # Not a link replaced (the peer is still linked) nor one this broker said
         # goodbye to (this broker is the one leaving).
         if reason is not CloseReason.DUPLICATE_LINK and leaving is None:
@@ -547,6 +542,11 @@ class Mesh:
             self._on_event(MeshEvent(kind, link.name, reason.value, peer.silence()))
         if not graceful:
             self.stats.peers_crashed += 1
+            if self.peers:
+                # Until the other peers' lists say whether they still reach it, it is out
+                # of reach, not gone: no group homed at it is bound afresh here. (With no
+                # other peer, nobody could reach it: it is gone.)
+                self.out_of_reach.seen(link.name)
             self.minority.peer_lost()
             self._boost_until = self._clock() + self.config.boost_window
             # Every broker linked to it logs this: the line says which one does.

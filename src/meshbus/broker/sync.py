@@ -64,8 +64,8 @@ from meshbus.protocol.layout import ControlType, ErrorCode
 log = logging.getLogger("meshbus.broker")
 
 # Route operations per ROUTES frame: about 45 bytes each, so a frame is about 22 KB. A
-# peer applies a frame in one go, at 2-5 us an operation (more on a busy host): 2,000 an
-# operation made frames of 10-30 ms, which a read's 5 ms slice could not cut.
+# peer applies a frame in one go, at 2-5 us an operation (more on a busy host): frames of
+# 2,000 operations took 10-30 ms, which a read's 5 ms slice could not cut.
 ROUTES_CHUNK = 500
 
 
