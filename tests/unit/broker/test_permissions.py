@@ -27,8 +27,9 @@ from meshbus.protocol.control import (
     StreamReply,
     StreamRequest,
 )
-from meshbus.protocol.ext import ack_frames
+from meshbus.protocol.ext import Ext, ack_frames, wrap
 from meshbus.protocol.layout import (
+    FLAG_EXT,
     FLAG_NOTIFY_DROP,
     FLAG_RELIABLE,
     FLAG_REQUEST,
@@ -378,3 +379,42 @@ async def test_telemetry_streams_are_read_with_the_telemetry_right_alone(
     as_user(watcher, {"operator": ["telemetry"]}, "watcher")
     granted = await watcher.ask(ControlType.STREAM, info)
     assert isinstance(granted.body, StreamReply), describe_frame(granted)
+
+
+async def test_the_send_right_on_a_group_covers_its_members_copies_while_they_are_in_it(
+    network: FakeNetwork,
+) -> None:
+    broker = await start_broker(network, "a")
+    worker = await connector(network, broker, "worker")
+    member = await worker.register("worker", 1)
+    await worker.join(member, LOGIN_POOL)
+    client = await connector(network, broker)
+    as_user(client, {"register": ["game*"], "send": ["anycast:login"]})
+    me = await client.register("game01")
+    reliable = FLAG_RELIABLE | FLAG_NOTIFY_DROP | FLAG_EXT
+
+    def copy(msg_id: int, group: bytes = LOGIN_POOL, flags: int = reliable) -> None:
+        payload = wrap(Ext(origin=group), b"%d" % msg_id) if flags & FLAG_EXT else b"plain"
+        client.send_data(member, me, payload, msg_id=msg_id, flags=flags)
+
+    copy(1, ADMIN)  # a group it may not send to: refused, and not cached as refused
+    copy(2)  # the same routing key, for the group: delivered
+    copy(3)
+    copy(4, flags=FLAG_RELIABLE | FLAG_NOTIFY_DROP)  # not for any group: refused
+    await network.settle()
+    assert [f.msg_id for f in worker.take_data()] == [2, 3]
+    assert [(r.msg_id, r.code) for r in failures(client)] == [
+        (1, ErrorCode.PERMISSION_DENIED),
+        (4, ErrorCode.PERMISSION_DENIED),
+    ]
+    # The member leaves the group: its next copy is a stale route, not a refusal (the
+    # sender may send to the group, and asks it for a member again).
+    worker.send_control(ControlType.LEAVE, Membership(member=member, group=LOGIN_POOL))
+    await network.settle()
+    copy(5)
+    await network.settle()
+    assert worker.take_data() == []
+    assert [(r.msg_id, r.code, r.reason) for r in failures(client)] == [
+        (5, 0, "the route went stale")
+    ]
+    assert broker.stats.dropped_denied == 2
