@@ -223,14 +223,19 @@ async def test_a_denied_send_is_dropped_counted_and_reported_when_asked(
     await still_usable(client)
 
 
-async def test_a_denied_request_gets_no_route_with_permission_denied(
-    network: FakeNetwork,
-) -> None:
+async def login_pool(network: FakeNetwork) -> tuple[Broker, FakeClient, bytes, FakeClient]:
+    """A broker, a connector with login:1 in anycast:login, and another connector."""
     broker = await start_broker(network, "a")
     server = await connector(network, broker, "server")
     login = await server.register("login", 1)
     await server.join(login, LOGIN_POOL)
-    client = await connector(network, broker)
+    return broker, server, login, await connector(network, broker)
+
+
+async def test_a_denied_request_gets_no_route_with_permission_denied(
+    network: FakeNetwork,
+) -> None:
+    broker, server, login, client = await login_pool(network)
     as_user(client, {"register": ["game*"], "send": ["*"], "request": ["anycast:login"]})
     me = await client.register("game01")
     client.send_data(LOGIN_POOL, me, b"ok?", msg_id=1, flags=FLAG_REQUEST, timeout_ms=5000)
@@ -384,11 +389,7 @@ async def test_telemetry_streams_are_read_with_the_telemetry_right_alone(
 async def test_the_send_right_on_a_group_covers_its_members_copies_while_they_are_in_it(
     network: FakeNetwork,
 ) -> None:
-    broker = await start_broker(network, "a")
-    worker = await connector(network, broker, "worker")
-    member = await worker.register("worker", 1)
-    await worker.join(member, LOGIN_POOL)
-    client = await connector(network, broker)
+    broker, worker, member, client = await login_pool(network)
     as_user(client, {"register": ["game*"], "send": ["anycast:login"]})
     me = await client.register("game01")
     reliable = FLAG_RELIABLE | FLAG_NOTIFY_DROP | FLAG_EXT
