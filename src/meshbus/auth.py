@@ -299,7 +299,9 @@ def users_entry(
         f"streams = {{ add = {granted}, delete = {granted}, read = {granted}, "
         f"consume = {granted} }}  # stream names"
     )
-    lines.append(f'operator = {granted}  # "stat", "stat-detail", "drain", "telemetry"')
+    lines.append(
+        f'operator = {granted}  # "stat", "stat-detail", "drain", "telemetry", "consumers"'
+    )
     return "\n".join(lines) + "\n"
 
 

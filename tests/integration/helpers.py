@@ -367,6 +367,15 @@ class Collector:
         self.task.cancel()
 
 
+def user_with(who: Credentials, permissions: str) -> str:
+    """The [[users]] entry of ``who`` (a key pair) with ``permissions``, the lines of its
+    [users.permissions] table."""
+    return (
+        f'[[users]]\nname = "{who.user}"\npublic_key = "{who.public_key}"\n'
+        f"[users.permissions]\n{permissions}\n"
+    )
+
+
 # -- brokers' own keys (a mesh that trusts only its brokers) ---------------------------------
 
 

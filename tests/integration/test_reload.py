@@ -14,25 +14,18 @@ import pytest
 import meshbus
 from meshbus.auth import Credentials
 from tests.conftest import BrokerProcess, start_broker
-from tests.integration.helpers import IO_TIMEOUT, launch_broker, wait_until
+from tests.integration.helpers import IO_TIMEOUT, launch_broker, user_with, wait_until
 
 GAME, LOGIN, OPS = (Credentials.generate(name) for name in ("game", "login", "ops"))
-
-
-def user(who: Credentials, permissions: str) -> str:
-    return (
-        f'[[users]]\nname = "{who.user}"\npublic_key = "{who.public_key}"\n'
-        f"[users.permissions]\n{permissions}\n"
-    )
 
 
 def config_text(game_send: str, *, game: bool = True, login: Credentials = LOGIN) -> str:
     """ops may stat, login may register login and send anywhere, game may register game*
     and send to ``game_send``."""
     return (
-        user(OPS, 'operator = ["*"]')
-        + user(login, 'register = ["login"]\nsend = ["*"]')
-        + (user(GAME, f'register = ["game*"]\nsend = {game_send}') if game else "")
+        user_with(OPS, 'operator = ["*"]')
+        + user_with(login, 'register = ["login"]\nsend = ["*"]')
+        + (user_with(GAME, f'register = ["game*"]\nsend = {game_send}') if game else "")
     )
 
 

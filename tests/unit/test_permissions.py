@@ -127,7 +127,13 @@ def test_operator_rights() -> None:
     assert permissions(operator={"allow": ["stat-detail"], "deny": ["stat"]}).rights == {
         "stat-detail"
     }
-    assert permissions(operator=["*"]).rights == {"stat", "stat-detail", "drain", "telemetry"}
+    assert permissions(operator=["*"]).rights == {
+        "stat",
+        "stat-detail",
+        "drain",
+        "telemetry",
+        "consumers",
+    }
     ops = permissions(operator={"allow": ["*"], "deny": ["drain"]})
     assert ops.may_operate("stat")
     assert ops.may_operate("telemetry")

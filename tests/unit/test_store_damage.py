@@ -4,6 +4,7 @@ and refused -- never served altered, never silently emptied."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sqlite3
 import time
@@ -145,7 +146,7 @@ def test_an_older_version_is_refused(tmp_path: Path) -> None:
     db = sqlite3.connect(path)
     db.execute("PRAGMA user_version=3")
     db.close()
-    with pytest.raises(StoreError, match=r"schema version 3 is not 4.*checksum"):
+    with pytest.raises(StoreError, match=r"schema version 3 is not 5.*checksum"):
         SqliteStreamStore(path)
 
 
@@ -266,19 +267,58 @@ def test_salvage_of_a_store_sqlite_cannot_open(
         new.close()
 
 
-def test_salvage_brings_a_version_3_store_to_version_4(tmp_path: Path) -> None:
-    path = tmp_path / "streams.db"
+def older_store(path: Path, version: int) -> sqlite3.Connection:
+    """An empty store of schema ``version``: 4 had no owners, 3 no checksums either."""
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
-    schema = store_blocks.SCHEMA.replace(" AUTOINCREMENT", "").replace("crc INTEGER NOT NULL, ", "")
+    schema = re.sub(r",\s*owner TEXT NOT NULL DEFAULT ''", "", store_blocks.SCHEMA)
+    if version == 3:
+        schema = schema.replace(" AUTOINCREMENT", "").replace("crc INTEGER NOT NULL, ", "")
     for statement in filter(None, (part.strip() for part in schema.split(";"))):
         db.execute(statement)
-    db.execute("PRAGMA user_version=3")
+    db.execute(f"PRAGMA user_version={version}")
+    return db
+
+
+def test_a_version_4_store_is_upgraded_in_place_its_streams_and_consumers_nobodys(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "streams.db"
+    db = older_store(path, 4)
+    db.execute("INSERT INTO streams VALUES (1, 'old', ?, 0, 0, 0.0, 120.0, 1, 0, 0)", (DST,))
+    db.execute("INSERT INTO consumers VALUES (1, 1, 'audit', 30.0, 5, 0, 1, 0)")
+    db.close()
+    store = SqliteStreamStore(path)
+    try:
+        (config,) = store.streams()
+        assert (config.name, config.captures, config.owner) == ("old", (DST,), "")
+        assert store.consumer_info("old", "audit").config.owner == ""
+        store.add_consumer("old", ConsumerConfig("mine", owner="alice"))
+    finally:
+        store.close()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (5,)
+    again = SqliteStreamStore(path)  # the owner made after the upgrade is kept
+    try:
+        assert again.consumer_info("old", "mine").config.owner == "alice"
+    finally:
+        again.close()
+    report = salvage(str(path), str(tmp_path / "new.db"))  # salvage keeps owners too
+    assert not report.problem
+    new = SqliteStreamStore(tmp_path / "new.db")
+    try:
+        assert new.consumer_info("old", "mine").config.owner == "alice"
+    finally:
+        new.close()
+
+
+def test_salvage_brings_a_version_3_store_to_version_5(tmp_path: Path) -> None:
+    path = tmp_path / "streams.db"
+    db = older_store(path, 3)
     db.execute("INSERT INTO streams VALUES (1, 'old', ?, 0, 0, 0.0, 120.0, 1, 3, 3)", (DST,))
     block = encode_block([SRC] * 3, [DST] * 3, [b"a", b"b", b"c"], [b""] * 3, [0] * 3, [b""] * 3)
     db.execute("INSERT INTO blocks VALUES (?, 3, 7.0, ?)", (1 << 40 | 1, block))
     db.close()
-    with pytest.raises(StoreError, match="schema version 3 is not 4"):
+    with pytest.raises(StoreError, match="schema version 3 is not 5"):
         SqliteStreamStore(path)
     report = salvage(str(path), str(tmp_path / "new.db"))
     assert report.problem.startswith("it is of schema version 3")

@@ -152,13 +152,25 @@ def _may_stream(permissions: Permissions, body: Body) -> str:
     assert isinstance(body, StreamRequest)
     operation = keys.stream_operation(body.op)
     if body.op == "list" or operation is None or permissions.may_stream(body.op, body.stream):
-        return ""
+        return _may_capture(permissions, body) if body.op == "add" else ""
     if body.stream.startswith(keys.TELEMETRY_PREFIXES):
         return permissions.denial(
             f"read the telemetry stream {body.stream!r} (the right {keys.TELEMETRY!r})",
             keys.OPERATOR,
         )
     return permissions.denial(f"{body.op} stream {body.stream!r}", f"{keys.STREAMS}.{operation}")
+
+
+def _may_capture(permissions: Permissions, body: StreamRequest) -> str:
+    """A stream reads all that is sent to what it captures: as much as a member."""
+    for group in body.captures:
+        if not permissions.may_capture(group):
+            return permissions.denial(
+                f"add stream {body.stream!r} capturing {describe_address(group)} (capturing "
+                "a group takes the right to join it)",
+                keys.JOIN,
+            )
+    return ""
 
 
 def _may_stat(permissions: Permissions, body: Body) -> str:

@@ -16,9 +16,14 @@ Permissions (docs/security.md): a connector's frame is checked against its link'
 (``Carry.DENIED``), cached like the others: a user's frames to one destination are
 checked once per routing-table version, and an allowed destination's cached
 decision costs what it did. With no permissions the check is one attribute test
-per decision. Responses are not checked (who may answer is the pending table's
-business), nor acks to a unicast address (a receiver acknowledges whoever sent it
-a reliable message; an ack is never delivered as a message).
+per decision. A frame to a unicast address its user may not send to still goes
+when its extension block names a group (``origin``) the user may send to and that
+address is a member of it now: the copy of a reliable or message-group send pinned
+to the member the mesh chose. Such frames are decided one by one, never cached; the
+block is read only for a frame that would otherwise be refused. Responses are not
+checked (who may answer is the pending table's business), nor acks to a unicast
+address (a receiver acknowledges whoever sent it a reliable message; an ack is
+never delivered as a message).
 
 A decision is cached per routing key by the caller when it can be reused, until
 the routing table's version moves (docs/architecture.md, "the routing caches").
@@ -32,18 +37,27 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
+from meshbus.address import (
+    ADDRESS_SIZE,
+    CAST_ANYCAST,
+    CAST_MULTICAST,
+    CAST_UNICAST,
+    describe_address,
+)
 from meshbus.broker.endpoint import Endpoint, LinkRole
 from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import WRONG_RESPONDER, PendingTable
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.stamp import stamp_run
+from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import FrameError, check_data_flags
 from meshbus.protocol.control import Body, DeliveryFailure
+from meshbus.protocol.ext import block_of
 from meshbus.protocol.layout import (
     DATA_HEADER,
     FLAG_ACK,
     FLAG_ECHO,
+    FLAG_EXT,
     FLAG_NOTIFY_DROP,
     FLAG_REQUEST,
     FLAG_RESPONSE,
@@ -58,6 +72,7 @@ from meshbus.protocol.layout import (
 
 if TYPE_CHECKING:
     from meshbus.broker.link import Link
+    from meshbus.broker.permissions import Permissions
 
 log = logging.getLogger("meshbus.broker")
 
@@ -71,6 +86,9 @@ _REQUEST_OR_TRACE = FLAG_REQUEST | FLAG_TRACE
 _unpack_header = DATA_HEADER.unpack_from
 _unpack_u64 = struct.Struct(">Q").unpack_from
 _unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
+_REQUEST_OR_EXT = FLAG_REQUEST | FLAG_EXT
+_HEADER_SIZE = DATA_HEADER.size
+_GROUP_CASTS = (CAST_MULTICAST, CAST_ANYCAST)
 # Anycast picks a member per message, so its decisions are never reused.
 _CACHEABLE_CASTS = (CAST_UNICAST, CAST_MULTICAST)
 _CASTS = (CAST_UNICAST, CAST_MULTICAST, CAST_ANYCAST)
@@ -181,6 +199,7 @@ class Forwarder:
             )
         cast_type = dst[0]
         permissions = link.permissions
+        for_group = False
         if (
             permissions is not None
             and cast_type in _CASTS  # another is the protocol error below
@@ -189,8 +208,24 @@ class Forwarder:
                 permissions.may_request(dst) if flags & FLAG_REQUEST else permissions.may_send(dst)
             )
         ):
-            return Decision(total, (), Carry.DENIED, src, dst)
-        if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS:
+            denied = Decision(total, (), Carry.DENIED, src, dst)
+            if flags & _REQUEST_OR_EXT != FLAG_EXT or cast_type != CAST_UNICAST:
+                return denied
+            # A copy for a group sent to the member the mesh chose: the group's send
+            # right covers it. Decided per frame, never cached: the next frame of this
+            # routing key may be for another group, or for none.
+            group = _group_named(permissions, mv[pos + _HEADER_SIZE : pos + total])
+            if not group:
+                self.forward(link, denied, buf, mv, pos)
+                return None
+            if not routing.is_member(dst, group):
+                # Allowed, but the member has left the group (or its join has not reached
+                # this broker yet): a stale route, which the sender's next try resolves.
+                link.msgs_in += 1
+                self._undeliverable(link, flags, msg_id, src, dst)
+                return None
+            for_group = True
+        if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS and not for_group:
             if cast_type == CAST_UNICAST:
                 owner = routing.route_unicast(dst)
                 cacheable: tuple[Endpoint, ...] = (owner,) if owner is not None else ()
@@ -341,8 +376,9 @@ class Forwarder:
             self._trace("exit", src, msg_id, dst)
 
     def _undeliverable(self, link: Link, flags: int, msg_id: int, src: bytes, dst: bytes) -> None:
-        """A frame from a peer found no local receiver (its route went stale on the way):
-        counted, and the sender's broker told when the sender waits or asked."""
+        """A frame whose route went stale found no receiver -- from a peer, on the way; a
+        copy for a group, its member left the group: counted, and the sender (or its
+        broker) told when the sender waits or asked."""
         self._stats.dropped_no_route += 1
         if flags & _TELL_SENDER:
             self._outbox.no_route(link, msg_id, src, dst, "the route went stale")
@@ -449,3 +485,15 @@ def _responders(dst: bytes, targets: tuple[Endpoint, ...]) -> tuple[Endpoint, ..
 def _via(targets: tuple[Endpoint, ...]) -> Endpoint | None:
     """The peer a request went to, when it is the only one that can answer it."""
     return targets[0] if len(targets) == 1 and targets[0].is_peer else None
+
+
+def _group_named(permissions: Permissions, payload: memoryview) -> bytes:
+    """The group an EXT frame's payload says it is a copy for (``origin``), when its user
+    may send to that group; else b""."""
+    try:
+        group = block_of(payload).origin
+    except ProtocolError:
+        return b""
+    if len(group) == ADDRESS_SIZE and group[0] in _GROUP_CASTS and permissions.may_send(group):
+        return group
+    return b""

@@ -43,9 +43,16 @@ STREAM_OPERATIONS = {
     "consume": ("consumer_add", "consumer_delete", "consumer_info", "next", "ack"),
 }
 _OPERATION_OF = {op: operation for operation, ops in STREAM_OPERATIONS.items() for op in ops}
-# The rights of ``operator``: ``stat-detail`` also gives the brief ``stat`` (unless denied).
-STAT, STAT_DETAIL, DRAIN, TELEMETRY = "stat", "stat-detail", "drain", "telemetry"
-OPERATOR_RIGHTS = (STAT, STAT_DETAIL, DRAIN, TELEMETRY)
+# The rights of ``operator``: ``stat-detail`` also gives the brief ``stat`` (unless denied);
+# ``consumers``: using and deleting every user's durable consumers, not only one's own.
+STAT, STAT_DETAIL, DRAIN, TELEMETRY, CONSUMERS = (
+    "stat",
+    "stat-detail",
+    "drain",
+    "telemetry",
+    "consumers",
+)
+OPERATOR_RIGHTS = (STAT, STAT_DETAIL, DRAIN, TELEMETRY, CONSUMERS)
 # Streams whose names start so are the brokers' telemetry and traces
 # (meshbus.broker.telemetry): reading them takes the ``telemetry`` right, not ``streams``.
 TELEMETRY_PREFIXES = ("telemetry.", "traces.")
@@ -195,6 +202,11 @@ class Permissions:
         if operation in ("read", "consume") and stream.startswith(TELEMETRY_PREFIXES):
             return self.may_operate(TELEMETRY)
         return self.streams[operation].permits(stream)
+
+    def may_capture(self, group: bytes) -> bool:
+        """A stream may capture ``group`` for this user: it could join it and read the
+        same messages."""
+        return self.may_join(group)
 
     def may_operate(self, right: str) -> bool:
         return right in self.rights

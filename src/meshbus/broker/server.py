@@ -164,6 +164,7 @@ class Broker:
             relay=self.relay,
             outbox=self.outbox,
             hosted_changed=lambda: self.mesh.gossip.load_changed(),
+            may_capture=lambda owner, group: self.sign_in.may_capture(owner, group),
         )
         self.telemetry = Telemetry(
             config=config,
@@ -200,7 +201,12 @@ class Broker:
             dialer=dialer or dial_tcp,
             rng=rng,
         )
-        self.sign_in = SignIn(config.users, self.links, reread=reread_users)
+        self.sign_in = SignIn(
+            config.users,
+            self.links,
+            reread=reread_users,
+            reloaded=self.streams.recheck_captures,
+        )
         self.stat = StatView(
             config=config,
             routing=self.routing,

@@ -74,15 +74,19 @@ class SignIn:
         links: LinkRegistry,
         *,
         reread: Callable[[], UserTable] | None = None,
+        reloaded: Callable[[], None] = lambda: None,
         new_nonce: Callable[[], bytes] = _new_nonce,
     ) -> None:
         """``reread`` reads the users from the config file again (InvalidArgument for
         anything wrong in it); None: the broker has no config file to reload.
+        ``reloaded`` is called after a reload was applied, for what holds rights beyond
+        a link (the streams' captures).
         ``new_nonce`` draws each CHALLENGE's nonce (``secrets``: never the broker's
         seeded rng, whose choices a simulation replays)."""
         self._users = users
         self._links = links
         self._reread = reread
+        self._reloaded = reloaded
         self.new_nonce = new_nonce
         self.reloads = Reloads()
         self._tokens: ThreadPoolExecutor | None = None
@@ -106,6 +110,12 @@ class SignIn:
         entry = self._users.get(user)
         found = entry.permissions if entry is not None else None
         return found if found is not None else Permissions(user)
+
+    def may_capture(self, user: str, group: bytes) -> bool:
+        """Whether a stream added by ``user`` may capture ``group`` now (a user that is
+        gone may capture nothing); on a broker without users, everything."""
+        permissions = self.permissions_of(user) if self.required else None
+        return permissions is None or permissions.may_capture(group)
 
     def check_key(self, auth: Auth, signed: bytes) -> bool:
         return self._users.check_signature(auth.user, signed, auth.signature)
@@ -164,6 +174,7 @@ class SignIn:
             closed += 1
         self.reloads.applied += 1
         self.reloads.applied_at = time.time()
+        self._reloaded()
         log.info(
             "config reloaded",
             extra={"users": len(list(users)), "links_kept": kept, "links_closed": closed},

@@ -52,7 +52,9 @@ from meshbus.broker.store import (
     fit_bytes,
 )
 from meshbus.broker.store_blocks import (
+    ADD_OWNERS,
     INSERT_BLOCK,
+    OWNERLESS_VERSION,
     PUT_PENDING,
     SCHEMA_VERSION,
     SEQ_BITS,
@@ -137,11 +139,12 @@ class SqliteStreamStore(MirroredStore):
         # stream's whole size to the WAL: FAST zeroes only what costs no extra writes.
         db.execute("PRAGMA secure_delete=FAST")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, OWNERLESS_VERSION, SCHEMA_VERSION):
             raise StoreError(
                 f"{self.path}: stream store schema version {version} is not {SCHEMA_VERSION}; "
                 "it was written by another meshbus version (version 4 added a checksum to "
-                "every block); `meshbus stream salvage --data-dir "
+                "every block; a version 4 store is upgraded in place); `meshbus stream "
+                "salvage --data-dir "
                 f"{os.path.dirname(os.path.abspath(self.path))} --out NEW_DIR` copies a "
                 "version 3 store into a new one, or move it aside to start with an empty store"
             )
@@ -157,6 +160,9 @@ class SqliteStreamStore(MirroredStore):
         with self._tx():
             for statement in schema_statements():
                 db.execute(statement)
+            if version == OWNERLESS_VERSION:
+                for statement in ADD_OWNERS:
+                    db.execute(statement)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._load()
         self._verify_newest()
@@ -200,23 +206,23 @@ class SqliteStreamStore(MirroredStore):
         by_id: dict[int, StreamState] = {}
         for row in db.execute(
             "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
-            " first_seq, last_seq, bytes FROM streams"
+            " first_seq, last_seq, bytes, owner FROM streams"
         ):
-            sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, size = row
+            sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, size, owner = row
             captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
-            config = StreamConfig(name, captures, max_msgs, max_bytes, max_age, window)
+            config = StreamConfig(name, captures, max_msgs, max_bytes, max_age, window, owner)
             st = StreamState(config, first, last, size, key=sid)
             if st.count:
                 st.first_at = block_keys(db, sid, first, first)[0][1]  # no decoding
             self._load_publish_ids(st)
             self._streams[name] = by_id[sid] = st
         by_cid: dict[int, ConsumerState] = {}
-        for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped in db.execute(
-            "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped"
-            " FROM consumers"
+        for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped, owner in db.execute(
+            "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped,"
+            " owner FROM consumers"
         ):
             cs = ConsumerState(
-                ConsumerConfig(name, ack_wait, max_deliver, start), next_seq, dropped
+                ConsumerConfig(name, ack_wait, max_deliver, start, owner), next_seq, dropped
             )
             cs.key = cid
             by_id[sid].consumers[name] = by_cid[cid] = cs
@@ -313,9 +319,9 @@ class SqliteStreamStore(MirroredStore):
             return existing
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO streams VALUES (NULL, ?, ?, ?, ?, ?, ?, 1, 0, 0)",
+                "INSERT INTO streams VALUES (NULL, ?, ?, ?, ?, ?, ?, 1, 0, 0, ?)",
                 (config.name, b"".join(config.captures), config.max_msgs, config.max_bytes,
-                 config.max_age, config.dedupe_window),
+                 config.max_age, config.dedupe_window, config.owner),
             )  # fmt: skip
             sid = cur.lastrowid
             if sid is None or sid >= 1 << (63 - SEQ_BITS):  # cannot pack into a message key
@@ -456,9 +462,9 @@ class SqliteStreamStore(MirroredStore):
         cs = self._new_consumer(st, config)
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, 0)",
+                "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, 0, ?)",
                 (st.key, config.name, config.ack_wait, config.max_deliver, config.start_seq,
-                 cs.next_seq),
+                 cs.next_seq, config.owner),
             )  # fmt: skip
             assert cur.lastrowid is not None
             cs.key = cur.lastrowid
@@ -549,6 +555,7 @@ class SqliteStreamStore(MirroredStore):
         start_seq: int,
         next_seq: int,
         dropped: int,
+        owner: str,
         pending: Sequence[tuple[int, int, float]],
     ) -> None:
         """For ``store_salvage``, as ``write_salvaged``: consumer ``name`` of ``stream``
@@ -557,8 +564,8 @@ class SqliteStreamStore(MirroredStore):
         sid = self._stream(stream).key
         with self._tx() as db:
             cid = db.execute(
-                "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
-                (sid, name, ack_wait, max_deliver, start_seq, next_seq, dropped),
+                "INSERT INTO consumers VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sid, name, ack_wait, max_deliver, start_seq, next_seq, dropped, owner),
             ).lastrowid
             db.executemany(PUT_PENDING, [(cid, seq, count, at) for seq, count, at in pending])
 

@@ -68,6 +68,11 @@ class StreamConfig:
     max_bytes: int = 0
     max_age: float = 0.0
     dedupe_window: float = 120.0
+    # The user that added it, whose right to join each captured group is checked again at
+    # every reload (docs/security.md, "Streams and consumers have owners"); "": nobody's
+    # (a broker without users, the broker's own, or a store older than owners). Not part
+    # of what an add compares: adding a stream that exists is adding the same stream.
+    owner: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         check_name("stream", self.name)
@@ -140,6 +145,9 @@ class ConsumerConfig:
     ack_wait: float = 30.0
     max_deliver: int = 5  # 0 = redeliver forever
     start_seq: int = 0
+    # The user that made it, the only one that may use or delete it (besides one with the
+    # operator right "consumers"); "": nobody's, any user that may consume the stream.
+    owner: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         check_name("consumer", self.name)
@@ -348,6 +356,13 @@ class MirroredStore(StreamStore):
         next_seq = max(cs.next_seq, st.first_seq)
         floor = next(iter(cs.pending)) - 1 if cs.pending else next_seq - 1
         return ConsumerInfo(stream, cs.config, next_seq, floor, len(cs.pending), cs.dropped)
+
+    def consumer_owner(self, stream: str, name: str) -> str | None:
+        """The user that made consumer ``name`` of ``stream`` ("": nobody); None when
+        there is no such consumer."""
+        st = self._streams.get(stream)
+        cs = None if st is None else st.consumers.get(name)
+        return None if cs is None else cs.config.owner
 
     def _existing_stream(self, config: StreamConfig) -> StreamStatus | None:
         st = self._streams.get(config.name)

@@ -36,7 +36,14 @@ from meshbus.broker.store import NewMessage
 from meshbus.broker.store_errors import StoreError
 from meshbus.protocol.blocks import BlockSlice, decode_block, encode_block
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+# Version 4 had no owners; it is upgraded in place at open (every stream and consumer of
+# it is nobody's).
+OWNERLESS_VERSION = 4
+ADD_OWNERS = (
+    "ALTER TABLE streams ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE consumers ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+)
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -45,14 +52,16 @@ CREATE TABLE IF NOT EXISTS streams (
     id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL UNIQUE, captures BLOB NOT NULL,
     max_msgs INTEGER NOT NULL, max_bytes INTEGER NOT NULL, max_age REAL NOT NULL,
     dedupe_window REAL NOT NULL,
-    first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, bytes INTEGER NOT NULL);
+    first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    owner TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS blocks (
     key INTEGER PRIMARY KEY, last_seq INTEGER NOT NULL, stored_at REAL NOT NULL,
     crc INTEGER NOT NULL, messages BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS consumers (
     id INTEGER PRIMARY KEY, stream_id INTEGER NOT NULL, name TEXT NOT NULL,
     ack_wait REAL NOT NULL, max_deliver INTEGER NOT NULL, start_seq INTEGER NOT NULL,
-    next_seq INTEGER NOT NULL, dropped INTEGER NOT NULL, UNIQUE (stream_id, name));
+    next_seq INTEGER NOT NULL, dropped INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT '',
+    UNIQUE (stream_id, name));
 CREATE TABLE IF NOT EXISTS pending (
     consumer_id INTEGER NOT NULL, seq INTEGER NOT NULL, delivery INTEGER NOT NULL,
     deadline REAL NOT NULL, PRIMARY KEY (consumer_id, seq)) WITHOUT ROWID;

@@ -166,15 +166,15 @@ def _version(path: str) -> int:
 def _salvage(db: sqlite3.Connection, out: str, report: Salvage, legacy: bool = False) -> None:
     streams = db.execute(
         "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
-        " first_seq, last_seq FROM streams ORDER BY name"
+        f" first_seq, last_seq, {_owner(db, 'streams')} FROM streams ORDER BY name"
     ).fetchall()
     consumers = db.execute(
-        "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped"
-        " FROM consumers"
+        "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped,"
+        f" {_owner(db, 'consumers')} FROM consumers"
     ).fetchall()
     new = SqliteStreamStore(out)
     try:
-        for sid, name, caps, max_msgs, max_bytes, max_age, window, first, last in streams:
+        for sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, owner in streams:
             sv = StreamSalvage(name, first, last)
             report.streams.append(sv)
             runs = _salvage_blocks(db, sid, first, last, sv, legacy)
@@ -185,15 +185,26 @@ def _salvage(db: sqlite3.Connection, out: str, report: Salvage, legacy: bool = F
                 run_name = name if newest else f"{name}.{run_first}-{run_last}"[:64]
                 new.add_stream(
                     StreamConfig(
-                        run_name, captures if newest else (), max_msgs, max_bytes, max_age, window
+                        run_name,
+                        captures if newest else (),
+                        max_msgs,
+                        max_bytes,
+                        max_age,
+                        window,
+                        owner,
                     )
                 )
                 sv.saved.append((run_name, run_first, run_last))
                 _put_run(new, run_name, run_first, run)
             if not runs:  # nothing kept: the stream, empty, numbering on from where it was
-                new.add_stream(StreamConfig(name, captures, max_msgs, max_bytes, max_age, window))
+                new.add_stream(
+                    StreamConfig(name, captures, max_msgs, max_bytes, max_age, window, owner)
+                )
                 new.write_salvaged(name, last + 1, last, 0, [])
-            for cid, c_sid, c_name, ack_wait, max_deliver, start, next_seq, dropped in consumers:
+            for consumer in consumers:
+                cid, c_sid, c_name, ack_wait, max_deliver, start, next_seq, dropped, c_owner = (
+                    consumer
+                )
                 if c_sid != sid:
                     continue
                 # Pending deliveries of seqs the stream still holds (those of older runs
@@ -204,10 +215,17 @@ def _salvage(db: sqlite3.Connection, out: str, report: Salvage, legacy: bool = F
                     (cid, runs[-1][0] if runs else last + 1),
                 ).fetchall()
                 new.write_salvaged_consumer(
-                    name, c_name, ack_wait, max_deliver, start, next_seq, dropped, pending
+                    name, c_name, ack_wait, max_deliver, start, next_seq, dropped, c_owner, pending
                 )
     finally:
         new.close()
+
+
+def _owner(db: sqlite3.Connection, table: str) -> str:
+    """What to select for the owner of a row of ``table``: a store older than owners
+    (schema version 4 or before) has none."""
+    columns = [row[1] for row in db.execute(f"PRAGMA table_info({table})")]
+    return "owner" if "owner" in columns else "''"
 
 
 def _salvage_blocks(

@@ -30,11 +30,14 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import IO, Any
 
+import msgspec
+
 from meshbus.address import CAST_MULTICAST, describe_address
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import Endpoint, LinkRole, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.permissions import CONSUMERS, stream_operation
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sqlite_store import SqliteStreamStore
@@ -53,6 +56,7 @@ from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
+    OP_LEAVE,
     OP_REMOVE,
     Body,
     StoredRow,
@@ -115,14 +119,18 @@ class StreamHost:
         relay: Relay,
         outbox: Outbox,
         hosted_changed: Callable[[], None],
+        may_capture: Callable[[str, bytes], bool],
     ) -> None:
-        """``hosted_changed`` tells the peers at once that the streams hosted here changed."""
+        """``hosted_changed`` tells the peers at once that the streams hosted here changed.
+        ``may_capture(owner, group)``: a stream added by user ``owner`` may capture
+        ``group`` now (asked at start and after every reload)."""
         self._config = config
         self._routing = routing
         self._sync = sync
         self._relay = relay
         self._outbox = outbox
         self._hosted_changed = hosted_changed
+        self._may_capture = may_capture
         data_dir = config.data_dir
         self.store: MirroredStore
         self._lock: IO[bytes] | None = None
@@ -137,6 +145,8 @@ class StreamHost:
         self.members: dict[str, bytes] = {}  # stream -> its member address
         self._by_member: dict[bytes, str] = {}
         self._by_group: dict[bytes, list[str]] = defaultdict(list)
+        # stream -> the groups it captures no more: its owner may not join them now
+        self.paused: dict[str, tuple[bytes, ...]] = {}
         # stream -> (messages of this turn, sender -> reliable message ids to acknowledge)
         self._batch: dict[str, tuple[list[NewMessage], dict[bytes, list[int]]]] = {}
         self.elsewhere: dict[str, Link] = {}  # streams hosted by peers
@@ -182,11 +192,49 @@ class StreamHost:
         self._sync.announce(OP_ADD, member)
         self.members[config.name] = member
         self._by_member[member] = config.name
-        for group in config.captures:
-            routing.join(member, group)
-            self._sync.announce(OP_JOIN, member, group)
-            self._by_group[group].append(config.name)
+        self._capture(config)
         self._hosted_changed()
+
+    def _capture(self, config: StreamConfig) -> None:
+        """The stream captures each of its groups its owner may join now, and stops
+        capturing the others (docs/security.md, "Streams and consumers have owners")."""
+        name = config.name
+        member = self.members[name]
+        routing, sync, by_group = self._routing, self._sync, self._by_group
+        paused = []
+        for group in config.captures:
+            allowed = not config.owner or self._may_capture(config.owner, group)
+            capturing = name in by_group.get(group, ())
+            if allowed and not capturing:
+                routing.join(member, group)
+                sync.announce(OP_JOIN, member, group)
+                by_group[group].append(name)
+            elif not allowed:
+                paused.append(group)
+                if capturing:
+                    routing.leave(member, group)
+                    sync.announce(OP_LEAVE, member, group)
+                    by_group[group].remove(name)
+        if tuple(paused) != self.paused.get(name, ()):
+            log.warning(
+                "a stream's captures follow its owner's rights",
+                extra={
+                    "stream": name,
+                    "owner": config.owner,
+                    "paused": [describe_address(group) for group in paused],
+                },
+            )
+        if paused:
+            self.paused[name] = tuple(paused)
+        else:
+            self.paused.pop(name, None)
+
+    def recheck_captures(self) -> None:
+        """After a reload: each stream added by a user captures what that user may join
+        now."""
+        for config in self.store.streams():
+            if config.owner and config.name in self.members:
+                self._capture(config)
 
     def host_local(self, config: StreamConfig) -> None:
         """A stream of the broker's own (telemetry), created unless it exists."""
@@ -198,6 +246,7 @@ class StreamHost:
         if member is None:
             return
         del self._by_member[member]
+        self.paused.pop(name, None)
         for streams in self._by_group.values():
             if name in streams:
                 streams.remove(name)
@@ -301,6 +350,13 @@ class StreamHost:
 
     def on_request(self, link: Link, correlation: int, body: Body) -> None:
         assert isinstance(body, StreamRequest)
+        if not link.is_peer:  # the user that asks, as this broker knows it
+            permissions = link.permissions
+            body = msgspec.structs.replace(
+                body,
+                user=link.user or "",
+                any_consumer=permissions is None or permissions.may_operate(CONSUMERS),
+            )
         answer = self._relay.answer
         name = body.stream
         if body.op not in ("add", "list") and name not in self.members:
@@ -309,6 +365,10 @@ class StreamHost:
                 self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
                 return
             self._refuse(link, ErrorCode.NO_STREAM, str(StreamNotFound(name)), correlation)
+            return
+        not_theirs = self._not_theirs(body)
+        if not_theirs:
+            self._refuse(link, ErrorCode.PERMISSION_DENIED, not_theirs, correlation)
             return
         try:
             reply = self._handle(link, body)
@@ -331,6 +391,21 @@ class StreamHost:
                 self._outbox.flush()
 
         self._sync.after_confirmed(captured_mesh_wide)
+
+    def _not_theirs(self, body: StreamRequest) -> str:
+        """Why ``body`` may not use the consumer it names: another user made it ("" when
+        it may)."""
+        if body.any_consumer or stream_operation(body.op) != "consume":
+            return ""
+        owner = self.store.consumer_owner(body.stream, body.consumer)
+        if not owner or owner == body.user:  # none yet (the op says so), nobody's, or its own
+            return ""
+        return (
+            f"permission denied: user {body.user!r} may not {body.op} consumer "
+            f"{body.consumer!r} of stream {body.stream!r}: user {owner!r} made it, and only "
+            f"it or a user with the operator right {CONSUMERS!r} may use or delete it "
+            "(permissions.operator)"
+        )
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, correlation: int) -> None:
         self._relay.refuse(link, code, message, correlation)
@@ -361,6 +436,7 @@ class StreamHost:
                 max_bytes=body.max_bytes or cap,  # every stream has a cap
                 max_age=body.max_age,
                 dedupe_window=body.dedupe_window,
+                owner=body.user,
             )
             for group in config.captures:
                 if group[0] != CAST_MULTICAST:
@@ -402,6 +478,7 @@ class StreamHost:
                 ack_wait=body.ack_wait,
                 max_deliver=body.max_deliver,
                 start_seq=body.start_seq,
+                owner=body.user,
             )
             return StreamReply(info=_consumer(store.add_consumer(name, config_c)))
         if op == "consumer_info":
@@ -458,6 +535,10 @@ class StreamHost:
             "elsewhere": {n: link.name for n, link in sorted(self.elsewhere.items())},
             "stored": self.stored,
             "dropped": self.dropped,
+            "paused": {
+                n: [describe_address(group) for group in groups]
+                for n, groups in sorted(self.paused.items())
+            },
         }
 
 

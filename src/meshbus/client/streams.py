@@ -190,3 +190,8 @@ class Consumer:
             StreamRequest(op="consumer_info", stream=self.stream, consumer=self.name)
         )
         return reply.info
+
+    async def delete(self) -> None:
+        """Delete the consumer, its position and its pending deliveries: only the user
+        that made it may, or one with the operator right "consumers"."""
+        await self._ask(StreamRequest(op="consumer_delete", stream=self.stream, consumer=self.name))

@@ -397,6 +397,12 @@ class StreamRequest(Body):
     start_seq: Seq = 0
     seqs: list[Seq] = msgspec.field(default_factory=list)
     columns: bool = False  # fetch: answer in StreamReply.blocks, not .messages
+    # Who asks (docs/security.md, "Streams and consumers have owners"): set by the
+    # connector's broker, whatever the connector wrote, and read by the stream's host from
+    # a peer only. ``user``: its user ("" on a broker without users); ``any_consumer``:
+    # it may use and delete every consumer (the operator right "consumers").
+    user: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)] = ""
+    any_consumer: bool = False
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count

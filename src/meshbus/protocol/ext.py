@@ -81,6 +81,16 @@ def wrap(ext: Ext, payload: bytes | bytearray | memoryview) -> bytes:
 
 def split(payload: bytes | memoryview) -> tuple[Ext, bytes]:
     """The block and the application's payload of an EXT frame's payload."""
+    ext, end = _block(payload)
+    return ext, bytes(payload[end:])
+
+
+def block_of(payload: bytes | memoryview) -> Ext:
+    """The block of an EXT frame's payload, the application's payload left where it is."""
+    return _block(payload)[0]
+
+
+def _block(payload: bytes | memoryview) -> tuple[Ext, int]:
     if len(payload) < _LENGTH:
         raise ProtocolError("EXT frame without an extension block")
     size = int.from_bytes(payload[:_LENGTH], "big")
@@ -91,4 +101,4 @@ def split(payload: bytes | memoryview) -> tuple[Ext, bytes]:
         ext = _decode(payload[_LENGTH:end])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed extension block: {exc}") from None
-    return ext, bytes(payload[end:])
+    return ext, end

@@ -27,8 +27,9 @@ from meshbus.protocol.control import (
     StreamReply,
     StreamRequest,
 )
-from meshbus.protocol.ext import ack_frames
+from meshbus.protocol.ext import Ext, ack_frames, wrap
 from meshbus.protocol.layout import (
+    FLAG_EXT,
     FLAG_NOTIFY_DROP,
     FLAG_RELIABLE,
     FLAG_REQUEST,
@@ -222,14 +223,19 @@ async def test_a_denied_send_is_dropped_counted_and_reported_when_asked(
     await still_usable(client)
 
 
-async def test_a_denied_request_gets_no_route_with_permission_denied(
-    network: FakeNetwork,
-) -> None:
+async def login_pool(network: FakeNetwork) -> tuple[Broker, FakeClient, bytes, FakeClient]:
+    """A broker, a connector with login:1 in anycast:login, and another connector."""
     broker = await start_broker(network, "a")
     server = await connector(network, broker, "server")
     login = await server.register("login", 1)
     await server.join(login, LOGIN_POOL)
-    client = await connector(network, broker)
+    return broker, server, login, await connector(network, broker)
+
+
+async def test_a_denied_request_gets_no_route_with_permission_denied(
+    network: FakeNetwork,
+) -> None:
+    broker, server, login, client = await login_pool(network)
     as_user(client, {"register": ["game*"], "send": ["*"], "request": ["anycast:login"]})
     me = await client.register("game01")
     client.send_data(LOGIN_POOL, me, b"ok?", msg_id=1, flags=FLAG_REQUEST, timeout_ms=5000)
@@ -354,7 +360,9 @@ async def test_each_stream_permission_is_granted_alone_and_denied_without_it(
         f"(permissions.{permission})"
     )
     with_it = await connector(network, broker, "with")
-    as_user(with_it, {"streams": {table: ["*"]}})
+    # Adding a stream that captures a group also takes the right to join it.
+    capture = {"join": ["multicast:chat"]} if table == "add" else {}
+    as_user(with_it, {"streams": {table: ["*"]}, **capture})
     granted = await with_it.ask(ControlType.STREAM, request_)
     assert isinstance(granted.body, StreamReply), describe_frame(granted)
 
@@ -376,3 +384,38 @@ async def test_telemetry_streams_are_read_with_the_telemetry_right_alone(
     as_user(watcher, {"operator": ["telemetry"]}, "watcher")
     granted = await watcher.ask(ControlType.STREAM, info)
     assert isinstance(granted.body, StreamReply), describe_frame(granted)
+
+
+async def test_the_send_right_on_a_group_covers_its_members_copies_while_they_are_in_it(
+    network: FakeNetwork,
+) -> None:
+    broker, worker, member, client = await login_pool(network)
+    as_user(client, {"register": ["game*"], "send": ["anycast:login"]})
+    me = await client.register("game01")
+    reliable = FLAG_RELIABLE | FLAG_NOTIFY_DROP | FLAG_EXT
+
+    def copy(msg_id: int, group: bytes = LOGIN_POOL, flags: int = reliable) -> None:
+        payload = wrap(Ext(origin=group), b"%d" % msg_id) if flags & FLAG_EXT else b"plain"
+        client.send_data(member, me, payload, msg_id=msg_id, flags=flags)
+
+    copy(1, ADMIN)  # a group it may not send to: refused, and not cached as refused
+    copy(2)  # the same routing key, for the group: delivered
+    copy(3)
+    copy(4, flags=FLAG_RELIABLE | FLAG_NOTIFY_DROP)  # not for any group: refused
+    await network.settle()
+    assert [f.msg_id for f in worker.take_data()] == [2, 3]
+    assert [(r.msg_id, r.code) for r in failures(client)] == [
+        (1, ErrorCode.PERMISSION_DENIED),
+        (4, ErrorCode.PERMISSION_DENIED),
+    ]
+    # The member leaves the group: its next copy is a stale route, not a refusal (the
+    # sender may send to the group, and asks it for a member again).
+    worker.send_control(ControlType.LEAVE, Membership(member=member, group=LOGIN_POOL))
+    await network.settle()
+    copy(5)
+    await network.settle()
+    assert worker.take_data() == []
+    assert [(r.msg_id, r.code, r.reason) for r in failures(client)] == [
+        (5, 0, "the route went stale")
+    ]
+    assert broker.stats.dropped_denied == 2
