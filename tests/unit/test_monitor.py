@@ -54,6 +54,12 @@ def fake_stat() -> dict[str, Any]:
         "capacity": 50,
         "max_connectors": 50,
         "groups_bound": 2,
+        "users": {
+            "alice": {
+                "connections": {"used": 2, "quota": 64},
+                "stream_bytes": {"used": 0, "quota": None},
+            }
+        },
         "streams": {"stored": 40, "dropped": 41},
         "mesh_counters": {"peers_lost": 1, "stalls": 0, "route_ops_in": 30},
         "counters": counters,

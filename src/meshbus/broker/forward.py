@@ -120,17 +120,20 @@ class Forwarder:
         stats: TrafficStats,
         deadline: Callable[[int], float],
         trace: TraceHop,
+        request_quota: Callable[[str], str],
     ) -> None:
         """``deadline`` turns a request's timeout_ms (0: the default) into a deadline on
         the broker's clock; ``trace`` records a traced frame's hop (telemetry). A request
-        past the pending table's ``max_per_link`` (``--max-requests``) is answered
-        NO_ROUTE at once."""
+        past the pending table's ``max_per_link`` (``--max-requests``), or past its user's
+        quota (``request_quota`` says why a user may not make one more: meshbus.broker.usage),
+        is answered NO_ROUTE at once."""
         self.routing = routing
         self._pending = pending
         self._outbox = outbox
         self._stats = stats
         self._deadline = deadline
         self._trace = trace
+        self._request_quota = request_quota
 
     def flush_run(
         self,
@@ -231,7 +234,10 @@ class Forwarder:
             link.msgs_in -= 1  # counted again when the decision is carried out
             return Decision(total, found, Carry.REQUEST, src, dst)
         pending = self._pending
-        if flags & FLAG_REQUEST and pending.count(link) >= pending.max_per_link:
+        if flags & FLAG_REQUEST and (
+            pending.count(link) >= pending.max_per_link
+            or (link.user is not None and self._over_quota(link.user))
+        ):
             self._too_many_requests(link, msg_id, src, dst)  # anycast or traced
             return None
         delivered = 0
@@ -390,8 +396,9 @@ class Forwarder:
             return
         msg_id, timeout_ms = _unpack_request_ids(buf, pos + OFF_MSG_ID)
         targets = decision.targets
-        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests).
-        if not self._pending.add(
+        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests)
+        # or its user's quota.
+        if (link.user is not None and self._over_quota(link.user)) or not self._pending.add(
             decision.src,
             msg_id,
             link,
@@ -426,17 +433,24 @@ class Forwarder:
             link, msg_id, decision.src, decision.dst, reason, ErrorCode.PERMISSION_DENIED
         )
 
+    def _over_quota(self, user: str) -> bool:
+        """Whether ``user`` has its quota of requests waiting."""
+        return bool(self._request_quota(user))
+
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
-        """A request past the link's cap: refused, not forwarded, and the requester told
-        now (its ``request()`` raises NoRoute with this reason)."""
+        """A request past the link's cap or its user's quota: refused, not forwarded, and
+        the requester told now (its ``request()`` raises NoRoute with this reason)."""
         self._stats.dropped_no_route += 1
+        user = link.user
+        reason = "" if user is None else self._request_quota(user)
         self._outbox.no_route(
             link,
             msg_id,
             src,
             dst,
-            f"limit exceeded: this connector already has {self._pending.max_per_link} requests "
-            "waiting for a response (the broker's --max-requests)",
+            reason
+            or f"limit exceeded: this connector already has {self._pending.max_per_link} "
+            "requests waiting for a response (the broker's --max-requests)",
         )
 
 

@@ -49,6 +49,7 @@ from meshbus.broker.store import (
 )
 from meshbus.broker.store_errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.broker.sync import RouteSync
+from meshbus.broker.usage import STREAM_BYTES, UsageTable
 from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
@@ -114,14 +115,17 @@ class StreamHost:
         sync: RouteSync,
         relay: Relay,
         outbox: Outbox,
+        usage: UsageTable,
         hosted_changed: Callable[[], None],
     ) -> None:
-        """``hosted_changed`` tells the peers at once that the streams hosted here changed."""
+        """``usage`` counts the bytes of the streams each user adds (its quota);
+        ``hosted_changed`` tells the peers at once that the streams hosted here changed."""
         self._config = config
         self._routing = routing
         self._sync = sync
         self._relay = relay
         self._outbox = outbox
+        self._usage = usage
         self._hosted_changed = hosted_changed
         data_dir = config.data_dir
         self.store: MirroredStore
@@ -367,7 +371,12 @@ class StreamHost:
                     raise ValueError(
                         f"a stream captures multicast addresses, not {describe_address(group)}"
                     )
+            new = name not in store
+            if new:
+                self._usage.check(link, STREAM_BYTES, config.max_bytes)
             info = store.add_stream(config)
+            if new:
+                self._usage.stream_added(link, name, config.max_bytes)
             self._host(config)
             return StreamReply(info=self._info(info))
         if op == "list":
@@ -383,6 +392,7 @@ class StreamHost:
         if op == "delete":
             self._unhost(name)
             store.delete_stream(name)
+            self._usage.stream_deleted(name)
             self._purge_later()
             return StreamReply()
         if op == "fetch" and body.columns:

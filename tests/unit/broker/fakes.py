@@ -1032,6 +1032,7 @@ class Hub:
             self.stats,
             self._deadline,
             lambda hop, src, msg_id, dst: self.traced.append((hop, src, msg_id, dst)),
+            lambda user: "",
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.dispatch.install(self._no_handshake, {})
