@@ -167,6 +167,18 @@ def test_every_open_link_has_its_traffic_with_its_kind_name_and_id() -> None:
     assert series == {game, cli, peer, link("peer", "b3", 3)}
 
 
+def test_each_configured_users_usage_and_quotas_are_gauges() -> None:
+    got = samples()
+
+    def labels(quota: str) -> tuple[tuple[str, str], ...]:
+        return (("broker", "b1"), ("quota", quota), ("user", "alice"))
+
+    assert got[("meshbus_user_usage", labels("connections"))] == 2
+    assert got[("meshbus_user_quota", labels("connections"))] == 64
+    assert got[("meshbus_user_usage", labels("stream_bytes"))] == 0
+    assert ("meshbus_user_quota", labels("stream_bytes")) not in got, "no quota, no series"
+
+
 def test_a_peers_heartbeat_round_trip_is_a_gauge_once_timed() -> None:
     got = samples()
     assert got[("meshbus_peer_rtt_seconds", (("broker", "b1"), ("peer", "b2")))] == 0.00025
