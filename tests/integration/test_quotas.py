@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import meshbus
 from meshbus.auth import Credentials, TokenHash
 from tests.conftest import BrokerProcess, start_broker
 from tests.integration.helpers import broker_key
+from tests.integration.test_auth import run_cli
 from tests.integration.test_monitor import free_port, http_get
 
 TOKEN = "quota-metrics-token"
@@ -67,20 +67,6 @@ async def quota_broker(
         yield broker, users, monitor
     finally:
         assert await broker.stop() == 0
-
-
-async def run_cli(*args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "meshbus",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 30)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def test_one_users_links_stop_at_its_quota_and_stat_and_metrics_show_it(
