@@ -12,10 +12,9 @@ from meshbus.address import Multicast, server_name_bytes
 from meshbus.auth import Credentials
 from meshbus.broker.endpoint import Endpoint, is_peer
 from meshbus.broker.link import Link
-from meshbus.broker.pending import PendingTable
-from meshbus.broker.quotas import MAX_QUOTA, BadQuotas, Quotas
+from meshbus.broker.quotas import MAX_QUOTA, QUOTA_KEYS, BadQuotas, Quotas
 from meshbus.broker.routing import RoutingTable
-from meshbus.broker.usage import QUOTA_KEYS, QuotaExceeded, UsageTable
+from meshbus.broker.usage import QuotaExceeded, UsageTable
 from meshbus.broker.users import User, UserTable
 from meshbus.cli_broker import broker
 from meshbus.cli_config import read_config
@@ -89,13 +88,13 @@ def register(hub: Hub, link: Link) -> bytes:
 
 def usage_of(hub: Hub, quotas: Quotas) -> UsageTable:
     users = UserTable([User("alice", certificate="alice", quotas=quotas), User("bob", "bob")])
-    return UsageTable(lambda: users, hub.routing, hub.pending)
+    return UsageTable(lambda: users, hub.routing)
 
 
 def test_each_figure_is_summed_over_the_users_links_from_the_tables() -> None:
-    bench = Hub()
-    usage = usage_of(bench, Quotas(connections=2, services=3, memberships=1, requests=1))
-    first, second, bobs = bench.connector("a1"), bench.connector("a2"), bench.connector("b")
+    hub = Hub()
+    usage = usage_of(hub, Quotas(connections=2, services=3, memberships=1, requests=1))
+    first, second, bobs = hub.connector("a1"), hub.connector("a2"), hub.connector("b")
     first.user = second.user = "alice"
     bobs.user = "bob"
     for link in (first, second, bobs):
@@ -109,17 +108,19 @@ def test_each_figure_is_summed_over_the_users_links_from_the_tables() -> None:
         "is 2 (quotas.connections of its [[users]] entry in the broker's config); close one "
         "first"
     )
-    one = register(bench, first)
-    register(bench, second)
-    register(bench, second)
-    register(bench, bobs)
+    one = register(hub, first)
+    register(hub, second)
+    register(hub, second)
+    register(hub, bobs)
     assert usage.used("alice", "services") == 3
     assert "quotas.services" in usage.refusal("alice", "services")
-    bench.routing.join(one, Multicast("g").to_bytes())
+    hub.routing.join(one, Multicast("g").to_bytes())
     assert usage.used("alice", "memberships") == 1
-    bench.pending.add(one, 1, first, 10.0, one)
+    hub.pending.add(one, 1, first, 10.0, one, tally=usage.tally_for_request("alice"))
     assert usage.used("alice", "requests") == 1
     assert "quotas.requests" in usage.refusal("alice", "requests")
+    assert usage.tally_for_request("alice") is None, "at its quota"
+    hub.pending.drop_link(first)  # as the broker does when the link closes
     usage.link_closed(first)
     assert usage.used("alice", "connections") == 1
     assert usage.used("alice", "services") == 2, "the closed link's services are not its"
@@ -127,9 +128,9 @@ def test_each_figure_is_summed_over_the_users_links_from_the_tables() -> None:
 
 
 def test_stream_bytes_are_held_until_the_stream_is_deleted_by_anyone() -> None:
-    bench = Hub()
-    usage = usage_of(bench, Quotas(stream_bytes=100))
-    link = bench.connector("a")
+    hub = Hub()
+    usage = usage_of(hub, Quotas(stream_bytes=100))
+    link = hub.connector("a")
     link.user = "alice"
     usage.link_opened(link)
     usage.check(link, "stream_bytes", 100)
@@ -144,9 +145,9 @@ def test_stream_bytes_are_held_until_the_stream_is_deleted_by_anyone() -> None:
 
 
 def test_a_link_without_a_user_has_no_quota() -> None:
-    bench = Hub()
-    usage = usage_of(bench, Quotas(connections=0))
-    link = bench.connector("anonymous")
+    hub = Hub()
+    usage = usage_of(hub, Quotas(connections=0))
+    link = hub.connector("anonymous")
     usage.link_opened(link)
     usage.check(link, "connections")
     assert usage.snapshot()["alice"]["connections"] == {"used": 0, "quota": 0}
@@ -157,7 +158,7 @@ def test_the_usage_table_needs_no_broker() -> None:
     """A plain class over a routing table and a pending table of any endpoints."""
     routing: RoutingTable[Endpoint] = RoutingTable(slot=1, is_remote=is_peer)
     users = UserTable([User("alice", certificate="alice")])
-    usage = UsageTable(lambda: users, routing, PendingTable())
+    usage = UsageTable(lambda: users, routing)
     assert usage.used("alice", "services") == 0
     assert usage.snapshot() == {
         "alice": {key: {"used": 0, "quota": getattr(Quotas(), key)} for key in QUOTA_KEYS}

@@ -32,12 +32,13 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.quotas import CONNECTIONS, MEMBERSHIPS, SERVICES
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.signin import SignIn, bound_session
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.trust import MeshTrust
-from meshbus.broker.usage import CONNECTIONS, MEMBERSHIPS, SERVICES, UsageTable
+from meshbus.broker.usage import UsageTable
 from meshbus.broker.watch import ServiceWatch
 from meshbus.errors import FrameTooLarge
 from meshbus.protocol.codec import ControlFrame, encode_control

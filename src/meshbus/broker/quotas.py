@@ -11,12 +11,21 @@ is meshbus.broker.usage's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from meshbus.errors import InvalidArgument
 
 # A quota's largest value: far above what any broker holds, and still a plain int.
 MAX_QUOTA = 1 << 62
+# The keys of [users.quotas], the fields of Quotas.
+CONNECTIONS, SERVICES, MEMBERSHIPS, REQUESTS, STREAM_BYTES = (
+    "connections",
+    "services",
+    "memberships",
+    "requests",
+    "stream_bytes",
+)
+QUOTA_KEYS = (CONNECTIONS, SERVICES, MEMBERSHIPS, REQUESTS, STREAM_BYTES)
 
 
 class BadQuotas(InvalidArgument):
@@ -53,12 +62,12 @@ class Quotas:
         its default. BadQuotas names the user and the key."""
         if not isinstance(table, Mapping):
             raise BadQuotas(f"user {user!r}: quotas is a table, not {table!r}")
-        known = [field.name for field in fields(cls)]
         values: dict[str, int] = {}
         for key, value in table.items():
-            if key not in known:
+            if key not in QUOTA_KEYS:
                 raise BadQuotas(
-                    f"user {user!r}: unknown key quotas.{key} (the keys are {', '.join(known)})",
+                    f"user {user!r}: unknown key quotas.{key} (the keys are "
+                    f"{', '.join(QUOTA_KEYS)})",
                     f"quotas.{key}",
                 )
             if isinstance(value, bool) or not isinstance(value, int):

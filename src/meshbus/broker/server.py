@@ -46,7 +46,7 @@ from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
 from meshbus.broker.trust import MeshTrust
-from meshbus.broker.usage import REQUESTS, UsageTable
+from meshbus.broker.usage import UsageTable
 from meshbus.broker.users import UserTable
 from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
@@ -143,7 +143,7 @@ class Broker:
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
         self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer, rng=rng)
         self.pending: PendingTable[Endpoint] = PendingTable(config.max_requests)
-        self.usage = UsageTable(lambda: self.sign_in.users, self.routing, self.pending)
+        self.usage = UsageTable(lambda: self.sign_in.users, self.routing)
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
@@ -184,7 +184,7 @@ class Broker:
             self.stats,
             self._deadline,
             self.telemetry.hop,
-            lambda user: self.usage.refusal(user, REQUESTS),
+            self.usage,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(

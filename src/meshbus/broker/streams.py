@@ -35,6 +35,7 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.endpoint import Endpoint, LinkRole, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.quotas import STREAM_BYTES
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sqlite_store import SqliteStreamStore
@@ -49,7 +50,7 @@ from meshbus.broker.store import (
 )
 from meshbus.broker.store_errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.broker.sync import RouteSync
-from meshbus.broker.usage import STREAM_BYTES, UsageTable
+from meshbus.broker.usage import UsageTable
 from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,

@@ -1,11 +1,12 @@
 """What each signed-in user holds on this broker, against its quotas (docs/security.md,
 "Per-user quotas"; the quotas themselves are meshbus.broker.quotas).
 
-A user's links are the one thing recorded here, as they open and close (and the
-streams its links added): every other figure is summed over those links from the
-table that holds it -- services and memberships from the routing table, requests
-waiting from the pending table -- so it can never drift from what the broker holds,
-and costs one lookup per link of the user (at most its ``connections`` quota).
+A user's links are recorded here, as they open and close, and the streams its links
+added. Services and memberships are summed over those links from the routing table,
+so they can never drift from what the broker holds, at one lookup per link of the
+user (at most its ``connections`` quota) on a REGISTER or JOIN. Requests are on the
+data path, so they are one int: the user's ``Tally``, which the pending table keeps
+in step with its entries (meshbus.broker.pending).
 
 The quotas are read from the users of the moment (``users``), so a reload (SIGHUP)
 applies to what a user asks for next; what it holds already is kept, even above a
@@ -20,20 +21,20 @@ from collections.abc import Callable
 from meshbus.broker.dispatch import Refused
 from meshbus.broker.endpoint import Endpoint
 from meshbus.broker.link import Link
-from meshbus.broker.pending import PendingTable
-from meshbus.broker.quotas import Quotas
+from meshbus.broker.pending import Tally
+from meshbus.broker.quotas import (
+    CONNECTIONS,
+    MEMBERSHIPS,
+    QUOTA_KEYS,
+    REQUESTS,
+    SERVICES,
+    STREAM_BYTES,
+    Quotas,
+)
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.users import UserTable
 from meshbus.protocol.layout import ErrorCode
 
-CONNECTIONS, SERVICES, MEMBERSHIPS, REQUESTS, STREAM_BYTES = (
-    "connections",
-    "services",
-    "memberships",
-    "requests",
-    "stream_bytes",
-)
-QUOTA_KEYS = (CONNECTIONS, SERVICES, MEMBERSHIPS, REQUESTS, STREAM_BYTES)
 # What each quota counts, as a refusal says it ("user 'x' already has 3 ...").
 _WHAT = {
     CONNECTIONS: "links open to this broker",
@@ -62,15 +63,16 @@ class QuotaExceeded(Refused):
 class UserUsage:
     """One user's links open on this broker, and the streams they added here."""
 
-    __slots__ = ("links", "streams", "user")
+    __slots__ = ("links", "requests", "streams", "user")
 
     def __init__(self, user: str) -> None:
         self.user = user
         self.links: set[Link] = set()
+        self.requests = Tally()  # requests of its links waiting for a response
         self.streams: dict[str, int] = {}  # stream name -> its max_bytes
 
     def __bool__(self) -> bool:
-        return bool(self.links or self.streams)
+        return bool(self.links or self.streams or self.requests.count)
 
 
 class UsageTable:
@@ -78,12 +80,10 @@ class UsageTable:
         self,
         users: Callable[[], UserTable],
         routing: RoutingTable[Endpoint],
-        pending: PendingTable[Endpoint],
     ) -> None:
         """``users``: the broker's users of the moment (a reload replaces them)."""
         self._users = users
         self._routing = routing
-        self._pending = pending
         self._usage: dict[str, UserUsage] = {}
         self._stream_adders: dict[str, UserUsage] = {}  # stream name -> who added it
 
@@ -104,7 +104,7 @@ class UsageTable:
         if key == MEMBERSHIPS:
             return sum(map(self._routing.memberships_of, links))
         if key == REQUESTS:
-            return sum(map(self._pending.count, links))
+            return usage.requests.count
         return sum(usage.streams.values())
 
     def refusal(self, user: str, key: str, more: int = 1) -> str:
@@ -120,6 +120,15 @@ class UsageTable:
             f"{limit} (quotas.{key} of its [[users]] entry in the broker's config); "
             f"{_ADVICE[key]}"
         )
+
+    def tally_for_request(self, user: str) -> Tally | None:
+        """The tally one more request of ``user`` counts in while it waits; None when the
+        user has its quota of requests waiting (the request is refused)."""
+        usage = self._usage.get(user)
+        if usage is None:  # never: a user's link is recorded as it opens
+            usage = self._usage[user] = UserUsage(user)
+        tally = usage.requests
+        return tally if tally.count < self.quotas_of(user).requests else None
 
     def check(self, link: Link, key: str, more: int = 1) -> None:
         """QuotaExceeded when ``link``'s user may not take ``more`` of quota ``key``; a

@@ -60,6 +60,7 @@ from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.server import Broker
+from meshbus.broker.usage import UsageTable
 from meshbus.broker.users import UserTable
 from meshbus.protocol.codec import (
     ControlFrame,
@@ -1040,7 +1041,7 @@ class Hub:
             self.stats,
             self._deadline,
             lambda hop, src, msg_id, dst: self.traced.append((hop, src, msg_id, dst)),
-            lambda user: "",
+            UsageTable(UserTable, self.routing),
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.dispatch.install(self._no_handshake, {})
