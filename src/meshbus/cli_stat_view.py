@@ -70,6 +70,24 @@ def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
             f"{link.get('bytes_in', '?')}/{link.get('bytes_out', '?')}",
         )
     renderables: list[RenderableType] = [title, mesh, peers, links]
+    users: dict[str, dict[str, dict[str, Any]]] = data.get("users") or {}
+    if users:
+        # What each user holds on this broker, out of its quota ([users.quotas]).
+        quotas = Table(title="users: used / quota", title_justify="left")
+        keys = list(next(iter(users.values())))
+        quotas.add_column("user", overflow="fold")
+        for key in keys:
+            quotas.add_column(key, justify="right")
+        for user, figures in sorted(users.items()):
+            quotas.add_row(
+                user,
+                *(
+                    f"{figures[key]['used']} / "
+                    f"{'-' if figures[key]['quota'] is None else figures[key]['quota']}"
+                    for key in keys
+                ),
+            )
+        renderables.append(quotas)
     if "groups" in data:
         groups = Table(title="groups", title_justify="left")
         groups.add_column("group")

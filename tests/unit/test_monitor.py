@@ -54,6 +54,12 @@ def fake_stat() -> dict[str, Any]:
         "capacity": 50,
         "max_connectors": 50,
         "groups_bound": 2,
+        "users": {
+            "alice": {
+                "connections": {"used": 2, "quota": 64},
+                "stream_bytes": {"used": 0, "quota": None},
+            }
+        },
         "streams": {"stored": 40, "dropped": 41},
         "mesh_counters": {"peers_lost": 1, "stalls": 0, "route_ops_in": 30},
         "counters": counters,
@@ -159,6 +165,18 @@ def test_every_open_link_has_its_traffic_with_its_kind_name_and_id() -> None:
     assert got[("meshbus_link_bytes_out_total", peer)] == 5200
     series = {labels for name, labels in got if name == "meshbus_link_messages_in_total"}
     assert series == {game, cli, peer, link("peer", "b3", 3)}
+
+
+def test_each_configured_users_usage_and_quotas_are_gauges() -> None:
+    got = samples()
+
+    def labels(quota: str) -> tuple[tuple[str, str], ...]:
+        return (("broker", "b1"), ("quota", quota), ("user", "alice"))
+
+    assert got[("meshbus_user_usage", labels("connections"))] == 2
+    assert got[("meshbus_user_quota", labels("connections"))] == 64
+    assert got[("meshbus_user_usage", labels("stream_bytes"))] == 0
+    assert ("meshbus_user_quota", labels("stream_bytes")) not in got, "no quota, no series"
 
 
 def test_a_peers_heartbeat_round_trip_is_a_gauge_once_timed() -> None:

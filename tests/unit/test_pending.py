@@ -5,7 +5,13 @@ from __future__ import annotations
 import random
 
 from meshbus.address import Anycast, Unicast
-from meshbus.broker.pending import COMPACT_SLACK, WRONG_RESPONDER, PendingEntry, PendingTable
+from meshbus.broker.pending import (
+    COMPACT_SLACK,
+    WRONG_RESPONDER,
+    PendingEntry,
+    PendingTable,
+    Tally,
+)
 
 R1 = Unicast("client", 1).to_bytes()
 R2 = Unicast("client", 2).to_bytes()
@@ -276,16 +282,27 @@ def test_count_follows_add_resolve_expire_replace_and_drop() -> None:
 
 
 def test_indexes_match_the_entries_under_random_operations() -> None:
+    """And a tally shared by links a and b (a user's: meshbus.broker.usage) counts their
+    entries, whatever removes them -- an entry of c, another user's, replacing one too."""
     rng = random.Random(7)
     t: PendingTable[str] = PendingTable()
+    tally = Tally()
     links = ["a", "b", "c"]
     vias: list[str | None] = [None, "p", "q"]
     now = 0.0
     for _ in range(5_000):
         op = rng.random()
         if op < 0.5:
+            link = rng.choice(links)
+            shared = None if link == "c" else tally
             t.add(
-                R1, rng.randrange(200), rng.choice(links), now + rng.random(), DST, rng.choice(vias)
+                R1,
+                rng.randrange(200),
+                link,
+                now + rng.random(),
+                DST,
+                rng.choice(vias),
+                tally=shared,
             )
         elif op < 0.7:
             t.resolve(R1, rng.randrange(200))
@@ -302,6 +319,7 @@ def test_indexes_match_the_entries_under_random_operations() -> None:
             assert t.count(link) == sum(1 for e in t._entries.values() if e[0] == link)
         for via in ("p", "q"):
             assert t._by_via.get(via, set()) == {k for k, e in t._entries.items() if e[4] == via}
+        assert tally.count == t.count("a") + t.count("b")
 
 
 def test_add_refuses_past_max_per_link() -> None:

@@ -32,11 +32,13 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.mesh import Mesh
 from meshbus.broker.outbox import Outbox
+from meshbus.broker.quotas import CONNECTIONS, MEMBERSHIPS, SERVICES
 from meshbus.broker.registry import LinkRegistry
 from meshbus.broker.routing import RoutingError, RoutingTable
 from meshbus.broker.signin import SignIn, bound_session
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.trust import MeshTrust
+from meshbus.broker.usage import UsageTable
 from meshbus.broker.watch import ServiceWatch
 from meshbus.errors import FrameTooLarge
 from meshbus.protocol.codec import ControlFrame, encode_control
@@ -88,6 +90,7 @@ class ControlHandler:
         watch: ServiceWatch,
         outbox: Outbox,
         sign_in: SignIn,
+        usage: UsageTable,
         trust: MeshTrust,
         trace_every: int,
         snapshot: Callable[[], dict[str, Any]],
@@ -96,7 +99,8 @@ class ControlHandler:
         rng: random.Random,
     ) -> None:
         """``sign_in`` checks who connectors and operators are, when the broker has users;
-        ``trust`` who peer brokers are, when the mesh trusts only its brokers;
+        ``usage`` what each user holds, against its quotas; ``trust`` who peer brokers
+        are, when the mesh trusts only its brokers;
         ``trace_every`` is what WELCOME tells connectors (telemetry); ``snapshot`` and
         ``detailed_snapshot`` answer STAT; ``request_drain`` starts a drain (as SIGTERM
         does)."""
@@ -108,6 +112,7 @@ class ControlHandler:
         self._watch = watch
         self._outbox = outbox
         self._sign_in = sign_in
+        self._usage = usage
         self._trust = trust
         self._trace_every = trace_every
         self._snapshot = snapshot
@@ -251,6 +256,16 @@ class ControlHandler:
         links.handshake_done(link)
         operator = hello.role == ROLE_OPERATOR
         mesh = self._mesh
+        permissions = self._sign_in.permissions_of(user)
+        if operator and permissions is not None and not permissions.may_open_operator_link:
+            self._refuse(
+                link,
+                ErrorCode.PERMISSION_DENIED,
+                f"permission denied: user {user!r} may not open an operator link: it has no "
+                "operator right (permissions.operator) and no stream permission "
+                "(permissions.streams) in the broker's config",
+            )
+            return
         if operator and len(links.operators) >= self._config.max_operators:
             self._refuse(
                 link,
@@ -258,6 +273,10 @@ class ControlHandler:
                 f"limit exceeded: this broker already has {self._config.max_operators} "
                 "operator links open (the broker's --max-operators); try again later",
             )
+            return
+        quota = "" if user is None else self._usage.refusal(user, CONNECTIONS)
+        if quota:
+            self._refuse(link, ErrorCode.LIMIT_EXCEEDED, quota)
             return
         # An operator asks about *this* broker, full, joining or draining as it may be.
         refusal = "" if operator else mesh.refusal(len(links.connectors))
@@ -267,7 +286,6 @@ class ControlHandler:
         # Each side enforces the smaller of the two limits, so neither sends what the other
         # must refuse.
         max_frame = negotiated_max_frame(hello.max_frame, self._config.max_frame)
-        permissions = self._sign_in.permissions_of(user)
         # A signed-in connector's session is its user's: another user replaying it owns
         # none of its addresses.
         session = hello.session if user is None else bound_session(user, hello.session)
@@ -280,6 +298,7 @@ class ControlHandler:
             )
             links.connector_opened(link)
             mesh.gossip.changed()
+        self._usage.link_opened(link)
         assert link.accepting is not None
         welcome = Welcome(
             broker=self._config.name,
@@ -311,6 +330,7 @@ class ControlHandler:
                 f"limit exceeded: this connector already has {limit} services registered "
                 "(the broker's --max-services); unregister some first",
             )
+        self._usage.check(link, SERVICES)
         try:
             if body.instance == 0:
                 address = routing.allocate_dynamic(
@@ -511,6 +531,7 @@ class ControlHandler:
                 f"limit exceeded: this connector's services are already in {config.max_groups} "
                 "groups in all (the broker's --max-groups); leave some first",
             )
+        self._usage.check(link, MEMBERSHIPS)
 
     def _check_membership(self, link: Link, body: Membership, verb: str) -> None:
         self._check_owned(link, body.member, verb)

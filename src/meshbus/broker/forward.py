@@ -47,6 +47,7 @@ from meshbus.address import (
 from meshbus.broker.endpoint import Endpoint, LinkRole
 from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import WRONG_RESPONDER, PendingTable
+from meshbus.broker.quotas import REQUESTS
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.stamp import stamp_run
 from meshbus.errors import ProtocolError
@@ -73,6 +74,7 @@ from meshbus.protocol.layout import (
 if TYPE_CHECKING:
     from meshbus.broker.link import Link
     from meshbus.broker.permissions import Permissions
+    from meshbus.broker.usage import UsageTable
 
 log = logging.getLogger("meshbus.broker")
 
@@ -138,17 +140,19 @@ class Forwarder:
         stats: TrafficStats,
         deadline: Callable[[int], float],
         trace: TraceHop,
+        usage: UsageTable,
     ) -> None:
         """``deadline`` turns a request's timeout_ms (0: the default) into a deadline on
         the broker's clock; ``trace`` records a traced frame's hop (telemetry). A request
-        past the pending table's ``max_per_link`` (``--max-requests``) is answered
-        NO_ROUTE at once."""
+        past the pending table's ``max_per_link`` (``--max-requests``), or past its user's
+        quota (``usage``), is answered NO_ROUTE at once."""
         self.routing = routing
         self._pending = pending
         self._outbox = outbox
         self._stats = stats
         self._deadline = deadline
         self._trace = trace
+        self._usage = usage
 
     def flush_run(
         self,
@@ -266,9 +270,13 @@ class Forwarder:
             link.msgs_in -= 1  # counted again when the decision is carried out
             return Decision(total, found, Carry.REQUEST, src, dst)
         pending = self._pending
-        if flags & FLAG_REQUEST and pending.count(link) >= pending.max_per_link:
-            self._too_many_requests(link, msg_id, src, dst)  # anycast or traced
-            return None
+        user = link.user
+        tally = None
+        if flags & FLAG_REQUEST:
+            tally = None if user is None else self._usage.tally_for_request(user)
+            if pending.count(link) >= pending.max_per_link or (user is not None and tally is None):
+                self._too_many_requests(link, msg_id, src, dst)  # anycast or traced
+                return None
         delivered = 0
         for target in found:
             delivered += outbox.deliver(target, frame)
@@ -292,6 +300,7 @@ class Forwarder:
                 dst,
                 _via(found),
                 responders=_responders(dst, found),
+                tally=tally,
             )
         if flags & FLAG_TRACE:
             self._trace("entry", src, msg_id, dst)
@@ -426,8 +435,11 @@ class Forwarder:
             return
         msg_id, timeout_ms = _unpack_request_ids(buf, pos + OFF_MSG_ID)
         targets = decision.targets
-        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests).
-        if not self._pending.add(
+        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests)
+        # or its user's quota.
+        user = link.user
+        tally = None if user is None else self._usage.tally_for_request(user)
+        if (tally is None and user is not None) or not self._pending.add(
             decision.src,
             msg_id,
             link,
@@ -435,6 +447,7 @@ class Forwarder:
             dst,
             decision.via,
             responders=decision.responders,
+            tally=tally,
         ):
             self._too_many_requests(link, msg_id, decision.src, dst)
             return
@@ -463,16 +476,18 @@ class Forwarder:
         )
 
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
-        """A request past the link's cap: refused, not forwarded, and the requester told
-        now (its ``request()`` raises NoRoute with this reason)."""
+        """A request past the link's cap or its user's quota: refused, not forwarded, and
+        the requester told now (its ``request()`` raises NoRoute with this reason)."""
         self._stats.dropped_no_route += 1
+        user = link.user
         self._outbox.no_route(
             link,
             msg_id,
             src,
             dst,
-            f"limit exceeded: this connector already has {self._pending.max_per_link} requests "
-            "waiting for a response (the broker's --max-requests)",
+            (user is not None and self._usage.refusal(user, REQUESTS))
+            or f"limit exceeded: this connector already has {self._pending.max_per_link} "
+            "requests waiting for a response (the broker's --max-requests)",
         )
 
 

@@ -150,6 +150,7 @@ class BrokerCollector(Collector):
             events.add_metric([name, event], count)
         yield events
         yield from _per_link(name, data)
+        yield from _per_user(name, data)
         rtt = GaugeMetricFamily(
             "meshbus_peer_rtt_seconds",
             "Round trip to a peer broker, timed by the heartbeat LOADs.",
@@ -218,6 +219,27 @@ def _per_link(broker: str, data: dict[str, Any]) -> Iterator[Metric]:
         for kind, link_name, number, link in links:
             family.add_metric([broker, kind, str(link_name), str(number)], link[key])
         yield family
+
+
+def _per_user(broker: str, data: dict[str, Any]) -> Iterator[Metric]:
+    """What each user of the config file holds on the broker, and its quotas
+    ([users.quotas]), by ``quota``: one series per user and quota, so as many as the
+    config file has users (a name a client makes up never becomes a label). A quota
+    without a limit has no ``meshbus_user_quota`` series."""
+    labels = ["broker", "user", "quota"]
+    used = GaugeMetricFamily(
+        "meshbus_user_usage", "What a user holds on the broker, by quota.", labels=labels
+    )
+    limit = GaugeMetricFamily(
+        "meshbus_user_quota", "A user's quota on the broker ([users.quotas]).", labels=labels
+    )
+    for user, quotas in data["users"].items():
+        for quota, figures in quotas.items():
+            used.add_metric([broker, user, quota], figures["used"])
+            if figures["quota"] is not None:
+                limit.add_metric([broker, user, quota], figures["quota"])
+    yield used
+    yield limit
 
 
 def monitor_registry(collector: BrokerCollector, *, process: bool = True) -> CollectorRegistry:

@@ -27,6 +27,10 @@ costs what that link had in the table, never a scan of the whole table, and
 ``count`` (the broker's cap on a connector's requests in flight) is one lookup.
 The sets are kept in step with the entries on add, resolve, expire and drop, and
 a link's sets go when the link is dropped.
+
+A request may also count in a ``Tally`` shared by several links -- its user's
+(meshbus.broker.usage, the user's ``requests`` quota): the entry holds it, and
+every removal of the entry takes one off, so the user's count is one int to read.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from typing import Generic, Literal, TypeVar
 L = TypeVar("L", bound=Hashable)
 
 Key = tuple[bytes, int]
-# An entry: (link, deadline, dst, seq, via, the link's key set, responders).
-_Entry = tuple[L, float, bytes, int, "L | None", set[Key], tuple[L, ...]]
+# An entry: (link, deadline, dst, seq, via, the link's key set, responders, tally).
+_Entry = tuple[L, float, bytes, int, "L | None", set[Key], tuple[L, ...], "Tally | None"]
 # Stale heap items tolerated on top of 3x the live entries before a rebuild; the slack
 # keeps a small table (a few requests in flight) from rebuilding every few adds.
 COMPACT_SLACK = 1024
@@ -55,6 +59,15 @@ class Refusal(enum.Enum):
 
 
 WRONG_RESPONDER: Literal[Refusal.WRONG_RESPONDER] = Refusal.WRONG_RESPONDER
+
+
+class Tally:
+    """How many requests of several links wait (a user's links: ``add``'s ``tally``)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
 @dataclass(slots=True)
@@ -94,6 +107,7 @@ class PendingTable(Generic[L]):
         *,
         responders: tuple[L, ...] = (),
         capped: bool = True,
+        tally: Tally | None = None,
     ) -> bool:
         """Record a request that came in on ``link``; ``via`` is the one link it went out
         on when that is all that can answer it (a peer broker: see ``drop_via``). A second
@@ -102,7 +116,8 @@ class PendingTable(Generic[L]):
         ``responders``: the links a response must come in over; empty, the response must
         come from the address ``dst`` (a unicast request). Returns False, and records
         nothing, when ``link`` already has ``max_per_link`` requests waiting, unless not
-        ``capped``: a request a peer broker forwarded, capped at its requester's broker."""
+        ``capped``: a request a peer broker forwarded, capped at its requester's broker.
+        ``tally`` counts the request while it waits (the caller checks its cap)."""
         keys = self._by_link.get(link)
         if keys is None:
             keys = self._by_link[link] = set()
@@ -110,13 +125,15 @@ class PendingTable(Generic[L]):
             return False
         key = (requester, msg_id)
         seq = self._seq = self._seq + 1
-        entry = (link, deadline, dst, seq, via, keys, responders)
+        entry = (link, deadline, dst, seq, via, keys, responders, tally)
         entries = self._entries
         old = entries.setdefault(key, entry)
         if old is not entry:  # a replacement: rare, so one lookup on the common path
             self._unindex(key, old)
             entries[key] = entry
         keys.add(key)
+        if tally is not None:
+            tally.count += 1
         if via is not None:
             vias = self._by_via.get(via)
             if vias is None:
@@ -163,12 +180,16 @@ class PendingTable(Generic[L]):
         entry[5].discard(key)  # _unindex, inline: this is every response's path
         if entry[4] is not None:
             self._unindex_via(key, entry[4])
+        if entry[7] is not None:
+            entry[7].count -= 1
         return entry[0]
 
     def _unindex(self, key: Key, entry: _Entry[L]) -> None:
         entry[5].discard(key)
         if entry[4] is not None:
             self._unindex_via(key, entry[4])
+        if entry[7] is not None:
+            entry[7].count -= 1
 
     def _unindex_via(self, key: Key, via: L) -> None:
         vias = self._by_via.get(via)
@@ -200,6 +221,8 @@ class PendingTable(Generic[L]):
             if entry is None:  # never: the sets follow the entries
                 continue
             entry[5].discard(key)
+            if entry[7] is not None:
+                entry[7].count -= 1
             gone.append(PendingEntry(key[0], key[1], entry[0], entry[1], entry[2], entry[3]))
         return gone
 
@@ -213,8 +236,12 @@ class PendingTable(Generic[L]):
         keys = self._by_link.pop(link, ())
         for key in keys:
             entry = entries.pop(key, None)
-            if entry is not None and entry[4] is not None:
+            if entry is None:
+                continue
+            if entry[4] is not None:
                 self._unindex_via(key, entry[4])
+            if entry[7] is not None:
+                entry[7].count -= 1
         return len(keys)
 
     def _compact(self) -> None:

@@ -211,6 +211,14 @@ class Permissions:
     def may_operate(self, right: str) -> bool:
         return right in self.rights
 
+    @property
+    def may_open_operator_link(self) -> bool:
+        """Whether the user has any use for an operator link (``meshbus stat``, ``drain``,
+        ``top``, ``report``, ``stream``): an operator right, or a stream permission, since
+        the stream commands go over an operator link too. A user with neither would only
+        hold one of the broker's few --max-operators links."""
+        return bool(self.rights) or any(rule.allow for rule in self.streams.values())
+
     def denial(self, action: str, permission: str) -> str:
         """The message of a refusal: ``action`` is what the user may not do ("send to
         multicast:admin"), ``permission`` the key that decides it ("send")."""

@@ -46,6 +46,7 @@ from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import RouteSync
 from meshbus.broker.telemetry import Telemetry
 from meshbus.broker.trust import MeshTrust
+from meshbus.broker.usage import UsageTable
 from meshbus.broker.users import UserTable
 from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
@@ -142,6 +143,7 @@ class Broker:
         # No slot until the mesh grants one (Mesh.found or Mesh.join): no dynamic ids before.
         self.routing: RoutingTable[Endpoint] = RoutingTable(slot=0, is_remote=is_peer, rng=rng)
         self.pending: PendingTable[Endpoint] = PendingTable(config.max_requests)
+        self.usage = UsageTable(lambda: self.sign_in.users, self.routing)
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
@@ -163,6 +165,7 @@ class Broker:
             sync=self.sync,
             relay=self.relay,
             outbox=self.outbox,
+            usage=self.usage,
             hosted_changed=lambda: self.mesh.gossip.load_changed(),
             may_capture=lambda owner, group: self.sign_in.may_capture(owner, group),
         )
@@ -182,6 +185,7 @@ class Broker:
             self.stats,
             self._deadline,
             self.telemetry.hop,
+            self.usage,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
@@ -220,6 +224,7 @@ class Broker:
             pending=self.pending,
             counters=self.traffic_counters,
             reloads=self.sign_in.reloads,
+            usage=self.usage,
         )
         self.control = ControlHandler(
             config=config,
@@ -230,6 +235,7 @@ class Broker:
             watch=self.watch,
             outbox=self.outbox,
             sign_in=self.sign_in,
+            usage=self.usage,
             trust=self.trust,
             trace_every=self.telemetry.trace_every,
             snapshot=self.stat.brief,
@@ -442,6 +448,7 @@ class Broker:
         self._withdraw(link, was_connector)
         self.watch.link_closed(link)
         self.pending.drop_link(link)
+        self.usage.link_closed(link)
         self.outbox.forget(link)
         if was_connector:
             self.mesh.connector_left()

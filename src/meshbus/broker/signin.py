@@ -92,6 +92,11 @@ class SignIn:
         self._tokens: ThreadPoolExecutor | None = None
 
     @property
+    def users(self) -> UserTable:
+        """The users of the moment (a reload replaces them)."""
+        return self._users
+
+    @property
     def required(self) -> bool:
         """Whether connectors and operators must sign in: the broker has users."""
         return bool(self._users)

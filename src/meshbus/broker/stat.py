@@ -23,6 +23,7 @@ from meshbus.broker.signin import Reloads
 from meshbus.broker.slices import Slices
 from meshbus.broker.streams import StreamHost
 from meshbus.broker.sync import SyncStats
+from meshbus.broker.usage import UsageTable
 
 
 class StatView:
@@ -41,9 +42,11 @@ class StatView:
         pending: PendingTable[Endpoint],
         counters: Callable[[], dict[str, int]],
         reloads: Reloads,
+        usage: UsageTable,
     ) -> None:
         """``counters``: the broker's cumulative traffic counters (also telemetry's);
-        ``reloads``: the config file's reloads (SIGHUP)."""
+        ``reloads``: the config file's reloads (SIGHUP); ``usage``: what each user holds,
+        against its quotas."""
         self._config = config
         self._routing = routing
         self._links = links
@@ -56,6 +59,7 @@ class StatView:
         self._pending = pending
         self._counters = counters
         self._reloads = reloads
+        self._usage = usage
         self._started_at = time.time()
 
     async def detailed(self) -> dict[str, Any]:
@@ -159,5 +163,7 @@ class StatView:
             },
             # When a SIGHUP last applied the config file (Unix time); None: never.
             "config_reloaded_at": self._reloads.applied_at or None,
+            # Each user of the config file: what it holds here, and its quotas.
+            "users": self._usage.snapshot(),
         }
         return data

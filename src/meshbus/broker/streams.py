@@ -38,6 +38,7 @@ from meshbus.broker.endpoint import Endpoint, LinkRole, LinkState
 from meshbus.broker.link import Link
 from meshbus.broker.outbox import Outbox
 from meshbus.broker.permissions import CONSUMERS, stream_operation
+from meshbus.broker.quotas import STREAM_BYTES
 from meshbus.broker.relay import Relay
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.sqlite_store import SqliteStreamStore
@@ -52,6 +53,7 @@ from meshbus.broker.store import (
 )
 from meshbus.broker.store_errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.broker.sync import RouteSync
+from meshbus.broker.usage import UsageTable
 from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
@@ -118,10 +120,12 @@ class StreamHost:
         sync: RouteSync,
         relay: Relay,
         outbox: Outbox,
+        usage: UsageTable,
         hosted_changed: Callable[[], None],
         may_capture: Callable[[str, bytes], bool],
     ) -> None:
-        """``hosted_changed`` tells the peers at once that the streams hosted here changed.
+        """``usage`` counts the bytes of the streams each user adds (its quota);
+        ``hosted_changed`` tells the peers at once that the streams hosted here changed.
         ``may_capture(owner, group)``: a stream added by user ``owner`` may capture
         ``group`` now (asked at start and after every reload)."""
         self._config = config
@@ -129,6 +133,7 @@ class StreamHost:
         self._sync = sync
         self._relay = relay
         self._outbox = outbox
+        self._usage = usage
         self._hosted_changed = hosted_changed
         self._may_capture = may_capture
         data_dir = config.data_dir
@@ -443,7 +448,12 @@ class StreamHost:
                     raise ValueError(
                         f"a stream captures multicast addresses, not {describe_address(group)}"
                     )
+            new = name not in store
+            if new:
+                self._usage.check(link, STREAM_BYTES, config.max_bytes)
             info = store.add_stream(config)
+            if new:
+                self._usage.stream_added(link, name, config.max_bytes)
             self._host(config)
             return StreamReply(info=self._info(info))
         if op == "list":
@@ -459,6 +469,7 @@ class StreamHost:
         if op == "delete":
             self._unhost(name)
             store.delete_stream(name)
+            self._usage.stream_deleted(name)
             self._purge_later()
             return StreamReply()
         if op == "fetch" and body.columns:

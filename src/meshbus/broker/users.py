@@ -15,7 +15,7 @@ neither the answer nor its timing says who exists.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from meshbus.auth import TokenHash, check_user_name, public_key_from_text
 from meshbus.broker.permissions import BadPermissions, Permissions
+from meshbus.broker.quotas import BadQuotas, Quotas
 from meshbus.errors import InvalidArgument
 
 
@@ -42,6 +43,8 @@ class User:
     certificate: str | None = None
     # What the user may do (its [users.permissions] table); None: nothing.
     permissions: Permissions | None = None
+    # How much it may hold on the broker (its [users.quotas] table; meshbus.broker.quotas).
+    quotas: Quotas = field(default_factory=Quotas)
 
 
 def same_credential(a: User, b: User) -> bool:
@@ -136,7 +139,7 @@ class UserTable:
         """The table of a config file's ``[[users]]`` (``source`` names the file).
         BadEntries lists every bad entry, each naming the file and the user: a bad key or
         hash, two users with one name, both credentials or neither, an unknown field, bad
-        permissions."""
+        permissions or quotas."""
         return cls(_entries(entries, source, _USERS, _user_from_entry))
 
     @classmethod
@@ -186,7 +189,7 @@ def _entries(
     return read_ones
 
 
-_FIELDS = frozenset({"name", "public_key", "token_hash", "certificate", "permissions"})
+_FIELDS = frozenset({"name", "public_key", "token_hash", "certificate", "permissions", "quotas"})
 _CREDENTIALS = ("public_key", "token_hash", "certificate")
 
 
@@ -216,8 +219,8 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
         raise EntryError(
-            f"{where} has unknown field {unknown[0]!r} (a user has name, and public_key, "
-            "token_hash or certificate)",
+            f"{where} has unknown field {unknown[0]!r} (a user has name, public_key, "
+            "token_hash or certificate, and permissions and quotas)",
             f"{key}.{unknown[0]}",
         )
     given = [field for field in _CREDENTIALS if field in fields]
@@ -232,20 +235,23 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
     text = fields[credential]
     try:
         permissions = Permissions.from_table(fields.get("permissions", {}), name)
-    except BadPermissions as exc:
+        quotas = Quotas.from_table(fields.get("quotas", {}), name)
+    except (BadPermissions, BadQuotas) as exc:
         raise EntryError(f"{source}: {exc}", f"{key}.{exc.key}") from None
     try:
         if not isinstance(text, str):
             raise ValueError(f"{credential} is a string")
         if credential == "public_key":
-            return User(name, public_key=public_key_from_text(text), permissions=permissions)
-        if credential == "token_hash":
-            return User(name, token_hash=TokenHash.parse(text), permissions=permissions)
-        if not text:
+            user = User(name, public_key=public_key_from_text(text))
+        elif credential == "token_hash":
+            user = User(name, token_hash=TokenHash.parse(text))
+        elif not text:
             raise ValueError("certificate is the common name (CN) of the user's certificate")
-        return User(name, certificate=text, permissions=permissions)
+        else:
+            user = User(name, certificate=text)
     except ValueError as exc:
         raise EntryError(f"{where}: {exc}", f"{key}.{credential}") from None
+    return replace(user, permissions=permissions, quotas=quotas)
 
 
 def _broker_from_entry(entry: object, source: str, index: int) -> User:

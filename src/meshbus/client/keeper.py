@@ -47,6 +47,7 @@ from meshbus.errors import (
     AuthenticationFailed,
     ConnectionLost,
     MeshbusError,
+    PermissionDenied,
     RemoteProtocolError,
     TLSError,
 )
@@ -261,7 +262,8 @@ class LinkKeeper:
         """A handshaken link to one of ``addresses``, following redirects; if none takes
         us, ConnectionLost naming every reason -- TLSError when a TLS failure was among
         them, since that one needs fixing rather than waiting for; AuthenticationFailed
-        at once if one refuses our credentials (or wants some)."""
+        at once if one refuses our credentials (or wants some), PermissionDenied if it
+        refuses our user an operator link."""
         order = list(addresses)
         if random_order:
             self._rng.shuffle(order)
@@ -358,6 +360,8 @@ class LinkKeeper:
                 raise Redirected(outcome.message, outcome.redirect)
             if outcome.code == ErrorCode.AUTH_FAILED:
                 raise _authentication_failed(address, outcome)
+            if outcome.code == ErrorCode.PERMISSION_DENIED:
+                raise PermissionDenied(f"broker {address} refused the link: {outcome.message}")
             if outcome.code == ErrorCode.CERTIFICATE_REQUIRED:
                 raise TLSError(
                     f"broker {address} requires a client certificate signed by its CA "

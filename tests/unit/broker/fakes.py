@@ -60,6 +60,8 @@ from meshbus.broker.outbox import Outbox, TrafficStats
 from meshbus.broker.pending import PendingTable
 from meshbus.broker.routing import RoutingTable
 from meshbus.broker.server import Broker
+from meshbus.broker.usage import UsageTable
+from meshbus.broker.users import UserTable
 from meshbus.protocol.codec import (
     ControlFrame,
     DataFrame,
@@ -927,11 +929,17 @@ def address_of(name: str) -> str:
 
 
 async def start_broker(
-    network: FakeNetwork, name: str, *, seeds: Sequence[str] = (), **settings: Any
+    network: FakeNetwork,
+    name: str,
+    *,
+    seeds: Sequence[str] = (),
+    reread_users: Callable[[], UserTable] | None = None,
+    **settings: Any,
 ) -> Broker:
     """A broker named ``name`` at ``address_of(name)``: it founds a mesh, or joins through
-    ``seeds``; ``settings`` are BrokerConfig fields. Its timers are off: call
-    ``housekeeping`` and ``expire_requests`` after moving the clock."""
+    ``seeds``; ``settings`` are BrokerConfig fields; ``reread_users`` is what a reload
+    (``broker.sign_in.reload()``) reads. Its timers are off: call ``housekeeping`` and
+    ``expire_requests`` after moving the clock."""
     address = address_of(name)
     config = BrokerConfig(seeds=list(seeds), **settings)
     # Seeded per name, so anycast picks, group bindings and redial jitter are the same
@@ -941,6 +949,7 @@ async def start_broker(
         clock=network.clock,
         dialer=network.dialer_from(address),
         rng=random.Random(sum(name.encode())),
+        reread_users=reread_users,
     )
     network.listen(address, broker.new_link)
     broker.named(name, address)
@@ -1032,6 +1041,7 @@ class Hub:
             self.stats,
             self._deadline,
             lambda hop, src, msg_id, dst: self.traced.append((hop, src, msg_id, dst)),
+            UsageTable(UserTable, self.routing),
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.dispatch.install(self._no_handshake, {})
