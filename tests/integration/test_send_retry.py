@@ -1,0 +1,177 @@
+"""Group and reliable sends right after a broker crashes or pauses (issue 23, A.1).
+
+Three brokers; a sender on broker 1; three members of an anycast group on brokers 1
+and 3; the receiver of a reliable unicast on broker 2. Broker 2 is killed (kill -9) or
+paused (SIGSTOP) and, at once, 12 groups x 10 messages are sent concurrently, half of
+the groups homed at broker 2. Its groups' home answers TRY_AGAIN for a moment
+(docs/guarantees.md, "When the broker cannot answer now"): the client asks again, so no
+send fails, and every message arrives exactly once, in order per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import struct
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+
+import pytest
+
+import meshbus
+from meshbus.broker.groups import home_of
+from meshbus.errors import TryAgain
+from tests.conftest import BrokerProcess, start_mesh, stop_all
+from tests.integration.helpers import ACK_TIMEOUT, Collector, wait_members, wait_routes
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT = "0.5"
+ORDERS = meshbus.Anycast("orders")
+GROUPS, PER_GROUP, UNICASTS = 12, 10, 10
+PAYLOAD = struct.Struct(">HH")  # group (UNICAST for the unicast), seq
+UNICAST = 0xFFFF
+
+
+def group_names(
+    brokers: list[BrokerProcess], lost: BrokerProcess, prefix: str = "grp"
+) -> list[str]:
+    """GROUPS group ids, the first half of them homed at ``lost``."""
+    names = [b.name for b in brokers]
+    at_lost: list[str] = []
+    elsewhere: list[str] = []
+    for i in range(1000):
+        key = f"{prefix}{i}"
+        homed_at_lost = home_of(ORDERS.to_bytes() + key.encode(), names) == lost.name
+        pile = at_lost if homed_at_lost else elsewhere
+        if len(pile) < GROUPS // 2:
+            pile.append(key)
+    return at_lost + elsewhere
+
+
+class Scene:
+    def __init__(self, brokers: list[BrokerProcess]) -> None:
+        self.brokers = brokers
+        self.conns: list[meshbus.Connector] = []
+        self.members: list[Collector] = []
+
+    async def start(self) -> None:
+        one, two, three = self.brokers
+        for broker in (one, one, three):
+            conn = await meshbus.connect(broker.address, server="member", failover=False)
+            self.conns.append(conn)
+            member = await conn.register()
+            await member.join(ORDERS)
+            self.members.append(Collector(member))
+        receiver_conn = await meshbus.connect([two.address, three.address], server="receiver")
+        self.conns.append(receiver_conn)
+        self.receiver = Collector(await receiver_conn.register())
+        self.sender_conn = await meshbus.connect(one.address, server="sender", failover=False)
+        self.conns.append(self.sender_conn)
+        self.sender = await self.sender_conn.register()
+        await wait_members(self.brokers, ORDERS, 3)
+        await wait_routes(self.brokers, self.receiver.service.address)
+
+    async def send_all(self, groups: list[str]) -> None:
+        """Every group's messages in order, the groups and the unicasts concurrently; a
+        send that raises fails the test."""
+
+        async def one_group(index: int, group: str) -> None:
+            for seq in range(PER_GROUP):
+                await self.sender.send(
+                    ORDERS,
+                    PAYLOAD.pack(index, seq),
+                    group=group,
+                    final=seq == PER_GROUP - 1,
+                    reliable=True,
+                )
+
+        async def unicasts() -> None:
+            for seq in range(UNICASTS):
+                address = self.receiver.service.address
+                await self.sender.send(address, PAYLOAD.pack(UNICAST, seq), reliable=True)
+
+        await asyncio.gather(unicasts(), *(one_group(i, g) for i, g in enumerate(groups)))
+
+    async def check_delivered(self) -> None:
+        """Each message once, each group at one member and in order."""
+        await self.sender_conn.wait_acked(ACK_TIMEOUT)
+        assert self.sender_conn._parts.unacked.given_up == 0
+        for collector in self.members:
+            await collector.settle(self.sender)
+        await self.receiver.settle(self.sender)
+        received = [PAYLOAD.unpack(p) for c in self.members for p in c.payloads]
+        counts = Counter(received)
+        assert set(counts) == {(g, s) for g in range(GROUPS) for s in range(PER_GROUP)}
+        assert max(counts.values()) == 1, "a group message was delivered twice"
+        for collector in self.members:
+            seqs: dict[int, list[int]] = defaultdict(list)
+            for payload in collector.payloads:
+                group, seq = PAYLOAD.unpack(payload)
+                seqs[group].append(seq)
+            for group, got in seqs.items():
+                assert got == list(range(PER_GROUP)), f"group {group} at one member: {got}"
+        unicast = [PAYLOAD.unpack(p) for p in self.receiver.payloads]
+        assert sorted(unicast) == [(UNICAST, s) for s in range(UNICASTS)]
+
+    async def close(self) -> None:
+        for collector in (*self.members, self.receiver):
+            collector.stop()
+        for conn in self.conns:
+            await conn.close()
+
+
+@pytest.fixture
+async def scene() -> AsyncIterator[Scene]:
+    brokers = await start_mesh(3, "--heartbeat-interval", HEARTBEAT)
+    shaken = Scene(brokers)
+    try:
+        await shaken.start()
+        yield shaken
+    finally:
+        await shaken.close()
+        with contextlib.suppress(ProcessLookupError):
+            brokers[1].process.send_signal(signal.SIGCONT)
+        await stop_all(brokers)
+
+
+async def test_group_and_reliable_sends_right_after_a_kill_9_all_arrive(scene: Scene) -> None:
+    two = scene.brokers[1]
+    groups = group_names(scene.brokers, two)
+    two.process.kill()
+    assert await two.process.wait() == -9
+    late = group_names(scene.brokers, two, prefix="late")[0]
+    await asyncio.gather(scene.send_all(groups), a_short_deadline_passes(scene.sender, late))
+    await scene.check_delivered()
+
+
+async def a_short_deadline_passes(sender: meshbus.Service, group: str) -> None:
+    """A send whose deadline is shorter than the moment its group's home is out of reach
+    raises ``Timeout`` saying why, and sends nothing."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(meshbus.Timeout) as caught:
+        await sender.send(ORDERS, b"late", group=group, timeout=0.3)
+    assert loop.time() - start < 1.0
+    assert caught.value.timeout == 0.3
+    message = str(caught.value)
+    assert f"message group '{group}' to anycast:orders: no member bound within 0.3 s" in message
+    assert "ask again in a moment" in message
+    assert isinstance(caught.value.__cause__, TryAgain)
+
+
+async def test_group_and_reliable_sends_during_a_3_s_pause_all_arrive(scene: Scene) -> None:
+    two = scene.brokers[1]
+    groups = group_names(scene.brokers, two)
+    two.process.send_signal(signal.SIGSTOP)
+    resumed = asyncio.Event()
+
+    def resume() -> None:
+        two.process.send_signal(signal.SIGCONT)
+        resumed.set()
+
+    asyncio.get_running_loop().call_later(3.0, resume)
+    await scene.send_all(groups)
+    await resumed.wait()
+    await scene.check_delivered()
