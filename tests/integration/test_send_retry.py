@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import struct
 from collections import Counter, defaultdict
@@ -20,7 +21,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 import meshbus
+from meshbus.broker.config import BrokerConfig
 from meshbus.broker.groups import home_of
+from meshbus.broker.permissions import Permissions
+from meshbus.broker.server import Broker
 from meshbus.errors import TryAgain
 from tests.conftest import BrokerProcess, start_mesh, stop_all
 from tests.integration.helpers import ACK_TIMEOUT, Collector, wait_members, wait_routes
@@ -175,3 +179,44 @@ async def test_group_and_reliable_sends_during_a_3_s_pause_all_arrive(scene: Sce
     await scene.send_all(groups)
     await resumed.wait()
     await scene.check_delivered()
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    broker = Broker(BrokerConfig(port=0))
+    await broker.start()
+    try:
+        yield broker
+    finally:
+        await broker.stop()
+
+
+async def test_a_permanent_answer_raises_at_once_however_long_the_deadline(
+    broker: Broker,
+) -> None:
+    """No member, or a user that may not send there: asking again changes nothing, so
+    the send raises at once, not after its 30 s deadline."""
+    loop = asyncio.get_running_loop()
+    async with await meshbus.connect(broker.address, server="game01", name="game") as conn:
+        (link,) = list(broker.links.connectors)
+        service = await conn.register()
+        start = loop.time()
+        with pytest.raises(meshbus.NoRoute, match="no member of anycast:orders"):
+            await service.send(ORDERS, b"x", group="g", timeout=30)
+        with pytest.raises(meshbus.NoRoute, match="no member of anycast:orders"):
+            await service.send(ORDERS, b"x", reliable=True, timeout=30)
+        link.permissions = Permissions.from_table({"register": ["game*"]}, "game")
+        with pytest.raises(meshbus.PermissionDenied, match=r"anycast:orders \(permissions\.send\)"):
+            await service.send(ORDERS, b"x", group="g", timeout=30)
+        assert loop.time() - start < 1.0
+        assert conn.unacked == 0, "nothing was sent"
+
+
+async def test_a_send_timeout_is_checked(broker: Broker) -> None:
+    async with await meshbus.connect(broker.address, server="game01") as conn:
+        service = await conn.register()
+        for bad in (0, -1.0, math.nan, math.inf):
+            with pytest.raises(meshbus.InvalidArgument, match="timeout must be a positive"):
+                await service.send(ORDERS, b"x", group="g", timeout=bad)
+        with pytest.raises(meshbus.InvalidArgument, match="a plain one waits for nothing"):
+            await service.send(ORDERS, b"x", timeout=1.0)
