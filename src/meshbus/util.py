@@ -65,6 +65,10 @@ class Turns(Generic[K]):
             if not users[0]:
                 del self._locks[key]
 
+    def __contains__(self, key: object) -> bool:
+        """True while someone holds ``key``'s turn or waits for it."""
+        return key in self._locks
+
     def __len__(self) -> int:
         return len(self._locks)
 

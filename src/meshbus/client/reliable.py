@@ -357,13 +357,17 @@ class Reliable:
         patiently = self._requester.patiently
         if group:
             what = f"message group {group.decode(errors='replace')!r} to {describe_address(dst)}"
-            # One send of a group at a time asks, in the order they came, so a send that
-            # waits for an answer keeps its place: the sequence number is taken as the
-            # turn ends, with no await in between.
-            async with self._turns.turn(key):
-                state = await patiently(
-                    lambda: self._group_state(key), deadline, limit, f"{what}: no member bound"
-                )
+            # The usual case: the member is cached and no earlier send of the group is
+            # still asking, so there is nothing to ask. Otherwise one send of a group at
+            # a time asks, in the order they came, so a send that waits for an answer
+            # keeps its place: its sequence number is taken as its turn ends, with no
+            # await in between.
+            state = None if key in self._turns else self._cached(key)
+            if state is None:
+                async with self._turns.turn(key):
+                    state = await patiently(
+                        lambda: self._group_state(key), deadline, limit, f"{what}: no member bound"
+                    )
             target = state.member
         elif cast == CAST_MULTICAST:
             now = _now()
@@ -454,20 +458,26 @@ class Reliable:
                 raise
             return held
 
+    def _cached(self, key: GroupKey) -> _GroupSend | None:
+        """The group's member as the sender knows it, if that needs no question: bound
+        less than half the idle expiry ago, and reachable since."""
+        state = self._unacked.groups.get(key)
+        if (
+            state is not None
+            and not state.unreachable
+            and _now() - state.bound_at < self._group_expiry / 2
+        ):
+            return state
+        return None
+
     async def _bound(self, key: GroupKey, failed: bytes) -> _GroupSend:
         """The member holding the group: cached, and asked of the group's home broker when
         new, older than half the idle expiry (which keeps the home's entry alive), or
         after the member could not be reached."""
+        if not failed and (cached := self._cached(key)) is not None:
+            return cached
         now = _now()
         groups = self._unacked.groups
-        state = groups.get(key)
-        if (
-            state is not None
-            and not failed
-            and not state.unreachable
-            and now - state.bound_at < self._group_expiry / 2
-        ):
-            return state
         src, anycast, group = key
         bound = await self._requester.ask(
             ControlType.GROUP_BIND,
