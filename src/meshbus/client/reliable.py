@@ -314,6 +314,8 @@ class Reliable:
         self._outbound = outbound
         self._tasks = tasks
         self._group_expiry = config.group_expiry
+        # How long a send asks again while the broker cannot answer now, unless it says.
+        self._default_timeout = config.retry.give_up_after()
         self._timer: asyncio.TimerHandle | None = None
         self._member_cache: dict[bytes, tuple[float, frozenset[bytes]]] = {}
         self._resend_queue: dict[int, None] = {}  # an ordered set
@@ -346,7 +348,7 @@ class Reliable:
             raise InvalidArgument(
                 f"message groups go to an anycast address, not {describe_address(dst)}"
             )
-        limit = self._unacked.policy.give_up_after() if timeout is None else timeout
+        limit = self._default_timeout if timeout is None else timeout
         deadline = _now() + limit
         unacked = self._unacked
         await unacked.room()
