@@ -15,7 +15,11 @@
     │                                          load, or a TLS handshake with a broker
     ├── RequestError                      a request got no response
     │   ├── Timeout (TimeoutError)        the deadline passed (.timeout)
-    │   └── NoRoute                       nobody serves that address (.address)
+    │   ├── NoRoute                       nobody serves that address (.address)
+    │   └── TryAgain                      the broker that decides cannot answer now; the
+    │                                     client asks again itself until the send's
+    │                                     deadline, so it reaches the caller only as
+    │                                     the cause of a Timeout
     ├── DeliveryFailed                    a reliable send was never acknowledged
     │                                     (.address, .msg_id)
     ├── NoQueue                           next_message() on a service that has listeners
@@ -138,6 +142,13 @@ class NoRoute(RequestError):
     def __init__(self, message: str, address: str | None = None) -> None:
         super().__init__(message)
         self.address = address
+
+
+class TryAgain(RequestError):
+    """The broker answered ERROR TRY_AGAIN: the broker that decides (a message group's
+    home) is out of reach, lost a moment ago or re-linking after a stall, and will answer
+    soon. ``Service.send`` asks again until its deadline and then raises ``Timeout``
+    with this as its cause; it is not in the ``meshbus`` namespace for that reason."""
 
 
 class RegistrationError(MeshbusError):

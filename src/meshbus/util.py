@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Hashable
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
 class BackgroundTasks:
@@ -38,6 +41,36 @@ class BackgroundTasks:
         """Cancel every task without waiting (from synchronous code)."""
         for task in list(self._tasks):
             task.cancel()
+
+
+class Turns(Generic[K]):
+    """One at a time per key, in the order they came (``asyncio.Lock`` is first come,
+    first served). A key's lock is kept only while someone holds it or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[K, tuple[asyncio.Lock, list[int]]] = {}  # key -> (lock, [users])
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: K) -> AsyncIterator[None]:
+        entry = self._locks.get(key)
+        if entry is None:
+            entry = self._locks[key] = (asyncio.Lock(), [0])
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[key]
+
+    def __contains__(self, key: object) -> bool:
+        """True while someone holds ``key``'s turn or waits for it."""
+        return key in self._locks
+
+    def __len__(self) -> int:
+        return len(self._locks)
 
 
 def parse_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:

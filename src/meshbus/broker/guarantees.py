@@ -122,7 +122,7 @@ class Guarantees:
         if name != self._name():
             self._relay.refuse(
                 link,
-                ErrorCode.UNAVAILABLE,
+                ErrorCode.TRY_AGAIN,
                 f"broker {name}, the home of message group {body.key.decode(errors='replace')!r}, "
                 f"is out of reach from broker {self._name()} (a link between them is down); "
                 "ask again in a moment",
@@ -134,7 +134,7 @@ class Guarantees:
             # them may have moved the group. Binding from what it held could split it.
             self._relay.refuse(
                 link,
-                ErrorCode.UNAVAILABLE,
+                ErrorCode.TRY_AGAIN,
                 f"broker {self._name()} is re-linking after a stall; ask again in a moment",
                 correlation,
             )

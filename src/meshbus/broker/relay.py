@@ -4,8 +4,8 @@ Group bindings are answered by a group's home broker and stream requests by the
 stream's host; the connector's own broker relays them there and relays the
 answer back. A request relayed from a peer is answered in a RELAYED frame, so
 the peer can hand the answer to its connector as it is, with the connector's
-correlation. A relayed request whose broker is lost is answered UNAVAILABLE at
-once: the connector tries again.
+correlation. A relayed request whose broker is lost is answered TRY_AGAIN at
+once: the connector asks again.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Relay:
             origin, corr, _ = self._relayed.pop(ours)
             self.refuse(
                 origin,
-                ErrorCode.UNAVAILABLE,
+                ErrorCode.TRY_AGAIN,
                 f"broker {peer.name} left the mesh before it answered; try again",
                 corr,
             )

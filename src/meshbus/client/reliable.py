@@ -49,12 +49,15 @@ from meshbus.client.delivery import Ack, AckTable, RetryPolicy, Suspicion
 from meshbus.client.outbound import Outbound
 from meshbus.client.requester import Requester
 from meshbus.errors import (
+    ConnectionLost,
     DeliveryFailed,
     InvalidArgument,
     MeshbusError,
     NoRoute,
     PermissionDenied,
     ProtocolError,
+    Timeout,
+    TryAgain,
 )
 from meshbus.protocol.codec import DataFrame
 from meshbus.protocol.control import GroupBind, GroupBound, GroupEnd, MemberList, MembersRequest
@@ -66,7 +69,7 @@ from meshbus.protocol.layout import (
     FLAG_RELIABLE,
     ControlType,
 )
-from meshbus.util import BackgroundTasks
+from meshbus.util import BackgroundTasks, Turns
 
 log = logging.getLogger("meshbus.client")
 
@@ -311,10 +314,13 @@ class Reliable:
         self._outbound = outbound
         self._tasks = tasks
         self._group_expiry = config.group_expiry
+        # How long a send asks again while the broker cannot answer now, unless it says.
+        self._default_timeout = config.retry.give_up_after()
         self._timer: asyncio.TimerHandle | None = None
         self._member_cache: dict[bytes, tuple[float, frozenset[bytes]]] = {}
         self._resend_queue: dict[int, None] = {}  # an ordered set
         self._resending = False
+        self._turns: Turns[GroupKey] = Turns()
 
     # -- sending ---------------------------------------------------------------------
 
@@ -330,30 +336,40 @@ class Reliable:
         priority: int,
         publish_id: bytes,
         wait: bool,
+        timeout: float | None = None,
         command: str = "",
     ) -> int:
+        """Send reliably; with ``wait``, return once acknowledged. What the broker is
+        asked first (the group's member, a group's members) is asked again while it
+        cannot answer now, until ``timeout`` seconds (None: the retry policy's
+        ``give_up_after``) have passed: then ``Timeout``."""
         cast = dst[0]
         if group and cast != CAST_ANYCAST:
             raise InvalidArgument(
                 f"message groups go to an anycast address, not {describe_address(dst)}"
             )
+        limit = self._default_timeout if timeout is None else timeout
+        deadline = _now() + limit
         unacked = self._unacked
         await unacked.room()
         targets: frozenset[bytes] | None = None
         target = dst
         state: _GroupSend | None = None
         key = (src, dst, group)
+        patiently = self._requester.patiently
         if group:
-            try:
-                state = await self._bound(key, b"")
-            except NoRoute:
-                held = self._unacked.groups.get(key)
-                if held is None:
-                    raise
-                # The home cannot answer now (out of reach behind a cut link, re-linking
-                # after a stall): the message waits for the member the group has, and the
-                # resend pass asks the home again.
-                state = held
+            what = f"message group {group.decode(errors='replace')!r} to {describe_address(dst)}"
+            # The usual case: the member is cached and no earlier send of the group is
+            # still asking, so there is nothing to ask. Otherwise one send of a group at
+            # a time asks, in the order they came, so a send that waits for an answer
+            # keeps its place: its sequence number is taken as its turn ends, with no
+            # await in between.
+            state = None if key in self._turns else self._cached(key)
+            if state is None:
+                async with self._turns.turn(key):
+                    state = await patiently(
+                        lambda: self._group_state(key), deadline, limit, f"{what}: no member bound"
+                    )
             target = state.member
         elif cast == CAST_MULTICAST:
             now = _now()
@@ -361,13 +377,24 @@ class Reliable:
             if cached is not None and now - cached[0] < _MEMBERS_TTL:
                 targets = cached[1]  # the usual case, every message of a stream of them
             else:
-                targets = frozenset(await self._members(dst, pick=False))
+                members = await patiently(
+                    lambda: self._members(dst, pick=False),
+                    deadline,
+                    limit,
+                    f"the members of {describe_address(dst)}: not known",
+                )
+                targets = frozenset(members)
             if src in targets and not echo:
                 targets = targets - {src}
             if not targets:
                 return 0  # nobody to deliver to: nothing can be lost
         elif cast == CAST_ANYCAST:
-            members = await self._members(dst, pick=True)
+            members = await patiently(
+                lambda: self._members(dst, pick=True),
+                deadline,
+                limit,
+                f"a member of {describe_address(dst)}: not picked",
+            )
             if not members:
                 raise NoRoute(f"no member of {describe_address(dst)}", describe_address(dst))
             target = members[0]
@@ -419,20 +446,40 @@ class Reliable:
             self._member_cache[group] = (now, frozenset(answer.members))
         return answer.members
 
+    async def _group_state(self, key: GroupKey) -> _GroupSend:
+        """The member a group's next message goes to. When the home cannot answer now
+        (out of reach behind a cut link, lost a moment ago, re-linking after a stall, or
+        the connector failing over) and the group has a member already, the message waits
+        for that member, and the resend pass asks the home again; a group with none yet
+        raises, and ``send`` asks again."""
+        try:
+            return await self._bound(key, b"")
+        except (NoRoute, TryAgain, ConnectionLost, Timeout):
+            held = self._unacked.groups.get(key)
+            if held is None:
+                raise
+            return held
+
+    def _cached(self, key: GroupKey) -> _GroupSend | None:
+        """The group's member as the sender knows it, if that needs no question: bound
+        less than half the idle expiry ago, and reachable since."""
+        state = self._unacked.groups.get(key)
+        if (
+            state is not None
+            and not state.unreachable
+            and _now() - state.bound_at < self._group_expiry / 2
+        ):
+            return state
+        return None
+
     async def _bound(self, key: GroupKey, failed: bytes) -> _GroupSend:
         """The member holding the group: cached, and asked of the group's home broker when
         new, older than half the idle expiry (which keeps the home's entry alive), or
         after the member could not be reached."""
+        if not failed and (cached := self._cached(key)) is not None:
+            return cached
         now = _now()
         groups = self._unacked.groups
-        state = groups.get(key)
-        if (
-            state is not None
-            and not failed
-            and not state.unreachable
-            and now - state.bound_at < self._group_expiry / 2
-        ):
-            return state
         src, anycast, group = key
         bound = await self._requester.ask(
             ControlType.GROUP_BIND,

@@ -10,6 +10,10 @@ breaking the protocol. A broker that is alive and does not answer within
 or for the broker's TIMEOUT or NO_ROUTE; a local guard of the deadline plus a
 second covers a broker that died or stalled, so a request never hangs.
 
+``patiently`` asks until a deadline while the answer is "not now" (ERROR TRY_AGAIN,
+a link lost to a failover, a broker slow to answer): a condition of the mesh that
+passes in a moment is not the application's to handle.
+
 The waiting itself -- the futures, and failing them when their link is lost -- is
 the inbound dispatcher's (meshbus.client.inbound).
 """
@@ -17,7 +21,8 @@ the inbound dispatcher's (meshbus.client.inbound).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import random
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from meshbus.address import Address
@@ -37,6 +42,7 @@ from meshbus.errors import (
     RemoteProtocolError,
     StreamError,
     Timeout,
+    TryAgain,
 )
 from meshbus.protocol.codec import ControlFrame, describe, encode_control_raw, encode_data
 from meshbus.protocol.control import Body, Error, encode_in_bounds
@@ -53,6 +59,12 @@ T = TypeVar("T")
 
 # How long after a request's deadline the client gives up on the broker's TIMEOUT frame.
 _LOCAL_TIMEOUT_GRACE = 1.0
+# ``patiently``: the first wait before asking again, doubled after each answer up to the
+# cap, and each wait drawn from its upper half -- the senders of many groups homed at one
+# lost broker do not ask in step. A crashed broker's groups get a home again within about
+# 2 s (docs/mesh.md, "One group, one member"), so the cap keeps a send at most 0.5 s late.
+_ASK_AGAIN_FIRST = 0.05
+_ASK_AGAIN_MAX = 0.5
 
 
 class Requester:
@@ -146,6 +158,35 @@ class Requester:
                     limit,
                 ) from None
 
+    async def patiently(
+        self, ask: Callable[[], Awaitable[T]], deadline: float, limit: float, what: str
+    ) -> T:
+        """What ``ask`` returns, asked again while the broker cannot answer now:
+        ``TryAgain``, a ``ConnectionLost`` while the connector fails over (each ask waits
+        for the new link), or a ``Timeout`` of a broker slow to answer. A permanent answer
+        (no member, permission denied) or the connector's end raises at once.
+
+        ``deadline`` is on the loop's clock, ``limit`` the seconds it stands for; when it
+        passes, ``Timeout`` says what ``what`` was waiting for and the last reason."""
+        wait = _ASK_AGAIN_FIRST
+        reason: MeshbusError | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    try:
+                        return await ask()
+                    except (TryAgain, ConnectionLost, Timeout) as exc:
+                        self._links.check_usable()  # the mesh was lost for good, or closed
+                        reason = exc
+                    await asyncio.sleep(random.uniform(wait / 2, wait))
+                    wait = min(2 * wait, _ASK_AGAIN_MAX)
+        except TimeoutError:
+            raise Timeout(
+                f"{what} within {limit:g} s (send(timeout=...)): "
+                + (str(reason) if reason else "the broker did not answer"),
+                limit,
+            ) from reason
+
     async def request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
         """Send a request from ``src`` and wait for its response."""
         link = await self._links.usable()
@@ -186,6 +227,8 @@ def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError
         return PermissionDenied(body.message)
     if request == ControlType.STREAM:
         return StreamError(body.message, code)
+    if code == ErrorCode.TRY_AGAIN:
+        return TryAgain(body.message)
     if request == ControlType.GROUP_BIND and code == ErrorCode.UNAVAILABLE:
         return NoRoute(body.message)
     return RegistrationError(f"{request.name.lower()} refused: {body.message}", code)

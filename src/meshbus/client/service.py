@@ -92,6 +92,14 @@ def _checked_publish_id(publish_id: bytes) -> bytes:
     return publish_id
 
 
+def _checked_send_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not 0 < timeout <= _MAX_TIMEOUT:
+        raise InvalidArgument(
+            f"timeout must be a positive number of seconds up to {_MAX_TIMEOUT:g}, got {timeout}"
+        )
+    return timeout
+
+
 def _group_key(group: str | bytes | None, final: bool) -> bytes:
     """A message group's id as it travels (b"" for none)."""
     key = group.encode() if isinstance(group, str) else (group or b"")
@@ -270,6 +278,7 @@ class Service:
         final: bool = False,
         priority: int = 0,
         publish_id: bytes = b"",
+        timeout: float | None = None,
     ) -> int:
         """Send ``payload`` to ``dst``; returns the message id.
 
@@ -290,7 +299,14 @@ class Service:
         ``notify``: if the broker cannot deliver a plain send, it says so, and the connector
         calls its ``on_undeliverable`` handlers; by default such a send is dropped and
         counted. A value it cannot use raises ``meshbus.InvalidArgument`` before anything
-        is sent."""
+        is sent.
+
+        ``timeout`` (a reliable or group send): how long ``send`` may wait for what it asks
+        the broker first -- the member of a new group, a group's members -- while the
+        answer is "not now" (a group's home broker lost a moment ago, a failover), asking
+        again meanwhile. By default the retry policy's ``give_up_after()`` (15 s); past
+        it, ``meshbus.Timeout`` says what it waited for and why. A permanent answer (no
+        member, permission denied) raises at once."""
         raw = as_address(dst).to_bytes()
         if reliable or group is not None:
             return await self._parts.reliable.send(
@@ -303,9 +319,14 @@ class Service:
                 priority=_checked_priority(priority),
                 publish_id=_checked_publish_id(publish_id),
                 wait=False,
+                timeout=_checked_send_timeout(timeout),
             )
         if final:
             raise InvalidArgument("final=True ends a message group; give the group too")
+        if timeout is not None:
+            raise InvalidArgument(
+                "timeout= bounds a reliable or group send; a plain one waits for nothing"
+            )
         if priority or publish_id:
             _checked_priority(priority)
             _checked_publish_id(publish_id)
@@ -330,9 +351,11 @@ class Service:
         priority: int = 0,
         publish_id: bytes = b"",
         echo: bool = False,
+        timeout: float | None = None,
     ) -> int:
         """A reliable send that returns once it is acknowledged (by every member, for a
-        multicast address); raises ``meshbus.DeliveryFailed`` when it is given up."""
+        multicast address); raises ``meshbus.DeliveryFailed`` when it is given up, and
+        ``meshbus.Timeout`` as ``send`` does (``timeout``)."""
         return await self._parts.reliable.send(
             self._raw,
             as_address(dst).to_bytes(),
@@ -343,6 +366,7 @@ class Service:
             priority=_checked_priority(priority),
             publish_id=_checked_publish_id(publish_id),
             wait=True,
+            timeout=_checked_send_timeout(timeout),
         )
 
     # -- the Postina verbs (docs/architecture.md) ------------------------------------------

@@ -154,7 +154,10 @@ class ErrorCode(IntEnum):
     NAME_IN_USE = 17  # a broker of that name is already in the mesh
     NO_STREAM = 18  # no such stream (or consumer) in the mesh
     STREAM_ERROR = 19  # a stream request was refused (bad config, storage error)
-    UNAVAILABLE = 20  # the broker that would answer is not reachable now; try again
+    # Nothing here can serve the request until something changes: a message group whose
+    # anycast group has no member, a STATS page never asked for; and (closing the link) a
+    # broker cut off from most of the mesh. Asking again at once gets the same answer.
+    UNAVAILABLE = 20
     # A limit of the broker (its message names the limit and its flag) was reached: the
     # request is refused and the link stays open (docs/architecture.md, the limits).
     LIMIT_EXCEEDED = 21
@@ -167,6 +170,10 @@ class ErrorCode(IntEnum):
     # The link's user may not do this (docs/security.md, "Permissions"): a request refused,
     # or (as the ``code`` of NO_ROUTE) a data frame dropped; the link stays open.
     PERMISSION_DENIED = 24
+    # The broker that decides cannot answer now -- out of reach behind a cut link, lost a
+    # moment ago, re-linking after a stall, or gone before it answered -- and will soon:
+    # the same request asked again shortly is answered. The client asks again itself.
+    TRY_AGAIN = 25
 
 
 # Errors after which the sender of the offending frame is disconnected.

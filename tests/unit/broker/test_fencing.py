@@ -93,7 +93,7 @@ async def test_a_broker_that_stalled_binds_no_group_until_it_is_linked_again(
     assert b.mesh.fence.fenced()
     refused = await on_b.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=b"g"))
     assert isinstance(refused.body, Error)
-    assert refused.body.code == ErrorCode.UNAVAILABLE
+    assert refused.body.code == ErrorCode.TRY_AGAIN
     assert "re-linking after a stall" in refused.body.message
     for _ in range(6):
         await tick(network, pair, INTERVAL)

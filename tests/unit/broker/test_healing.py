@@ -295,7 +295,7 @@ async def test_a_group_whose_home_is_behind_a_cut_link_is_not_bound_on_this_side
     on_a = await gone_past_the_grace(network, mesh3, key, m_b)
     refused = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=key, failed=m_b))
     assert isinstance(refused.body, Error), refused
-    assert refused.body.code == ErrorCode.UNAVAILABLE
+    assert refused.body.code == ErrorCode.TRY_AGAIN
     assert "broker b" in refused.body.message
     assert "out of reach from broker a" in refused.body.message
 
@@ -315,7 +315,35 @@ async def test_a_group_homed_behind_a_link_cut_a_moment_ago_is_not_bound_on_this
     on_a = await connector(network, a, "on-a")
     refused = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=fresh))
     assert isinstance(refused.body, Error), refused
-    assert refused.body.code == ErrorCode.UNAVAILABLE
+    assert refused.body.code == ErrorCode.TRY_AGAIN
+
+
+async def test_a_group_homed_at_a_broker_that_just_crashed_is_answered_try_again(
+    network: FakeNetwork, clock: FakeClock, mesh3: list[Broker]
+) -> None:
+    """kill -9 of b, the home of a group that starts now: a counts b as out of reach for
+    a moment and answers TRY_AGAIN -- a condition that passes, which the client asks
+    again through -- not UNAVAILABLE, the answer for a group with no member. Once the
+    sighting is over the home is another broker and the group is bound."""
+    a, _, c = mesh3
+    on_c = await connector(network, c, "on-c")
+    member = await on_c.register("m")
+    await on_c.join(member, POOL)
+    fresh = group_homed_at("b", ["a", "b", "c"], prefix=b"new")
+    network.crash(address_of("b"))
+    await network.settle()
+    on_a = await connector(network, a, "on-a")
+    refused = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=fresh))
+    assert isinstance(refused.body, Error), refused
+    assert refused.body.code == ErrorCode.TRY_AGAIN
+    assert "ask again in a moment" in refused.body.message
+    start = clock.now
+    while a.mesh.out_of_reach.names():
+        assert clock.now - start <= HEAL_BUDGET, "b is sighted past a budget and an interval"
+        await tick(network, [a, c], INTERVAL)
+    bound = await on_a.ask(ControlType.GROUP_BIND, GroupBind(group=POOL, key=fresh))
+    assert isinstance(bound.body, GroupBound), bound
+    assert bound.body.member == member
 
 
 async def test_a_crashed_brokers_groups_still_move_after_the_grace(

@@ -114,7 +114,7 @@ async def test_a_bind_with_no_member_is_unavailable_with_its_correlation(
     assert all(len(broker.guarantees.groups) == 0 for broker in mesh3)
 
 
-async def test_a_bind_relayed_to_a_home_that_is_lost_is_answered_unavailable(
+async def test_a_bind_relayed_to_a_home_that_is_lost_is_answered_try_again(
     network: FakeNetwork, mesh3: list[Broker]
 ) -> None:
     a = mesh3[0]
@@ -133,7 +133,7 @@ async def test_a_bind_relayed_to_a_home_that_is_lost_is_answered_unavailable(
     answer = sender.answer(correlation)
     assert answer.type == ControlType.ERROR
     assert isinstance(answer.body, Error)
-    assert answer.body.code == ErrorCode.UNAVAILABLE
+    assert answer.body.code == ErrorCode.TRY_AGAIN
 
 
 async def test_members_with_pick_prefers_a_local_member(
