@@ -65,7 +65,11 @@ def encode_key(raw: bytes) -> str:
 def decode_key(text: str) -> bytes:
     """The 32 raw bytes of an ``ed25519:<base64>`` key; ValueError saying what is wrong."""
     if not text.startswith(KEY_PREFIX):
-        raise ValueError(f"a key is written {KEY_PREFIX}<base64 of 32 bytes>; got {text[:12]!r}...")
+        # Never a character of it in the message: it may be a private key, misspelt.
+        raise ValueError(
+            f"a key is written {KEY_PREFIX}<base64 of 32 bytes>; this one does not start "
+            f"with {KEY_PREFIX!r}"
+        )
     try:
         raw = base64.b64decode(text[len(KEY_PREFIX) :], validate=True)
     except binascii.Error as exc:

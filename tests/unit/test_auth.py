@@ -243,3 +243,24 @@ def test_a_bad_users_entry_names_the_file_and_the_user(entries: object, why: str
     with pytest.raises(meshbus.InvalidArgument, match=why) as raised:
         UserTable.from_config(entries, "/etc/meshbus/broker.toml")
     assert str(raised.value).startswith("/etc/meshbus/broker.toml: ")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "x25519:c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRlZA==",  # another prefix
+        "c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRlZA==",  # none
+        "ed25519:c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRl!",  # not base64
+        "ed25519:c2VjcmV0IGtleSBtYXRlcmlhbA==",  # too short
+    ],
+)
+def test_a_malformed_private_key_is_never_printed(tmp_path: Path, key: str) -> None:
+    """The error names the file and the fault, and holds no part of the key: a
+    misspelt private key is still a private key."""
+    path = tmp_path / "creds.toml"
+    path.write_text(f'user = "a"\nprivate_key = "{key}"\n')
+    with pytest.raises(meshbus.InvalidArgument) as raised:
+        Credentials.load(path)
+    message = str(raised.value).replace(str(path), "")
+    secret = key.split(":")[-1]
+    assert not any(secret[i : i + 5] in message for i in range(len(secret) - 4)), message
