@@ -53,6 +53,18 @@ def test_add_and_look_up() -> None:
     assert dict(rt.services()) == {A1: "a", A2: "a", B1: "b"}
 
 
+def test_delivers_to_a_links_own_services_and_its_groups_only() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(B1, "b")
+    rt.join(A1, TOPIC)
+    rt.join(B1, POOL)
+    assert rt.delivers_to("a", A1) and rt.delivers_to("a", TOPIC)
+    assert not rt.delivers_to("a", B1) and not rt.delivers_to("a", POOL)
+    assert rt.delivers_to("b", POOL) and not rt.delivers_to("b", TOPIC)
+    assert not rt.delivers_to("a", C1)
+
+
 def test_address_taken() -> None:
     rt = table()
     rt.add_service(A1, "a")
