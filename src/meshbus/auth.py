@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from meshbus.errors import InvalidArgument
+from meshbus.private_files import write_private
 from meshbus.protocol.control import MAX_TOKEN, MAX_USER_NAME, Auth
 
 KEY_PREFIX = "ed25519:"
@@ -266,9 +267,7 @@ class Credentials:
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write the credentials file, readable by its owner only (0600); refuses to
         overwrite a file (FileExistsError)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(self.file_text())
+        write_private(path, self.file_text().encode("utf-8"))
 
 
 # The permissions of a new [[users]] entry: each one spelled out, so the operator sees

@@ -17,6 +17,7 @@ import pytest
 
 import meshbus
 from meshbus.auth import Credentials, TokenHash, users_entry
+from meshbus.private_files import write_private
 from meshbus.protocol import ControlFrame, ControlType, ErrorCode, encode_control
 from meshbus.protocol.control import Auth, Challenge, Error, Hello, Welcome
 from meshbus.protocol.handshake import sign_in_message
@@ -57,12 +58,13 @@ def write_config(tmp_path: Path, *settings: str, brokers: str = "") -> tuple[Pat
     bob_file = tmp_path / "bob.creds"
     Credentials("bob", token=TOKEN).write(bob_file)
     config = tmp_path / "broker.toml"
-    config.write_text(
+    text = (
         "".join(f"{line}\n" for line in settings)
         + users_entry("alice", public_key=alice.public_key, allow_all=True)
         + users_entry("bob", token_hash=str(TokenHash.of(TOKEN)), allow_all=True)
         + brokers
     )
+    write_private(config, text.encode())  # token hashes: the broker's secret
     return config, alice_file, bob_file
 
 
@@ -454,7 +456,7 @@ async def test_hash_token_output_works_end_to_end(tmp_path: Path) -> None:
     code, entry, err = await run_cli("hash-token", "--user", "dan", stdin=b"dans-token\n")
     assert code == 0, err
     config = tmp_path / "broker.toml"
-    config.write_text(broker_key(tmp_path, "b1").settings + entry)
+    write_private(config, (broker_key(tmp_path, "b1").settings + entry).encode())
     code, line, err = await run_cli("hash-token", "--generate")
     assert code == 0, err
     assert line.startswith('token_hash = "scrypt:')

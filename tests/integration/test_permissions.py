@@ -8,7 +8,7 @@ sign-in does when a link opens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -172,23 +172,25 @@ async def test_a_watcher_hears_only_of_the_services_its_user_may_see(tmp_path: P
             await meshbus.connect(broker.address, server="game07", credentials=login) as game07,
         ):
             heard: dict[str, list[str]] = {"game": [], "ops": []}
-            everything = asyncio.Event()
-            await watcher.on_service_left(heard["game"].extend)
+            told = {"game": asyncio.Event(), "ops": asyncio.Event()}
 
-            def ops_heard(addresses: list[str]) -> None:
-                heard["ops"].extend(addresses)
-                if len(heard["ops"]) == 2:
-                    everything.set()
+            def hears(user: str, expected: int) -> Callable[[list[str]], None]:
+                def left(addresses: list[str]) -> None:
+                    heard[user].extend(addresses)
+                    if len(heard[user]) >= expected:
+                        told[user].set()
 
-            await operator.on_service_left(ops_heard)
+                return left
+
+            await watcher.on_service_left(hears("game", 1))
+            await operator.on_service_left(hears("ops", 2))
             secret = await owner.register(1)
             visible = await game07.register(3)
             await secret.unregister()
             await visible.unregister()
             async with asyncio.timeout(QUICK):
-                await everything.wait()
-                while not heard["game"]:
-                    await asyncio.sleep(0.01)
+                await told["ops"].wait()
+                await told["game"].wait()
             assert sorted(heard["ops"]) == ["game07:3", "login:1"]
             assert heard["game"] == ["game07:3"], "login:1 is not the watcher's to know"
     finally:

@@ -135,11 +135,13 @@ async def test_a_trace_report_counts_only_for_an_address_of_the_reporting_link()
                 await raw.send(encode_control(ControlType.TRACE, report, 0))
             await raw.ping()
 
+            stream = f"traces.{broker.name}"
+
             async def own_hop_stored() -> bool:
-                return any(hop["msg_id"] == 777 for hop in await records(conn, f"traces.{broker.name}"))
+                return any(hop["msg_id"] == 777 for hop in await records(conn, stream))
 
             await wait_until(own_hop_stored, "the hop of its own address", timeout=10)
-            hops = await records(conn, f"traces.{broker.name}")
+            hops = await records(conn, stream)
             assert [hop["msg_id"] for hop in hops if hop["hop"] == "received"] == [777]
     finally:
         await raw.close()

@@ -18,6 +18,7 @@ import pytest
 import trustme
 
 import meshbus
+from meshbus.private_files import write_private
 from meshbus.tls import TLSOption
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import (
@@ -46,7 +47,7 @@ def _write(cert: trustme.LeafCert, directory: Path, name: str) -> Pem:
     pem = Pem(directory / f"{name}.crt", directory / f"{name}.key")
     for blob in cert.cert_chain_pems:
         blob.write_to_path(str(pem.cert), append=True)
-    cert.private_key_pem.write_to_path(str(pem.key))
+    write_private(pem.key, cert.private_key_pem.bytes())
     return pem
 
 
