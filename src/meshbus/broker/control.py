@@ -161,6 +161,16 @@ class ControlHandler:
             return
         hello = event.hello
         if hello.role == ROLE_BROKER:
+            if self._config.tls_ca and self._config.tls_cert and not link.shows_certificate():
+                # A broker of this mesh shows its certificate when it dials (tls.dial_context);
+                # one signed by another CA failed the TLS handshake already.
+                self._refuse(
+                    link,
+                    ErrorCode.CERTIFICATE_REQUIRED,
+                    "a peer broker must show a certificate signed by this broker's --tls-ca; "
+                    "the TLS handshake showed none",
+                )
+                return
             if self._trust.on:
                 self._challenge_peer(link, hello)
             else:

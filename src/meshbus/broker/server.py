@@ -130,7 +130,7 @@ class Broker:
         if config.tls_cert:
             cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
             self.tls = TLSAcceptor(
-                server_context(cert, key, ca, config.tls_verify_clients),
+                server_context(cert, key, ca),
                 timeout=config.handshake_timeout,
                 max_handshaking=config.max_handshaking,
                 require_cert=config.tls_verify_clients,
