@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from meshbus.auth import TokenHash, users_entry
+from meshbus.auth import TokenKey, users_entry
 from meshbus.private_files import write_private
 from tests.integration.helpers import broker_key, launch_broker, start_broker_process
 
@@ -32,7 +32,7 @@ def _scene(directory: Path, secret: str) -> tuple[Path, list[str]]:
     config = directory / "broker.toml"
     text = key_pair.settings + key_pair.entry
     if secret == "token-hashes":
-        text += users_entry("bob", token_hash=str(TokenHash.of("bobs-token")))
+        text += users_entry("bob", token_hash=str(TokenKey.of("bob", "bobs-token")))
     write_private(config, text.encode())
     if secret == "broker-key":
         return key_pair.path, ["--config", str(config)]

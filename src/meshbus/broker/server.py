@@ -368,8 +368,6 @@ class Broker:
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
             link.close(CloseReason.BROKER_SHUTDOWN)
-        # After the links: none can ask for a token check any more.
-        self.sign_in.close()
         await self._tasks.cancel()
         if self._server is not None:
             await self._server.wait_closed()
