@@ -325,8 +325,9 @@ PARTITION_HANDLING = ("ignore", "pause-minority")
     "--tls-ca",
     type=click.Path(dir_okay=False),
     default=None,
-    help="PEM CA certificate(s) that peer brokers' certificates (and, with "
-    "--tls-verify-clients, clients') must be signed by; default: the system's CAs.",
+    help="PEM CA certificate(s) that peer brokers' certificates must be signed by -- those "
+    "this broker dials and those that dial it -- and, with --tls-verify-clients, clients'. "
+    "Default: the system's CAs, for the brokers this one dials only.",
 )
 @click.option(
     "--tls-verify-clients",
