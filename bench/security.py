@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from meshbus.auth import Credentials, brokers_entry, users_entry
+from meshbus.private_files import write_private
 
 USER = "bench"
 AUTH_KIND = "meshbus_auth"  # the meshbus brokers with users, beside those without (--auth both)
@@ -139,7 +140,7 @@ def _write_certificates(made: Security) -> None:
     made.key = made.directory / "server.key"
     for blob in leaf.cert_chain_pems:
         blob.write_to_path(str(made.cert), append=True)
-    leaf.private_key_pem.write_to_path(str(made.key))
+    write_private(made.key, leaf.private_key_pem.bytes())
 
 
 def auth_option(command: F) -> F:

@@ -4,12 +4,16 @@ docs/security.md ("Authentication") has the whole story. In short: a broker with
 users answers HELLO with a CHALLENGE (a fresh nonce); the client answers with AUTH
 -- its user name and either an Ed25519 signature of the sign-in context and the
 nonce (a key pair: the private key never leaves the client) or a bearer token
-(for development: the broker keeps only its scrypt hash).
+(for development): never the token itself, but a proof bound to the nonce, so a
+recorded sign-in is worthless on another link (``TokenKey``; the broker keeps a digest
+of a key derived from the token, from which no proof can be made).
 
 Both ends use this module: ``Credentials`` (public, ``meshbus.Credentials``) is the
 client's side, and the text forms -- ``ed25519:<base64>`` keys and
-``scrypt:N:r:p:<salt>:<hash>`` token hashes -- are what the broker's config file
+``token-v2:<base64>`` token keys -- are what the broker's config file
 (meshbus.broker.users) and ``meshbus keygen`` / ``meshbus hash-token`` read and write.
+``scrypt:N:r:p:<salt>:<hash>`` token hashes are the monitor's (``--monitor-token-hash``):
+over HTTP the token itself is sent.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from meshbus.errors import InvalidArgument
-from meshbus.protocol.control import MAX_TOKEN, MAX_USER_NAME, Auth
+from meshbus.private_files import write_private
+from meshbus.protocol.control import MAX_USER_NAME, TOKEN_PROOF_SIZE, Auth
 
 KEY_PREFIX = "ed25519:"
 _KEY_SIZE = 32  # an Ed25519 key, public or private, as raw bytes
@@ -52,6 +57,7 @@ _SALT_SIZE = 16
 _HASH_SIZE = 32
 # A generated token: 32 random bytes, URL-safe text.
 _TOKEN_BYTES = 32
+MAX_TOKEN = 1024
 
 # Where ``meshbus.connect`` and the CLI look for a credentials file when given none.
 CREDS_ENV = "MESHBUS_CREDS"
@@ -65,7 +71,11 @@ def encode_key(raw: bytes) -> str:
 def decode_key(text: str) -> bytes:
     """The 32 raw bytes of an ``ed25519:<base64>`` key; ValueError saying what is wrong."""
     if not text.startswith(KEY_PREFIX):
-        raise ValueError(f"a key is written {KEY_PREFIX}<base64 of 32 bytes>; got {text[:12]!r}...")
+        # Never a character of it in the message: it may be a private key, misspelt.
+        raise ValueError(
+            f"a key is written {KEY_PREFIX}<base64 of 32 bytes>; this one does not start "
+            f"with {KEY_PREFIX!r}"
+        )
     try:
         raw = base64.b64decode(text[len(KEY_PREFIX) :], validate=True)
     except binascii.Error as exc:
@@ -156,6 +166,83 @@ class TokenHash:
         return f"{SCRYPT}:{self.n}:{self.r}:{self.p}:{_b64(self.salt)}:{_b64(self.digest)}"
 
 
+# A user's token as a broker stores it (docs/security.md, "A token's proof"), after the
+# SCRAM scheme (RFC 5802): from the token, salted with the user's name, scrypt makes a
+# client key; the broker stores only its SHA-256 digest, the stored key. The client
+# proves it knows the client key by sending it masked with an HMAC of the CHALLENGE's
+# nonce keyed by the stored key: the broker unmasks it and checks its digest. A recording
+# of one sign-in is of no use on a link with another nonce, and the stored key (a copy of
+# the broker's config) makes no proof. The salt is the user's name, not a random one the
+# client would have to be sent before it answers: the sign-in has one round trip.
+TOKEN_KEY_PREFIX = "token-v2:"
+_TOKEN_SALT = b"meshbus token v2\x00"
+_CLIENT_KEY = b"meshbus client key"
+
+
+def client_key(user: str, token: str) -> bytes:
+    """The key a token user proves it holds: scrypt (about 10 ms, on the client only)."""
+    salt = _TOKEN_SALT + user.encode("utf-8")
+    salted = _scrypt(token, salt, TOKEN_N, TOKEN_R, TOKEN_P)
+    return hmac.digest(salted, _CLIENT_KEY, "sha256")
+
+
+def _mask(stored: bytes, signed: bytes) -> bytes:
+    return hmac.digest(stored, signed, "sha256")
+
+
+def token_proof(key: bytes, signed: bytes) -> bytes:
+    """What a token user's AUTH carries for the CHALLENGE whose sign-in message is
+    ``signed``: its client key, masked with an HMAC of ``signed``."""
+    mask = _mask(hashlib.sha256(key).digest(), signed)
+    return bytes(a ^ b for a, b in zip(key, mask, strict=True))
+
+
+@dataclass(frozen=True)
+class TokenKey:
+    """A user's token as a broker stores it: ``token-v2:<base64 of the stored key>``."""
+
+    stored: bytes
+
+    @classmethod
+    def of(cls, user: str, token: str) -> TokenKey:
+        return cls(hashlib.sha256(client_key(user, token)).digest())
+
+    @classmethod
+    def parse(cls, text: str) -> TokenKey:
+        """ValueError saying what is wrong with ``text``; an old ``scrypt:`` hash (whose
+        sign-in sent the token itself) is told to be made again."""
+        if text.startswith(SCRYPT + ":"):
+            raise ValueError(
+                "this token_hash is of an older meshbus, whose sign-in sent the token itself; "
+                "hash the token again for this user: meshbus hash-token --user NAME (the "
+                "token and the client's credentials file stay as they are)"
+            )
+        if not text.startswith(TOKEN_KEY_PREFIX):
+            raise ValueError(
+                f"a token hash is written {TOKEN_KEY_PREFIX}<base64> "
+                "(meshbus hash-token --user NAME prints one)"
+            )
+        try:
+            stored = base64.b64decode(text[len(TOKEN_KEY_PREFIX) :], validate=True)
+        except binascii.Error:
+            raise ValueError(f"the key after {TOKEN_KEY_PREFIX!r} is not valid base64") from None
+        if len(stored) != TOKEN_PROOF_SIZE:
+            raise ValueError(f"a token key is {TOKEN_PROOF_SIZE} bytes; this one is {len(stored)}")
+        return cls(stored)
+
+    def proves(self, signed: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` answers the CHALLENGE whose sign-in message is ``signed``
+        (microseconds: fine on the event loop)."""
+        if len(proof) != TOKEN_PROOF_SIZE:
+            return False
+        mask = _mask(self.stored, signed)
+        key = bytes(a ^ b for a, b in zip(proof, mask, strict=True))
+        return hmac.compare_digest(hashlib.sha256(key).digest(), self.stored)
+
+    def __str__(self) -> str:
+        return TOKEN_KEY_PREFIX + _b64(self.stored)
+
+
 def _scrypt(token: str, salt: bytes, n: int, r: int, p: int) -> bytes:
     return hashlib.scrypt(
         token.encode("utf-8"), salt=salt, n=n, r=r, p=p, maxmem=_SCRYPT_MAXMEM, dklen=_HASH_SIZE
@@ -174,7 +261,8 @@ class Credentials:
 
     ``private_key`` is an ``Ed25519PrivateKey`` or its text ``ed25519:<base64>``; the key
     only signs the broker's challenge, and never leaves this process. ``token`` is a
-    bearer token, sent to the broker as it is: for development (docs/security.md)."""
+    shared secret, for development (docs/security.md): it never leaves this process
+    either, but a proof made from it and the broker's challenge does."""
 
     def __init__(
         self,
@@ -191,6 +279,7 @@ class Credentials:
                 private_key = Ed25519PrivateKey.from_private_bytes(decode_key(private_key))
             self._key = private_key
             self._token = None if token is None else check_token(token)
+            self._client_key: bytes | None = None
         except ValueError as exc:
             raise InvalidArgument(f"credentials for user {user!r}: {exc}") from None
 
@@ -243,11 +332,14 @@ class Credentials:
         return encode_key(self._key.public_key().public_bytes_raw())
 
     def answer(self, to_sign: bytes) -> Auth:
-        """The AUTH for a broker's CHALLENGE: ``to_sign`` signed, or the token."""
+        """The AUTH for a broker's CHALLENGE: ``to_sign`` signed, or the token's proof of
+        it (the token's scrypt is done once, at the first sign-in)."""
         if self._key is not None:
             return Auth(user=self.user, signature=self._key.sign(to_sign))
-        assert self._token is not None
-        return Auth(user=self.user, token=self._token)
+        if self._client_key is None:
+            assert self._token is not None
+            self._client_key = client_key(self.user, self._token)
+        return Auth(user=self.user, token_proof=token_proof(self._client_key, to_sign))
 
     def file_text(self) -> str:
         """The credentials file that ``load`` reads back (keep it private: mode 0600)."""
@@ -262,9 +354,7 @@ class Credentials:
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write the credentials file, readable by its owner only (0600); refuses to
         overwrite a file (FileExistsError)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(self.file_text())
+        write_private(path, self.file_text().encode("utf-8"))
 
 
 # The permissions of a new [[users]] entry: each one spelled out, so the operator sees

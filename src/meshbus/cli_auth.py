@@ -15,6 +15,7 @@ import click
 from meshbus.auth import (
     Credentials,
     TokenHash,
+    TokenKey,
     brokers_entry,
     check_token,
     check_user_name,
@@ -106,15 +107,19 @@ def keygen(user: str, out: str | None, allow_all: bool, broker: bool) -> None:
     "--user",
     type=USER_NAME,
     default=None,
-    help="Print a whole [[users]] entry for this user, not just the token_hash line.",
+    help="Print the [[users]] entry of this user, its token_hash made for that name (a "
+    "user's token is hashed with its name). Without it: the scrypt token_hash line of "
+    "--monitor-token-hash.",
 )
 @ALLOW_ALL
 def hash_token(generate: bool, user: str | None, allow_all: bool) -> None:
-    """Hash a bearer token for the broker's config: reads the token from stdin (one
-    line), or makes one with --generate, and prints the token_hash line.
+    """Hash a token for the broker's config: reads the token from stdin (one line),
+    or makes one with --generate, and prints the [[users]] entry of --user NAME, or
+    without --user the token_hash line of --monitor-token-hash.
 
-    Tokens are for development: a key pair (`meshbus keygen`) never sends its
-    secret to the broker. The client's credentials file holds user = "NAME" and
+    Tokens are for development: a key pair (`meshbus keygen`) is a secret the broker
+    never holds. A user's token never crosses the wire either, only a proof bound to
+    the broker's challenge. The client's credentials file holds user = "NAME" and
     token = "TOKEN".
     """
     if generate:
@@ -132,8 +137,8 @@ def hash_token(generate: bool, user: str | None, allow_all: bool) -> None:
             check_token(token)
         except ValueError as exc:
             raise click.ClickException(f"the token read from stdin: {exc}") from None
-    token_hash = str(TokenHash.of(token))
     if user is None:
-        click.echo(f"token_hash = {toml_string(token_hash)}")
+        click.echo(f"token_hash = {toml_string(str(TokenHash.of(token)))}")
     else:
-        click.echo(users_entry(user, token_hash=token_hash, allow_all=allow_all), nl=False)
+        token_key = str(TokenKey.of(user, token))
+        click.echo(users_entry(user, token_hash=token_key, allow_all=allow_all), nl=False)

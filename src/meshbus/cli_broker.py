@@ -325,14 +325,23 @@ PARTITION_HANDLING = ("ignore", "pause-minority")
     "--tls-ca",
     type=click.Path(dir_okay=False),
     default=None,
-    help="PEM CA certificate(s) that peer brokers' certificates (and, with "
-    "--tls-verify-clients, clients') must be signed by; default: the system's CAs.",
+    help="PEM CA certificate(s) that peer brokers' certificates must be signed by -- those "
+    "this broker dials and those that dial it -- and, with --tls-verify-clients, clients'. "
+    "Default: the system's CAs, for the brokers this one dials only.",
 )
 @click.option(
     "--tls-verify-clients",
     is_flag=True,
     help="Mutual TLS: refuse every link (connectors, operators, peer brokers) without a "
     "certificate signed by --tls-ca.",
+)
+@click.option(
+    "--allow-insecure-key-files",
+    is_flag=True,
+    help="Start even when --broker-key or --tls-key may be read by users other than its "
+    "owner, or the --config file of [[users]] may be changed by them (or, holding token "
+    "hashes, read). Without it such a broker refuses to start, naming the file and the "
+    "chmod 600 that fixes it, as ssh does with a private key (docs/security.md).",
 )
 # -- mesh trust (docs/security.md, "The mesh trusts only its brokers")
 @click.option(
@@ -399,6 +408,7 @@ def broker(
     tls_key: str | None,
     tls_ca: str | None,
     tls_verify_clients: bool,
+    allow_insecure_key_files: bool,
     broker_key: str | None,
     monitor: str | None,
     monitor_token_hash: str | None,
@@ -427,6 +437,11 @@ def broker(
             "--tls-verify-clients needs --tls-cert, --tls-key and --tls-ca (the CA that "
             "signs the clients' certificates)"
         )
+    if not allow_insecure_key_files:
+        try:
+            _check_secrets(tables, broker_key, tls_key)
+        except InvalidArgument as exc:
+            raise click.ClickException(str(exc)) from None
     try:
         key = Credentials.load(broker_key) if broker_key else None
     except InvalidArgument as exc:
@@ -516,3 +531,19 @@ def broker(
         # InvalidArgument: the broker key does not fit its name (meshbus.broker.trust).
         # StoreError: the stream store is damaged (StoreDamaged) or of another version.
         raise click.ClickException(str(exc)) from exc
+
+
+def _check_secrets(tables: ConfigTables, broker_key: str | None, tls_key: str | None) -> None:
+    """The broker's secrets are its owner's only: its key pair and TLS key (no other user
+    may read or change them), a config file of users (none may change it; with token
+    hashes, none may read it either). InsecureFile names the first that is not."""
+    from meshbus.private_files import WRITABLE_BY_OTHERS, check_private
+
+    if broker_key:
+        check_private(broker_key, "the broker key (--broker-key)")
+    if tls_key:
+        check_private(tls_key, "the TLS key (--tls-key)")
+    if tables.path and (tables.users or tables.brokers):
+        hashes = any(user.token_hash is not None for user in tables.users)
+        what = "the config file, which holds token hashes," if hashes else "the config file"
+        check_private(tables.path, what, mask=0o077 if hashes else WRITABLE_BY_OTHERS)

@@ -35,17 +35,18 @@ _NOT_TLS = frozenset(
 # -- contexts ------------------------------------------------------------------------------
 
 
-def server_context(cert: str, key: str, ca: str, verify_clients: bool) -> ssl.SSLContext:
-    """A broker's listening context: its certificate and key; with ``verify_clients``,
-    client certificates signed by ``ca`` are asked for."""
+def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """A broker's listening context: its certificate and key; with ``ca``, client
+    certificates signed by it are asked for -- peer brokers must show one, and with
+    --tls-verify-clients every link (meshbus.broker.secure)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     _load_chain(context, cert, key)
-    if verify_clients:
+    if ca:
         _load_ca(context, ca)
-        # Optional, not required: a client with no certificate finishes the TLS handshake
-        # and the broker then refuses it with an ERROR that says why (Broker._secured).
-        # A TLS 1.3 client refused inside the handshake learns nothing it can show.
-        # A certificate that is sent and does not verify still fails the handshake.
+        # Optional, not required: a link with no certificate finishes the TLS handshake
+        # and the broker then refuses it, if it must, with an ERROR that says why. A TLS
+        # 1.3 client refused inside the handshake learns nothing it can show. A
+        # certificate that is sent and does not verify still fails the handshake.
         context.verify_mode = ssl.CERT_OPTIONAL
     return context
 

@@ -32,6 +32,7 @@ from typing import Any
 import meshbus
 from meshbus.auth import Credentials, brokers_entry, toml_string
 from meshbus.broker.process import broker_argv, child_env, parse_ready_line
+from meshbus.private_files import write_private
 from meshbus.protocol import (
     ControlFrame,
     ControlType,
@@ -434,7 +435,7 @@ async def start_secure_broker(directory: Path, user: str, *args: str) -> SecureB
     ca.cert_pem.write_to_path(str(ca_file))
     leaf = ca.issue_cert("127.0.0.1")
     leaf.cert_chain_pems[0].write_to_path(str(cert_file))
-    leaf.private_key_pem.write_to_path(str(key_file))
+    write_private(key_file, leaf.private_key_pem.bytes())
     credentials = Credentials.generate(user)
     creds = directory / f"{user}.creds"
     credentials.write(creds)

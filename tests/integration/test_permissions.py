@@ -8,7 +8,7 @@ sign-in does when a link opens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -145,5 +145,53 @@ async def test_a_brokers_config_gives_each_signed_in_user_its_permissions(tmp_pa
                 await game01.stat()
             await login_service.send(player.address, b"welcome")  # login may send anywhere
             assert (await player.recv(timeout=QUICK)).payload == b"welcome"
+    finally:
+        assert await broker.stop() == 0
+
+
+async def test_a_watcher_hears_only_of_the_services_its_user_may_see(tmp_path: Path) -> None:
+    """WATCH on a broker with users: LEFT names only the addresses the watcher's user may
+    send or send requests to; a user with the stat-detail right hears of every one."""
+    game, ops, login = (Credentials.generate(name) for name in ("game", "ops", "login"))
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        broker_key(tmp_path, "b1").settings
+        + f'[[users]]\nname = "game"\npublic_key = "{game.public_key}"\n'
+        '[users.permissions]\nsend = ["game*:*"]\nrequest = ["anycast:scores"]\n'
+        f'[[users]]\nname = "ops"\npublic_key = "{ops.public_key}"\n'
+        '[users.permissions]\noperator = ["stat-detail"]\n'
+        f'[[users]]\nname = "login"\npublic_key = "{login.public_key}"\n'
+        '[users.permissions]\nregister = ["*"]\n'
+    )
+    broker = await start_broker("--config", str(config))
+    try:
+        async with (
+            await meshbus.connect(broker.address, credentials=game) as watcher,
+            await meshbus.connect(broker.address, credentials=ops) as operator,
+            await meshbus.connect(broker.address, server="login", credentials=login) as owner,
+            await meshbus.connect(broker.address, server="game07", credentials=login) as game07,
+        ):
+            heard: dict[str, list[str]] = {"game": [], "ops": []}
+            told = {"game": asyncio.Event(), "ops": asyncio.Event()}
+
+            def hears(user: str, expected: int) -> Callable[[list[str]], None]:
+                def left(addresses: list[str]) -> None:
+                    heard[user].extend(addresses)
+                    if len(heard[user]) >= expected:
+                        told[user].set()
+
+                return left
+
+            await watcher.on_service_left(hears("game", 1))
+            await operator.on_service_left(hears("ops", 2))
+            secret = await owner.register(1)
+            visible = await game07.register(3)
+            await secret.unregister()
+            await visible.unregister()
+            async with asyncio.timeout(QUICK):
+                await told["ops"].wait()
+                await told["game"].wait()
+            assert sorted(heard["ops"]) == ["game07:3", "login:1"]
+            assert heard["game"] == ["game07:3"], "login:1 is not the watcher's to know"
     finally:
         assert await broker.stop() == 0

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 
 import meshbus
-from tests.conftest import BrokerProcess, start_mesh, stop_all
-from tests.integration.helpers import Collector, wait_until
+from meshbus.protocol.codec import encode_control
+from meshbus.protocol.control import TraceReport
+from meshbus.protocol.layout import ControlType
+from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
+from tests.integration.helpers import Collector, RawLink, wait_until
 
 INTERVAL = 0.2
 
@@ -115,3 +118,31 @@ async def test_without_telemetry_nothing_is_traced_or_stored(mesh2: list[BrokerP
     async with await meshbus.connect(a.address, server="quiet") as conn:
         assert conn._parts.sampler.every == 0
         assert await conn.streams.list() == []
+
+
+async def test_a_trace_report_counts_only_for_an_address_of_the_reporting_link() -> None:
+    """TRACE names the address that received a traced frame: a connector may report only
+    its own, not put hops into the trace of another service's traffic."""
+    broker = await start_broker("--telemetry-interval", str(INTERVAL), "--trace-sample", "1")
+    raw = await RawLink.open(broker.address)
+    try:
+        async with await meshbus.connect(broker.address, server="victim") as conn:
+            victim = await conn.register()
+            await raw.hello()
+            own = await raw.register("liar")
+            for msg_id, dst in ((666, victim.address.to_bytes()), (777, own)):
+                report = TraceReport(src=own, msg_id=msg_id, dst=dst, sent_at=1.0)
+                await raw.send(encode_control(ControlType.TRACE, report, 0))
+            await raw.ping()
+
+            stream = f"traces.{broker.name}"
+
+            async def own_hop_stored() -> bool:
+                return any(hop["msg_id"] == 777 for hop in await records(conn, stream))
+
+            await wait_until(own_hop_stored, "the hop of its own address", timeout=10)
+            hops = await records(conn, stream)
+            assert [hop["msg_id"] for hop in hops if hop["hop"] == "received"] == [777]
+    finally:
+        await raw.close()
+        assert await broker.stop() == 0

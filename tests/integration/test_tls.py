@@ -18,10 +18,15 @@ import pytest
 import trustme
 
 import meshbus
+from meshbus.private_files import write_private
+from meshbus.protocol import ControlFrame, ControlType, encode_control
+from meshbus.protocol.control import ROLE_BROKER, Error, Hello
+from meshbus.protocol.layout import ErrorCode
 from meshbus.tls import TLSOption
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import (
     IO_TIMEOUT,
+    RawLink,
     broker_key,
     launch_broker,
     recv_n,
@@ -46,7 +51,7 @@ def _write(cert: trustme.LeafCert, directory: Path, name: str) -> Pem:
     pem = Pem(directory / f"{name}.crt", directory / f"{name}.key")
     for blob in cert.cert_chain_pems:
         blob.write_to_path(str(pem.cert), append=True)
-    cert.private_key_pem.write_to_path(str(pem.key))
+    write_private(pem.key, cert.private_key_pem.bytes())
     return pem
 
 
@@ -163,6 +168,47 @@ async def test_a_mesh_over_tls_whose_brokers_prove_themselves_with_keys(certs: C
             assert (data["peers"], data["mesh_trust"]) == (["a"], True)
     finally:
         assert await stop_all(brokers) == [0, 0]
+
+
+async def test_a_peer_broker_with_another_cas_certificate_cannot_join(certs: Certs) -> None:
+    """Without --tls-verify-clients too, a broker with --tls-ca takes a peer broker only
+    with a certificate that CA signed: one that trusts the mesh's CA but shows its own
+    CA's certificate does not join."""
+    mesh_ca = ["--tls-ca", str(certs.ca_file)]
+    member = await start_broker(*certs.broker.broker_args(), *mesh_ca)
+    try:
+        stranger = _write(trustme.CA().issue_cert(*_LOOPBACK), certs.directory, "stranger")
+        intruder = await start_broker_process(
+            "--listen", "127.0.0.1:0", *stranger.broker_args(), *mesh_ca,
+            "--seed", member.address, "--join-timeout", "1.5",
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(intruder.communicate(), 30)
+        assert intruder.returncode == 1, (out, err)
+        assert b"listening on" not in out
+        assert b"could not join the mesh" in err
+        async with await meshbus.connect(member.address, tls=certs.ca_file) as conn:
+            assert (await conn.stat())["peers"] == []
+    finally:
+        assert await member.stop() == 0
+
+
+async def test_a_peer_broker_hello_without_a_certificate_is_refused(certs: Certs) -> None:
+    """A process that says HELLO as a broker over TLS without a client certificate is
+    refused with CERTIFICATE_REQUIRED before anything of the mesh goes out."""
+    member = await start_broker(*certs.broker.broker_args(), "--tls-ca", str(certs.ca_file))
+    try:
+        host, port = member.address.rsplit(":", 1)
+        context = ssl.create_default_context(cafile=str(certs.ca_file))
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=context)
+        raw = RawLink(reader, writer)
+        await raw.send(encode_control(ControlType.HELLO, Hello(role=ROLE_BROKER, name="x"), 1))
+        (refusal,) = await raw.read_until_closed()
+        assert isinstance(refusal, ControlFrame)
+        assert isinstance(refusal.body, Error)
+        assert refusal.body.code == ErrorCode.CERTIFICATE_REQUIRED
+        assert "--tls-ca" in refusal.body.message
+    finally:
+        assert await member.stop() == 0
 
 
 async def test_a_connector_keeps_tls_through_a_redirect_and_a_failover(certs: Certs) -> None:

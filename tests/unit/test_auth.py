@@ -14,6 +14,7 @@ from meshbus.auth import (
     TOKEN_N,
     Credentials,
     TokenHash,
+    TokenKey,
     decode_key,
     encode_key,
     public_key_from_text,
@@ -45,7 +46,7 @@ def test_a_signature_of_the_users_key_passes_and_nothing_else_does() -> None:
     mallory = Credentials.generate("alice")  # the right name, another key
     users = table(key_user("alice", alice))
     good = alice.answer(SIGNED)
-    assert (good.user, good.token, len(good.signature)) == ("alice", "", 64)
+    assert (good.user, good.token_proof, len(good.signature)) == ("alice", b"", 64)
     assert users.check_signature("alice", SIGNED, good.signature)
     assert not users.check_signature("alice", SIGNED, mallory.answer(SIGNED).signature)
     # Bound to the nonce and to the purpose: another nonce, or the bare nonce, fails.
@@ -62,7 +63,7 @@ def test_an_unknown_user_fails_even_with_a_valid_signature() -> None:
 
 def test_a_token_user_never_passes_with_a_signature() -> None:
     alice = Credentials.generate("alice")
-    users = table(User("alice", token_hash=TokenHash.of("secret")))
+    users = table(User("alice", token_hash=TokenKey.of("alice", "secret")))
     assert not users.check_signature("alice", SIGNED, alice.answer(SIGNED).signature)
 
 
@@ -92,15 +93,60 @@ def test_a_token_hash_matches_its_token_only_and_round_trips() -> None:
 
 
 def test_token_checks_by_user() -> None:
-    users = table(User("bob", token_hash=TokenHash.of("t0k3n")))
-    assert users.check_token("bob", "t0k3n")
-    assert not users.check_token("bob", "wrong")
-    assert not users.check_token("eve", "t0k3n")
+    users = table(User("bob", token_hash=TokenKey.of("bob", "t0k3n")))
+    bob = Credentials("bob", token="t0k3n")
+    proof = bob.answer(SIGNED).token_proof
+    assert users.check_token("bob", SIGNED, proof)
+    assert not users.check_token(
+        "bob", SIGNED, Credentials("bob", token="wrong").answer(SIGNED).token_proof
+    )
+    assert not users.check_token("eve", SIGNED, proof)
+    # The token's key is salted with its user's name: eve's proof of bob's token fails.
+    eve = Credentials("eve", token="t0k3n").answer(SIGNED).token_proof
+    assert not users.check_token("bob", SIGNED, eve)
+
+
+def test_a_tokens_proof_is_bound_to_the_nonce_and_never_holds_the_token() -> None:
+    """The replay of the issue: a proof recorded for one CHALLENGE is worthless on a link
+    with another nonce, and nothing of the token crosses the wire."""
+    users = table(User("bob", token_hash=TokenKey.of("bob", "t0k3n")))
+    auth = Credentials("bob", token="t0k3n").answer(SIGNED)
+    other = sign_in_message(bytes(NONCE_SIZE))
+    assert users.check_token("bob", SIGNED, auth.token_proof)
+    assert not users.check_token("bob", other, auth.token_proof)
+    assert b"t0k3n" not in auth.token_proof
+    assert len(auth.token_proof) == 32
+
+
+def test_the_stored_key_makes_no_proof() -> None:
+    """A copy of the broker's config lets nobody sign in: the stored key is a digest of
+    the key a proof needs."""
+    stored = TokenKey.of("bob", "t0k3n")
+    users = table(User("bob", token_hash=stored))
+    from meshbus.auth import token_proof
+
+    assert not users.check_token("bob", SIGNED, token_proof(stored.stored, SIGNED))
+    assert TokenKey.parse(str(stored)) == stored
+    assert str(stored).startswith("token-v2:")
 
 
 def test_a_key_user_never_passes_with_a_token() -> None:
     users = table(key_user("alice", Credentials.generate("alice")))
-    assert not users.check_token("alice", "")
+    assert not users.check_token("alice", SIGNED, bytes(32))
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (f"scrypt:{TOKEN_N}:8:1:AA==:AA==", "older meshbus.*meshbus hash-token --user NAME"),
+        ("nope", "token-v2:<base64>"),
+        ("token-v2:!!", "base64"),
+        ("token-v2:AAAA", "32 bytes"),
+    ],
+)
+def test_a_bad_token_key_says_what_is_wrong(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        TokenKey.parse(text)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +190,10 @@ def test_a_token_credentials_file(tmp_path: Path) -> None:
     bob = Credentials.load(path)
     assert bob.public_key is None
     answer = bob.answer(SIGNED)
-    assert (answer.user, answer.token, answer.signature) == ("bob", "t0k3n", b"")
+    assert (answer.user, answer.signature) == ("bob", b"")
+    assert table(User("bob", token_hash=TokenKey.of("bob", "t0k3n"))).check_token(
+        "bob", SIGNED, answer.token_proof
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,7 +245,7 @@ def test_users_from_a_config() -> None:
     alice = Credentials.generate("alice")
     entries = [
         {"name": "alice", "public_key": alice.public_key},
-        {"name": "bob", "token_hash": str(TokenHash.of("t"))},
+        {"name": "bob", "token_hash": str(TokenKey.of("bob", "t"))},
     ]
     users = UserTable.from_config(entries, "broker.toml")
     assert [u.name for u in users] == ["alice", "bob"]
@@ -234,7 +283,7 @@ def test_the_entry_keygen_prints_is_one_the_broker_reads() -> None:
     ],
 )
 def test_a_bad_users_entry_names_the_file_and_the_user(entries: object, why: str) -> None:
-    token_hash = str(TokenHash.of("t"))
+    token_hash = str(TokenKey.of("a", "t"))
     if isinstance(entries, list):
         entries = [
             {k: (token_hash if v == "T" else v) for k, v in e.items()} if isinstance(e, dict) else e
@@ -243,3 +292,24 @@ def test_a_bad_users_entry_names_the_file_and_the_user(entries: object, why: str
     with pytest.raises(meshbus.InvalidArgument, match=why) as raised:
         UserTable.from_config(entries, "/etc/meshbus/broker.toml")
     assert str(raised.value).startswith("/etc/meshbus/broker.toml: ")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "x25519:c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRlZA==",  # another prefix
+        "c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRlZA==",  # none
+        "ed25519:c2VjcmV0IGtleSBtYXRlcmlhbCwgbmV2ZXIgcHJpbnRl!",  # not base64
+        "ed25519:c2VjcmV0IGtleSBtYXRlcmlhbA==",  # too short
+    ],
+)
+def test_a_malformed_private_key_is_never_printed(tmp_path: Path, key: str) -> None:
+    """The error names the file and the fault, and holds no part of the key: a
+    misspelt private key is still a private key."""
+    path = tmp_path / "creds.toml"
+    path.write_text(f'user = "a"\nprivate_key = "{key}"\n')
+    with pytest.raises(meshbus.InvalidArgument) as raised:
+        Credentials.load(path)
+    message = str(raised.value).replace(str(path), "")
+    secret = key.split(":")[-1]
+    assert not any(secret[i : i + 5] in message for i in range(len(secret) - 4)), message

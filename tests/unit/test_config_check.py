@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from meshbus.auth import Credentials, users_entry
+from meshbus.auth import Credentials, TokenKey, users_entry
 from meshbus.cli_broker import broker
 from meshbus.cli_config import BadConfig, read_config, reread_users
 from meshbus.config_lines import KeyLines
@@ -86,7 +86,7 @@ def test_every_bad_user_is_reported_not_just_the_first(tmp_path: Path) -> None:
     config = tmp_path / "broker.toml"
     config.write_text(
         '[[users]]\nname = "a"\n'  # 1-2: no credential
-        '[[users]]\nname = "b"\ntoken_hash = "scrypt:4096:8:1:AAAA:AAAA"\n'  # 3-5: fine
+        f'[[users]]\nname = "b"\ntoken_hash = "{TokenKey(bytes(32))}"\n'  # 3-5: fine
         "[users.permissions]\n"  # 6
         'join = ["multicast:chat"]\n'  # 7
         'request = ["nope"]\n'  # 8: not an address

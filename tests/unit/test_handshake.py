@@ -27,13 +27,13 @@ from meshbus.protocol.codec import (
 )
 from meshbus.protocol.control import (
     MAX_SESSION,
-    MAX_TOKEN,
     MAX_USER_NAME,
     NONCE_SIZE,
     ROLE_BROKER,
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
     SIGNATURE_SIZE,
+    TOKEN_PROOF_SIZE,
     Auth,
     BrokerInfo,
     Brokers,
@@ -342,6 +342,7 @@ def test_dialling_calls_in_the_wrong_state_are_a_bug(
 
 NONCE = bytes(range(100, 100 + NONCE_SIZE))
 SIGNATURE = bytes(range(SIGNATURE_SIZE))
+TOKEN_PROOF = bytes(range(50, 50 + TOKEN_PROOF_SIZE))
 
 
 class RecordingCredential:
@@ -376,7 +377,7 @@ def test_a_challenge_carries_the_nonce_with_the_hellos_correlation() -> None:
 
 @pytest.mark.parametrize(
     "auth",
-    [Auth(user="alice", signature=SIGNATURE), Auth(user="bob", token="t0k3n")],
+    [Auth(user="alice", signature=SIGNATURE), Auth(user="bob", token_proof=TOKEN_PROOF)],
     ids=["key", "token"],
 )
 def test_an_auth_is_handed_over_with_the_context_and_nonce_it_must_sign(auth: Auth) -> None:
@@ -395,7 +396,7 @@ def test_after_the_check_the_welcome_opens_or_the_refusal_closes() -> None:
     assert accepting.state is HandshakeState.OPEN
 
     refusing = awaiting_auth(correlation=9)
-    refusing.receive(auth_frame(user="alice", token="wrong"))
+    refusing.receive(auth_frame(user="alice", token_proof=TOKEN_PROOF))
     frame = only_frame(refusing.refuse(ErrorCode.AUTH_FAILED, "no"))
     assert frame == ControlFrame(ControlType.ERROR, Error(code=ErrorCode.AUTH_FAILED, message="no"))
     assert refusing.state is HandshakeState.CLOSED
@@ -410,10 +411,24 @@ def test_after_the_check_the_welcome_opens_or_the_refusal_closes() -> None:
         (ControlFrame(ControlType.REGISTER, None, 8), ErrorCode.AUTH_FAILED),
         (ControlFrame(ControlType.AUTH, None, 8), ErrorCode.PROTOCOL_ERROR),
         (auth_frame(user="alice"), ErrorCode.AUTH_FAILED),  # no credential
-        (auth_frame(user="alice", signature=SIGNATURE, token="t"), ErrorCode.AUTH_FAILED),
+        (
+            auth_frame(user="alice", signature=SIGNATURE, token_proof=TOKEN_PROOF),
+            ErrorCode.AUTH_FAILED,
+        ),
         (auth_frame(user="alice", signature=SIGNATURE[:-1]), ErrorCode.AUTH_FAILED),
+        (auth_frame(user="alice", token_proof=TOKEN_PROOF[:-1]), ErrorCode.AUTH_FAILED),
     ],
-    ids=["data", "ping", "hello", "register", "no-body", "neither", "both", "short-signature"],
+    ids=[
+        "data",
+        "ping",
+        "hello",
+        "register",
+        "no-body",
+        "neither",
+        "both",
+        "short-signature",
+        "short-proof",
+    ],
 )
 def test_after_a_challenge_only_a_valid_auth_is_taken(frame: Frame, code: ErrorCode) -> None:
     accepting = awaiting_auth()
@@ -438,7 +453,7 @@ def test_after_a_challenge_only_a_valid_auth_is_taken(frame: Frame, code: ErrorC
         lambda a: (
             a.receive(hello_frame()),
             a.challenge(NONCE),
-            a.receive(auth_frame(user="u", token="t")),
+            a.receive(auth_frame(user="u", token_proof=TOKEN_PROOF)),
             a.challenge(NONCE),
         ),
     ],
@@ -469,7 +484,7 @@ def test_a_challenged_side_with_a_credential_signs_the_context_and_the_nonce() -
 
 
 def test_a_refused_auth_refuses_the_link() -> None:
-    credential = RecordingCredential(Auth(user="alice", token="wrong"))
+    credential = RecordingCredential(Auth(user="alice", token_proof=TOKEN_PROOF))
     dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
     dialling.hello()
     dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1))
@@ -488,7 +503,7 @@ def test_a_challenged_side_without_a_credential_refuses_the_link_itself() -> Non
 
 
 def test_a_credential_is_not_used_when_the_broker_welcomes_without_a_challenge() -> None:
-    credential = RecordingCredential(Auth(user="alice", token="t"))
+    credential = RecordingCredential(Auth(user="alice", token_proof=TOKEN_PROOF))
     dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
     dialling.hello()
     assert isinstance(dialling.receive(welcome_frame()), Welcomed)
@@ -505,7 +520,7 @@ def test_a_credential_is_not_used_when_the_broker_welcomes_without_a_challenge()
     ids=["correlation", "short-nonce", "no-body"],
 )
 def test_a_bad_challenge_is_a_protocol_error(answer: Frame) -> None:
-    credential = RecordingCredential(Auth(user="alice", token="t"))
+    credential = RecordingCredential(Auth(user="alice", token_proof=TOKEN_PROOF))
     dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
     dialling.hello()
     with pytest.raises(FrameError) as raised:
@@ -515,7 +530,7 @@ def test_a_bad_challenge_is_a_protocol_error(answer: Frame) -> None:
 
 
 def test_a_second_challenge_after_the_auth_is_a_protocol_error() -> None:
-    credential = RecordingCredential(Auth(user="alice", token="t"))
+    credential = RecordingCredential(Auth(user="alice", token_proof=TOKEN_PROOF))
     dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
     dialling.hello()
     challenge = ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1)
@@ -531,11 +546,11 @@ def test_a_second_challenge_after_the_auth_is_a_protocol_error() -> None:
         (ControlType.CHALLENGE, {"nonce": bytes(NONCE_SIZE - 1)}),
         (ControlType.CHALLENGE, {"nonce": bytes(NONCE_SIZE + 1)}),
         (ControlType.CHALLENGE, {}),
-        (ControlType.AUTH, {"user": "", "token": "t"}),
-        (ControlType.AUTH, {"user": "u" * (MAX_USER_NAME + 1), "token": "t"}),
+        (ControlType.AUTH, {"user": "", "token_proof": TOKEN_PROOF}),
+        (ControlType.AUTH, {"user": "u" * (MAX_USER_NAME + 1), "token_proof": TOKEN_PROOF}),
         (ControlType.AUTH, {"user": "u", "signature": bytes(SIGNATURE_SIZE + 1)}),
-        (ControlType.AUTH, {"user": "u", "token": "t" * (MAX_TOKEN + 1)}),
-        (ControlType.AUTH, {"token": "t"}),
+        (ControlType.AUTH, {"user": "u", "token_proof": bytes(TOKEN_PROOF_SIZE + 1)}),
+        (ControlType.AUTH, {"token_proof": TOKEN_PROOF}),
         (ControlType.CHALLENGE, {"nonce": NONCE, "proof": bytes(SIGNATURE_SIZE + 1)}),
         (ControlType.CHALLENGE, {"nonce": NONCE, "broker": "b" * (MAX_USER_NAME + 1)}),
         (ControlType.HELLO, {"nonce": bytes(NONCE_SIZE + 1)}),
@@ -649,7 +664,7 @@ def test_after_a_brokers_challenge_the_helloing_brokers_signature_is_handed_over
 @pytest.mark.parametrize(
     ("auth", "words"),
     [
-        (Auth(user="b", token="t"), "not a token"),
+        (Auth(user="b", token_proof=TOKEN_PROOF), "not a token.s proof"),
         (Auth(user="c", signature=SIGNATURE), "broker 'b'"),
     ],
     ids=["token", "another-name"],
@@ -726,7 +741,10 @@ def test_a_connector_answers_a_challenge_with_a_proof_as_any_other() -> None:
 @pytest.mark.parametrize(
     ("hello", "credential"),
     [
-        (Hello(role=ROLE_BROKER, name="b"), RecordingCredential(Auth(user="b", token="t"))),
+        (
+            Hello(role=ROLE_BROKER, name="b"),
+            RecordingCredential(Auth(user="b", token_proof=TOKEN_PROOF)),
+        ),
         (broker_hello(), None),
     ],
     ids=["no-nonce", "no-credential"],
@@ -924,7 +942,7 @@ _hello_like = st.fixed_dictionaries(
         "nonce": st.binary(min_size=NONCE_SIZE - 1, max_size=NONCE_SIZE + 1),
         "user": st.text(max_size=4),
         "signature": st.binary(max_size=SIGNATURE_SIZE + 1),
-        "token": st.text(max_size=4),
+        "token_proof": st.binary(max_size=TOKEN_PROOF_SIZE + 1),
         "proof": st.binary(min_size=SIGNATURE_SIZE - 1, max_size=SIGNATURE_SIZE + 1),
         "brokers": st.lists(
             st.fixed_dictionaries(
@@ -1009,7 +1027,7 @@ def test_the_sign_in_only_ever_raises_frame_error(
         assert accepting.state is HandshakeState.CHECKING
     except FrameError:
         assert accepting.state is HandshakeState.CLOSED
-    credential = RecordingCredential(Auth(user="alice", token="t"))
+    credential = RecordingCredential(Auth(user="alice", token_proof=TOKEN_PROOF))
     dialling = DiallingHandshake(Hello(), correlation=1, credential=credential)
     dialling.hello()
     dialling.receive(ControlFrame(ControlType.CHALLENGE, Challenge(nonce=NONCE), 1))

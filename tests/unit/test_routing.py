@@ -53,6 +53,25 @@ def test_add_and_look_up() -> None:
     assert dict(rt.services()) == {A1: "a", A2: "a", B1: "b"}
 
 
+def test_delivers_to_a_links_own_services_and_its_groups_only() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(B1, "b")
+    rt.join(A1, TOPIC)
+    rt.join(B1, POOL)
+    reaches = {
+        (link, name): rt.delivers_to(link, dst)
+        for link in ("a", "b")
+        for name, dst in (("A1", A1), ("B1", B1), ("C1", C1), ("topic", TOPIC), ("pool", POOL))
+    }
+    assert {key for key, yes in reaches.items() if yes} == {
+        ("a", "A1"),
+        ("a", "topic"),
+        ("b", "B1"),
+        ("b", "pool"),
+    }
+
+
 def test_address_taken() -> None:
     rt = table()
     rt.add_service(A1, "a")

@@ -63,10 +63,11 @@ def test_tls_of_another_type_is_a_type_error() -> None:
         client_context(42)  # type: ignore[arg-type]
 
 
-def test_mutual_tls_asks_for_a_client_certificate(ca_file: str, pair: tuple[str, str]) -> None:
-    assert server_context(*pair, "", verify_clients=False).verify_mode is ssl.CERT_NONE
-    # Optional: the broker refuses a link without one itself, with an ERROR that says why.
-    assert server_context(*pair, ca_file, verify_clients=True).verify_mode is ssl.CERT_OPTIONAL
+def test_a_ca_asks_for_a_client_certificate(ca_file: str, pair: tuple[str, str]) -> None:
+    assert server_context(*pair, "").verify_mode is ssl.CERT_NONE
+    # Optional: the broker refuses a link without one itself (a peer broker always, any
+    # link under mutual TLS), with an ERROR that says why.
+    assert server_context(*pair, ca_file).verify_mode is ssl.CERT_OPTIONAL
     assert dial_context(*pair, ca_file).verify_mode is ssl.CERT_REQUIRED
 
 
@@ -94,7 +95,7 @@ def test_a_certificate_file_without_a_certificate_is_named(
 ) -> None:
     _, key = pair
     with pytest.raises(TLSError, match=f"the TLS certificate {key} holds no PEM certificate"):
-        server_context(key, key, "", verify_clients=False)
+        server_context(key, key, "")
 
 
 def test_an_encrypted_key_fails_without_asking_for_a_password(
@@ -111,4 +112,4 @@ def test_an_encrypted_key_fails_without_asking_for_a_password(
         )
     )
     with pytest.raises(TLSError, match=f"the TLS key {locked} is not an unencrypted PEM"):
-        server_context(cert, str(locked), "", verify_clients=False)
+        server_context(cert, str(locked), "")

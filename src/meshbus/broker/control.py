@@ -166,6 +166,16 @@ class ControlHandler:
             return
         hello = event.hello
         if hello.role == ROLE_BROKER:
+            if self._config.tls_ca and self._config.tls_cert and not link.shows_certificate():
+                # A broker of this mesh shows its certificate when it dials (tls.dial_context);
+                # one signed by another CA failed the TLS handshake already.
+                self._refuse(
+                    link,
+                    ErrorCode.CERTIFICATE_REQUIRED,
+                    "a peer broker must show a certificate signed by this broker's --tls-ca; "
+                    "the TLS handshake showed none",
+                )
+                return
             if self._trust.on:
                 self._challenge_peer(link, hello)
             else:
@@ -212,23 +222,7 @@ class ControlHandler:
             self._refuse(link, ErrorCode(refused.code), refused.message)
 
     def _check_auth(self, link: Link, event: AuthReceived) -> None:
-        """A key is checked now; a token in the sign-in's worker thread, the link blocked
-        (nothing it sent after the AUTH is handled) until the answer comes."""
-        auth = event.auth
-        if auth.signature:
-            self._signed_in(link, event, self._sign_in.check_key(auth, event.signed))
-            return
-        link.block()
-        checked = self._sign_in.check_token(auth, lambda: not link.closed)
-
-        def answer(done: asyncio.Future[bool]) -> None:
-            if link.closed or done.cancelled():
-                return
-            # A check that raised (scrypt out of memory) proves nothing.
-            self._signed_in(link, event, done.exception() is None and done.result())
-            link.unblock()
-
-        checked.add_done_callback(answer)
+        self._signed_in(link, event, self._sign_in.check(event.auth, event.signed))
 
     def _signed_in(self, link: Link, event: AuthReceived, passed: bool) -> None:
         user = event.auth.user

@@ -217,6 +217,11 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.remote = f"{remote[0]}:{remote[1]}" if remote else "?"
         self._on_open(self)
 
+    def shows_certificate(self) -> bool:
+        """Whether this link's TLS handshake verified a client certificate against the
+        broker's CA."""
+        return bool(self.transport and self.transport.get_extra_info("peercert"))
+
     def certificate_name(self) -> str:
         """The common name of the client certificate this link's TLS handshake verified
         against the broker's CA; "" without TLS or without a certificate."""

@@ -410,6 +410,14 @@ class RoutingTable(Generic[L]):
     def route_unicast(self, dst: bytes) -> L | None:
         return self._owner.get(dst)
 
+    def delivers_to(self, link: L, dst: bytes) -> bool:
+        """Whether a frame to ``dst`` can reach ``link``'s connector: ``dst`` is one of its
+        services, or a group one of them is in."""
+        if dst and dst[0] in (CAST_MULTICAST, CAST_ANYCAST):
+            g = self._fresh(dst)
+            return g is not None and link in g.local_links
+        return self._owner.get(dst) is link
+
     def _fresh(self, group: bytes) -> _Group[L] | None:
         """The group, its caches up to date."""
         g = self._groups.get(group)

@@ -85,8 +85,7 @@ class TLSAcceptor:
         """A link whose TLS handshake is done opens: False (and the link refused, with
         an ERROR that says why) when the broker requires a client certificate and the
         link showed none. Called before the link reads a byte."""
-        assert link.transport is not None
-        if not self._require_cert or link.transport.get_extra_info("peercert"):
+        if not self._require_cert or link.shows_certificate():
             return True
         link.fail(
             ErrorCode.CERTIFICATE_REQUIRED,

@@ -131,7 +131,7 @@ class Broker:
         if config.tls_cert:
             cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
             self.tls = TLSAcceptor(
-                server_context(cert, key, ca, config.tls_verify_clients),
+                server_context(cert, key, ca),
                 timeout=config.handshake_timeout,
                 max_handshaking=config.max_handshaking,
                 require_cert=config.tls_verify_clients,
@@ -380,8 +380,6 @@ class Broker:
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
             link.close(CloseReason.BROKER_SHUTDOWN)
-        # After the links: none can ask for a token check any more.
-        self.sign_in.close()
         await self._tasks.cancel()
         if self._server is not None:
             await self._server.wait_closed()

@@ -205,8 +205,12 @@ class Telemetry:
         )
 
     def on_trace(self, link: Link, correlation: int, body: Body) -> None:
-        """A connector got a traced frame: its hop, with the time it was sent."""
+        """A connector got a traced frame: its hop, with the time it was sent. Only for
+        an address of its own (a service of the link, or a group one of them is in): a
+        report naming another would put a hop in the trace of someone else's traffic."""
         assert isinstance(body, TraceReport)
+        if not self._routing.delivers_to(link, body.dst):
+            return
         self.hop("received", body.src, body.msg_id, body.dst, body.sent_at, at=body.received_at)
 
     def hop(

@@ -2,13 +2,13 @@
 
 A plain table, read from the ``[[users]]`` of the broker's config file
 (``meshbus broker --config``): each user has a name and exactly one credential, an
-Ed25519 public key or a token hash (meshbus.auth has their text forms), and what it
+Ed25519 public key or a token's stored key (meshbus.auth has their text forms), and what it
 may do (its permissions). The config's ``[[brokers]]`` -- the brokers of the mesh,
 each a name and a public key, and nothing else -- are a table of this kind too
 (meshbus.broker.trust checks their proofs with it).
 
 A check never tells a caller more than yes or no, and costs the same whether the
-user exists or not (a decoy key and a decoy hash stand in for a missing one), so
+user exists or not (a decoy key stands in for a missing one), so
 neither the answer nor its timing says who exists.
 """
 
@@ -25,10 +25,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from meshbus.auth import TokenHash, check_user_name, public_key_from_text
+from meshbus.auth import TokenKey, check_user_name, public_key_from_text
 from meshbus.broker.permissions import BadPermissions, Permissions
 from meshbus.broker.quotas import BadQuotas, Quotas
 from meshbus.errors import InvalidArgument
+from meshbus.protocol.control import TOKEN_PROOF_SIZE
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class User:
 
     name: str
     public_key: Ed25519PublicKey | None = None
-    token_hash: TokenHash | None = None
+    token_hash: TokenKey | None = None
     certificate: str | None = None
     # What the user may do (its [users.permissions] table); None: nothing.
     permissions: Permissions | None = None
@@ -118,21 +119,21 @@ class UserTable:
             return False
         return key is not None
 
-    def check_token(self, name: str, token: str) -> bool:
-        """Whether ``token`` is ``name``'s token. One scrypt, about 10 ms: run it in a
-        worker thread, never on the event loop."""
+    def check_token(self, name: str, signed: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` is ``name``'s token's proof of ``signed`` (two HMACs and a
+        SHA-256: fine on the event loop)."""
         user = self._users.get(name)
         stored = user.token_hash if user is not None else None
-        matched = (stored or self._decoy_hash).matches(token)
-        return matched and stored is not None
+        proved = (stored or self._decoy_token).proves(signed, proof)
+        return proved and stored is not None
 
     @cached_property
     def _decoy_key(self) -> Ed25519PublicKey:
         return Ed25519PrivateKey.generate().public_key()
 
     @cached_property
-    def _decoy_hash(self) -> TokenHash:
-        return TokenHash.of("")
+    def _decoy_token(self) -> TokenKey:
+        return TokenKey(bytes(TOKEN_PROOF_SIZE))
 
     @classmethod
     def from_config(cls, entries: object, source: str) -> UserTable:
@@ -244,7 +245,7 @@ def _user_from_entry(entry: object, source: str, index: int) -> User:
         if credential == "public_key":
             user = User(name, public_key=public_key_from_text(text))
         elif credential == "token_hash":
-            user = User(name, token_hash=TokenHash.parse(text))
+            user = User(name, token_hash=TokenKey.parse(text))
         elif not text:
             raise ValueError("certificate is the common name (CN) of the user's certificate")
         else:

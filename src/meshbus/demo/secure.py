@@ -19,6 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshbus.auth import Credentials, brokers_entry, users_entry
 from meshbus.cli_common import Access
+from meshbus.private_files import write_private
 from meshbus.tls import cli_context
 
 HOST = "127.0.0.1"  # where the demo's brokers listen, and what their certificate names
@@ -69,9 +70,9 @@ def write_certificates(directory: str, host: str) -> Certificates:
     files = Certificates(
         *(os.path.join(directory, n) for n in ("ca.pem", "broker.crt", "broker.key"))
     )
-    _write(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    _write(
+    write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    write_private(
         files.key,
         key.private_bytes(
             serialization.Encoding.PEM,
@@ -113,12 +114,6 @@ def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
     )
 
 
-def _write(path: str, data: bytes) -> None:
-    """Owner-only, as a key file must be (and no harm for the rest)."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
-        file.write(data)
-
-
 @dataclass(frozen=True)
 class DemoSecurity:
     """The files of the demo's TLS, users and mesh trust, in its work dir."""
@@ -157,8 +152,7 @@ def prepare(directory: str, brokers: Sequence[str]) -> DemoSecurity:
         broker_keys[broker], public_key = _key_pair(directory, broker)
         entries.append(brokers_entry(broker, public_key))
     config = os.path.join(directory, "brokers.toml")
-    with open(config, "w", encoding="utf-8") as file:
-        file.write("\n".join(entries))
+    write_private(config, "\n".join(entries).encode("utf-8"))
     return DemoSecurity(config, certificates, credentials, broker_keys)
 
 

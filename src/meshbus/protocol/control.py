@@ -41,11 +41,11 @@ ROLE_BROKER = "broker"
 ROLE_OPERATOR = "operator"
 
 # The sign-in (docs/security.md, "Authentication"): a CHALLENGE's nonce, an Ed25519
-# signature, and the longest user name and token an AUTH may carry.
+# signature, a token's proof, and the longest user name an AUTH may carry.
 NONCE_SIZE = 32
 SIGNATURE_SIZE = 64
+TOKEN_PROOF_SIZE = 32  # an HMAC-SHA256 (meshbus.auth.token_proof)
 MAX_USER_NAME = 128
-MAX_TOKEN = 1024
 UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
 # A connector's session id: the reference client draws 16 random bytes. A broker with
 # users binds it to the user (meshbus.broker.signin.bound_session, a BLAKE2b digest of the
@@ -101,11 +101,12 @@ class Challenge(Body):
 class Auth(Body):
     """AUTH: ``user`` and exactly one credential: ``signature``, the user's Ed25519
     signature of the sign-in context and the CHALLENGE's nonce
-    (``meshbus.protocol.handshake.sign_in_message``), or ``token``."""
+    (``meshbus.protocol.handshake.sign_in_message``), or ``token_proof``, a token user's
+    proof of the same (``meshbus.auth.token_proof``)."""
 
     user: UserName
     signature: Annotated[bytes, msgspec.Meta(max_length=SIGNATURE_SIZE)] = b""
-    token: Annotated[str, msgspec.Meta(max_length=MAX_TOKEN)] = ""
+    token_proof: Annotated[bytes, msgspec.Meta(max_length=TOKEN_PROOF_SIZE)] = b""
 
 
 class BrokerInfo(Body):

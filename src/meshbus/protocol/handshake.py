@@ -28,9 +28,10 @@ Rules it keeps:
 4. Sign-in: a CHALLENGE carries a nonce of ``NONCE_SIZE`` bytes that the caller
    drew. The only frame the accepting side then takes is one AUTH naming a user
    with exactly one credential -- a ``SIGNATURE_SIZE``-byte signature or a
-   token; anything else is ``AUTH_FAILED`` (fatal). The signature covers
-   ``sign_in_message(nonce)``: a fixed context string and the nonce, never the
-   bare nonce, so a signature made for this purpose is good for nothing else. The
+   ``TOKEN_PROOF_SIZE``-byte token's proof; anything else is ``AUTH_FAILED``
+   (fatal). Both cover ``sign_in_message(nonce)``: a fixed context string and the
+   nonce, never the bare nonce, so a signature made for this purpose is good for
+   nothing else, and neither is good on a link with another nonce. The
    caller checks the credential and answers with ``welcome`` or ``refuse``.
    Nothing the caller sends before that says more than a refusal must (a
    redirect's address): no broker list, no routes.
@@ -39,7 +40,7 @@ Rules it keeps:
    CHALLENGE that also carries its name (``broker``) and ``proof``: its signature
    of ``broker_proof_message(hello nonce, hello name)`` -- a context string of its
    own, so a broker's proof is never a sign-in and no sign-in is a proof. The
-   AUTH that answers such a CHALLENGE must carry a signature (no token) and name
+   AUTH that answers such a CHALLENGE must carry a signature (no token's proof) and name
    the HELLO's broker; anything else is ``AUTH_FAILED`` (fatal). The caller checks
    the signature against the brokers it trusts.
 6. The dialling side takes exactly one answer to its HELLO: a WELCOME that
@@ -115,6 +116,7 @@ from meshbus.protocol.control import (
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
     SIGNATURE_SIZE,
+    TOKEN_PROOF_SIZE,
     Auth,
     Bye,
     Challenge,
@@ -171,7 +173,8 @@ class Credential(Protocol):
     """What the dialling side answers a CHALLENGE with (``meshbus.Credentials``)."""
 
     def answer(self, to_sign: bytes) -> Auth:
-        """The AUTH body: the user and a signature of ``to_sign``, or a token."""
+        """The AUTH body: the user and a signature of ``to_sign``, or a token's proof
+        of it."""
         ...
 
 
@@ -197,8 +200,9 @@ class HelloReceived:
 @dataclass(frozen=True)
 class AuthReceived:
     """The accepting side got an AUTH answering its CHALLENGE; check it, then ``welcome``
-    or ``refuse``. Exactly one of ``auth.signature`` (``SIGNATURE_SIZE`` bytes, to check
-    against ``signed``) and ``auth.token`` is set."""
+    or ``refuse``. Exactly one of ``auth.signature`` (``SIGNATURE_SIZE`` bytes) and
+    ``auth.token_proof`` (``TOKEN_PROOF_SIZE`` bytes) is set, to check against
+    ``signed``."""
 
     hello: Hello
     auth: Auth
@@ -345,16 +349,21 @@ def _checked_auth(frame: Frame) -> Auth:
     auth = frame.body
     if not isinstance(auth, Auth):
         raise FrameError(ErrorCode.PROTOCOL_ERROR, "AUTH without an AUTH body")
-    if bool(auth.signature) == bool(auth.token):
+    if bool(auth.signature) == bool(auth.token_proof):
         raise FrameError(
             ErrorCode.AUTH_FAILED,
-            "an AUTH carries exactly one credential, a signature or a token; "
-            f"this one has {'both' if auth.token else 'neither'}",
+            "an AUTH carries exactly one credential, a signature or a token's proof; "
+            f"this one has {'both' if auth.token_proof else 'neither'}",
         )
     if auth.signature and len(auth.signature) != SIGNATURE_SIZE:
         raise FrameError(
             ErrorCode.AUTH_FAILED,
             f"an AUTH signature is {SIGNATURE_SIZE} bytes (Ed25519), not {len(auth.signature)}",
+        )
+    if auth.token_proof and len(auth.token_proof) != TOKEN_PROOF_SIZE:
+        raise FrameError(
+            ErrorCode.AUTH_FAILED,
+            f"an AUTH token's proof is {TOKEN_PROOF_SIZE} bytes, not {len(auth.token_proof)}",
         )
     return auth
 
@@ -365,7 +374,7 @@ def _check_broker_auth(auth: Auth, dialler: str) -> None:
     if not auth.signature:
         raise FrameError(
             ErrorCode.AUTH_FAILED,
-            "a broker proves itself with a signature of its key, not a token",
+            "a broker proves itself with a signature of its key, not a token's proof",
         )
     if auth.user != dialler:
         raise FrameError(

@@ -75,6 +75,7 @@ from meshbus.protocol.control import (
     BODY_TYPES,
     NONCE_SIZE,
     ROLE_CONNECTOR,
+    TOKEN_PROOF_SIZE,
     AddressBody,
     Auth,
     Body,
@@ -890,7 +891,7 @@ _SAMPLES: dict[ControlType, Body] = {
     ControlType.STREAM: StreamRequest(op="list"),
     ControlType.REVOKED: Revoked(address=_SAMPLE_ADDRESS),
     ControlType.CHALLENGE: Challenge(nonce=bytes(NONCE_SIZE)),
-    ControlType.AUTH: Auth(user="sample", token="sample"),
+    ControlType.AUTH: Auth(user="sample", token_proof=bytes(TOKEN_PROOF_SIZE)),
 }
 
 
