@@ -300,19 +300,7 @@ class Forwarder:
                 self._undeliverable(link, flags, msg_id, src, dst)
                 return None
             if flags & FLAG_REQUEST:
-                # This broker picked the member, so only it can tell the member's response
-                # from another's: it keeps an entry that sends the response back to the
-                # peer, and only when it comes from the picked connector. No TIMEOUT from
-                # here (Broker.expire_requests): the requester's broker sends it.
-                self._pending.add(
-                    src,
-                    msg_id,
-                    link,
-                    self._deadline(timeout_ms),
-                    dst,
-                    responders=(one,),
-                    capped=False,
-                )
+                self._answerable_here(link, src, msg_id, timeout_ms, dst, (one,))
             if flags & FLAG_TRACE:
                 self._trace_exit((one,), src, msg_id, dst)
             return None
@@ -328,10 +316,37 @@ class Forwarder:
             # Delivered now; not cached, so a later stale route still reports the drop and
             # a later traced frame is recorded.
             self.flush_run(link, found, mv[pos : pos + total], 1, total)
+            if flags & FLAG_REQUEST and cast_type == CAST_MULTICAST:
+                self._answerable_here(link, src, msg_id, timeout_ms, dst, found)
             if flags & FLAG_TRACE:
                 self._trace_exit(found, src, msg_id, dst)
             return None
         return Decision(total, found, Carry.PLAIN, src, dst)
+
+    def _answerable_here(
+        self,
+        link: Link,
+        src: bytes,
+        msg_id: int,
+        timeout_ms: int,
+        dst: bytes,
+        members: tuple[Endpoint, ...],
+    ) -> None:
+        """A peer's group request went to ``members`` here (the anycast member this
+        broker picked, or the links of a multicast's members). Only this broker knows
+        them, so only it can tell their response from another connector's: it keeps an
+        entry that passes a response back to the peer when it comes from one of them.
+        The entry broker takes it from that peer's link alone. No TIMEOUT from here
+        (Broker.expire_requests): the requester's broker sends it."""
+        self._pending.add(
+            src,
+            msg_id,
+            link,
+            self._deadline(timeout_ms),
+            dst,
+            responders=members,
+            capped=False,
+        )
 
     def _trace_exit(
         self, targets: tuple[Endpoint, ...], src: bytes, msg_id: int, dst: bytes

@@ -126,3 +126,33 @@ async def test_a_multicast_request_is_answered_by_a_member_over_a_link_it_went_t
         await network.settle()
         assert [f.src for f in requester.take_data()] == [member]
     assert a.stats.dropped_wrong_responder == 2
+
+
+async def test_a_multicast_delivered_on_a_peer_is_answered_there_by_a_member_alone(
+    network: FakeNetwork, pair: list[Broker]
+) -> None:
+    """The member is on b: a connector on b may not answer in its place (over the peer
+    link, a's check would let it through); b keeps an entry as for anycast. One response
+    answers the request, as on one broker: a second member's finds no entry."""
+    a, b = pair
+    requester, asking = await registered(network, a, "asker")
+    member, working = await registered(network, b, "worker")
+    other, helping = await registered(network, b, "helper")
+    remote_forger, there = await registered(network, b, "forger")
+    for client, address in ((member, working), (other, helping)):
+        await client.join(address, TOPIC)
+    await network.settle()
+    requester.send_data(TOPIC, asking, b"?", msg_id=4, flags=FLAG_REQUEST)
+    await network.settle()
+    assert [f.payload for f in member.take_data()] == [b"?"]
+    assert len(b.pending) == 1, "b keeps the members it delivered to"
+    answer(remote_forger, there, asking, 4)
+    await network.settle()
+    assert requester.take_data() == []
+    assert b.stats.dropped_wrong_responder == 1
+    answer(member, working, asking, 4)
+    answer(other, helping, asking, 4)
+    await network.settle()
+    assert [f.src for f in requester.take_data()] == [working]
+    assert (len(a.pending), len(b.pending)) == (0, 0)
+    assert a.stats.late_responses == 1, "the second member's, passed on by b to a"
