@@ -48,7 +48,6 @@ from meshbus.protocol.layout import (
     FLAG_REQUEST,
     FLAG_RESPONSE,
     FLAG_TRACE,
-    OFF_FLAGS,
     OFF_MSG_ID,
     OFF_RESPONSE_FOR,
     PEER_HOPS,
@@ -58,6 +57,7 @@ from meshbus.protocol.layout import (
 
 if TYPE_CHECKING:
     from meshbus.broker.link import Link
+    from meshbus.broker.permissions import Permissions
 
 log = logging.getLogger("meshbus.broker")
 
@@ -97,10 +97,16 @@ class Decision:
     until the routing table changes: the frame size, the target links, how to carry
     it out, and the frame's source and destination."""
 
-    __slots__ = ("carry", "dst", "responders", "size", "src", "targets", "via")
+    __slots__ = ("carry", "dst", "refusal", "responders", "size", "src", "targets", "via")
 
     def __init__(
-        self, size: int, targets: tuple[Endpoint, ...], carry: Carry, src: bytes, dst: bytes
+        self,
+        size: int,
+        targets: tuple[Endpoint, ...],
+        carry: Carry,
+        src: bytes,
+        dst: bytes,
+        refusal: str = "",
     ) -> None:
         self.size = size
         self.targets = targets
@@ -109,6 +115,9 @@ class Decision:
         self.dst = dst
         self.via = _via(targets)  # for a request: the pending entry's ``via``
         self.responders = _responders(dst, targets)  # and its ``responders``
+        # DENIED, for a frame that tells its sender: the NO_ROUTE's reason. The routing
+        # key holds the flags, so every frame of the decision gets the same text.
+        self.refusal = refusal
 
 
 class Forwarder:
@@ -131,6 +140,10 @@ class Forwarder:
         self._stats = stats
         self._deadline = deadline
         self._trace = trace
+        self._past_cap = (
+            f"limit exceeded: this connector already has {pending.max_per_link} requests "
+            "waiting for a response (the broker's --max-requests)"
+        )
 
     def flush_run(
         self,
@@ -189,7 +202,8 @@ class Forwarder:
                 permissions.may_request(dst) if flags & FLAG_REQUEST else permissions.may_send(dst)
             )
         ):
-            return Decision(total, (), Carry.DENIED, src, dst)
+            refusal = _refusal(permissions, flags, dst) if flags & _TELL_SENDER else ""
+            return Decision(total, (), Carry.DENIED, src, dst, refusal)
         if not flags & _PER_FRAME and cast_type in _CACHEABLE_CASTS:
             if cast_type == CAST_UNICAST:
                 owner = routing.route_unicast(dst)
@@ -426,34 +440,31 @@ class Forwarder:
         """A frame its user may not send: dropped and counted; a request or notified send
         gets NO_ROUTE with code PERMISSION_DENIED, naming the permission."""
         self._stats.dropped_denied += 1
-        flags = buf[pos + OFF_FLAGS]
-        if not flags & _TELL_SENDER:
-            return
-        permissions = link.permissions
-        assert permissions is not None
+        if not decision.refusal:
+            return  # the frame does not tell its sender
         (msg_id,) = _unpack_u64(buf, pos + OFF_MSG_ID)
-        dst = describe_address(decision.dst)
-        reason = (
-            permissions.denial(f"send requests to {dst}", "request")
-            if flags & FLAG_REQUEST
-            else permissions.denial(f"send to {dst}", "send")
-        )
         self._outbox.no_route(
-            link, msg_id, decision.src, decision.dst, reason, ErrorCode.PERMISSION_DENIED
+            link,
+            msg_id,
+            decision.src,
+            decision.dst,
+            decision.refusal,
+            ErrorCode.PERMISSION_DENIED,
         )
 
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
         """A request past the link's cap: refused, not forwarded, and the requester told
         now (its ``request()`` raises NoRoute with this reason)."""
         self._stats.dropped_no_route += 1
-        self._outbox.no_route(
-            link,
-            msg_id,
-            src,
-            dst,
-            f"limit exceeded: this connector already has {self._pending.max_per_link} requests "
-            "waiting for a response (the broker's --max-requests)",
-        )
+        self._outbox.no_route(link, msg_id, src, dst, self._past_cap)
+
+
+def _refusal(permissions: Permissions, flags: int, dst: bytes) -> str:
+    """Why a frame with ``flags`` to ``dst`` is refused: the permission it lacks."""
+    where = describe_address(dst)
+    if flags & FLAG_REQUEST:
+        return permissions.denial(f"send requests to {where}", "request")
+    return permissions.denial(f"send to {where}", "send")
 
 
 def _responders(dst: bytes, targets: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:

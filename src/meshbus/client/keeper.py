@@ -301,6 +301,7 @@ class LinkKeeper:
                 session=identity.session,
                 synced=True,
                 epoch=self._epoch,
+                batched_no_route=True,
             ),
             credential=identity.credential,
         )
