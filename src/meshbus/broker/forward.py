@@ -353,15 +353,8 @@ class Forwarder:
         entry that passes a response back to the peer when it comes from one of them.
         The entry broker takes it from that peer's link alone. No TIMEOUT from here
         (Broker.expire_requests): the requester's broker sends it."""
-        self._pending.add(
-            src,
-            msg_id,
-            link,
-            self._deadline(timeout_ms),
-            dst,
-            responders=members,
-            capped=False,
-        )
+        deadline = self._deadline(timeout_ms)
+        self._pending.add(src, msg_id, link, deadline, dst, responders=members, capped=False)
 
     def _trace_exit(
         self, targets: tuple[Endpoint, ...], src: bytes, msg_id: int, dst: bytes

@@ -71,9 +71,10 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
 # Frames of a read that cost more than a run's (requests, responses, refusals, a new
-# routing key) between two looks at the clock: a look is dearer than a run's frame,
-# cheap beside these; and a read with fewer never starts a slice.
-_COSTLY_STEP = 32
+# routing key) between two looks at the clock (every 32nd: this mask's bits all 0): a
+# look is dearer than a run's frame, cheap beside these; and a read with fewer never
+# starts a slice.
+_COSTLY_MASK = 31
 
 
 class Link(Endpoint, asyncio.BufferedProtocol):
@@ -368,7 +369,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         run_start = pos
         run_frames = 0
         run_size = key_total  # the size of every frame of the run; 0 once sizes differ
-        costly = 0  # frames dearer than a run's since the last look at the clock
+        costly = 0  # frames of this read dearer than a run's (_COSTLY_MASK)
         spent = False  # this loop turn's slice is used up: the rest waits for the next
         try:
             while True:
@@ -390,11 +391,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                                 run_frames = 0
                             key = _NO_KEY
                             costly += 1
-                            if costly == _COSTLY_STEP:
-                                costly = 0
-                                if self._past_slice():
-                                    spent = True
-                                    break
+                            if not costly & _COSTLY_MASK and self._past_slice():
+                                spent = True
+                                break
                             forwarder.forward(self, hit, buf, mv, pos)
                             pos += hit.size
                             run_start = pos
@@ -442,14 +441,12 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                         ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"
                     )
                 else:
-                    # Data frames are timed too, every _COSTLY_STEP of the dear ones: a
-                    # flood of refused requests or sends is microseconds a frame.
+                    # Data frames are timed too, every 32nd of the dear ones: a flood of
+                    # refused requests or sends is microseconds a frame.
                     costly += 1
-                    if costly == _COSTLY_STEP:
-                        costly = 0
-                        if self._past_slice():
-                            spent = True
-                            break
+                    if not costly & _COSTLY_MASK and self._past_slice():
+                        spent = True
+                        break
                     decided = (
                         forwarder.route_peer_frame(self, buf, mv, pos, total)
                         if self.is_peer
