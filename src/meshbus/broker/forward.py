@@ -283,9 +283,9 @@ class Forwarder:
         """Route the data frame at ``pos`` that came from a peer broker: to local links only.
 
         The broker where a request entered keeps its pending entry; this one keeps an
-        entry only for the members it delivered a group request to
-        (``_answerable_here``); responses are resolved against this broker's table. Frames whose hop
-        count or link tag are wrong are dropped and counted, never forwarded."""
+        entry only for the members it delivered a group request to (``_answerable_here``).
+        Responses are resolved against this broker's table. Frames whose hop count or
+        link tag are wrong are dropped and counted, never forwarded."""
         routing = self.routing
         (_, _, _, flags, hops, dst, src, tag, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
         if flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:

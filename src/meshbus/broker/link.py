@@ -22,6 +22,12 @@ table; anycast picks a member per frame and is never cached. Everything routed
 during one read is batched per destination link and written once per link at
 the end of the read, in arrival order.
 
+A link never holds the loop for more than a slice (about 5 ms, ``slices.SLICE``) of
+one loop turn, across all the reads the loop hands it in that turn: control frames
+and the dear data frames (every 32nd) look at the clock, and so does the end of a big
+read; a run's frames never do. Past the slice the link stops reading until the next
+turn (docs/architecture.md §4.4).
+
 Between brokers (neighbour identifiers): each broker gives each peer a link id
 (its ``tag_in``, our link id) and tells it at the handshake; frames sent to a peer
 carry the id that peer gave us (``tag_out``) at offset 40, and hops = 1. Both are
