@@ -103,7 +103,13 @@ async def test_forged_responses_do_not_answer_a_request(broker, conns):
     assert conns[0].dropped == 0, "nothing forged or duplicated reached the requester"
 
 
-async def test_an_anycast_member_picked_on_a_peer_answers_alone(mesh2):
+@pytest.mark.parametrize(
+    "group", [POOL, meshbus.Multicast("questions")], ids=["anycast", "multicast"]
+)
+async def test_a_group_member_on_a_peer_answers_alone(mesh2, group):
+    """The member is on the other broker, which delivered the request to it (picked it,
+    for anycast): a connector beside it cannot answer in its place, even with the
+    request's own id (the spray covers it), and neither can one beside the requester."""
     entry, picking = mesh2
     async with (
         await meshbus.connect(entry.address, server="asker") as asking_conn,
@@ -113,9 +119,9 @@ async def test_an_anycast_member_picked_on_a_peer_answers_alone(mesh2):
     ):
         requester = await asking_conn.register()
         worker = await working_conn.register()
-        await worker.join(POOL)
-        await wait_members(mesh2, POOL, 1)
-        asked = asyncio.create_task(requester.request(POOL, b"q", timeout=5))
+        await worker.join(group)
+        await wait_members(mesh2, group, 1)
+        asked = asyncio.create_task(requester.request(group, b"q", timeout=5))
         request = await worker.recv(timeout=IO_TIMEOUT)
         await spray(far_link, far_forger, requester.address)
         await spray(near_link, near_forger, requester.address)

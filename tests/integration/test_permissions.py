@@ -15,6 +15,7 @@ import pytest
 
 import meshbus
 from meshbus.auth import Credentials
+from meshbus.broker import outbox
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.permissions import Permissions
 from meshbus.broker.server import Broker
@@ -102,6 +103,34 @@ async def test_denied_requests_and_reliable_sends_fail_at_once(broker: Broker) -
                     "permission denied: user 'game' may not send to login:1 (permissions.send)"
                 )
         assert broker.stats.dropped_denied == 4, "request, two reliable sends, notified send"
+
+
+async def test_each_request_of_a_denied_burst_fails_at_once(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests pipelined to where the user may not send are refused in one read; the
+    client asks for NO_ROUTE in batches (``HELLO.batched_no_route``) and fails each
+    request of a batch, not only the first."""
+    batches: list[int] = []
+    frame = outbox._Batch.frame
+
+    def counted(batch: outbox._Batch) -> bytes:
+        batches.append(len(batch.msg_ids))
+        return frame(batch)
+
+    monkeypatch.setattr(outbox._Batch, "frame", counted)
+    async with await meshbus.connect(broker.address, server="login") as login:
+        server = await login.register(1)
+        async with await connect_as(broker, {"register": ["game*"]}) as conn:
+            service = await conn.register()
+            async with asyncio.timeout(QUICK):
+                failures = await asyncio.gather(
+                    *(service.request(server.address, b"?") for _ in range(100)),
+                    return_exceptions=True,
+                )
+    assert all(isinstance(failure, meshbus.PermissionDenied) for failure in failures)
+    assert sum(batches) == 100
+    assert max(batches) > 1, batches
 
 
 # -- a broker process with its config file ----------------------------------------------------

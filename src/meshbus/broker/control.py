@@ -288,7 +288,14 @@ class ControlHandler:
             links.operator_opened(link)
         else:
             link.open_as_connector(
-                hello.name, session, max_frame, hello.synced, hello.epoch, user, permissions
+                hello.name,
+                session,
+                max_frame,
+                hello.synced,
+                hello.epoch,
+                user,
+                permissions,
+                hello.batched_no_route,
             )
             links.connector_opened(link)
             mesh.gossip.changed()

@@ -135,6 +135,8 @@ class Endpoint:
         # Kept for the hot path, which asks it of every target: set with ``peer``.
         self.is_peer = False
         self.peer: PeerInfo | None = None
+        # A connector that takes NO_ROUTE answers in batches (Hello.batched_no_route).
+        self.batched_no_route = False
         self.msgs_in = 0
         self.msgs_out = 0
         self.bytes_in = 0

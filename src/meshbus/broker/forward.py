@@ -63,7 +63,6 @@ from meshbus.protocol.layout import (
     FLAG_REQUEST,
     FLAG_RESPONSE,
     FLAG_TRACE,
-    OFF_FLAGS,
     OFF_MSG_ID,
     OFF_RESPONSE_FOR,
     PEER_HOPS,
@@ -117,10 +116,16 @@ class Decision:
     until the routing table changes: the frame size, the target links, how to carry
     it out, and the frame's source and destination."""
 
-    __slots__ = ("carry", "dst", "responders", "size", "src", "targets", "via")
+    __slots__ = ("carry", "dst", "refusal", "responders", "size", "src", "targets", "via")
 
     def __init__(
-        self, size: int, targets: tuple[Endpoint, ...], carry: Carry, src: bytes, dst: bytes
+        self,
+        size: int,
+        targets: tuple[Endpoint, ...],
+        carry: Carry,
+        src: bytes,
+        dst: bytes,
+        refusal: str = "",
     ) -> None:
         self.size = size
         self.targets = targets
@@ -129,6 +134,9 @@ class Decision:
         self.dst = dst
         self.via = _via(targets)  # for a request: the pending entry's ``via``
         self.responders = _responders(dst, targets)  # and its ``responders``
+        # DENIED, for a frame that tells its sender: the NO_ROUTE's reason. The routing
+        # key holds the flags, so every frame of the decision gets the same text.
+        self.refusal = refusal
 
 
 class Forwarder:
@@ -153,6 +161,10 @@ class Forwarder:
         self._deadline = deadline
         self._trace = trace
         self._usage = usage
+        self._past_cap = (
+            f"limit exceeded: this connector already has {pending.max_per_link} requests "
+            "waiting for a response (the broker's --max-requests)"
+        )
 
     def flush_run(
         self,
@@ -212,7 +224,8 @@ class Forwarder:
                 permissions.may_request(dst) if flags & FLAG_REQUEST else permissions.may_send(dst)
             )
         ):
-            denied = Decision(total, (), Carry.DENIED, src, dst)
+            refusal = _refusal(permissions, flags, dst) if flags & _TELL_SENDER else ""
+            denied = Decision(total, (), Carry.DENIED, src, dst, refusal)
             if flags & _REQUEST_OR_EXT != FLAG_EXT or cast_type != CAST_UNICAST:
                 return denied
             # A copy for a group sent to the member the mesh chose: the group's send
@@ -312,9 +325,10 @@ class Forwarder:
     ) -> Decision | None:
         """Route the data frame at ``pos`` that came from a peer broker: to local links only.
 
-        Requests need no pending entry here (the broker where they entered keeps it);
-        responses are resolved against this broker's pending table. Frames whose hop
-        count or link tag are wrong are dropped and counted, never forwarded."""
+        The broker where a request entered keeps its pending entry; this one keeps an
+        entry only for the members it delivered a group request to (``_answerable_here``).
+        Responses are resolved against this broker's table. Frames whose hop count or
+        link tag are wrong are dropped and counted, never forwarded."""
         routing = self.routing
         (_, _, _, flags, hops, dst, src, tag, msg_id, _, timeout_ms) = _unpack_header(buf, pos)
         if flags & _REQUEST_RESPONSE == _REQUEST_RESPONSE:
@@ -344,19 +358,7 @@ class Forwarder:
                 self._undeliverable(link, flags, msg_id, src, dst)
                 return None
             if flags & FLAG_REQUEST:
-                # This broker picked the member, so only it can tell the member's response
-                # from another's: it keeps an entry that sends the response back to the
-                # peer, and only when it comes from the picked connector. No TIMEOUT from
-                # here (Broker.expire_requests): the requester's broker sends it.
-                self._pending.add(
-                    src,
-                    msg_id,
-                    link,
-                    self._deadline(timeout_ms),
-                    dst,
-                    responders=(one,),
-                    capped=False,
-                )
+                self._answerable_here(link, src, msg_id, timeout_ms, dst, (one,))
             if flags & FLAG_TRACE:
                 self._trace_exit((one,), src, msg_id, dst)
             return None
@@ -372,10 +374,30 @@ class Forwarder:
             # Delivered now; not cached, so a later stale route still reports the drop and
             # a later traced frame is recorded.
             self.flush_run(link, found, mv[pos : pos + total], 1, total)
+            if flags & FLAG_REQUEST and cast_type == CAST_MULTICAST:
+                self._answerable_here(link, src, msg_id, timeout_ms, dst, found)
             if flags & FLAG_TRACE:
                 self._trace_exit(found, src, msg_id, dst)
             return None
         return Decision(total, found, Carry.PLAIN, src, dst)
+
+    def _answerable_here(
+        self,
+        link: Link,
+        src: bytes,
+        msg_id: int,
+        timeout_ms: int,
+        dst: bytes,
+        members: tuple[Endpoint, ...],
+    ) -> None:
+        """A peer's group request went to ``members`` here (the anycast member this
+        broker picked, or the links of a multicast's members). Only this broker knows
+        them, so only it can tell their response from another connector's: it keeps an
+        entry that passes a response back to the peer when it comes from one of them.
+        The entry broker takes it from that peer's link alone. No TIMEOUT from here
+        (Broker.expire_requests): the requester's broker sends it."""
+        deadline = self._deadline(timeout_ms)
+        self._pending.add(src, msg_id, link, deadline, dst, responders=members, capped=False)
 
     def _trace_exit(
         self, targets: tuple[Endpoint, ...], src: bytes, msg_id: int, dst: bytes
@@ -459,20 +481,16 @@ class Forwarder:
         """A frame its user may not send: dropped and counted; a request or notified send
         gets NO_ROUTE with code PERMISSION_DENIED, naming the permission."""
         self._stats.dropped_denied += 1
-        flags = buf[pos + OFF_FLAGS]
-        if not flags & _TELL_SENDER:
-            return
-        permissions = link.permissions
-        assert permissions is not None
+        if not decision.refusal:
+            return  # the frame does not tell its sender
         (msg_id,) = _unpack_u64(buf, pos + OFF_MSG_ID)
-        dst = describe_address(decision.dst)
-        reason = (
-            permissions.denial(f"send requests to {dst}", "request")
-            if flags & FLAG_REQUEST
-            else permissions.denial(f"send to {dst}", "send")
-        )
         self._outbox.no_route(
-            link, msg_id, decision.src, decision.dst, reason, ErrorCode.PERMISSION_DENIED
+            link,
+            msg_id,
+            decision.src,
+            decision.dst,
+            decision.refusal,
+            ErrorCode.PERMISSION_DENIED,
         )
 
     def _too_many_requests(self, link: Link, msg_id: int, src: bytes, dst: bytes) -> None:
@@ -485,10 +503,16 @@ class Forwarder:
             msg_id,
             src,
             dst,
-            (user is not None and self._usage.refusal(user, REQUESTS))
-            or f"limit exceeded: this connector already has {self._pending.max_per_link} "
-            "requests waiting for a response (the broker's --max-requests)",
+            (user is not None and self._usage.refusal(user, REQUESTS)) or self._past_cap,
         )
+
+
+def _refusal(permissions: Permissions, flags: int, dst: bytes) -> str:
+    """Why a frame with ``flags`` to ``dst`` is refused: the permission it lacks."""
+    where = describe_address(dst)
+    if flags & FLAG_REQUEST:
+        return permissions.denial(f"send requests to {where}", "request")
+    return permissions.denial(f"send to {where}", "send")
 
 
 def _responders(dst: bytes, targets: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:

@@ -22,6 +22,12 @@ table; anycast picks a member per frame and is never cached. Everything routed
 during one read is batched per destination link and written once per link at
 the end of the read, in arrival order.
 
+A link never holds the loop for more than a slice (about 5 ms, ``slices.SLICE``) of
+one loop turn, across all the reads the loop hands it in that turn: control frames
+and the dear data frames (every 32nd) look at the clock, and so does the end of a big
+read; a run's frames never do. Past the slice the link stops reading until the next
+turn (docs/architecture.md §4.4).
+
 Between brokers (neighbour identifiers): each broker gives each peer a link id
 (its ``tag_in``, our link id) and tells it at the handshake; frames sent to a peer
 carry the id that peer gave us (``tag_out``) at offset 40, and hops = 1. Both are
@@ -70,6 +76,11 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
+# Frames of a read that cost more than a run's (requests, responses, refusals, a new
+# routing key) between two looks at the clock (every 32nd: this mask's bits all 0): a
+# look is dearer than a run's frame, cheap beside these; and a read with fewer never
+# starts a slice.
+_COSTLY_MASK = 31
 
 
 class Link(Endpoint, asyncio.BufferedProtocol):
@@ -122,6 +133,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._on_close = on_close
         self._max_pending_bytes = max_pending_bytes
         self._blocked = False  # reading stopped until a pending REGISTER is decided
+        # When this loop turn's slice of the link's reads ends (0: none started); the loop
+        # may hand it several reads in one turn (libuv reads a socket while it fills the
+        # buffer), and the slice spans them (docs/architecture.md §4.4).
+        self._slice_end = 0.0
         self._eof = False  # our direction ended (half_close): nothing more may be written
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray(_HANDSHAKE_BUFFER)
@@ -156,6 +171,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         epoch: int = 0,
         user: str | None = None,
         permissions: Permissions | None = None,
+        batched_no_route: bool = False,
     ) -> None:
         self._opening(LinkRole.CONNECTOR, name, max_frame)
         self.user = user
@@ -163,6 +179,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self.session = session
         self.epoch = epoch
         self.wants_synced = wants_synced
+        self.batched_no_route = batched_no_route
 
     def open_as_operator(
         self,
@@ -274,6 +291,31 @@ class Link(Endpoint, asyncio.BufferedProtocol):
             self.transport.resume_reading()
         self._process()
 
+    def _slice_started(self, now: float) -> float:
+        """Start this loop turn's slice at ``now``; it ends with the turn."""
+        end = self._slice_end = now + slices.SLICE
+        asyncio.get_running_loop().call_soon(self._slice_over)
+        return end
+
+    def _slice_over(self) -> None:
+        self._slice_end = 0.0
+
+    def _past_slice(self) -> bool:
+        """Whether this loop turn's slice is used up; the first look starts it."""
+        now = perf_counter()
+        if not self._slice_end:
+            self._slice_started(now)
+            return False
+        return now > self._slice_end
+
+    def _yield_turn(self) -> None:
+        """The slice is used up: leave the rest of what was read, and what the socket
+        holds, to the next loop turn, so that one link never holds the loop."""
+        self._slice_end = 0.0
+        if not self._blocked:
+            self.block()
+            asyncio.get_running_loop().call_soon(self.unblock)
+
     def eof_received(self) -> bool:
         if self._end > self._start:
             self.fail(
@@ -323,7 +365,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         buf = self._buf
         mv = self._mv
         end = self._end
-        pos = self._start
+        pos = began = self._start
         routing = self._routing
         forwarder = self._forwarder
         flush_run = forwarder.flush_run
@@ -338,7 +380,8 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         run_start = pos
         run_frames = 0
         run_size = key_total  # the size of every frame of the run; 0 once sizes differ
-        slice_end = 0.0  # when the control frames of this read have had their turn
+        costly = 0  # frames of this read dearer than a run's (_COSTLY_MASK)
+        spent = False  # this loop turn's slice is used up: the rest waits for the next
         try:
             while True:
                 # 1. The same routing key as the frame before: extend the run.
@@ -358,6 +401,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                                 flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                                 run_frames = 0
                             key = _NO_KEY
+                            costly += 1
+                            if not costly & _COSTLY_MASK and self._past_slice():
+                                spent = True
+                                break
                             forwarder.forward(self, hit, buf, mv, pos)
                             pos += hit.size
                             run_start = pos
@@ -387,27 +434,30 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                 if buf[pos + 4] == KIND_CONTROL:
                     # A pipelined burst of registrations or joins is handled in slices:
                     # past the slice, the rest waits for the next loop turn, so one link
-                    # never holds the loop. The slice starts with the first control frame
-                    # (it counts that frame too, a peer's ROUTES being a few ms of work);
-                    # data frames are not timed (they are cheap).
-                    if not slice_end:
-                        slice_end = perf_counter() + slices.SLICE
+                    # never holds the loop. A control frame starts the slice if none has
+                    # (it counts that frame too, a peer's ROUTES being a few ms of work)
+                    # and looks at the clock after it.
+                    if not self._slice_end:
+                        self._slice_started(perf_counter())
                     self._on_control(bytes(buf[pos : pos + total]))
                     if self._decisions_version != routing.version:
                         decisions.clear()
                         self._decisions_version = routing.version
-                    if perf_counter() > slice_end and self.state is not LinkState.CLOSED:
+                    if perf_counter() > self._slice_end and self.state is not LinkState.CLOSED:
                         pos += total
-                        run_start = pos
-                        if not self._blocked:
-                            self.block()
-                            asyncio.get_running_loop().call_soon(self.unblock)
+                        spent = True
                         break
                 elif self.state is not LinkState.OPEN:
                     raise FrameError(
                         ErrorCode.NOT_HANDSHAKEN, "data frame before the HELLO handshake"
                     )
                 else:
+                    # Data frames are timed too, every 32nd of the dear ones: a flood of
+                    # refused requests or sends is microseconds a frame.
+                    costly += 1
+                    if not costly & _COSTLY_MASK and self._past_slice():
+                        spent = True
+                        break
                     decided = (
                         forwarder.route_peer_frame(self, buf, mv, pos, total)
                         if self.is_peer
@@ -443,6 +493,17 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._start = pos
         if pos == end:
             self._start = self._end = 0
+        if (
+            not spent
+            and (self._slice_end or pos - began >= _MIN_READ)
+            and not self._blocked
+            and self.state is not LinkState.CLOSED
+        ):
+            # A big read (the loop may hand over another at once), or one more read in a
+            # turn whose slice started: cheap frames add up across reads.
+            spent = self._past_slice()
+        if spent:
+            self._yield_turn()
         self._outbox.flush()
 
     def _on_control(self, frame: bytes) -> None:

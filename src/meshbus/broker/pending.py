@@ -10,7 +10,9 @@ returns the link, when the response came from whoever may answer.
 Who may answer (docs/protocol.md, "Request / response"): the request's destination
 address itself, for a unicast request; otherwise (anycast, multicast) a response
 that came in over one of the links the request went out on -- the one member's
-connector the broker picked, or the peer broker it went to. A response from anyone
+connector the broker picked, the multicast members' connectors, or the peer broker it
+went to (which keeps an entry of its own for the members it delivered to, the
+requester's link being that peer's). A response from anyone
 else leaves the entry where it was, so a forger cannot answer first; the check is
 a comparison with what the entry holds, no lookup.
 

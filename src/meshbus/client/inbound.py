@@ -256,10 +256,18 @@ class Inbound:
         return False
 
     def _delivery_failure(self, ctype: int, body: DeliveryFailure) -> None:
+        """Each frame the failure names: ``msg_id``, and those of a batch (``also``)."""
         dst = describe_address(body.dst)
         reason = body.reason or f"no service is registered at or member of {dst}"
         denied = reason if body.code == ErrorCode.PERMISSION_DENIED else ""
-        waiting = self._responses.get((body.src, body.msg_id))
+        self._failed(ctype, body, body.msg_id, dst, reason, denied)
+        for msg_id in body.also:
+            self._failed(ctype, body, msg_id, dst, reason, denied)
+
+    def _failed(
+        self, ctype: int, body: DeliveryFailure, msg_id: int, dst: str, reason: str, denied: str
+    ) -> None:
+        waiting = self._responses.get((body.src, msg_id))
         if waiting is not None:
             future = waiting[0]
             if not future.done():
@@ -272,9 +280,9 @@ class Inbound:
             return
         if ctype != ControlType.NO_ROUTE:
             return  # a TIMEOUT for a request this side already gave up on
-        if self._unacked.no_route(body.msg_id, denied):
+        if self._unacked.no_route(msg_id, denied):
             return  # tried again by the resend timer, or given up when denied
-        report = Undeliverable(describe_address(body.src), dst, body.msg_id, reason)
+        report = Undeliverable(describe_address(body.src), dst, msg_id, reason)
         if not self.undeliverable.handlers:
             log.warning(
                 "undeliverable message",

@@ -303,6 +303,7 @@ class LinkKeeper:
                 session=identity.session,
                 synced=True,
                 epoch=self._epoch,
+                batched_no_route=True,
             ),
             credential=identity.credential,
         )

@@ -51,6 +51,8 @@ UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
 # users binds it to the user (meshbus.broker.signin.bound_session, a BLAKE2b digest of the
 # same length, which BLAKE2b allows up to 64 bytes).
 MAX_SESSION = 64
+# The most msg_ids one NO_ROUTE names besides its own (DeliveryFailure.also): 9 KiB.
+MAX_ALSO = 1023
 
 
 class Hello(Body):
@@ -82,6 +84,9 @@ class Hello(Body):
     epoch: U32 = 0
     # 0 or NONCE_SIZE bytes (the handshake refuses any other length).
     nonce: Annotated[bytes, msgspec.Meta(max_length=NONCE_SIZE)] = b""
+    # A connector that reads DeliveryFailure.also: NO_ROUTE answers for consecutive
+    # frames refused alike come to it as one frame.
+    batched_no_route: bool = False
 
 
 class Challenge(Body):
@@ -178,13 +183,20 @@ class Error(Body):
 
 class DeliveryFailure(Body):
     """TIMEOUT / NO_ROUTE: the request (or notified send) ``msg_id`` from ``src`` failed.
-    ``code`` is 0, or PERMISSION_DENIED for a frame its sender's user may not send."""
+    ``code`` is 0, or PERMISSION_DENIED for a frame its sender's user may not send.
+
+    ``also``: for a connector that asked (``Hello.batched_no_route``), the msg_ids of the
+    frames right after ``msg_id``'s from ``src`` to ``dst``, refused for the same reason
+    and code (docs/protocol.md §7)."""
 
     msg_id: U64
     src: bytes
     dst: bytes
     reason: str = ""  # why, when it is not the obvious one (e.g. a frame too large)
     code: U16 = 0
+    also: Annotated[list[U64], msgspec.Meta(max_length=MAX_ALSO)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class Stats(Body):

@@ -1072,10 +1072,20 @@ class Hub:
         return link
 
     def connector(
-        self, name: str = "conn", max_frame: int = DEFAULT_MAX_FRAME, session: bytes = b""
+        self,
+        name: str = "conn",
+        max_frame: int = DEFAULT_MAX_FRAME,
+        session: bytes = b"",
+        batched_no_route: bool = False,
     ) -> Link:
         link = self.link(max_frame)
-        link.open_as_connector(name, session or name.encode().ljust(16, b"."), max_frame, False)
+        link.open_as_connector(
+            name,
+            session or name.encode().ljust(16, b"."),
+            max_frame,
+            False,
+            batched_no_route=batched_no_route,
+        )
         return link
 
     def peer(self, name: str, tag_out: int = 0x0A0B0C0D) -> Link:

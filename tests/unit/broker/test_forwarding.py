@@ -19,9 +19,10 @@ from meshbus.protocol.layout import (
     FLAG_REQUEST,
     FLAG_RESPONSE,
     FLAG_TRACE,
+    MIN_MAX_FRAME,
     ControlType,
 )
-from tests.unit.broker.fakes import FakeClock, Hub
+from tests.unit.broker.fakes import FakeClock, FakeTransport, Hub
 
 A1 = Unicast("alpha", 1).to_bytes()
 B1 = Unicast("beta", 1).to_bytes()
@@ -257,6 +258,60 @@ async def test_no_route_is_told_to_a_sender_that_asked(hub: Hub, flags: int) -> 
     assert (failure.body.msg_id, failure.body.src, failure.body.dst) == (11, A1, NOBODY)
     assert len(hub.pending) == 0, "a request that went nowhere waits for nothing"
     assert hub.stats.dropped_no_route == 1
+
+
+def refusals(frames: Sequence[Frame]) -> list[tuple[list[int], bytes]]:
+    """Each NO_ROUTE's msg_ids (``msg_id`` and ``also``) and destination."""
+    found = []
+    for frame in frames:
+        assert isinstance(frame, ControlFrame), frame
+        assert frame.type == ControlType.NO_ROUTE, frame
+        assert isinstance(frame.body, DeliveryFailure)
+        found.append(([frame.body.msg_id, *frame.body.also], frame.body.dst))
+    return found
+
+
+async def test_no_route_answers_to_consecutive_frames_come_as_one_to_a_link_that_asked(
+    hub: Hub,
+) -> None:
+    asked, plain = hub.connector("a", batched_no_route=True), hub.connector("c")
+    register(hub, asked, A1)
+    register(hub, plain, C1)
+    notified = [
+        (NOBODY, 1),
+        (NOBODY, 2),
+        (NOBODY, 3),
+        (C1, 4),  # delivered: it goes to another link, and the batch goes on
+        (NOBODY, 5),
+        (B1, 6),  # another destination: another batch
+        (NOBODY, 7),
+    ]
+    hub.feed(
+        asked,
+        *(encode_data(dst, A1, b"?", msg_id=i, flags=FLAG_NOTIFY_DROP) for dst, i in notified),
+    )
+    assert refusals(hub.received(asked)) == [([1, 2, 3, 5], NOBODY), ([6], B1), ([7], NOBODY)]
+    assert payloads(hub.received(plain)) == [b"?"]
+    hub.feed(
+        plain, *(encode_data(NOBODY, C1, b"", msg_id=i, flags=FLAG_NOTIFY_DROP) for i in (1, 2))
+    )
+    assert refusals(hub.received(plain)) == [([1], NOBODY), ([2], NOBODY)], "did not ask"
+    assert hub.stats.dropped_no_route == 8
+
+
+async def test_a_batch_of_no_route_answers_stays_within_the_links_frame_limit(hub: Hub) -> None:
+    small = hub.connector("a", max_frame=MIN_MAX_FRAME, batched_no_route=True)
+    register(hub, small, A1)
+    hub.feed(
+        small, *(encode_data(NOBODY, A1, b"", msg_id=i, flags=FLAG_NOTIFY_DROP) for i in range(40))
+    )
+    transport = small.transport
+    assert isinstance(transport, FakeTransport)
+    data = bytes(transport.captured)
+    batches = refusals(hub.received(small))
+    assert [i for ids, _ in batches for i in ids] == list(range(40))
+    assert len(batches) > 1
+    assert len(data) <= len(batches) * MIN_MAX_FRAME
 
 
 async def test_a_plain_send_with_no_route_is_dropped_silently_and_counted(hub: Hub) -> None:

@@ -54,22 +54,26 @@ async def test_a_unicast_request_is_answered_by_its_destination_only(
     assert a.stats.late_responses == 15, "the duplicate"
 
 
-async def test_an_anycast_picked_on_a_peer_is_checked_there_and_here(
-    network: FakeNetwork, pair: list[Broker]
+@pytest.mark.parametrize("group", [POOL, TOPIC], ids=["anycast", "multicast"])
+async def test_a_group_member_on_a_peer_is_checked_there_and_here(
+    network: FakeNetwork, pair: list[Broker], group: bytes
 ) -> None:
+    """b delivered the request to its member (picked it, for anycast): b alone can tell
+    the member's answer from that of a connector beside it, and keeps an entry to."""
     a, b = pair
     requester, asking = await registered(network, a, "asker")
     member, working = await registered(network, b, "worker")
-    await member.join(working, POOL)
+    await member.join(working, group)
     local_forger, here = await registered(network, a, "forger")
     remote_forger, there = await registered(network, b, "forger")
     await network.settle()
-    requester.send_data(POOL, asking, b"?", msg_id=3, flags=FLAG_REQUEST)
+    requester.send_data(group, asking, b"?", msg_id=3, flags=FLAG_REQUEST)
     await network.settle()
     assert [f.payload for f in member.take_data()] == [b"?"]
+    assert len(b.pending) == 1
     answer(remote_forger, there, asking, 3)
     await network.settle()
-    assert b.stats.dropped_wrong_responder == 1, "b picked the member: b checks"
+    assert b.stats.dropped_wrong_responder == 1, "b delivered to the member: b checks"
     answer(local_forger, here, asking, 3)
     await network.settle()
     assert a.stats.dropped_wrong_responder == 1, "a sent it to b: only b may answer"

@@ -12,9 +12,9 @@ import pytest
 from meshbus.address import Unicast
 from meshbus.broker import slices
 from meshbus.broker.link import Link
-from meshbus.protocol.codec import ControlFrame, encode_control
+from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
 from meshbus.protocol.control import ROLE_OPERATOR, Empty, Error, Register, StatRequest, Stats
-from meshbus.protocol.layout import ControlType
+from meshbus.protocol.layout import FLAG_REQUEST, ControlType
 from tests.unit.broker.fakes import (
     FakeNetwork,
     broker_side,
@@ -56,6 +56,42 @@ async def test_a_burst_of_registrations_yields_to_other_links_and_is_answered_in
     )
     assert {f.type for f in answers if isinstance(f, ControlFrame)} == {ControlType.REGISTERED}
     assert broker.routing.service_count == BURST
+
+
+@pytest.mark.parametrize("flood", ["requests past the cap", "plain frames to nowhere"])
+async def test_a_flood_of_data_frames_yields_to_other_links(
+    network: FakeNetwork, monkeypatch: pytest.MonkeyPatch, flood: str
+) -> None:
+    """Data frames are timed too: dear ones (refused requests) every few frames, cheap
+    ones (a run to nowhere) after each big read. Read in one go, as a socket's backlog is,
+    the flood is handled a slice per loop turn, and a ping on another link is answered
+    long before it is done."""
+    monkeypatch.setattr(slices, "SLICE", 0.0)
+    broker = await start_broker(network, "a", max_requests=1)
+    bulk = await connector(network, broker, "bulk")
+    pinger = await connector(network, broker, "pinger")
+    asker = await bulk.register("asker")
+    nowhere = Unicast("nobody", 1).to_bytes()
+    count = 60_000
+    if flood == "requests past the cap":
+        frames = (
+            encode_data(asker, asker, b"", msg_id=i, flags=FLAG_REQUEST, timeout_ms=60_000)
+            for i in range(count)
+        )
+    else:
+        frames = (encode_data(nowhere, asker, b"x" * 40) for _ in range(count))
+    bulk.send(b"".join(frames))
+    pinger.send_control(ControlType.PING, Empty(), 7)
+    link = broker_side(bulk)
+    handled_at_pong = -1
+    for _ in range(10 * count):
+        await asyncio.sleep(0)
+        if handled_at_pong < 0 and pinger.controls():
+            handled_at_pong = link.msgs_in
+        if link.msgs_in == count:
+            break
+    assert link.msgs_in == count
+    assert 0 <= handled_at_pong < count // 4, (handled_at_pong, "the ping waited for the flood")
 
 
 async def test_a_slice_counts_its_first_frame(
