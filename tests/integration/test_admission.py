@@ -1,0 +1,252 @@
+"""Floods of connections that need no credentials (docs/security.md, "Floods of
+connections"): one address cannot keep others -- or a client at that address -- out,
+a connection before its handshake costs the broker a few KiB whatever it sends, and a
+TLS connection refused before HELLO gives its file descriptor back at once.
+
+Real broker processes on loopback; a source address other than 127.0.0.1 is another
+address of the loopback network (127.0.0.2)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import socket
+import ssl
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import meshbus.broker.process
+from meshbus.protocol import ControlFrame, ErrorCode, FrameDecoder
+from meshbus.protocol.control import Error
+from meshbus.protocol.layout import KIND_CONTROL
+from tests.conftest import BrokerProcess, start_broker
+from tests.integration.helpers import RawLink, wait_until
+from tests.integration.test_bad_input import prefix
+from tests.integration.test_limits import rss_kib
+from tests.integration.test_tls import Certs, certs  # noqa: F401 -- certs is a fixture
+
+# Generous bounds for what the report measures: a valid client's connect-to-WELCOME on a
+# shared, loaded machine. The brief asks for 100 ms; the figure is printed.
+CONNECT_BOUND = 1.0
+FLOOD = 250  # idle connections kept open from 127.0.0.1
+REOPEN_AFTER = 1.0  # a flood connection the broker closed is opened again after this
+
+
+@contextlib.asynccontextmanager
+async def running(*args: str) -> AsyncIterator[BrokerProcess]:
+    broker = await start_broker(*args)
+    try:
+        yield broker
+    finally:
+        assert await broker.stop() == 0
+
+
+def error_of(data: bytes) -> Error | None:
+    """The ERROR frame at the start of ``data`` (what a broker says as it closes)."""
+    decoder = FrameDecoder()
+    decoder.feed(data)
+    frame = decoder.next_frame()
+    if isinstance(frame, ControlFrame) and isinstance(frame.body, Error):
+        return frame.body
+    return None
+
+
+async def hold_idle(address: str, closed: Counter[str], stop: asyncio.Event) -> None:
+    """One flood connection from 127.0.0.1 that never says HELLO: opened again, after
+    ``REOPEN_AFTER``, each time the broker closes it; ``closed`` counts why it did."""
+    host, port = address.rsplit(":", 1)
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            closed["connect failed"] += 1
+        else:
+            try:
+                error = error_of(await reader.read())
+            except OSError:
+                error = None
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+            closed[error.message.split(" (")[0][:40] if error else "no ERROR"] += 1
+            closed["total"] += 1
+        await asyncio.sleep(REOPEN_AFTER)
+
+
+async def time_to_welcome(address: str, source: str) -> float:
+    """Seconds from connecting from ``source`` to the broker's WELCOME."""
+    host, port = address.rsplit(":", 1)
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+    link = RawLink(reader, writer)
+    try:
+        await link.hello("valid")
+        return time.perf_counter() - started
+    finally:
+        await link.close()
+
+
+async def test_a_flood_from_one_address_keeps_no_valid_client_out() -> None:
+    """250 idle connections from 127.0.0.1, more than --max-handshaking (200): a client
+    that says HELLO at once gets in from 127.0.0.2 and from 127.0.0.1 itself."""
+    flood = min(FLOOD, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+    args = ("--max-handshaking", str(flood * 4 // 5), "--max-handshaking-per-source", "50")
+    async with running(*args) as broker:
+        closed: Counter[str] = Counter()
+        stop = asyncio.Event()
+        flooders = [
+            asyncio.create_task(hold_idle(broker.address, closed, stop)) for _ in range(flood)
+        ]
+        try:
+
+            async def flood_is_on() -> bool:
+                return closed["total"] >= flood // 2
+
+            await wait_until(flood_is_on, "the flood to fill the broker's caps")
+            figures = {}
+            for source in ("127.0.0.2", "127.0.0.1", "127.0.0.2", "127.0.0.1"):
+                figures.setdefault(source, []).append(await time_to_welcome(broker.address, source))
+        finally:
+            stop.set()
+            for task in flooders:
+                task.cancel()
+            await asyncio.gather(*flooders, return_exceptions=True)
+    shown = {source: [f"{t * 1000:.1f} ms" for t in times] for source, times in figures.items()}
+    print(f"connect to WELCOME under the flood: {shown}; flood closes: {dict(closed)}")
+    assert max(max(times) for times in figures.values()) < CONNECT_BOUND, shown
+    # The flood's own connections made the room: the longest waiting closed for each.
+    assert closed["closed to make room: 50 connections from"] > 0, closed
+
+
+async def test_a_big_frame_before_hello_is_refused_at_its_header() -> None:
+    """100 connections at once (under the default --max-handshaking-per-source, 128) each
+    announce a 1 MiB control frame before HELLO, and send some of its body: each is
+    closed with FRAME_TOO_LARGE as soon as its header shows the size, and the broker's
+    memory does not grow by what they sent."""
+    count, body = 100, 256 * 1024
+    async with running() as broker:
+        pid = broker.process.pid
+        baseline = rss_kib(pid)
+
+        async def oversized() -> Error | None:
+            link = await RawLink.open(broker.address)
+            try:
+                await link.send(prefix(1 << 20, KIND_CONTROL) + bytes(4096))
+                # The answer first: what is sent after the broker closed resets the
+                # connection, and a reset drops what the client had not read yet.
+                frame = await link.read_control()
+                with contextlib.suppress(OSError):
+                    for _ in range(body // 16384):
+                        await link.send(bytes(16384))
+            finally:
+                await link.close()
+            return frame.body if isinstance(frame.body, Error) else None
+
+        errors = await asyncio.gather(*(oversized() for _ in range(count)))
+        after = rss_kib(pid)
+    print(f"VmRSS KiB: before {baseline}, after {count} oversized frames {after}")
+    assert all(e is not None and e.code == ErrorCode.FRAME_TOO_LARGE for e in errors), errors
+    assert errors[0] is not None
+    assert "before the handshake" in errors[0].message
+    # Each would have held a buffer of up to 1 MiB; now a few KiB each at most.
+    assert after - baseline < 16 * 1024, (baseline, after)
+
+
+@contextlib.contextmanager
+def soft_open_files(limit: int) -> Iterator[None]:
+    """This process's soft limit on open files lowered for a moment: a child started
+    meanwhile inherits it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_files_limits(pid: int) -> tuple[str, str]:
+    """The soft and hard limit on open files of process ``pid``."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return soft, hard
+    raise AssertionError("no Max open files")
+
+
+async def test_a_broker_raises_its_soft_open_files_limit_and_says_so() -> None:
+    with soft_open_files(1024):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "meshbus",
+            "-v",
+            "broker",
+            "--listen",
+            "127.0.0.1:0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=meshbus.broker.process.child_env(),
+        )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        await asyncio.wait_for(process.stdout.readline(), 20)  # the ready line
+        soft, hard = open_files_limits(process.pid)
+    finally:
+        process.terminate()
+        _, err = await asyncio.wait_for(process.communicate(), 10)
+    assert soft == hard, (soft, hard)
+    line = next(line for line in err.decode().splitlines() if "open files" in line)
+    print(line)
+    assert "raised to the hard limit" in line
+    assert "was=1024" in line
+    assert f"now={hard}" in line
+
+
+def refused_tls_link(host: str, port: int, context: ssl.SSLContext) -> tuple[ssl.SSLSocket, bytes]:
+    """A TLS connection refused before HELLO (a frame larger than any limit), held open
+    without answering the broker's close_notify: what the broker said, and the socket."""
+    tls = context.wrap_socket(socket.create_connection((host, port), 5), server_hostname=host)
+    tls.sendall(prefix(1 << 30, KIND_CONTROL))
+    said = b""
+    while chunk := tls.recv(65536):  # b"" at the broker's close_notify
+        said += chunk
+    return tls, said
+
+
+def open_files(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+async def test_tls_links_refused_before_hello_give_their_descriptor_back_at_once(
+    certs: Certs,  # noqa: F811
+) -> None:
+    count = 40
+    context = ssl.create_default_context(cafile=str(certs.ca_file))
+    async with running(*certs.broker.broker_args()) as broker:
+        pid = broker.process.pid
+        before = open_files(pid)
+        held = [
+            await asyncio.to_thread(refused_tls_link, broker.host, broker.port, context)
+            for _ in range(count)
+        ]
+        try:
+            for _, said in held:
+                error = error_of(said)
+                assert error is not None, said
+                assert error.code == ErrorCode.FRAME_TOO_LARGE, error
+            started = time.perf_counter()
+
+            async def given_back() -> bool:
+                return open_files(pid) <= before + 1
+
+            await wait_until(given_back, "the refused links' descriptors to close", timeout=3)
+            print(f"{count} refused TLS links closed in {time.perf_counter() - started:.2f} s")
+        finally:
+            for tls, _ in held:
+                tls.close()
