@@ -5,9 +5,10 @@ The broker accepts each connection itself and runs its TLS handshake with
 ``loop.connect_accepted_socket``, rather than handing ``create_server`` an SSL
 context: the loop's TLS listener drops a failed handshake without a word, and
 counts it nowhere. Here a handshake in progress counts against
-``--max-handshaking``, ends at ``--handshake-timeout``, and a failed one is
-logged as one line. Only once the handshake is done does the connection get its
-``Link`` opened (``connection_made``), which then waits for HELLO like any other.
+``--max-handshaking`` and ``--max-handshaking-per-source`` (meshbus.broker.admission),
+ends at ``--handshake-timeout``, and a failed one is logged as one line. Only once
+the handshake is done does the connection get its ``Link`` opened
+(``connection_made``), which then waits for HELLO like any other.
 
 After that the link reads and writes through the TLS transport; frame handling is
 the same as on plain TCP, and a broker without TLS never comes here.
