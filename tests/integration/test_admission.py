@@ -17,10 +17,12 @@ import ssl
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import meshbus.broker.process
+import pytest
+
+from meshbus.broker.process import child_env, parse_ready_line
 from meshbus.protocol import ControlFrame, ErrorCode, FrameDecoder
 from meshbus.protocol.control import Error
 from meshbus.protocol.layout import KIND_CONTROL
@@ -197,16 +199,38 @@ async def test_a_big_frame_before_hello_is_refused_at_its_header() -> None:
     assert after - baseline < 16 * 1024, (baseline, after)
 
 
-@contextlib.contextmanager
-def soft_open_files(limit: int) -> Iterator[None]:
-    """This process's soft limit on open files lowered for a moment: a child started
-    meanwhile inherits it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, hard), hard))
+@contextlib.asynccontextmanager
+async def verbose_broker(
+    *args: str, open_files: tuple[int, int]
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, list[str]]]:
+    """``meshbus -v broker ARGS`` started with ``open_files`` (soft, hard) as its limit on
+    open files: its process, its address, and the lines of its stderr so far (read as
+    they come, so its log never fills the pipe)."""
+    process = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "meshbus", "-v", "broker", "--listen", "127.0.0.1:0", *args],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env(),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files),
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    lines: list[str] = []
+
+    async def read_log(stderr: asyncio.StreamReader) -> None:
+        async for line in stderr:
+            lines.append(line.decode())
+
+    reading = asyncio.create_task(read_log(process.stderr))
     try:
-        yield
+        ready = parse_ready_line((await asyncio.wait_for(process.stdout.readline(), 20)).decode())
+        assert ready is not None, lines
+        yield process, ready[1], lines
     finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if process.returncode is None:
+            process.terminate()
+        await asyncio.wait_for(process.wait(), 10)
+        await asyncio.wait_for(reading, 10)
 
 
 def open_files_limits(pid: int) -> tuple[str, str]:
@@ -219,33 +243,48 @@ def open_files_limits(pid: int) -> tuple[str, str]:
 
 
 async def test_a_broker_raises_its_soft_open_files_limit_and_says_so() -> None:
-    with soft_open_files(1024):
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "meshbus",
-            "-v",
-            "broker",
-            "--listen",
-            "127.0.0.1:0",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=meshbus.broker.process.child_env(),
-        )
-    try:
-        assert process.stdout is not None
-        assert process.stderr is not None
-        await asyncio.wait_for(process.stdout.readline(), 20)  # the ready line
-        soft, hard = open_files_limits(process.pid)
-    finally:
-        process.terminate()
-        _, err = await asyncio.wait_for(process.communicate(), 10)
-    assert soft == hard, (soft, hard)
-    line = next(line for line in err.decode().splitlines() if "open files" in line)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    async with verbose_broker(open_files=(1024, hard)) as (process, _, log):
+        assert open_files_limits(process.pid) == (str(hard), str(hard))
+    line = next(line for line in log if "open files" in line)
     print(line)
     assert "raised to the hard limit" in line
     assert "was=1024" in line
     assert f"now={hard}" in line
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_a_broker_out_of_descriptors_takes_clients_again_once_they_are_back(
+    certs: Certs,  # noqa: F811
+    tls: bool,
+) -> None:
+    """A hard limit of 128 open files: idle connections run the broker out of them (it
+    warns at start that its bounds need more), and once they are gone a valid client
+    gets in -- the accept loop lived through EMFILE."""
+    args = certs.broker.broker_args() if tls else []
+    context = ssl.create_default_context(cafile=str(certs.ca_file)) if tls else None
+    async with verbose_broker(*args, open_files=(128, 128)) as (process, address, log):
+        assert any("below what the broker's bounds may hold open" in line for line in log), log
+        pid = process.pid
+        before = open_sockets(pid)
+        host, port = address.rsplit(":", 1)
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(200)]
+
+        async def out_of_descriptors() -> bool:
+            return open_sockets(pid) >= 128 - 20
+
+        await wait_until(out_of_descriptors, "the broker to run out of descriptors")
+        for _, writer in idle:
+            writer.close()
+
+        async def given_back() -> bool:
+            return open_sockets(pid) <= before
+
+        await wait_until(given_back, "the idle connections to be closed")
+        taken = await time_to_welcome(address, "127.0.0.1", context)
+        print(f"connect to WELCOME after running out of descriptors: {taken * 1000:.1f} ms")
+        if tls:
+            assert any("cannot accept a connection" in line for line in log), log
 
 
 def refused_tls_link(host: str, port: int, context: ssl.SSLContext) -> tuple[ssl.SSLSocket, bytes]:
