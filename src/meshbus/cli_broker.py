@@ -284,6 +284,16 @@ PARTITION_HANDLING = ("ignore", "pause-minority")
     "users); past it a new connection is closed at once.",
 )
 @click.option(
+    "--max-handshaking-per-source",
+    type=click.IntRange(1),
+    default=128,
+    show_default=True,
+    help="Of the connections in their handshake (TLS, HELLO, sign-in), those from one "
+    "address (an IPv6 /64); past it the one from that address that has waited longest is "
+    "closed, so a flood from one address cannot keep others -- or a client at that address "
+    "that says HELLO at once -- out. Keep it well below --max-handshaking.",
+)
+@click.option(
     "--handshake-timeout",
     type=click.FloatRange(0, min_open=True),
     default=5.0,
@@ -401,6 +411,7 @@ def broker(
     max_requests: int,
     max_request_timeout: float,
     max_handshaking: int,
+    max_handshaking_per_source: int,
     handshake_timeout: float,
     max_operators: int,
     allow_anonymous: bool,
@@ -497,6 +508,7 @@ def broker(
         max_requests=max_requests,
         max_request_timeout=max_request_timeout,
         max_handshaking=max_handshaking,
+        max_handshaking_per_source=max_handshaking_per_source,
         handshake_timeout=handshake_timeout,
         max_operators=max_operators,
         users=tables.users,

@@ -87,6 +87,9 @@ class BrokerConfig:
     max_requests: int = 10_000  # requests per connector waiting for a response
     max_request_timeout: float = 3600.0  # a request's longer timeout_ms is cut to this
     max_handshaking: int = 1_000  # accepted connections still in their handshake
+    # Of those, from one source address (an IPv6 /64); past it the one of that source that
+    # waited longest is closed (meshbus.broker.admission).
+    max_handshaking_per_source: int = 128
     handshake_timeout: float = 5.0  # seconds to finish it: HELLO, and the sign-in if any
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
     # Who may connect (the config file's [[users]]; docs/security.md): with none, anyone

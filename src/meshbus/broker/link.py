@@ -53,10 +53,14 @@ from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, LinkState, 
 from meshbus.broker.forward import PLAIN, Decision, Forwarder
 from meshbus.broker.outbox import Outbox
 from meshbus.broker.routing import RoutingTable
-from meshbus.errors import ProtocolError
+from meshbus.errors import FrameTooLarge, ProtocolError
 from meshbus.protocol.codec import FrameError, decode_body, encode_control, frame_extent
 from meshbus.protocol.control import Body, Error
-from meshbus.protocol.handshake import AcceptingHandshake, DiallingHandshake
+from meshbus.protocol.handshake import (
+    MAX_HANDSHAKE_FRAME,
+    AcceptingHandshake,
+    DiallingHandshake,
+)
 from meshbus.protocol.layout import KIND_CONTROL, ROUTING_KEY_SIZE, ControlType, ErrorCode
 
 if TYPE_CHECKING:
@@ -71,6 +75,8 @@ _MIN_READ = 64 * 1024
 # connection that never says HELLO holds this much, not 256 KiB (_opening grows it).
 _HANDSHAKE_BUFFER = 4 * 1024
 _HANDSHAKE_MIN_READ = 1024
+# How long a TLS link refused before its handshake was done may take to close.
+_REFUSED_TLS_LINGER = 0.5
 _NO_KEY = b""  # empty, so falsy: no cached routing decision
 _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
@@ -101,10 +107,18 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         dialled: bool = False,
     ) -> None:
         """``on_open`` and ``on_close`` tell the broker the link is up, or gone (the
-        broker then does the ordered cleanup: docs/architecture.md)."""
-        super().__init__(link_id, LinkRole.HANDSHAKING, max_frame)
+        broker then does the ordered cleanup: docs/architecture.md). ``max_frame`` is
+        a dialled link's limit until its handshake sets the one agreed with the peer."""
+        # Until its handshake is done, an accepted link takes frames only as large as a
+        # HELLO or AUTH: its buffer stays at _HANDSHAKE_BUFFER, never grows towards
+        # ``max_frame`` (``_opening`` sets the link's own limit). A dialled one waits for
+        # the WELCOME of a broker this one chose to dial.
+        super().__init__(
+            link_id, LinkRole.HANDSHAKING, max_frame if dialled else MAX_HANDSHAKE_FRAME
+        )
         self.state = LinkState.AWAIT_WELCOME if dialled else LinkState.AWAIT_HELLO
         self.dialled = dialled
+        self.host = "?"  # the other end's IP address
         self.remote = "?"  # the other end's IP:port
         self.session = b""  # a connector's session (see meshbus.broker.routing)
         self.epoch = 0  # links its session opened before this one (Hello.epoch)
@@ -231,13 +245,19 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         high = self._max_pending_bytes
         self.transport.set_write_buffer_limits(high=high, low=high // 2)
         remote = transport.get_extra_info("peername")
-        self.remote = f"{remote[0]}:{remote[1]}" if remote else "?"
+        if remote:
+            self.came_from(remote[0], remote[1])
         self._on_open(self)
 
     def shows_certificate(self) -> bool:
         """Whether this link's TLS handshake verified a client certificate against the
         broker's CA."""
         return bool(self.transport and self.transport.get_extra_info("peercert"))
+
+    def came_from(self, host: str, port: int) -> None:
+        """The other end's address (the socket's peer name)."""
+        self.host = host
+        self.remote = f"{host}:{port}"
 
     def certificate_name(self) -> str:
         """The common name of the client certificate this link's TLS handshake verified
@@ -485,7 +505,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         except ProtocolError as exc:
             self._start = pos
             code = getattr(exc, "code", ErrorCode.PROTOCOL_ERROR)
-            self.fail(code, str(exc), reason=CloseReason.PROTOCOL_ERROR)
+            self.fail(code, self._why(exc), reason=CloseReason.PROTOCOL_ERROR)
             return
         self._key = key
         self._key_total = key_total
@@ -505,6 +525,15 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         if spent:
             self._yield_turn()
         self._outbox.flush()
+
+    def _why(self, exc: ProtocolError) -> str:
+        """What the ERROR that closes the link for ``exc`` says."""
+        if isinstance(exc, FrameTooLarge) and self.role is LinkRole.HANDSHAKING:
+            return (
+                f"a frame of {exc.size} bytes before the handshake is done; until WELCOME "
+                f"a link sends only HELLO and AUTH, at most {exc.limit} bytes"
+            )
+        return str(exc)
 
     def _on_control(self, frame: bytes) -> None:
         ctype = int.from_bytes(frame[6:8], "big")
@@ -551,6 +580,12 @@ class Link(Endpoint, asyncio.BufferedProtocol):
             return
         transport.write(last)
         transport.close()
+        if self.role is LinkRole.HANDSHAKING and transport.get_extra_info("ssl_object"):
+            # A TLS close waits for the client's close_notify, up to 30 s, holding the
+            # socket: a flood of refused connections would run the broker out of file
+            # descriptors. A link that never finished its handshake is owed no more than
+            # the moment its ERROR takes to leave.
+            asyncio.get_running_loop().call_later(_REFUSED_TLS_LINGER, transport.abort)
 
     def half_close(self) -> None:
         """Send everything written so far, then end our direction; keep reading until the

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
+from meshbus.broker.admission import HandshakesBySource
 from meshbus.broker.endpoint import CloseReason
 from meshbus.broker.link import Link
 
 
 class LinkRegistry:
-    def __init__(self) -> None:
+    def __init__(self, max_handshaking_per_source: int) -> None:
         self.links: dict[int, Link] = {}
         self.connectors: set[Link] = set()  # open connector links
         self.operators: set[Link] = set()  # open operator links (--max-operators)
@@ -24,6 +25,9 @@ class LinkRegistry:
         # when the broker has users) -> when they must have: in deadline order, as each
         # gets the same timeout (--max-handshaking, --handshake-timeout).
         self.handshaking: dict[Link, float] = {}
+        # The same links by the address they come from, with those still in their TLS
+        # handshake (--max-handshaking-per-source, meshbus.broker.admission).
+        self.by_source: HandshakesBySource[Link] = HandshakesBySource(max_handshaking_per_source)
         self.accepted = 0
         self.closed: Counter[str] = Counter()  # closed links by reason
         # Traffic of links that have closed; open links keep their own counts.
@@ -53,6 +57,7 @@ class LinkRegistry:
         """``link`` finished its handshake (a peer's HELLO, or a connector's or operator's
         HELLO and sign-in): no longer timed."""
         self.handshaking.pop(link, None)
+        self.by_source.remove(link)
 
     def late_handshakes(self, now: float) -> list[Link]:
         """The links still handshaking at their deadline; costs what is late."""
@@ -67,6 +72,7 @@ class LinkRegistry:
         """Forget ``link``; True when it was a connector."""
         self.links.pop(link.link_id, None)
         self.handshaking.pop(link, None)
+        self.by_source.remove(link)
         self.operators.discard(link)
         self.closed[reason.value] += 1
         self._closed_msgs_in += link.msgs_in

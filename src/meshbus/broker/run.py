@@ -31,6 +31,7 @@ async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | No
     takes connectors. SIGTERM and DRAIN drain first (connectors move to other brokers);
     a second signal stops at once. SIGHUP reloads the users with ``reread_users``
     (``SignIn.reload``)."""
+    raise_open_files_limit(config)
     broker = Broker(config, reread_users=reread_users)
     # Before the join, so /healthz answers 503 "joining" while it lasts; and before the
     # freeze below, so the monitor's modules are frozen with the rest.
@@ -40,6 +41,41 @@ async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | No
     finally:
         if monitor is not None:
             await monitor.stop()
+
+
+# File descriptors a broker keeps besides its links: the listening sockets, the stream
+# store's files, the monitor, the loop's own.
+_SPARE_FILES = 64
+
+
+def raise_open_files_limit(config: BrokerConfig) -> None:
+    """Raise the soft limit on open files to the hard one, and say so: each link is a
+    file descriptor, and the common soft default (1,024) is below ``--max-handshaking``
+    alone. A warning when even the hard limit is below what the broker's bounds may
+    hold open at once."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # an unlimited hard limit, say
+            log.warning(
+                "cannot raise the limit on open files",
+                extra={"soft": soft, "hard": hard, "error": str(exc)},
+            )
+        else:
+            log.info("open files limit raised to the hard limit", extra={"was": soft, "now": hard})
+            soft = hard
+    else:
+        log.info("open files limit is the hard limit", extra={"now": soft})
+    needed = config.max_handshaking + config.max_connectors + config.max_operators + _SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning(
+            "the limit on open files is below what the broker's bounds may hold open; "
+            "raise the hard limit (ulimit -Hn, LimitNOFILE=)",
+            extra={"limit": soft, "bounds": needed},
+        )
 
 
 async def _run(broker: Broker, config: BrokerConfig) -> None:

@@ -5,9 +5,10 @@ The broker accepts each connection itself and runs its TLS handshake with
 ``loop.connect_accepted_socket``, rather than handing ``create_server`` an SSL
 context: the loop's TLS listener drops a failed handshake without a word, and
 counts it nowhere. Here a handshake in progress counts against
-``--max-handshaking``, ends at ``--handshake-timeout``, and a failed one is
-logged as one line. Only once the handshake is done does the connection get its
-``Link`` opened (``connection_made``), which then waits for HELLO like any other.
+``--max-handshaking`` and ``--max-handshaking-per-source`` (meshbus.broker.admission),
+ends at ``--handshake-timeout``, and a failed one is logged as one line. Only once
+the handshake is done does the connection get its ``Link`` opened
+(``connection_made``), which then waits for HELLO like any other.
 
 After that the link reads and writes through the TLS transport; frame handling is
 the same as on plain TCP, and a broker without TLS never comes here.
@@ -16,13 +17,16 @@ the same as on plain TCP, and a broker without TLS never comes here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
 from collections.abc import Callable
 
+from meshbus.broker.admission import evicted_why, source_of
 from meshbus.broker.endpoint import CloseReason
 from meshbus.broker.link import Link
+from meshbus.broker.registry import LinkRegistry
 from meshbus.protocol.layout import ErrorCode
 from meshbus.tls import failure_reason
 from meshbus.util import BackgroundTasks
@@ -32,6 +36,9 @@ log = logging.getLogger("meshbus.broker")
 # A pause after the accept itself failed (out of file descriptors, say), as asyncio's own
 # listener makes: trying again at once would spin.
 _ACCEPT_PAUSE = 1.0
+# What a TLS handshake is cancelled with when a newer connection from its source took its
+# place (``_drop``): set apart from the acceptor's own stop.
+_EVICTED = "evicted"
 
 
 class TLSAcceptor:
@@ -45,24 +52,36 @@ class TLSAcceptor:
         timeout: float,
         max_handshaking: int,
         require_cert: bool,
-        waiting_for_hello: Callable[[], int],
+        links: LinkRegistry,
         new_link: Callable[[], Link],
+        evict: Callable[[Link], None],
     ) -> None:
         """``context``: the broker's (meshbus.tls.server_context); ``timeout``: the
         longest a TLS handshake may take; ``max_handshaking``: connections that may be
-        in their TLS handshake or waiting to send HELLO (``waiting_for_hello`` counts
-        the latter) -- past it a new one is closed at once; ``require_cert``: refuse a
-        link that showed no client certificate; ``new_link`` makes the link of a
-        connection."""
+        in their TLS handshake or waiting to send HELLO (``links.handshaking``) -- past
+        it a new one is closed at once; ``require_cert``: refuse a link that showed no
+        client certificate; ``new_link`` makes the link of a connection, counted in
+        ``links.by_source`` from its accept; ``evict`` closes an open link that waited
+        longest when its source went past its cap (a TLS handshake still in progress
+        is dropped here)."""
         self._context = context
         self._timeout = timeout
         self._max_handshaking = max_handshaking
         self._require_cert = require_cert
-        self._waiting_for_hello = waiting_for_hello
+        self._links = links
         self._new_link = new_link
+        self._evict = evict
         self._tasks = BackgroundTasks()
         self._listener: socket.socket | None = None
-        self.handshaking = 0  # TLS handshakes in progress
+        # The links in their TLS handshake, and its task; and the sockets of those whose
+        # task has not started yet.
+        self._handshakes: dict[Link, asyncio.Task[None]] = {}
+        self._unstarted: dict[Link, socket.socket] = {}
+
+    @property
+    def handshaking(self) -> int:
+        """TLS handshakes in progress."""
+        return len(self._handshakes)
 
     def listen(self, host: str, port: int) -> tuple[str, int]:
         """Bind ``host``:``port`` (port 0: a free one) and start accepting; the address
@@ -105,7 +124,7 @@ class TLSAcceptor:
                 await asyncio.sleep(_ACCEPT_PAUSE)
                 continue
             remote = f"{peer[0]}:{peer[1]}"
-            if self.handshaking + self._waiting_for_hello() >= self._max_handshaking:
+            if self.handshaking + len(self._links.handshaking) >= self._max_handshaking:
                 # No ERROR frame: the client expects TLS records, and a handshake is
                 # what this limit keeps the broker from spending.
                 log.info(
@@ -119,20 +138,57 @@ class TLSAcceptor:
                 )
                 sock.close()
                 continue
-            self._tasks.spawn(self._handshake(sock, remote), "tls-handshake")
+            link = self._new_link()
+            link.came_from(peer[0], peer[1])
+            self._unstarted[link] = sock
+            task = self._tasks.spawn(self._handshake(link), "tls-handshake")
+            task.add_done_callback(functools.partial(self._ended, link))
+            self._handshakes[link] = task
+            evicted = self._links.by_source.add(source_of(link.host), link)
+            if evicted is not None:
+                self._drop(evicted)
 
-    async def _handshake(self, sock: socket.socket, remote: str) -> None:
+    def _drop(self, link: Link) -> None:
+        """Close ``link``, the one of its source that waited longest: in its TLS
+        handshake, that handshake is called off (no ERROR frame, as above); past it,
+        ``evict`` closes it."""
+        task = self._handshakes.get(link)
+        if task is None:
+            self._evict(link)
+            return
+        log.info(
+            "closing link",
+            extra={
+                "remote": link.remote,
+                "reason": CloseReason.REFUSED.value,
+                "error": evicted_why(self._links.by_source.per_source, link.host),
+            },
+        )
+        task.cancel(_EVICTED)
+
+    async def _handshake(self, link: Link) -> None:
         """The TLS handshake of one connection; the loop opens its link when it is done.
         On failure the loop closes the socket: the connection leaves nothing behind."""
-        self.handshaking += 1
+        sock = self._unstarted.pop(link)  # the loop's from here on
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
-                self._new_link, sock, ssl=self._context, ssl_handshake_timeout=self._timeout
+                lambda: link, sock, ssl=self._context, ssl_handshake_timeout=self._timeout
             )
         except OSError as exc:  # ssl.SSLError, a reset, the handshake timeout
-            self._failed(remote, exc)
-        finally:
-            self.handshaking -= 1
+            self._failed(link.remote, exc)
+        except asyncio.CancelledError as exc:
+            if exc.args != (_EVICTED,):
+                raise
+
+    def _ended(self, link: Link, task: asyncio.Task[None]) -> None:
+        """A handshake's task is done, whichever way; one cancelled before it started
+        still has its socket here."""
+        del self._handshakes[link]
+        sock = self._unstarted.pop(link, None)
+        if sock is not None:
+            sock.close()
+        if link.transport is None:  # never opened: the registry has it only here
+            self._links.by_source.remove(link)
 
     def _failed(self, remote: str, exc: OSError) -> None:
         """One line, no traceback. A warning when the handshake broke the rules or ran

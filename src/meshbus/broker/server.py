@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Callable
 
+from meshbus.broker.admission import evicted_why, source_of
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.control import ControlHandler
 from meshbus.broker.dialer import Dialer, dial_tcp
@@ -126,7 +127,7 @@ class Broker:
         self.clock = clock
         self.stats = TrafficStats()
         self.lag = LoopLag()
-        self.links = LinkRegistry()
+        self.links = LinkRegistry(config.max_handshaking_per_source)
         self.tls: TLSAcceptor | None = None
         if config.tls_cert:
             cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
@@ -135,8 +136,9 @@ class Broker:
                 timeout=config.handshake_timeout,
                 max_handshaking=config.max_handshaking,
                 require_cert=config.tls_verify_clients,
-                waiting_for_hello=lambda: len(self.links.handshaking),
+                links=self.links,
                 new_link=self.new_link,
+                evict=self._evict,
             )
             dialer = dialer or functools.partial(dial_tcp, tls=dial_context(cert, key, ca))
         self.peers = Peers()
@@ -407,7 +409,9 @@ class Broker:
         """A connection is up (with TLS, its TLS handshake done). One this broker accepted
         must finish its handshake -- HELLO, and the sign-in when the broker has users --
         within ``handshake_timeout`` (``expire_handshakes``), and at most
-        ``max_handshaking`` may be at it: past that a new one is closed at once."""
+        ``max_handshaking`` may be at it: past that a new one is closed at once. Of those,
+        at most ``max_handshaking_per_source`` from one address: past that the one of
+        them that waited longest is closed (meshbus.broker.admission)."""
         links = self.links
         links.opened(link)
         if link.dialled:
@@ -423,7 +427,17 @@ class Broker:
                 CloseReason.REFUSED,
             )
             return
+        if self.tls is None:  # with TLS, counted from its accept (TLSAcceptor)
+            evicted = links.by_source.add(source_of(link.host), link)
+            if evicted is not None:
+                self._evict(evicted)
         links.handshaking[link] = self.clock() + config.handshake_timeout
+
+    def _evict(self, link: Link) -> None:
+        """Close ``link``, still in its handshake: the one from its address that waited
+        longest when another came from there past ``max_handshaking_per_source``."""
+        per_source = self.config.max_handshaking_per_source
+        link.fail(ErrorCode.LIMIT_EXCEEDED, evicted_why(per_source, link.host), CloseReason.REFUSED)
 
     def expire_handshakes(self) -> None:
         """Close the connections that did not finish their handshake in time (from
