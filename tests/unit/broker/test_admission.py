@@ -7,7 +7,14 @@ import pytest
 
 from meshbus.broker.admission import HandshakesBySource, source_of
 from meshbus.protocol.codec import ControlFrame, encode_control
-from meshbus.protocol.control import MAX_SESSION, MAX_TOKEN, MAX_USER_NAME, Auth, Error, Hello
+from meshbus.protocol.control import (
+    MAX_SESSION,
+    MAX_USER_NAME,
+    TOKEN_PROOF_SIZE,
+    Auth,
+    Error,
+    Hello,
+)
 from meshbus.protocol.handshake import MAX_HANDSHAKE_FRAME, NONCE_SIZE, SIGNATURE_SIZE
 from meshbus.protocol.layout import ControlType, ErrorCode
 from tests.unit.broker.fakes import FakeNetwork, connect_client, describe_frame, start_broker
@@ -72,7 +79,7 @@ def test_the_largest_auth_and_a_hello_fit_under_the_handshake_frame_cap() -> Non
     auth = Auth(
         user="\U0001f600" * MAX_USER_NAME,
         signature=bytes(SIGNATURE_SIZE),
-        token="\U0001f600" * MAX_TOKEN,
+        token_proof=bytes(TOKEN_PROOF_SIZE),
     )
     hello = Hello(
         name="n" * 256,
