@@ -137,8 +137,8 @@ SIGN_IN_CONTEXT = b"meshbus sign-in v1\x00"
 BROKER_PROOF_CONTEXT = b"meshbus broker proof v1\x00"
 
 # The largest frame the accepting side takes before the handshake is done (docs/protocol.md
-# §2): the biggest AUTH is under 5 KiB (a MAX_TOKEN-character token at 4 bytes a character,
-# a MAX_USER_NAME-character user, a signature) and a HELLO is names, an address, a session
+# §2): the biggest AUTH is under 1 KiB (a MAX_USER_NAME-character user at 4 bytes a
+# character, a signature or a token's proof) and a HELLO is names, an address, a session
 # and a nonce. A client must not send anything else before WELCOME, so a connection that
 # has not said who it is never makes the broker hold a buffer of up to --max-frame.
 MAX_HANDSHAKE_FRAME = 8 * 1024
