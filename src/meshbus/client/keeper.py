@@ -573,10 +573,8 @@ class LinkKeeper:
             # A refused change gets no SYNCED (its future is cancelled): nothing to wait for.
             _raise_lost(await asyncio.gather(*synced, return_exceptions=True))
         finally:
-            # Those not awaited (a change failed first) must not hold a later loss of the
-            # link as an exception nobody retrieves.
             for future in synced:
-                future.cancel()
+                future.cancel()  # not awaited, once a change failed: waited for no more
 
     # -- keepalive ---------------------------------------------------------------------
 
