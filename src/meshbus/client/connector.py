@@ -283,7 +283,7 @@ class Connector:
 
     @property
     def failovers(self) -> int:
-        """Times the connector reconnected after losing its broker (to another, or to it once back)."""
+        """Times the connector reconnected after losing its broker (to another, or the same)."""
         return self._parts.keeper.failovers
 
     @property

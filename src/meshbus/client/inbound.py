@@ -121,15 +121,7 @@ class Inbound:
         """``future`` gets the SYNCED with ``correlation`` over ``link``; it stops waiting
         for it once it is done (or cancelled)."""
         self._synced[correlation] = (future, link)
-
-        def done(_: asyncio.Future[ControlFrame]) -> None:
-            self._synced.pop(correlation, None)
-            if not future.cancelled():
-                # The link was lost: news only to whoever still awaits it, not an error
-                # for the loop to report once nobody did (its change failed first).
-                future.exception()
-
-        future.add_done_callback(done)
+        future.add_done_callback(lambda _: self._synced.pop(correlation, None))
 
     def response(
         self, key: tuple[bytes, int], link: BrokerLink

@@ -573,8 +573,10 @@ class LinkKeeper:
             # A refused change gets no SYNCED (its future is cancelled): nothing to wait for.
             _raise_lost(await asyncio.gather(*synced, return_exceptions=True))
         finally:
+            # Once a change failed the rest are not awaited: cancel() also marks a loss one
+            # got as seen, so the loop does not report it as an exception never retrieved.
             for future in synced:
-                future.cancel()  # not awaited, once a change failed: waited for no more
+                future.cancel()
 
     # -- keepalive ---------------------------------------------------------------------
 
