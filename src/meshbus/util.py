@@ -31,16 +31,21 @@ class BackgroundTasks:
         return task
 
     async def cancel(self) -> None:
-        """Cancel every task and wait until they have ended."""
-        tasks = list(self._tasks)
+        """Cancel every task (but the one calling) and wait until they have ended."""
+        tasks = self._others()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def cancel_now(self) -> None:
-        """Cancel every task without waiting (from synchronous code)."""
-        for task in list(self._tasks):
+        """Cancel every task (but the one calling) without waiting."""
+        for task in self._others():
             task.cancel()
+
+    def _others(self) -> list[asyncio.Task[Any]]:
+        # A task that ends its owner must not cancel itself halfway through the ending.
+        me = asyncio.current_task()
+        return [task for task in self._tasks if task is not me]
 
 
 class Turns(Generic[K]):

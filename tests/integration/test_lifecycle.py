@@ -127,8 +127,9 @@ async def test_bad_listen_argument_fails_readably(listen):
 async def test_connectors_see_connection_lost_when_broker_stops(sig):
     broker = await launch_broker()
     try:
-        requester_conn = await meshbus.connect(broker.address, server="req")
-        responder_conn = await meshbus.connect(broker.address, server="resp")
+        # They try to reconnect for failover_timeout (the broker might come back): short here.
+        requester_conn = await meshbus.connect(broker.address, server="req", failover_timeout=0.5)
+        responder_conn = await meshbus.connect(broker.address, server="resp", failover_timeout=0.5)
         requester = await requester_conn.register()
         silent = await responder_conn.register()
         listener = await responder_conn.register()

@@ -89,9 +89,10 @@ async def connect(
 
     ``server`` is the server name of this process's unicast addresses (at most
     11 bytes); it defaults to the host name when that fits. ``timeout`` bounds
-    connecting (over every address given). With ``failover`` the connector moves
-    to another broker when its broker dies, for up to ``failover_timeout``
-    seconds; ``keepalive`` is how long a silent link may stay silent before the
+    connecting (over every address given). With ``failover``, when its broker dies
+    the connector reconnects -- to another broker, or to that one once it is back --
+    trying for up to ``failover_timeout`` seconds while sends wait; then
+    ``ConnectionLost``. ``keepalive`` is how long a silent link may stay silent before the
     connector pings it (three intervals without an answer count as a dead broker).
     ``request_timeout`` bounds each request the broker answers (register, join, stream
     calls, stat, ...): one not answered in time raises ``meshbus.Timeout`` (0: wait as

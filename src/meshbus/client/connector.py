@@ -161,6 +161,23 @@ class ConnectorParts:
         except BaseException:
             self.abort()
             raise
+        self.tasks.spawn(self._close_when_cancelled(), "close when cancelled")
+
+    async def _close_when_cancelled(self) -> None:
+        """Wait, as long as the connector lives, to be cancelled by anyone but the end.
+
+        A program whose main coroutine returns without ``close()`` has ``asyncio.run``
+        cancel every task once and wait for them. A link lost during that pass would
+        start a failover after it -- a task nothing cancels, destroyed pending when the
+        loop closes. This task is one of those cancelled: it closes the connector (so
+        nothing starts anew) and waits for the connector's tasks, all within the pass."""
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            if not self.links.closed:
+                await self.close_and_wait()
+                await self.tasks.cancel()
+            raise
 
     def shutdown(self, error: MeshbusError) -> None:
         """The end: closed (by the user) or lost (the mesh). Everything that waits gets
@@ -184,6 +201,13 @@ class ConnectorParts:
         self.shutdown(NotConnected("the connector was closed"))
         for link in links:
             link.close()
+
+    async def close_and_wait(self) -> None:
+        """``close``, and return once every link's socket is closed (a TLS link's within
+        ``_CLOSE_GRACE``)."""
+        links = self.links.all()
+        self.close()
+        await asyncio.gather(*(link.gone(_CLOSE_GRACE) for link in links))
 
     def abort(self) -> None:
         """Drop every link at once, no goodbye (a connect that failed)."""
@@ -259,7 +283,7 @@ class Connector:
 
     @property
     def failovers(self) -> int:
-        """Times the connector reconnected to another broker after losing its own."""
+        """Times the connector reconnected after losing its broker (to another, or the same)."""
         return self._parts.keeper.failovers
 
     @property
@@ -386,6 +410,4 @@ class Connector:
     async def close(self) -> None:
         """Say goodbye and close the link. Pending requests fail with ``NotConnected``.
         It returns once the link's socket is closed (a TLS link's within a second)."""
-        links = self._parts.links.all()
-        self._parts.close()
-        await asyncio.gather(*(link.gone(_CLOSE_GRACE) for link in links))
+        await self._parts.close_and_wait()

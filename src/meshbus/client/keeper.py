@@ -2,14 +2,17 @@
 
 Failover (docs/mesh.md). The connector knows every broker that takes connectors:
 the addresses it was given, then the list the brokers push (in WELCOME and
-BROKERS frames). When its broker dies, it drops that broker from the list, picks
-another at random, reconnects, and registers every service again *with the same
-address* and the same group memberships -- the broker sees the connector's session
-id and lets it take its own addresses back. Meanwhile sends wait (up to
-``failover_timeout``); requests that were in flight through the dead broker fail
-with ``ConnectionLost``, since their pending entries died with it. With no other
-broker to go to, the link is simply lost. A broker that refuses a connector (full,
-joining, draining) names one that has room, and the connector goes there.
+BROKERS frames). When its broker dies, it drops that broker from the list and
+reconnects -- to the others in random order, then to those it was given and the
+one it lost (a broker that restarts comes back there), round after round with a
+jittered, growing pause, until ``failover_timeout`` -- and registers every service
+again *with the same address* and the same group memberships: the broker sees the
+connector's session id and lets it take its own addresses back, and a restarted
+broker, which knows nothing of them, takes them as new. Meanwhile sends wait;
+requests that were in flight through the dead broker fail with ``ConnectionLost``,
+since their pending entries died with it. Only when ``failover_timeout`` passes is
+the mesh lost. A broker that refuses a connector (full, joining, draining) names
+one that has room, and the connector goes there.
 
 Moves (rebalancing after a join, or a drain): the broker sends MOVE; the
 connector opens a link to the new broker, registers everything there, switches
@@ -33,7 +36,7 @@ import os
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -77,8 +80,11 @@ B = TypeVar("B", bound=Body)
 
 # Brokers that refuse us in a row while naming another one before we give up on that chain.
 _MAX_REDIRECTS = 8
-# Pause between rounds over the broker list while failing over.
-_RETRY_PAUSE = 0.05
+# Pause between rounds over the broker list while failing over: the first, doubled
+# after each round up to the last, each drawn at random from its upper half so that the
+# connectors of a broker that died do not all dial together.
+_RETRY_FIRST = 0.05
+_RETRY_MOST = 1.0
 
 
 def _authentication_failed(address: str, refused: HelloRefused) -> AuthenticationFailed:
@@ -231,6 +237,7 @@ class LinkKeeper:
         shutdown: Callable[[MeshbusError], None],
     ) -> None:
         self.brokers = list(brokers)
+        self._given = list(brokers)  # what connect() was given: tried too when failing over
         self.failovers = 0
         self.moves = 0
         self._identity = identity
@@ -256,20 +263,17 @@ class LinkKeeper:
 
     async def start(self) -> None:
         """Link to one of the brokers the connector was given, in their order."""
-        self.activate(await self.open_any(self.brokers, random_order=False))
+        self.activate(await self.open_any(self.brokers))
 
-    async def open_any(self, addresses: list[str], *, random_order: bool) -> BrokerLink:
+    async def open_any(self, addresses: list[str]) -> BrokerLink:
         """A handshaken link to one of ``addresses``, following redirects; if none takes
         us, ConnectionLost naming every reason -- TLSError when a TLS failure was among
         them, since that one needs fixing rather than waiting for; AuthenticationFailed
         at once if one refuses our credentials (or wants some), PermissionDenied if it
         refuses our user an operator link."""
-        order = list(addresses)
-        if random_order:
-            self._rng.shuffle(order)
         reasons: list[str] = []
         tls_failed = False
-        for address in order:
+        for address in addresses:
             for _ in range(_MAX_REDIRECTS):
                 try:
                     return await self._open(address)
@@ -420,43 +424,64 @@ class LinkKeeper:
             return True
         if link.address in self.brokers:
             self.brokers.remove(link.address)
-        if not self._failover_timeout or not self.brokers:
-            return False  # no failover, or no other broker to go to (the seed's rule)
+        if not self._failover_timeout:
+            return False
         links.failing_over()
-        log.info("broker lost, failing over", extra={"broker": link.broker_name, "why": str(error)})
-        self._tasks.spawn(self._fail_over(error), "failover")
+        log.warning(
+            "lost the broker, reconnecting",
+            extra={
+                "broker": link.broker_name,
+                "why": str(error),
+                "failover_timeout": self._failover_timeout,
+            },
+        )
+        self._tasks.spawn(self._fail_over(error, link.address), "failover")
         return True
 
-    async def _fail_over(self, lost: ConnectionLost) -> None:
-        """Reconnect to another broker and bring every service back, same addresses."""
+    async def _fail_over(self, lost: ConnectionLost, address: str) -> None:
+        """Reconnect -- to another broker, or to ``address`` (the one lost) once it is
+        back -- and bring every service back, same addresses."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._failover_timeout
         reasons = ""
+        pause = _RETRY_FIRST
         async with self._gate.copy():
-            while loop.time() < deadline:
+            while (left := deadline - loop.time()) > 0:
                 try:
-                    async with asyncio.timeout(max(0.05, deadline - loop.time())):
-                        link = await self.open_any(self.brokers, random_order=True)
-                        await self._restore(link)
+                    async with asyncio.timeout(left):
+                        link = await self._open_restored(self._reconnect_order(address))
                 except (ConnectionLost, TLSError, TimeoutError) as exc:
-                    reasons = str(exc)
-                    await asyncio.sleep(_RETRY_PAUSE)
+                    reasons = str(exc) or reasons  # the deadline's TimeoutError says nothing
+                    await asyncio.sleep(min(self._rng.uniform(pause / 2, pause), left))
+                    pause = min(2 * pause, _RETRY_MOST)
                     continue
                 except AuthenticationFailed as exc:
                     # The same credentials will not do better on the next round.
-                    self._shutdown(ConnectionLost(f"{lost}; failing over: {exc}"))
+                    self._give_up(ConnectionLost(f"{lost}; failing over: {exc}"))
                     return
                 self.failovers += 1
                 self.activate(link)
                 self._resend_all()
                 log.info("failed over", extra={"broker": link.broker_name})
                 return
-        self._shutdown(
+        self._give_up(
             ConnectionLost(
-                f"{lost}; no other broker took this connector within "
-                f"{self._failover_timeout} s ({reasons})"
+                f"{lost}; no broker took this connector within failover_timeout "
+                f"{self._failover_timeout} s ({reasons or 'no answer'})"
             )
         )
+
+    def _reconnect_order(self, lost: str) -> list[str]:
+        """Every broker the connector knows: the mesh's others in random order, then those
+        it was given, then ``lost`` -- most likely still down, so last."""
+        order = list(self.brokers)
+        self._rng.shuffle(order)
+        order.extend(a for a in dict.fromkeys([*self._given, lost]) if a not in order)
+        return order
+
+    def _give_up(self, error: ConnectionLost) -> None:
+        log.error("lost the mesh", extra={"error": str(error)})
+        self._shutdown(error)
 
     # -- moving ----------------------------------------------------------------------------
 
@@ -469,8 +494,7 @@ class LinkKeeper:
             if old is not via or links.closed or not links.connected.is_set():
                 return  # from a link that did not take over, or no longer ours
             try:
-                link = await self.open_any([address], random_order=False)
-                await self._restore(link)
+                link = await self._open_restored([address])
             except (ConnectionLost, TLSError, RemoteProtocolError, AuthenticationFailed) as exc:
                 log.warning("could not move", extra={"to": address, "error": str(exc)})
                 return
@@ -482,6 +506,18 @@ class LinkKeeper:
             self.activate(link)
             old.write(encode_control(ControlType.BYE, Bye(reason=f"moved: {reason}")))
         log.info("moved", extra={"to": link.broker_name, "reason": reason})
+
+    async def _open_restored(self, addresses: list[str]) -> BrokerLink:
+        """A link to the first of ``addresses`` that takes the connector, with every
+        service restored on it; a link that fails meanwhile (or a cancelled wait) is
+        dropped, not left open beside the connector's own."""
+        link = await self.open_any(addresses)
+        try:
+            await self._restore(link)
+        except BaseException:
+            link.abort()
+            raise
+        return link
 
     async def _restore(self, link: BrokerLink) -> None:
         """Register every service on ``link`` with its own address, then its groups, and
@@ -505,46 +541,47 @@ class LinkKeeper:
             synced.append(future)
             return ask(type_, body, answer, subject, link=link, synced=future)
 
-        answers = await asyncio.gather(
-            *(
-                change(
-                    ControlType.REGISTER,
-                    Register(server=e.address.server, instance=e.address.instance),
-                    AddressBody,
-                    str(e.address),
-                )
-                for e in mailboxes
-            ),
-            return_exceptions=True,
-        )
-        joins: list[Coroutine[Any, Any, Body]] = []
-        for mailbox, answer in zip(mailboxes, answers, strict=True):
-            if isinstance(answer, ConnectionLost):
-                raise answer
-            if isinstance(answer, BaseException):
-                log.error(
-                    "a service could not be registered again after failover",
-                    extra={"address": str(mailbox.address), "error": str(answer)},
-                )
-                self._forget(mailbox, answer if isinstance(answer, MeshbusError) else None)
-                continue
-            joins.extend(
-                change(
-                    ControlType.JOIN,
-                    Membership(member=mailbox.raw, group=group.to_bytes()),
-                    Empty,
-                )
-                for group in mailbox.groups
+        try:
+            answers = await asyncio.gather(
+                *(
+                    change(
+                        ControlType.REGISTER,
+                        Register(server=e.address.server, instance=e.address.instance),
+                        AddressBody,
+                        str(e.address),
+                    )
+                    for e in mailboxes
+                ),
+                return_exceptions=True,
             )
-        if self._inbound.left.handlers:
-            joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))
-        for answer in await asyncio.gather(*joins, return_exceptions=True):
-            if isinstance(answer, ConnectionLost):
-                raise answer
-        # A refused change gets no SYNCED (its future is cancelled): nothing to wait for.
-        for done in await asyncio.gather(*synced, return_exceptions=True):
-            if isinstance(done, ConnectionLost):
-                raise done
+            _raise_lost(answers)
+            joins: list[Coroutine[Any, Any, Body]] = []
+            for mailbox, answer in zip(mailboxes, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    log.error(
+                        "a service could not be registered again after failover",
+                        extra={"address": str(mailbox.address), "error": str(answer)},
+                    )
+                    self._forget(mailbox, answer if isinstance(answer, MeshbusError) else None)
+                    continue
+                joins.extend(
+                    change(
+                        ControlType.JOIN,
+                        Membership(member=mailbox.raw, group=group.to_bytes()),
+                        Empty,
+                    )
+                    for group in mailbox.groups
+                )
+            if self._inbound.left.handlers:
+                joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))
+            _raise_lost(await asyncio.gather(*joins, return_exceptions=True))
+            # A refused change gets no SYNCED (its future is cancelled): nothing to wait for.
+            _raise_lost(await asyncio.gather(*synced, return_exceptions=True))
+        finally:
+            # Once a change failed the rest are not awaited: cancel() also marks a loss one
+            # got as seen, so the loop does not report it as an exception never retrieved.
+            for future in synced:
+                future.cancel()
 
     # -- keepalive ---------------------------------------------------------------------
 
@@ -568,3 +605,10 @@ class LinkKeeper:
                 link.abort(f"no answer for {silent:.1f} s")
             elif silent > interval:
                 link.write(encode_control(ControlType.PING, Empty()))
+
+
+def _raise_lost(answers: Sequence[object]) -> None:
+    """The first ConnectionLost among ``answers``: the link is gone, the rest is moot."""
+    for answer in answers:
+        if isinstance(answer, ConnectionLost):
+            raise answer
