@@ -176,6 +176,20 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+async def settled_rss_kib(pid: int, timeout: float = 10.0) -> int:
+    """The RSS once it has stopped falling: the last slices of a withdrawal and the
+    allocator's giving back may still be under way when the routes read 0."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last = rss_kib(pid)
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.25)
+        now = rss_kib(pid)
+        if now > last - 256:
+            return min(now, last)
+        last = now
+    return last
+
+
 async def answers(link: RawLink, count: int, expected: ControlType) -> list[ControlFrame]:
     frames = []
     for _ in range(count):
@@ -254,7 +268,7 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
                 return (await stat(broker, detail=False))["routes"] == 0
 
             await wait_until(withdrawn, "every route of the abuser withdrawn", timeout=30)
-            figures.append((during, rss_kib(pid)))
+            figures.append((during, await settled_rss_kib(pid)))
         lag = (await stat(broker, detail=False))["loop_lag_ms"]
         print(f"{allocator} VmRSS KiB: baseline {baseline}, (during, after) x2: {figures}")
         print(f"{allocator} loop lag through the abuse and its withdrawal: {lag}")
