@@ -42,7 +42,7 @@ tmux:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null \
 	  || { echo "could not install tmux: run 'apt-get install tmux' as root"; exit 1; }; }
 
-# One worker per core; each suite of Spark tests shares one worker, so one JVM (tests/conftest.py).
+# One worker per core; the Spark tests share one worker, so one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n auto --dist loadgroup
 
 test: lint typecheck nats-server prometheus tmux

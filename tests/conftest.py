@@ -85,14 +85,10 @@ async def broker() -> AsyncIterator[BrokerProcess]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (make test runs a worker per core), the tests that use a
-    # session's SparkSession run on as few workers as there are suites of them: the data
-    # source's (tests/spark, and elsewhere) on one, the report's (tests/report) on
-    # another, so each suite starts its JVM once while the two share the run's wall
-    # time (together on one worker, they were the run's longest path). Tests that run
-    # Spark in a process of their own (the demo, the spark bench, the standalone
-    # cluster) go wherever there is room.
+    # Under pytest-xdist (make test runs a worker per core), every test that uses the
+    # session's SparkSession runs on one worker: one JVM of it, started once, as in a
+    # serial run. Tests that run Spark in a process of their own (the demo, the spark
+    # bench, the standalone cluster) go wherever there is room.
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
-            suite = "report" if item.path.parent.name == "report" else "source"
-            item.add_marker(pytest.mark.xdist_group(f"spark-{suite}"))
+            item.add_marker(pytest.mark.xdist_group("spark"))
