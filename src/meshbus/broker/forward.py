@@ -224,16 +224,14 @@ class Forwarder:
                 permissions.may_request(dst) if flags & FLAG_REQUEST else permissions.may_send(dst)
             )
         ):
-            refusal = _refusal(permissions, flags, dst) if flags & _TELL_SENDER else ""
-            denied = Decision(total, (), Carry.DENIED, src, dst, refusal)
             if flags & _REQUEST_OR_EXT != FLAG_EXT or cast_type != CAST_UNICAST:
-                return denied
+                return _denied(permissions, flags, total, src, dst)
             # A copy for a group sent to the member the mesh chose: the group's send
             # right covers it. Decided per frame, never cached: the next frame of this
             # routing key may be for another group, or for none.
             group = _group_named(permissions, mv[pos + _HEADER_SIZE : pos + total])
             if not group:
-                self.forward(link, denied, buf, mv, pos)
+                self.forward(link, _denied(permissions, flags, total, src, dst), buf, mv, pos)
                 return None
             if not routing.is_member(dst, group):
                 # Allowed, but the member has left the group (or its join has not reached
@@ -507,12 +505,18 @@ class Forwarder:
         )
 
 
-def _refusal(permissions: Permissions, flags: int, dst: bytes) -> str:
-    """Why a frame with ``flags`` to ``dst`` is refused: the permission it lacks."""
-    where = describe_address(dst)
-    if flags & FLAG_REQUEST:
-        return permissions.denial(f"send requests to {where}", "request")
-    return permissions.denial(f"send to {where}", "send")
+def _denied(permissions: Permissions, flags: int, total: int, src: bytes, dst: bytes) -> Decision:
+    """The refusal of a frame with ``flags`` to ``dst``; its reason (the permission it
+    lacks) is written only when the sender is to be told."""
+    reason = ""
+    if flags & _TELL_SENDER:
+        where = describe_address(dst)
+        reason = (
+            permissions.denial(f"send requests to {where}", "request")
+            if flags & FLAG_REQUEST
+            else permissions.denial(f"send to {where}", "send")
+        )
+    return Decision(total, (), Carry.DENIED, src, dst, reason)
 
 
 def _responders(dst: bytes, targets: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
