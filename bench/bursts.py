@@ -8,7 +8,7 @@ service); a third broker joins the mesh (both send it their whole table); the
 connector closes (its COUNT services leave every table).
 
 Each broker measures its own loop's lag (a probe that wakes every 20 ms,
-meshbus.broker.lag); the command reads it from ``stat`` at the end and reports the
+meshbus.broker.observe.lag); the command reads it from ``stat`` at the end and reports the
 largest lag on the entry broker, and on the others (which apply the same changes
 from the ROUTES they are sent). It also reports ``suspicions``: peer links any
 broker closed on its own (a peer taken for dead) -- a stall past the heartbeat

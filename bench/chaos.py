@@ -58,7 +58,7 @@ from bench.brokers import MeshbusProcess, MeshbusProcesses
 from bench.gate import BrokerGate
 from bench.harness import CheckFailed, close_all, run_on_brokers
 from bench.report import new_table, print_tables
-from meshbus.cli_broker import PARTITION_HANDLING
+from meshbus.cli.broker import PARTITION_HANDLING
 
 PAYLOAD = struct.Struct(">IHHI")  # id, sender, group (NO_GROUP for unicast), seq
 NO_GROUP = 0xFFFF

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshbus.address import Multicast, Unicast
-from meshbus.broker.pending import PendingTable
-from meshbus.broker.routing import RoutingTable
+from meshbus.broker.core.pending import PendingTable
+from meshbus.broker.core.routing import RoutingTable
 
 
 @dataclass

@@ -1,3 +1,3 @@
-from meshbus.cli import main
+from meshbus.cli.main import main
 
 main()

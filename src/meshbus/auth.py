@@ -11,7 +11,7 @@ of a key derived from the token, from which no proof can be made).
 Both ends use this module: ``Credentials`` (public, ``meshbus.Credentials``) is the
 client's side, and the text forms -- ``ed25519:<base64>`` keys and
 ``token-v2:<base64>`` token keys -- are what the broker's config file
-(meshbus.broker.users) and ``meshbus keygen`` / ``meshbus hash-token`` read and write.
+(meshbus.broker.security.users) and ``meshbus keygen`` / ``meshbus hash-token`` read and write.
 ``scrypt:N:r:p:<salt>:<hash>`` token hashes are the monitor's (``--monitor-token-hash``):
 over HTTP the token itself is sent.
 """

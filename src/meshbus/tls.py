@@ -38,7 +38,7 @@ _NOT_TLS = frozenset(
 def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     """A broker's listening context: its certificate and key; with ``ca``, client
     certificates signed by it are asked for -- peer brokers must show one, and with
-    --tls-verify-clients every link (meshbus.broker.secure)."""
+    --tls-verify-clients every link (meshbus.broker.security.acceptor)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     _load_chain(context, cert, key)
     if ca:

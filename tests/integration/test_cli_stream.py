@@ -1,8 +1,8 @@
 """``meshbus stream``, run as real subprocesses against real brokers: the happy path of
 every command, and clean errors (no traceback, the right exit code) for bad input.
 
-Runs as `python -m meshbus stream ...` once the group is registered in meshbus.cli, and
-through a one-line shim around ``meshbus.cli_stream.stream`` until then.
+Runs as `python -m meshbus stream ...` once the group is registered in meshbus.cli.main, and
+through a one-line shim around ``meshbus.cli.stream.stream`` until then.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass
 
 import meshbus
-from meshbus.cli import main
+from meshbus.cli.main import main
 from tests.conftest import BrokerProcess, start_mesh, stop_all
 
 CLI_TIMEOUT = 30.0
-_SHIM = "from meshbus.cli_stream import stream; stream(prog_name='meshbus stream')"
+_SHIM = "from meshbus.cli.stream import stream; stream(prog_name='meshbus stream')"
 
 
 @dataclass

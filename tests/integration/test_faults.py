@@ -16,7 +16,7 @@ import pytest
 
 import meshbus
 from bench.gate import BrokerGate
-from meshbus.broker.groups import home_of
+from meshbus.broker.mesh.groups import home_of
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import ACK_TIMEOUT, Collector, stat, wait_members
 

@@ -15,9 +15,9 @@ import pytest
 
 import meshbus
 from meshbus.auth import Credentials
-from meshbus.broker import outbox
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.permissions import Permissions
+from meshbus.broker.core import outbox
+from meshbus.broker.security.permissions import Permissions
 from meshbus.broker.server import Broker
 from tests.conftest import start_broker
 from tests.integration.helpers import broker_key

@@ -23,7 +23,7 @@ import pytest
 
 import meshbus
 from meshbus.auth import Credentials
-from meshbus.broker.groups import home_of
+from meshbus.broker.mesh.groups import home_of
 from meshbus.errors import TryAgain
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import (

@@ -21,7 +21,7 @@ from meshbus.auth import (
     resolve_credentials,
     users_entry,
 )
-from meshbus.broker.users import User, UserTable
+from meshbus.broker.security.users import User, UserTable
 from meshbus.protocol.control import NONCE_SIZE
 from meshbus.protocol.handshake import SIGN_IN_CONTEXT, sign_in_message
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshbus.broker.balance import (
+from meshbus.broker.mesh.balance import (
     excess,
     incoming_link_wins,
     quotas,

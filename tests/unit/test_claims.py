@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from meshbus.broker.claims import ClaimTable, is_slot_key, slot_key
+from meshbus.broker.mesh.claims import ClaimTable, is_slot_key, slot_key
 
 KEY = b"\x01" + b"game01".ljust(11, b"\x00") + (5).to_bytes(4, "big")
 S1, S2, S3 = b"1" * 16, b"2" * 16, b"3" * 16

@@ -1,5 +1,5 @@
 """The broker's config file checked: ``meshbus broker --check-config`` lists every error
-with its line, and the key paths of errors find their lines (meshbus.config_lines)."""
+with its line, and the key paths of errors find their lines (meshbus.cli.config_lines)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from meshbus.auth import Credentials, TokenKey, users_entry
-from meshbus.cli_broker import broker
-from meshbus.cli_config import BadConfig, read_config, reread_users
-from meshbus.config_lines import KeyLines
+from meshbus.cli.broker import broker
+from meshbus.cli.config import BadConfig, read_config, reread_users
+from meshbus.cli.config_lines import KeyLines
 
 TEXT = """\
 listen = "127.0.0.1:0"   # line 1

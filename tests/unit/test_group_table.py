@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshbus.broker.groups import GroupTable, home_of
+from meshbus.broker.mesh.groups import GroupTable, home_of
 
 POOL = b"\x03pool" + bytes(11)
 A, B, C = (b"\x01" + bytes(14) + bytes([i]) for i in (1, 2, 3))

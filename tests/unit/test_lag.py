@@ -1,10 +1,10 @@
-"""The event-loop lag record (meshbus.broker.lag): maximum, percentiles, constant memory."""
+"""The event-loop lag record (meshbus.broker.observe.lag): maximum, percentiles, constant memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshbus.broker.lag import BOUNDS_MS, LoopLag
+from meshbus.broker.observe.lag import BOUNDS_MS, LoopLag
 
 
 def test_no_sample_is_all_zero() -> None:

@@ -1,4 +1,4 @@
-"""The monitoring endpoint (meshbus.broker.monitor): the exposition of the broker's
+"""The monitoring endpoint (meshbus.broker.observe.monitor): the exposition of the broker's
 counters from a fake source, and the tiny HTTP server's answers and bounds."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshbus.auth import TokenHash
-from meshbus.broker.lag import LoopLag
-from meshbus.broker.monitor import (
+from meshbus.broker.observe.lag import LoopLag
+from meshbus.broker.observe.monitor import (
     DROP_REASONS,
     BrokerCollector,
     MonitorLimits,

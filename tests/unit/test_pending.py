@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from meshbus.address import Anycast, Unicast
-from meshbus.broker.pending import (
+from meshbus.broker.core.pending import (
     COMPACT_SLACK,
     WRONG_RESPONDER,
     PendingEntry,
@@ -282,7 +282,7 @@ def test_count_follows_add_resolve_expire_replace_and_drop() -> None:
 
 
 def test_indexes_match_the_entries_under_random_operations() -> None:
-    """And a tally shared by links a and b (a user's: meshbus.broker.usage) counts their
+    """And a tally shared by links a and b (a user's: meshbus.broker.core.usage) counts their
     entries, whatever removes them -- an entry of c, another user's, replacing one too."""
     rng = random.Random(7)
     t: PendingTable[str] = PendingTable()

@@ -1,4 +1,4 @@
-"""A user's permissions table (meshbus.broker.permissions): patterns, deny wins, a list or
+"""A user's permissions table (meshbus.broker.security.permissions): patterns, deny wins, a list or
 a table, streams and operator rights, and the errors of a table the broker cannot use."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from meshbus.address import BROADCAST_GROUP, Anycast, Multicast, Unicast
-from meshbus.broker.permissions import MEMO_SIZE, BadPermissions, Permissions, Rule
+from meshbus.broker.security.permissions import MEMO_SIZE, BadPermissions, Permissions, Rule
 from meshbus.errors import InvalidArgument
 
 

@@ -1,5 +1,5 @@
-"""A user's ``[users.quotas]`` read and checked (meshbus.broker.quotas), and the usage
-table that holds each user's figures against them (meshbus.broker.usage)."""
+"""A user's ``[users.quotas]`` read and checked (meshbus.broker.security.quotas), and the usage
+table that holds each user's figures against them (meshbus.broker.core.usage)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 from meshbus.address import Multicast, server_name_bytes
 from meshbus.auth import Credentials
-from meshbus.broker.endpoint import Endpoint, is_peer
-from meshbus.broker.link import Link
-from meshbus.broker.quotas import MAX_QUOTA, QUOTA_KEYS, BadQuotas, Quotas
-from meshbus.broker.routing import RoutingTable
-from meshbus.broker.usage import QuotaExceeded, UsageTable
-from meshbus.broker.users import User, UserTable
-from meshbus.cli_broker import broker
-from meshbus.cli_config import read_config
+from meshbus.broker.core.endpoint import Endpoint, is_peer
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.routing import RoutingTable
+from meshbus.broker.core.usage import QuotaExceeded, UsageTable
+from meshbus.broker.security.quotas import MAX_QUOTA, QUOTA_KEYS, BadQuotas, Quotas
+from meshbus.broker.security.users import User, UserTable
+from meshbus.cli.broker import broker
+from meshbus.cli.config import read_config
 from tests.unit.broker.fakes import Hub
 
 ALICE = Credentials.generate("alice")

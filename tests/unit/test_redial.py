@@ -1,10 +1,10 @@
-"""The redial table: whom a broker dials to heal the mesh, and when (meshbus.broker.redial)."""
+"""The redial table: whom a broker dials to heal the mesh, and when (meshbus.broker.mesh.redial)."""
 
 from __future__ import annotations
 
 import random
 
-from meshbus.broker.redial import RedialTable
+from meshbus.broker.mesh.redial import RedialTable
 
 BASE, CAP, FORGET = 0.25, 1.0, 60.0
 

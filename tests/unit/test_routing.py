@@ -15,7 +15,7 @@ from meshbus.address import (
     dynamic_instance,
     server_name_bytes,
 )
-from meshbus.broker.routing import (
+from meshbus.broker.core.routing import (
     COMPACT_AFTER,
     AddressTaken,
     NotOwned,
@@ -221,7 +221,7 @@ def test_many_joins_rebuild_a_groups_caches_once_at_the_next_lookup(
     """A connector bringing thousands of members back (failover, a peer's snapshot)
     must cost O(N), not a rebuild of the whole group per member: that stalled brokers
     past their heartbeat budget."""
-    from meshbus.broker import routing
+    from meshbus.broker.core import routing
 
     rebuilds = Counter[int]()
     real = routing._Group.rebuild
@@ -584,7 +584,7 @@ def test_a_client_using_ever_new_server_names_does_not_grow_the_table() -> None:
     """Each server name's next dynamic id is remembered while it has ids in use and for
     the FREED_NAMES names freed last; beyond that, a name is forgotten (it starts again
     at its first id), so new names cannot grow the table without bound."""
-    from meshbus.broker import routing
+    from meshbus.broker.core import routing
 
     rt = table()
     kept = server_name_bytes("kept")

@@ -10,9 +10,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshbus.broker import store_blocks
-from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
-from meshbus.broker.store import (
+from meshbus.protocol.blocks import BlockSlice
+from meshbus.storage import blocks as store_blocks
+from meshbus.storage.errors import (
+    ConsumerExists,
+    ConsumerNotFound,
+    StoreError,
+    StreamExists,
+    StreamNotFound,
+)
+from meshbus.storage.sqlite import SqliteStreamReader, SqliteStreamStore
+from meshbus.storage.store import (
     Appended,
     ConsumerConfig,
     MemoryStreamStore,
@@ -20,14 +28,6 @@ from meshbus.broker.store import (
     StreamConfig,
     StreamStore,
 )
-from meshbus.broker.store_errors import (
-    ConsumerExists,
-    ConsumerNotFound,
-    StoreError,
-    StreamExists,
-    StreamNotFound,
-)
-from meshbus.protocol.blocks import BlockSlice
 
 SRC = bytes(range(16))
 DST = bytes(range(16, 32))

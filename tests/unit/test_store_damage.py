@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from meshbus.broker import sqlite_store, store_blocks
-from meshbus.broker.sqlite_store import SqliteStreamReader, SqliteStreamStore
-from meshbus.broker.store import ConsumerConfig, NewMessage, StreamConfig
-from meshbus.broker.store_errors import StoreDamaged, StoreError
-from meshbus.broker.store_salvage import Lost, salvage
 from meshbus.errors import MeshbusError
 from meshbus.protocol.blocks import encode_block
+from meshbus.storage import blocks as store_blocks
+from meshbus.storage import sqlite as sqlite_store
+from meshbus.storage.errors import StoreDamaged, StoreError
+from meshbus.storage.salvage import Lost, salvage
+from meshbus.storage.sqlite import SqliteStreamReader, SqliteStreamStore
+from meshbus.storage.store import ConsumerConfig, NewMessage, StreamConfig
 from tests.damage import flip
 
 SRC = bytes(range(16))

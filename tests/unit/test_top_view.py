@@ -1,4 +1,4 @@
-"""What ``meshbus top`` shows (meshbus.cli_top_view): samples and rates from stat
+"""What ``meshbus top`` shows (meshbus.cli.top_view): samples and rates from stat
 answers, the rows, the mesh's total, and what fits a terminal."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from meshbus.broker.monitor import DROP_REASONS
-from meshbus.broker.outbox import TrafficStats
-from meshbus.cli_top_view import (
+from meshbus.broker.core.outbox import TrafficStats
+from meshbus.broker.observe.monitor import DROP_REASONS
+from meshbus.cli.top_view import (
     Row,
     Sample,
     StatUnusable,

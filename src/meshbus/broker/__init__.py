@@ -1,7 +1,7 @@
 """The meshbus broker daemon (``meshbus broker``).
 
 The server is imported on first use, not with the package: a Spark worker reading a
-broker's store file (``meshbus.broker.sqlite_store``) needs none of it.
+broker's store file (``meshbus.storage.sqlite``) needs none of it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from meshbus.auth import Credentials, TokenHash
-from meshbus.broker.users import UserTable
+from meshbus.broker.security.users import UserTable
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME
 
@@ -54,7 +54,7 @@ class BrokerConfig:
     # A broker this one lost (or heard of) is dialled again, with a backoff capped at two
     # heartbeat intervals, until it is back, has left, or this many seconds passed.
     peer_forget: float = 600.0
-    # One of meshbus.cli_broker.PARTITION_HANDLING. "pause-minority": a broker linked to
+    # One of meshbus.cli.broker.PARTITION_HANDLING. "pause-minority": a broker linked to
     # no more than half of the brokers it knows takes no connectors (docs/mesh.md,
     # "Partitions"); "ignore": it goes on.
     partition_handling: str = "ignore"
@@ -74,7 +74,7 @@ class BrokerConfig:
     max_streams: int = 1000
     max_stream_bytes: int = 1 << 30
     max_store_bytes: int = 10 << 30
-    # Telemetry (broker/telemetry.py): seconds between records, 0 for none; and the
+    # Telemetry (broker/observe/telemetry.py): seconds between records, 0 for none; and the
     # share of sends connectors trace while it is on.
     telemetry_interval: float = 0.0
     trace_sample: float = 0.001
@@ -88,7 +88,7 @@ class BrokerConfig:
     max_request_timeout: float = 3600.0  # a request's longer timeout_ms is cut to this
     max_handshaking: int = 1_000  # accepted connections still in their handshake
     # Of those, from one source address (an IPv6 /64); past it the one of that source that
-    # waited longest is closed (meshbus.broker.admission).
+    # waited longest is closed (meshbus.broker.security.handshakes).
     max_handshaking_per_source: int = 128
     handshake_timeout: float = 5.0  # seconds to finish it: HELLO, and the sign-in if any
     max_operators: int = 16  # operator links (meshbus stat, drain) open at once
@@ -111,7 +111,7 @@ class BrokerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     tls_verify_clients: bool = False
-    # -- Monitoring over HTTP (broker/monitor.py, docs/operations.md): HOST:PORT of
+    # -- Monitoring over HTTP (broker/observe/monitor.py, docs/operations.md): HOST:PORT of
     # /metrics, /healthz and /varz, "" for none; and the hash of the bearer token that
     # /metrics and /varz then need (None: no token).
     monitor: str = ""

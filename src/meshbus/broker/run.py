@@ -1,6 +1,6 @@
 """Running a broker as a process: its signals (SIGINT and SIGTERM drain, SIGHUP reloads
 the users), the ready line scripts wait for, and the monitoring endpoint of
-``--monitor`` (broker/monitor.py). ``Broker`` (broker/server.py) is the broker itself."""
+``--monitor`` (broker/observe/monitor.py). ``Broker`` (broker/server.py) is the broker itself."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.mesh import Mesh
+from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.process import ready_line
+from meshbus.broker.security.users import UserTable
 from meshbus.broker.server import Broker
-from meshbus.broker.users import UserTable
 from meshbus.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from meshbus.broker.monitor import MonitorServer
+    from meshbus.broker.observe.monitor import MonitorServer
 
 __all__ = ["serve"]
 
@@ -139,7 +139,7 @@ def broker_state(mesh: Mesh) -> str:
 
 
 async def start_monitor(broker: Broker) -> MonitorServer | None:
-    """The HTTP endpoint of ``--monitor`` (broker/monitor.py), listening; None without
+    """The HTTP endpoint of ``--monitor`` (broker/observe/monitor.py), listening; None without
     one. Built from the parts it reads: the stat view, the link registry's byte counts,
     the loop-lag probe, the stream store."""
     config = broker.config
@@ -147,7 +147,7 @@ async def start_monitor(broker: Broker) -> MonitorServer | None:
     if where is None:
         return None
     # Only with --monitor: a broker without one does not load prometheus_client.
-    from meshbus.broker.monitor import (
+    from meshbus.broker.observe.monitor import (
         BrokerCollector,
         MonitorServer,
         StreamReading,

@@ -7,7 +7,7 @@ Everything runs on one event loop thread and never awaits inside frame
 handling, so a routing change made by a control frame is visible to the very
 next frame of the same read -- that is what keeps a REGISTER followed by a send
 from the new address in order (a REGISTER that must wait for the mesh blocks
-its link instead; see meshbus.broker.control).
+its link instead; see meshbus.broker.handlers.control).
 """
 
 from __future__ import annotations
@@ -22,34 +22,34 @@ import random
 import time
 from collections.abc import Callable
 
-from meshbus.broker.admission import evicted_why, source_of
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.control import ControlHandler
-from meshbus.broker.dialer import Dialer, dial_tcp
-from meshbus.broker.dispatch import ControlDispatch, ControlTable
-from meshbus.broker.endpoint import CloseReason, Endpoint, LinkRole, is_peer
-from meshbus.broker.forward import Forwarder
-from meshbus.broker.groups import GroupTable
-from meshbus.broker.guarantees import Guarantees
-from meshbus.broker.lag import LoopLag
-from meshbus.broker.link import Link
-from meshbus.broker.mesh import Mesh
-from meshbus.broker.outbox import Outbox, TrafficStats
-from meshbus.broker.pending import PendingTable
-from meshbus.broker.registry import LinkRegistry, Peers
-from meshbus.broker.relay import Relay
-from meshbus.broker.routing import RoutingTable
-from meshbus.broker.secure import TLSAcceptor
-from meshbus.broker.signin import SignIn
-from meshbus.broker.slices import Slices
-from meshbus.broker.stat import StatView
+from meshbus.broker.core.dispatch import ControlDispatch, ControlTable
+from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
+from meshbus.broker.core.forward import Forwarder
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.outbox import Outbox, TrafficStats
+from meshbus.broker.core.pending import PendingTable
+from meshbus.broker.core.registry import LinkRegistry, Peers
+from meshbus.broker.core.routing import RoutingTable
+from meshbus.broker.core.slices import Slices
+from meshbus.broker.core.usage import UsageTable
+from meshbus.broker.core.watch import ServiceWatch
+from meshbus.broker.handlers.control import ControlHandler
+from meshbus.broker.handlers.guarantees import Guarantees
+from meshbus.broker.mesh.dialer import Dialer, dial_tcp
+from meshbus.broker.mesh.groups import GroupTable
+from meshbus.broker.mesh.membership import Mesh
+from meshbus.broker.mesh.relay import Relay
+from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.observe.lag import LoopLag
+from meshbus.broker.observe.stat import StatView
+from meshbus.broker.observe.telemetry import Telemetry
+from meshbus.broker.security.acceptor import TLSAcceptor
+from meshbus.broker.security.handshakes import evicted_why, source_of
+from meshbus.broker.security.signin import SignIn
+from meshbus.broker.security.trust import MeshTrust
+from meshbus.broker.security.users import UserTable
 from meshbus.broker.streams import StreamHost
-from meshbus.broker.sync import RouteSync
-from meshbus.broker.telemetry import Telemetry
-from meshbus.broker.trust import MeshTrust
-from meshbus.broker.usage import UsageTable
-from meshbus.broker.users import UserTable
-from meshbus.broker.watch import ServiceWatch
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -120,7 +120,7 @@ class Broker:
         With ``config.tls_cert`` the certificate, key and CA files are loaded here: a
         file that is missing or does not load raises ``meshbus.TLSError`` naming it. A
         mesh that trusts only its brokers without a key pair of this broker's is
-        ``meshbus.InvalidArgument`` (meshbus.broker.trust)."""
+        ``meshbus.InvalidArgument`` (meshbus.broker.security.trust)."""
         config = self.config = config or BrokerConfig()
         self.trust = MeshTrust(config)
         rng = rng or random.Random()
@@ -254,7 +254,7 @@ class Broker:
 
     def _control_table(self) -> ControlTable:
         """Who may send which control frame on an open link, and who handles it
-        (meshbus.broker.dispatch). A (role, type) missing here is refused; a permission
+        (meshbus.broker.core.dispatch). A (role, type) missing here is refused; a permission
         check goes in front of a row. A link still handshaking has no role: its frames
         go to ``ControlHandler.on_handshake``."""
         control, mesh, sync = self.control, self.mesh, self.sync
@@ -333,7 +333,7 @@ class Broker:
     def named(self, name: str, advertise: str) -> None:
         """The broker's name and the address it advertises, once it listens: every part
         reads them from the config from here on. InvalidArgument when the broker's key is
-        not for ``name`` (meshbus.broker.trust)."""
+        not for ``name`` (meshbus.broker.security.trust)."""
         self.trust.check_name(name)
         self.config.name = name
         self.config.advertise = advertise
@@ -411,7 +411,7 @@ class Broker:
         within ``handshake_timeout`` (``expire_handshakes``), and at most
         ``max_handshaking`` may be at it: past that a new one is closed at once. Of those,
         at most ``max_handshaking_per_source`` from one address: past that the one of
-        them that waited longest is closed (meshbus.broker.admission)."""
+        them that waited longest is closed (meshbus.broker.security.handshakes)."""
         links = self.links
         links.opened(link)
         if link.dialled:
@@ -535,7 +535,7 @@ class Broker:
             self.outbox.tell_requester(entry, ControlType.TIMEOUT)
 
     async def _measure_lag(self) -> None:
-        """Wake every ``_LAG_INTERVAL`` and record how late (meshbus.broker.lag). The loop's
+        """Wake every ``_LAG_INTERVAL`` and record how late (meshbus.broker.observe.lag). The loop's
         own clock, not ``self.clock``: the lag is the real loop's, whatever the broker's
         time is."""
         loop = asyncio.get_running_loop()

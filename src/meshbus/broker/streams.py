@@ -34,26 +34,15 @@ import msgspec
 
 from meshbus.address import CAST_MULTICAST, describe_address
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.endpoint import Endpoint, LinkRole, LinkState
-from meshbus.broker.link import Link
-from meshbus.broker.outbox import Outbox
-from meshbus.broker.permissions import CONSUMERS, stream_operation
-from meshbus.broker.quotas import STREAM_BYTES
-from meshbus.broker.relay import Relay
-from meshbus.broker.routing import RoutingTable
-from meshbus.broker.sqlite_store import SqliteStreamStore
-from meshbus.broker.store import (
-    ConsumerConfig,
-    MemoryStreamStore,
-    MirroredStore,
-    NewMessage,
-    StoredMessage,
-    StreamConfig,
-    StreamStatus,
-)
-from meshbus.broker.store_errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
-from meshbus.broker.sync import RouteSync
-from meshbus.broker.usage import UsageTable
+from meshbus.broker.core.endpoint import Endpoint, LinkRole, LinkState
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.outbox import Outbox
+from meshbus.broker.core.routing import RoutingTable
+from meshbus.broker.core.usage import UsageTable
+from meshbus.broker.mesh.relay import Relay
+from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.security.permissions import CONSUMERS, stream_operation
+from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import MeshbusError, ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
@@ -73,6 +62,17 @@ from meshbus.protocol.layout import (
     FLAG_RELIABLE,
     ControlType,
     ErrorCode,
+)
+from meshbus.storage.errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
+from meshbus.storage.sqlite import SqliteStreamStore
+from meshbus.storage.store import (
+    ConsumerConfig,
+    MemoryStreamStore,
+    MirroredStore,
+    NewMessage,
+    StoredMessage,
+    StreamConfig,
+    StreamStatus,
 )
 
 log = logging.getLogger("meshbus.broker")

@@ -15,7 +15,7 @@ address the message was sent to counts; others are ignored and counted
 * anycast -- the broker picks the member first, and every attempt goes to that
   one member, so exactly one member gets it, and only its ack counts;
 * a message group -- the group's home broker binds the group to one member
-  (GROUP_BIND, see meshbus.broker.groups); every message of the group goes to
+  (GROUP_BIND, see meshbus.broker.mesh.groups); every message of the group goes to
   that member with the group's sequence number, and the receiver delivers them
   in order (``GroupOrder``). A member that cannot be reached is reported with
   the next GROUP_BIND; the home moves the group once the member is gone for good.

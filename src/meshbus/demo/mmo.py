@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import meshbus
 from meshbus import Anycast, Multicast, Service
-from meshbus.cli_common import Access
+from meshbus.cli.common import Access
 
 PLAYERS = 12
 ROOMS = 2

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 import meshbus
-from meshbus.cli_common import Access
+from meshbus.cli.common import Access
 from meshbus.demo import leaderboard, mmo, secure
 from meshbus.demo.mesh import DemoMesh, StepFailed, check
 

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshbus.auth import Credentials, brokers_entry, users_entry
-from meshbus.cli_common import Access
+from meshbus.cli.common import Access
 from meshbus.private_files import write_private
 from meshbus.tls import cli_context
 

@@ -48,7 +48,7 @@ TOKEN_PROOF_SIZE = 32  # an HMAC-SHA256 (meshbus.auth.token_proof)
 MAX_USER_NAME = 128
 UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
 # A connector's session id: the reference client draws 16 random bytes. A broker with
-# users binds it to the user (meshbus.broker.signin.bound_session, a BLAKE2b digest of the
+# users binds it to the user (meshbus.broker.security.signin.bound_session, a BLAKE2b digest of the
 # same length, which BLAKE2b allows up to 64 bytes).
 MAX_SESSION = 64
 # The most msg_ids one NO_ROUTE names besides its own (DeliveryFailure.also): 9 KiB.

@@ -7,7 +7,7 @@ frames (``FrameDecoder``), hands the handshake's frames to ``receive`` and write
 the bytes that ``hello``, ``challenge``, ``welcome`` and ``refuse`` return (and a
 ``Challenged`` event's ``reply``). Bytes that arrived after the handshake frame
 stay in the caller's decoder: the handshake never sees them. Checking a
-credential is the caller's too (meshbus.broker.users): the handshake hands over
+credential is the caller's too (meshbus.broker.security.users): the handshake hands over
 what was signed and what came back.
 
 Rules it keeps:
@@ -187,7 +187,7 @@ class Credential(Protocol):
 
 class PeerVerifier(Protocol):
     """What a dialling broker checks the other broker's proof with: the brokers it
-    trusts (meshbus.broker.trust)."""
+    trusts (meshbus.broker.security.trust)."""
 
     def verify(self, broker: str, signed: bytes, proof: bytes) -> bool:
         """Whether ``proof`` is the signature of ``signed`` by the trusted ``broker``."""

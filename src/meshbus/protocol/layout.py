@@ -65,7 +65,7 @@ class DataFlags(IntFlag):
     EXT = 0x10
     RELIABLE = 0x20  # the receiving connector acknowledges it and drops duplicates
     ACK = 0x40  # acknowledges the RELIABLE frame ``response_for`` sent by ``dst``
-    # A sampled frame whose hops are recorded (broker/telemetry.py); its EXT block holds
+    # A sampled frame whose hops are recorded (broker/observe/telemetry.py); its EXT block holds
     # the time its connector sent it.
     TRACE = 0x80
 

@@ -46,7 +46,7 @@ DROPS = ("dropped_no_route", "dropped_too_large", "dropped_bad_hop")
 ERRORS = (*DROPS, "timeouts", "late_responses")
 GAUGES = ("connectors", "services", "routes", "pending")
 
-# The kinds of the mesh's events (meshbus.broker.mesh.MeshEvent); after the last two a
+# The kinds of the mesh's events (meshbus.broker.mesh.membership.MeshEvent); after the last two a
 # broker is no longer in the mesh.
 JOIN, DRAIN, LEAVE, CRASH = "join", "drain", "leave", "crash"
 GONE = (LEAVE, CRASH)

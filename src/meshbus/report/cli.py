@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from meshbus.cli_common import Access, access_options, broker_option, run
+from meshbus.cli.common import Access, access_options, broker_option, run
 from meshbus.report.job import Discovery, ReportError, StreamPlan
 
 _EPILOG = """\b

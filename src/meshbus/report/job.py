@@ -34,7 +34,7 @@ from meshbus.report import TELEMETRY_PREFIX, TRACES_PREFIX
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from meshbus.cli_common import Access
+    from meshbus.cli.common import Access
     from meshbus.client import Connector
 
 SERVER = "report"  # the server name of the report's connectors

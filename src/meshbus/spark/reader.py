@@ -56,12 +56,12 @@ from pyspark.sql.types import (
 )
 
 from meshbus.address import Address
-from meshbus.broker.sqlite_store import SqliteStreamReader
 from meshbus.client.streams import StreamInfo
 from meshbus.errors import StreamError
 from meshbus.protocol.blocks import Block, BlockSlice
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
+from meshbus.storage.sqlite import SqliteStreamReader
 
 log = logging.getLogger("meshbus.spark")
 

@@ -51,17 +51,17 @@ from typing import Any, TypeVar
 
 from meshbus.address import Anycast, Unicast
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.dialer import Dialer
-from meshbus.broker.dispatch import ControlDispatch
-from meshbus.broker.endpoint import CloseReason, Endpoint, PeerInfo, is_peer
-from meshbus.broker.forward import Forwarder
-from meshbus.broker.link import Link
-from meshbus.broker.outbox import Outbox, TrafficStats
-from meshbus.broker.pending import PendingTable
-from meshbus.broker.routing import RoutingTable
+from meshbus.broker.core.dispatch import ControlDispatch
+from meshbus.broker.core.endpoint import CloseReason, Endpoint, PeerInfo, is_peer
+from meshbus.broker.core.forward import Forwarder
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.outbox import Outbox, TrafficStats
+from meshbus.broker.core.pending import PendingTable
+from meshbus.broker.core.routing import RoutingTable
+from meshbus.broker.core.usage import UsageTable
+from meshbus.broker.mesh.dialer import Dialer
+from meshbus.broker.security.users import UserTable
 from meshbus.broker.server import Broker
-from meshbus.broker.usage import UsageTable
-from meshbus.broker.users import UserTable
 from meshbus.protocol.codec import (
     ControlFrame,
     DataFrame,
@@ -611,7 +611,7 @@ class FakeNetwork:
         return wire
 
     def dialer_from(self, origin: str) -> Dialer:
-        """A ``Dialer`` (meshbus.broker.dialer) for the broker at ``origin``, which names
+        """A ``Dialer`` (meshbus.broker.mesh.dialer) for the broker at ``origin``, which names
         its wires (``wire_between``, ``crash``)."""
 
         async def dial(host: str, port: int, new_link: Callable[[], Link]) -> Link:

@@ -1,11 +1,11 @@
-"""The per-source cap on connections in their handshake (meshbus.broker.admission): the
+"""The per-source cap on connections in their handshake (meshbus.broker.security.handshakes): the
 table itself, and the broker that closes the longest waiting of a source past it."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshbus.broker.admission import HandshakesBySource, source_of
+from meshbus.broker.security.handshakes import HandshakesBySource, source_of
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     MAX_SESSION,

@@ -8,10 +8,10 @@ import itertools
 import pytest
 
 from meshbus.address import Multicast, Unicast
-from meshbus.broker.dispatch import ControlDispatch, Refused
-from meshbus.broker.endpoint import LinkRole, LinkState
-from meshbus.broker.link import Link
-from meshbus.broker.outbox import Outbox, TrafficStats
+from meshbus.broker.core.dispatch import ControlDispatch, Refused
+from meshbus.broker.core.endpoint import LinkRole, LinkState
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.outbox import Outbox, TrafficStats
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
 from meshbus.protocol.control import (

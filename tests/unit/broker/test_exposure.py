@@ -7,7 +7,7 @@ import pytest
 
 from meshbus.auth import Credentials
 from meshbus.broker.config import AnonymousExposure, BrokerConfig
-from meshbus.broker.users import UserTable
+from meshbus.broker.security.users import UserTable
 from meshbus.errors import InvalidArgument
 
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from meshbus.address import Anycast, Multicast, Unicast
-from meshbus.broker.forward import Carry, Decision
-from meshbus.broker.link import Link
+from meshbus.broker.core.forward import Carry, Decision
+from meshbus.broker.core.link import Link
 from meshbus.protocol.codec import ControlFrame, DataFrame, Frame, encode_data
 from meshbus.protocol.control import DeliveryFailure
 from meshbus.protocol.layout import (

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from meshbus.address import Anycast
-from meshbus.broker.fence import minority
-from meshbus.broker.groups import home_of
+from meshbus.broker.mesh.fence import minority
+from meshbus.broker.mesh.groups import home_of
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
 from meshbus.protocol.control import ROLE_CONNECTOR, Error, GroupBind, GroupBound, Hello, Revoked

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from meshbus.broker.endpoint import PeerInfo
+from meshbus.broker.core.endpoint import PeerInfo
 from meshbus.broker.server import Broker
 from meshbus.protocol.control import Load
 from tests.unit.broker.fakes import (

@@ -1,12 +1,12 @@
 """A link's role and state, and the only transitions between them
-(meshbus.broker.endpoint has the table)."""
+(meshbus.broker.core.endpoint has the table)."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshbus.address import Unicast
-from meshbus.broker.endpoint import CloseReason, LinkRole, LinkState, PeerInfo
+from meshbus.broker.core.endpoint import CloseReason, LinkRole, LinkState, PeerInfo
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
 from meshbus.protocol.control import (

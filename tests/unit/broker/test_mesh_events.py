@@ -1,5 +1,5 @@
-"""The mesh's events in the telemetry records (meshbus.broker.mesh.MeshEvent): each broker
-records the joins, drains, goodbyes and crashes it sees, and which peers it is linked to
+"""The mesh's events in the telemetry records (``MeshEvent`` of broker/mesh/membership.py):
+each broker records the joins, drains, goodbyes and crashes it sees, and which peers it is linked to
 with their connectors -- all a report has of a broker whose own streams died with it."""
 
 from __future__ import annotations

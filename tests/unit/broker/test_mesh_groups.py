@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from meshbus.address import Anycast
-from meshbus.broker.groups import home_of
+from meshbus.broker.mesh.groups import home_of
 from meshbus.broker.server import Broker
 from meshbus.protocol.control import (
     Error,

@@ -12,9 +12,9 @@ from cryptography.exceptions import InvalidSignature
 
 from meshbus.auth import Credentials, public_key_from_text
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.mesh import MeshJoinError
+from meshbus.broker.mesh.membership import MeshJoinError
+from meshbus.broker.security.users import User, UserTable
 from meshbus.broker.server import Broker
-from meshbus.broker.users import User, UserTable
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import NONCE_SIZE, ROLE_BROKER, Challenge, Error, Hello

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from meshbus.address import Anycast, Multicast, Unicast
-from meshbus.broker.permissions import Permissions
+from meshbus.broker.security.permissions import Permissions
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
 from meshbus.protocol.control import (

@@ -10,10 +10,10 @@ from typing import Any
 
 from meshbus.address import Multicast
 from meshbus.auth import Credentials, public_key_from_text, users_entry
-from meshbus.broker.permissions import Permissions
-from meshbus.broker.quotas import Quotas
+from meshbus.broker.security.permissions import Permissions
+from meshbus.broker.security.quotas import Quotas
+from meshbus.broker.security.users import User, UserTable
 from meshbus.broker.server import Broker
-from meshbus.broker.users import User, UserTable
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     ROLE_CONNECTOR,

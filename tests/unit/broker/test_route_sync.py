@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from meshbus.address import Multicast, Unicast
-from meshbus.broker import slices
+from meshbus.broker.core import slices
+from meshbus.broker.mesh.sync import ROUTES_CHUNK
 from meshbus.broker.server import Broker
-from meshbus.broker.sync import ROUTES_CHUNK
 from meshbus.protocol.control import AddressBody, Membership, Register
 from meshbus.protocol.layout import ControlType
 from tests.unit.broker.fakes import (

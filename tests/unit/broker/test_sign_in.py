@@ -7,9 +7,9 @@ from __future__ import annotations
 import tomllib
 
 from meshbus.auth import Credentials, public_key_from_text, users_entry
-from meshbus.broker.permissions import Permissions
+from meshbus.broker.security.permissions import Permissions
+from meshbus.broker.security.users import User, UserTable
 from meshbus.broker.server import Broker
-from meshbus.broker.users import User, UserTable
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     ROLE_OPERATOR,

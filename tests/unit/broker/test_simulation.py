@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshbus.address import Anycast, Unicast
-from meshbus.broker.endpoint import LinkState
+from meshbus.broker.core.endpoint import LinkState
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame
 from meshbus.protocol.control import GroupBind, Register, Revoked

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from meshbus.address import Unicast
-from meshbus.broker import slices
-from meshbus.broker.link import Link
+from meshbus.broker.core import slices
+from meshbus.broker.core.link import Link
 from meshbus.protocol.codec import ControlFrame, encode_control, encode_data
 from meshbus.protocol.control import ROLE_OPERATOR, Empty, Error, Register, StatRequest, Stats
 from meshbus.protocol.layout import FLAG_REQUEST, ControlType

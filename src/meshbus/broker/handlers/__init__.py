@@ -1,0 +1,1 @@
+"""The handlers of control frames, registered in the core's dispatch table."""

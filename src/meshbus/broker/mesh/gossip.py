@@ -1,0 +1,104 @@
+"""What a broker tells the others about the mesh: its LOAD and its list of brokers.
+
+Peers get both whenever the mesh's membership or a broker's state changes (once per
+loop turn, however many changes it saw) and with every heartbeat, whose LOAD is
+stamped per peer for the round trip (meshbus.broker.core.endpoint.PeerInfo.timed). A new
+peer gets both at once. Connectors get the list of brokers they may fail over or be
+redirected to, only when that set changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.registry import LinkRegistry, Peers
+from meshbus.protocol.codec import encode_control
+from meshbus.protocol.control import Body, BrokerInfo, Brokers, Load
+from meshbus.protocol.layout import ControlType
+
+
+class Gossip:
+    def __init__(
+        self,
+        *,
+        peers: Peers,
+        links: LinkRegistry,
+        brokers: Callable[[], list[BrokerInfo]],
+        hosted_streams: Callable[[], list[str]],
+    ) -> None:
+        """``brokers`` is this broker (first) and its peers as they last told it;
+        ``hosted_streams`` are announced in LOAD."""
+        self._peers = peers
+        self._links = links
+        self._brokers = brokers
+        self._hosted_streams = hosted_streams
+        self._scheduled = False
+        self._pushed: tuple[str, ...] = ()  # the connectors' list, as last sent
+
+    def changed(self) -> None:
+        """The mesh's membership or a broker's state changed: tell peers and connectors
+        at the end of this loop turn (once, however many changes it saw)."""
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._push)
+
+    def started(self) -> None:
+        """The broker takes connectors: they get the list in WELCOME from now on, and
+        only its changes are pushed."""
+        self._pushed = self._connector_addresses()
+
+    def connector_list(self) -> list[BrokerInfo]:
+        """The brokers a connector may fail over or be redirected to: ready, not draining."""
+        return [s for s in self._brokers() if s.ready and not s.draining]
+
+    def greet(self, link: Link) -> None:
+        """A new peer: the brokers and our LOAD, first thing."""
+        link.send(encode_control(ControlType.BROKERS, Brokers(brokers=self._brokers())))
+        link.send(encode_control(ControlType.LOAD, self._load()))
+
+    def load_changed(self) -> None:
+        """Tell the peers now (the streams this broker hosts changed)."""
+        self.send_all(ControlType.LOAD, self._load())
+
+    def heartbeat(self) -> None:
+        """Every peer gets our LOAD, stamped for it, and the list of brokers: sent with
+        every heartbeat, not only when it changes, so that a link between two brokers
+        that both reach a third is repaired within an interval or two of the network
+        working again."""
+        load = self._load()
+        for link in self._peers.links():
+            assert link.peer is not None
+            link.send(encode_control(ControlType.LOAD, link.peer.timed(load)))
+        self.send_all(ControlType.BROKERS, Brokers(brokers=self._brokers()))
+
+    def send_all(self, type_: ControlType, body: Body) -> None:
+        if self._peers:
+            self._peers.send_all(encode_control(type_, body))
+
+    def _connector_addresses(self) -> tuple[str, ...]:
+        return tuple(sorted(b.address for b in self.connector_list()))
+
+    def _push(self) -> None:
+        self._scheduled = False
+        self.send_all(ControlType.LOAD, self._load())
+        self.send_all(ControlType.BROKERS, Brokers(brokers=self._brokers()))
+        # Connectors only need to hear when the set of brokers changes, not every load.
+        addresses = self._connector_addresses()
+        if addresses != self._pushed:
+            self._pushed = addresses
+            frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
+            for connector in self._links.connectors:
+                connector.send(frame)
+
+    def _load(self) -> Load:
+        s = self._brokers()[0]
+        return Load(
+            connectors=s.connectors,
+            capacity=s.capacity,
+            slot=s.slot,
+            ready=s.ready,
+            draining=s.draining,
+            streams=self._hosted_streams(),
+        )

@@ -1,0 +1,1 @@
+"""The ``meshbus`` command: a thin layer over the library (``meshbus.cli.main``)."""

@@ -1,0 +1,429 @@
+"""``meshbus stream``: create, inspect, read and delete durable streams.
+
+A thin layer over ``conn.streams``: each command opens an operator's link to the
+broker named by --broker (never redirected, not counted as a connector), makes one
+or a few STREAM requests and exits. A stream is hosted by the broker ``add`` talks
+to; every other command works through any broker of the mesh, which relays the
+request to the host. Library errors become one-line messages and exit 1, bad
+arguments exit 2 (click's usage errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from meshbus.address import Address, Multicast
+from meshbus.cli.common import (
+    DEFAULT_SERVER,
+    Access,
+    Parsed,
+    access_options,
+    broker_option,
+    run,
+)
+
+if TYPE_CHECKING:
+    from meshbus.client import Connector
+    from meshbus.client.streams import StreamInfo, StreamMessage
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# One fetch request asks for at most this many; the broker sends fewer when they would not
+# fit in one frame (1 MiB by default), and the command simply asks again from there.
+_PAGE = 1000
+
+
+def _check_stream_name(text: str) -> str:
+    from meshbus.storage.store import check_name
+
+    check_name("stream", text)
+    return text
+
+
+def _parse_capture(text: str) -> Address:
+    address = Address.parse(text)
+    if not isinstance(address, Multicast):
+        raise ValueError(
+            f"{address} is not a multicast address; a stream captures what is sent to "
+            "multicast:NAME addresses"
+        )
+    return address
+
+
+STREAM_NAME = Parsed("NAME", _check_stream_name)
+CAPTURE = Parsed("multicast:NAME", _parse_capture)
+
+
+def _broker_option(command: F) -> F:
+    """--broker and the access options (--creds, --tls-*) of every stream command but
+    ``add``: any broker of the mesh will do."""
+    return broker_option(
+        "--broker",
+        "broker_address",
+        help_text="Broker to ask (HOST:PORT, or HOST:PORT,HOST:PORT: the first that answers); "
+        "any broker of the mesh relays the request to the stream's host.",
+    )(access_options(command))
+
+
+def _json_option(command: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(
+        command
+    )
+
+
+async def _connect(broker_address: str, access: Access) -> Connector:
+
+    return await access.connect(broker_address, server=DEFAULT_SERVER, operator=True)
+
+
+@click.group()
+def stream() -> None:
+    """Durable streams: messages sent to a multicast address, stored and numbered.
+
+    A stream captures every message sent to its multicast addresses, mesh-wide,
+    and numbers them 1, 2, 3, ... on the broker that hosts it (kept in
+    --data-dir/streams.db, or in memory without --data-dir). Publish to it with
+    `meshbus send multicast:NAME ...` or, acknowledged once stored, with a
+    reliable send from the library; read it back with `meshbus stream fetch`.
+    """
+
+
+# -- add -------------------------------------------------------------------------------------
+
+
+@stream.command()
+@click.argument("name", type=STREAM_NAME)
+@click.option(
+    "--capture",
+    "captures",
+    type=CAPTURE,
+    multiple=True,
+    required=True,
+    help="A multicast address whose messages the stream stores, e.g. multicast:orders "
+    "(repeat for more).",
+)
+@click.option(
+    "--max-msgs",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Keep at most this many messages, dropping the oldest (0: no limit).",
+)
+@click.option(
+    "--max-bytes",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Keep at most this many payload bytes, dropping the oldest messages (0: no limit).",
+)
+@click.option(
+    "--max-age",
+    type=click.FloatRange(0),
+    default=0.0,
+    show_default=True,
+    help="Drop messages older than this many seconds (0: no limit).",
+)
+@click.option(
+    "--dedupe-window",
+    type=click.FloatRange(0),
+    default=120.0,
+    show_default=True,
+    help="Seconds during which a publish with the same publish id is stored only once "
+    "(0: no deduplication).",
+)
+@broker_option(
+    "--broker",
+    "broker_address",
+    one=True,
+    help_text="The broker that is to host the stream (stores its messages).",
+)
+@access_options
+@_json_option
+def add(
+    name: str,
+    captures: tuple[Address, ...],
+    max_msgs: int,
+    max_bytes: int,
+    max_age: float,
+    dedupe_window: float,
+    broker_address: str,
+    access: Access,
+    as_json: bool,
+) -> None:
+    """Create stream NAME on the --broker broker, capturing the --capture addresses.
+
+    Adding an existing stream with the same settings changes nothing; with other
+    settings it is refused (delete it first). Prints the stream as `info` does.
+    """
+
+    async def go() -> StreamInfo:
+        async with await _connect(broker_address, access) as conn:
+            return await conn.streams.add(
+                name,
+                list(captures),
+                max_msgs=max_msgs,
+                max_bytes=max_bytes,
+                max_age=max_age,
+                dedupe_window=dedupe_window,
+            )
+
+    info = run(go())
+    assert info is not None
+    _print_info(info, as_json)
+
+
+# -- info, list --------------------------------------------------------------------------------
+
+
+@stream.command()
+@click.argument("name", type=STREAM_NAME)
+@_broker_option
+@_json_option
+def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
+    """Show stream NAME: its host broker, first and last seq, messages, payload bytes,
+    consumers and limits.
+
+    --json prints one object with the keys name, broker, captures, first_seq,
+    last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age and
+    dedupe_window. An empty stream has last_seq = first_seq - 1.
+    """
+
+    async def go() -> StreamInfo:
+        async with await _connect(broker_address, access) as conn:
+            return await conn.streams.info(name)
+
+    result = run(go())
+    assert result is not None
+    _print_info(result, as_json)
+
+
+def _print_info(info: StreamInfo, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(info), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"stream {info.name}", show_header=False, title_justify="left")
+    table.add_column("field")
+    table.add_column("value")
+
+    def limit(value: float, unit: str = "") -> str:
+        return f"{value:g}{unit}" if value else "none"
+
+    rows = [
+        ("host broker", info.broker),
+        ("stored in", f"{info.store} on {info.host}" if info.store else "memory"),
+        ("captures", ", ".join(info.captures)),
+        ("messages", f"{info.messages:,}"),
+        ("bytes", f"{info.bytes:,}"),
+        ("first seq", str(info.first_seq)),
+        ("last seq", str(info.last_seq)),
+        ("consumers", ", ".join(info.consumers) or "-"),
+        ("max msgs", limit(info.max_msgs)),
+        ("max bytes", limit(info.max_bytes)),
+        ("max age", limit(info.max_age, " s")),
+        ("dedupe window", limit(info.dedupe_window, " s")),
+    ]
+    for field, value in rows:
+        table.add_row(field, value)
+    Console().print(table)
+
+
+@stream.command(name="list")
+@_broker_option
+@_json_option
+def list_(broker_address: str, access: Access, as_json: bool) -> None:
+    """List every stream of the mesh and the broker that hosts it."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with await _connect(broker_address, access) as conn:
+            return await conn.streams.list()
+
+    streams = run(go())
+    assert streams is not None
+    if as_json:
+        click.echo(json.dumps(streams, indent=2))
+        return
+    if not streams:
+        click.echo("no streams", err=True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("stream")
+    table.add_column("host broker")
+    for entry in streams:
+        table.add_row(str(entry["name"]), str(entry["broker"]))
+    Console().print(table)
+
+
+# -- fetch -------------------------------------------------------------------------------------
+
+
+@stream.command()
+@click.argument("name", type=STREAM_NAME)
+@click.option(
+    "--from",
+    "from_seq",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="First seq to print; older messages that retention removed are skipped.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(1),
+    default=100,
+    show_default=True,
+    help="Print at most this many messages.",
+)
+@_broker_option
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object per line: seq, stored_at (Unix time), src, dst, payload, group, "
+    "priority.",
+)
+def fetch(
+    name: str, from_seq: int, count: int, broker_address: str, access: Access, as_json: bool
+) -> None:
+    """Print up to --count messages of stream NAME from seq --from on, in order.
+
+    Each line: `#SEQ TIME [SRC -> DST] PAYLOAD`, TIME in UTC. Payloads are shown as
+    UTF-8 with undecodable bytes and line breaks escaped. Reading does not change
+    the stream (use a durable consumer in the library to take messages with acks).
+    """
+
+    async def go() -> None:
+        async with await _connect(broker_address, access) as conn:
+            seq, left = from_seq, count
+            while left > 0:
+                page = await conn.streams.fetch(name, seq, min(left, _PAGE))
+                if not page:
+                    return
+                for message in page:
+                    _print_message(message, as_json)
+                left -= len(page)
+                seq = page[-1].seq + 1
+
+    run(go())
+
+
+def _print_message(msg: StreamMessage, as_json: bool) -> None:
+    payload = msg.payload.decode("utf-8", errors="backslashreplace")
+    if as_json:
+        line = json.dumps(
+            {
+                "seq": msg.seq,
+                "stored_at": msg.stored_at,
+                "src": str(msg.src),
+                "dst": str(msg.dst),
+                "payload": payload,
+                "group": msg.group,
+                "priority": msg.priority,
+            }
+        )
+    else:
+        at = datetime.fromtimestamp(msg.stored_at, UTC).isoformat(timespec="milliseconds")
+        text = payload.replace("\r", "\\r").replace("\n", "\\n")
+        line = f"#{msg.seq} {at.replace('+00:00', 'Z')} [{msg.src} -> {msg.dst}] {text}"
+    click.echo(line)
+
+
+# -- delete ------------------------------------------------------------------------------------
+
+
+@stream.command()
+@click.argument("name", type=STREAM_NAME)
+@_broker_option
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def delete(name: str, broker_address: str, access: Access, yes: bool) -> None:
+    """Delete stream NAME with all its messages and consumers; it stops capturing.
+
+    Asks for confirmation unless --yes is given.
+    """
+    if not yes:
+        click.confirm(f"Delete stream {name} and all its messages?", abort=True, err=True)
+
+    async def go() -> None:
+        async with await _connect(broker_address, access) as conn:
+            await conn.streams.delete(name)
+
+    run(go())
+    click.echo(f"deleted stream {name}")
+
+
+# -- salvage ---------------------------------------------------------------------------------
+
+
+@stream.command()
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="The data directory of the damaged store (its broker must be stopped).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where to write the new store (a directory without a streams.db) "
+    "[default: DATA_DIR-salvaged].",
+)
+def salvage(data_dir: str, out: str | None) -> None:
+    """Copy every intact block of every stream of a damaged store into a new one.
+
+    Offline: no broker may run on --data-dir, and the store there is not changed.
+    Prints, per stream, what it could not save (blocks, messages, seq ranges). A
+    hole left by lost blocks splits a stream: its name keeps the newest seqs, and
+    each older run becomes a stream NAME.FIRST-LAST that captures nothing. Then
+    start the broker with `--data-dir OUT`.
+    """
+    import os
+
+    from meshbus.broker.streams import DataDirLocked, lock_data_dir
+    from meshbus.storage.errors import StoreError
+    from meshbus.storage.salvage import salvage as salvage_store
+
+    out = out or data_dir.rstrip(os.sep) + "-salvaged"
+    source = os.path.join(data_dir, "streams.db")
+    target = os.path.join(out, "streams.db")
+    if not os.path.exists(source):
+        raise click.ClickException(f"{source} does not exist: no stream store to salvage")
+    if os.path.exists(target):
+        raise click.ClickException(f"{target} exists: give --out a directory without a store")
+    try:
+        lock = lock_data_dir(data_dir)
+    except DataDirLocked as exc:
+        raise click.ClickException(f"{exc}; stop it before salvaging") from None
+    try:
+        os.makedirs(out, exist_ok=True)
+        report = salvage_store(source, target)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        lock.close()
+    click.echo(f"salvaged {source} into {target}")
+    click.echo(f"checks at open: {report.problem or 'nothing wrong found'}")
+    for sv in report.streams:
+        kept = sum(last - first + 1 for _, first, last in sv.saved)
+        total = sv.last_seq - sv.first_seq + 1
+        click.echo(
+            f"stream {sv.name}: saved {kept} of {total} messages ({sv.blocks_saved} blocks); "
+            f"lost {sv.messages_lost} messages ({sv.blocks_lost} blocks)"
+        )
+        for lost in sv.lost:
+            click.echo(f"  lost seqs {lost.first}..{lost.last}: {lost.why}")
+        for name, first, last in sv.saved:
+            if name != sv.name:
+                click.echo(f"  seqs {first}..{last} are in stream {name} (it captures nothing)")
+    click.echo(f"start the broker with --data-dir {out}")
