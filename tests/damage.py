@@ -1,5 +1,5 @@
 """Damaging files on purpose, the way disks and crashes do, for the tests of a store that
-must notice (tests/unit/test_store_damage.py, tests/integration/test_store_damage.py)."""
+must notice (tests/unit/storage/test_damage.py, tests/integration/test_store_damage.py)."""
 
 from __future__ import annotations
 

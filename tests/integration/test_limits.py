@@ -1,5 +1,5 @@
 """Each limit flag of ``meshbus broker`` is taken by the real broker, and a client sees
-what the limit says (the limits themselves are tested in tests/unit/broker/test_limits.py)."""
+what the limit says (the limits themselves are tested in tests/unit/broker/core/test_limits.py)."""
 
 from __future__ import annotations
 

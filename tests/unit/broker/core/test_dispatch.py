@@ -1,0 +1,198 @@
+"""The control dispatch: one table from (role, control type) to a handler; a frame its
+link's role may not send is refused with UNSUPPORTED_CONTROL and the link stays open."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from meshbus.address import Multicast, Unicast
+from meshbus.broker.core.dispatch import ControlDispatch, Refused
+from meshbus.broker.core.endpoint import LinkRole, LinkState
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.outbox import Outbox, TrafficStats
+from meshbus.broker.server import Broker
+from meshbus.protocol.codec import ControlFrame
+from meshbus.protocol.control import (
+    ROLE_BROKER,
+    ROLE_CONNECTOR,
+    ROLE_OPERATOR,
+    Body,
+    Empty,
+    Error,
+    Membership,
+    Register,
+    Routes,
+)
+from meshbus.protocol.layout import ControlType, ErrorCode
+from meshbus.testing import (
+    FakeClient,
+    FakeNetwork,
+    Hub,
+    broker_side,
+    connect_client,
+    describe_frame,
+    sample_body,
+    start_broker,
+)
+
+# Each role of an open link, and the HELLO role that opens a link in it.
+ROLES = {
+    LinkRole.CONNECTOR: ROLE_CONNECTOR,
+    LinkRole.OPERATOR: ROLE_OPERATOR,
+    LinkRole.PEER: ROLE_BROKER,
+}
+UNKNOWN_TYPE = 999
+
+# The table of a broker as built; it names its handlers, but which pairs it lists does
+# not depend on the broker it was built for.
+TABLE = Broker()._control_table()
+UNLISTED = [
+    (role, int(ctype))
+    for role, ctype in itertools.product(ROLES, ControlType)
+    if (role, int(ctype)) not in TABLE
+]
+
+
+def pair_id(pair: tuple[LinkRole, int]) -> str:
+    role, ctype = pair
+    return f"{role.value}-{ControlType(ctype).name}"
+
+
+@pytest.fixture
+async def broker(network: FakeNetwork) -> Broker:
+    return await start_broker(network, "a")
+
+
+async def open_link(network: FakeNetwork, broker: Broker, role: LinkRole) -> FakeClient:
+    """A client whose link is open in ``role`` (a peer is a broker named zz), inbox empty."""
+    client = connect_client(network, broker, "zz")
+    await client.hello(ROLES[role], listen="zz:1", tag=7)
+    await network.settle()
+    client.take()
+    assert broker_side(client).role is role
+    return client
+
+
+def assert_unsupported(client: FakeClient, correlation: int) -> None:
+    answer = client.answer(correlation)
+    assert answer.type == ControlType.ERROR, describe_frame(answer)
+    assert isinstance(answer.body, Error)
+    assert answer.body.code == ErrorCode.UNSUPPORTED_CONTROL, answer.body
+
+
+async def assert_still_open(client: FakeClient) -> None:
+    link = broker_side(client)
+    assert link.state is LinkState.OPEN
+    assert not client.closed
+    pong = await client.ask(ControlType.PING, Empty())
+    assert pong.type == ControlType.PONG, describe_frame(pong)
+
+
+def test_the_table_has_rows_for_open_roles_only_and_each_may_be_refused() -> None:
+    # A handshaking link has no row: its frames go to the handshake.
+    assert {role for role, _ in TABLE} == set(ROLES)
+    assert {role for role, _ in UNLISTED} == set(ROLES), "the parametrization below is whole"
+
+
+@pytest.mark.parametrize("pair", UNLISTED, ids=pair_id)
+async def test_a_type_the_table_does_not_list_for_the_role_is_unsupported(
+    network: FakeNetwork, broker: Broker, pair: tuple[LinkRole, int]
+) -> None:
+    role, ctype = pair
+    client = await open_link(network, broker, role)
+    refused_before = broker.dispatch.refused_frames
+    correlation = client.send_control(ctype, sample_body(ControlType(ctype)), 4242)
+    await network.settle()
+    assert_unsupported(client, correlation)
+    assert broker.dispatch.refused_frames == refused_before + 1
+    await assert_still_open(client)
+
+
+@pytest.mark.parametrize("role", list(ROLES), ids=lambda r: r.value)
+async def test_a_type_no_broker_knows_is_unsupported_for_every_role(
+    network: FakeNetwork, broker: Broker, role: LinkRole
+) -> None:
+    client = await open_link(network, broker, role)
+    client.send_raw_control(UNKNOWN_TYPE, b"\x81\xa1x\x01", 77)
+    await network.settle()
+    assert_unsupported(client, 77)
+    await assert_still_open(client)
+
+
+async def test_register_from_an_operator_is_refused(network: FakeNetwork, broker: Broker) -> None:
+    client = await open_link(network, broker, LinkRole.OPERATOR)
+    answer = await client.ask(ControlType.REGISTER, Register(server="svc", instance=1))
+    assert answer.type == ControlType.ERROR
+    assert isinstance(answer.body, Error)
+    assert answer.body.code == ErrorCode.UNSUPPORTED_CONTROL
+    assert broker.routing.service_count == 0
+    await assert_still_open(client)
+
+
+async def test_routes_from_a_connector_are_refused(network: FakeNetwork, broker: Broker) -> None:
+    client = await open_link(network, broker, LinkRole.CONNECTOR)
+    forged = Unicast("forged", 1).to_bytes()
+    answer = await client.ask(ControlType.ROUTES, Routes(ops=[(1, forged, b"")], seq=1))
+    assert answer.type == ControlType.ERROR
+    assert isinstance(answer.body, Error)
+    assert answer.body.code == ErrorCode.UNSUPPORTED_CONTROL
+    assert broker.routing.owner(forged) is None, "a connector cannot write the table"
+    await assert_still_open(client)
+
+
+async def test_a_refused_request_is_an_error_with_its_correlation(
+    network: FakeNetwork, broker: Broker
+) -> None:
+    client = await open_link(network, broker, LinkRole.CONNECTOR)
+    stranger = Unicast("stranger", 1).to_bytes()
+    answer = await client.ask(
+        ControlType.JOIN, Membership(member=stranger, group=Multicast("chat").to_bytes())
+    )
+    assert answer.type == ControlType.ERROR
+    assert isinstance(answer.body, Error)
+    assert answer.body.code == ErrorCode.NOT_REGISTERED
+    bad = await client.ask(ControlType.REGISTER, Register(server="x" * 12, instance=1))
+    assert isinstance(bad.body, Error)
+    assert bad.body.code == ErrorCode.INVALID_ADDRESS
+    await assert_still_open(client)
+
+
+async def test_dispatch_turns_a_handlers_refusal_into_an_error_frame() -> None:
+    """ControlDispatch on its own: a handler raising Refused; nothing else is answered."""
+    hub = Hub()
+    link = hub.connector()
+    outbox = Outbox(TrafficStats())
+    dispatch = ControlDispatch(outbox)
+    handled: list[tuple[int, Body]] = []
+
+    def refuse(link: Link, correlation: int, body: Body) -> None:
+        raise Refused(ErrorCode.STREAM_ERROR, "no, thanks")
+
+    def accept(link: Link, correlation: int, body: Body) -> None:
+        handled.append((correlation, body))
+
+    def no_handshake(link: Link, frame: ControlFrame) -> None:
+        raise AssertionError("the link is open")
+
+    dispatch.install(
+        no_handshake,
+        {
+            (LinkRole.CONNECTOR, int(ControlType.STREAM)): refuse,
+            (LinkRole.CONNECTOR, int(ControlType.PING)): accept,
+        },
+    )
+    dispatch.handle(link, int(ControlType.STREAM), 31, sample_body(ControlType.STREAM))
+    dispatch.handle(link, int(ControlType.PING), 32, Empty())
+    outbox.flush()
+    frames = hub.received(link)
+    assert [(f.type, f.correlation) for f in frames if isinstance(f, ControlFrame)] == [
+        (ControlType.ERROR, 31)
+    ]
+    body = frames[0].body if isinstance(frames[0], ControlFrame) else None
+    assert isinstance(body, Error)
+    assert (body.code, body.message) == (ErrorCode.STREAM_ERROR, "no, thanks")
+    assert handled == [(32, Empty())]
+    assert dispatch.refused_frames == 0, "a refusal by a handler is not a refused frame"
+    assert link.state is LinkState.OPEN
