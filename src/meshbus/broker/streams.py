@@ -20,7 +20,6 @@ STREAM requests name a stream; one hosted by another broker is relayed there
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import socket
@@ -43,7 +42,7 @@ from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
-from meshbus.errors import MeshbusError, ProtocolError
+from meshbus.errors import ProtocolError
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -63,6 +62,7 @@ from meshbus.protocol.layout import (
     ControlType,
     ErrorCode,
 )
+from meshbus.storage.data_dir import lock_data_dir
 from meshbus.storage.errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.storage.sqlite import SqliteStreamStore
 from meshbus.storage.store import (
@@ -102,10 +102,6 @@ class StreamSink(Endpoint):
 
     def send(self, data: bytes | bytearray) -> None:
         self._store(bytes(data))
-
-
-class DataDirLocked(MeshbusError):
-    """Another broker uses this --data-dir: two stores on one file would both write it."""
 
 
 class StreamHost:
@@ -551,22 +547,6 @@ class StreamHost:
                 for n, groups in sorted(self.paused.items())
             },
         }
-
-
-def lock_data_dir(data_dir: str) -> IO[bytes]:
-    """Hold ``DATA_DIR/LOCK`` while the returned file is open: a broker for its lifetime
-    (the OS drops it when the process dies, also on kill -9), ``meshbus stream salvage``
-    while it reads the store; DataDirLocked if another process holds it."""
-    lock = open(os.path.join(data_dir, "LOCK"), "ab")  # noqa: SIM115 -- held until close()
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise DataDirLocked(
-            f"data directory {data_dir} is in use by another broker; "
-            "give each broker its own --data-dir"
-        ) from None
-    return lock
 
 
 def _row(message: StoredMessage, delivery: int) -> StoredRow:

@@ -437,8 +437,8 @@ def broker(
     from meshbus.auth import Credentials, TokenHash
     from meshbus.broker import BrokerConfig, serve
     from meshbus.broker.mesh.membership import MeshJoinError
-    from meshbus.broker.streams import DataDirLocked
     from meshbus.errors import TLSError
+    from meshbus.storage.data_dir import DataDirLocked
     from meshbus.storage.errors import StoreError
 
     if bool(tls_cert) != bool(tls_key):

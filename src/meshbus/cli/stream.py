@@ -390,7 +390,7 @@ def salvage(data_dir: str, out: str | None) -> None:
     """
     import os
 
-    from meshbus.broker.streams import DataDirLocked, lock_data_dir
+    from meshbus.storage.data_dir import DataDirLocked, lock_data_dir
     from meshbus.storage.errors import StoreError
     from meshbus.storage.salvage import salvage as salvage_store
 
