@@ -436,6 +436,7 @@ def broker(
 
     from meshbus.auth import Credentials, TokenHash
     from meshbus.broker import BrokerConfig, serve
+    from meshbus.broker.config import Fsync, PartitionHandling
     from meshbus.broker.mesh.membership import MeshJoinError
     from meshbus.broker.streams import DataDirLocked
     from meshbus.errors import TLSError
@@ -489,11 +490,11 @@ def broker(
         heartbeat_interval=heartbeat_interval,
         heartbeat_misses=heartbeat_misses,
         peer_forget=peer_forget,
-        partition_handling=partition_handling,
+        partition_handling=PartitionHandling(partition_handling),
         drain_grace=drain_grace,
         join_timeout=join_timeout,
         data_dir=data_dir or "",
-        fsync=fsync,
+        fsync=Fsync(fsync),
         max_streams=max_streams,
         max_stream_bytes=max_stream_bytes,
         max_store_bytes=max_store_bytes,
