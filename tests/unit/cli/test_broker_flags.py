@@ -1,7 +1,7 @@
 """``meshbus broker``'s flags, made from the settings' declarations (meshbus.broker.config):
 the same flags as before they were, the config built from them, a bad value refused alike
-as a flag and in a config file, and the CLI reaching the broker through its config, run
-and process modules only."""
+as a flag and in a config file, the table of docs/operations.md, and the CLI reaching the
+broker through its config, run and process modules only."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from meshbus.broker.config import (
     BrokerConfig,
     Fsync,
     PartitionHandling,
+    StartSettings,
+    settings_table,
 )
 from meshbus.cli.broker import broker
 
@@ -227,6 +229,16 @@ def test_a_config_file_takes_a_flags_text_too(served: list[BrokerConfig], tmp_pa
     config.write_text('max-connectors = "7"\ncapacity-boost = 2\nallow-anonymous = "yes"\n')
     built = run_broker(served, "--config", str(config))
     assert (built.max_connectors, built.capacity_boost, built.allow_anonymous) == (7, 2.0, True)
+
+
+def test_the_docs_table_is_the_declarations() -> None:
+    """docs/operations.md's table of settings is made from the declarations; when they
+    change, paste the table this test shows there."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    found = re.search(r"<!-- settings table -->\n(.*?)<!-- end of settings table -->", text, re.S)
+    assert found is not None, "docs/operations.md has lost its table of settings"
+    table = settings_table(StartSettings, BrokerConfig)
+    assert found[1] == table, f"docs/operations.md's table of settings should be:\n{table}"
 
 
 def test_the_cli_reaches_the_broker_through_its_config_run_and_process_only() -> None:
