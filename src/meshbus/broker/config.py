@@ -138,6 +138,10 @@ class StartSettings:
 
 @dataclass(kw_only=True)
 class BrokerConfig:
+    """Everything a broker runs with: its settings, declared here (the module says which
+    fields are not), and what the command makes of the rest (host, port, users, brokers,
+    key)."""
+
     # -- The mesh (docs/mesh.md).
     seeds: list[str] = setting(
         [],  # none: start a new mesh

@@ -73,7 +73,7 @@ def _option(declared: Declared) -> click.Option:
 def _values(cls: type, flags: dict[str, Any]) -> dict[str, Any]:
     """The values of the flags of ``cls``'s settings, as its fields hold them: a repeated
     flag's is a list, and a flag not given (None) is the setting's default."""
-    values = {}
+    values: dict[str, Any] = {}
     for declared in declared_settings(cls):
         value = flags[declared.name]
         if declared.multiple:
