@@ -12,16 +12,28 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.mesh.membership import Mesh
+from meshbus.broker.mesh.membership import Mesh, MeshJoinError
 from meshbus.broker.process import ready_line
 from meshbus.broker.security.users import UserTable
 from meshbus.broker.server import Broker
 from meshbus.errors import InvalidArgument
+from meshbus.storage.data_dir import DataDirLocked
+from meshbus.storage.errors import StoreError
 
 if TYPE_CHECKING:
     from meshbus.broker.observe.monitor import MonitorServer
 
-__all__ = ["serve"]
+__all__ = ["START_ERRORS", "serve"]
+
+# What ``serve`` raises for a broker that cannot start, each with a message its operator can
+# act on: no seed to join through, a --data-dir another broker holds, a damaged stream store or
+# one of another version, a broker key that does not fit its name (meshbus.broker.security.trust).
+START_ERRORS: tuple[type[Exception], ...] = (
+    MeshJoinError,
+    DataDirLocked,
+    StoreError,
+    InvalidArgument,
+)
 
 log = logging.getLogger("meshbus.broker")
 

@@ -68,11 +68,6 @@ class Parsed(click.ParamType[T]):
             self.fail(str(exc), param, ctx)
 
 
-def _check_hostport(text: str) -> str:
-    parse_hostport(text)
-    return text
-
-
 def _check_one_broker(text: str) -> str:
     if "," in text:
         raise ValueError(f"{text!r}: this command takes one broker, HOST:PORT")
@@ -88,7 +83,6 @@ def _check_brokers(text: str) -> str:
     return ",".join(broker_list(text))
 
 
-HOSTPORT = Parsed("HOST:PORT", _check_hostport)
 ONE_BROKER = Parsed("HOST:PORT", _check_one_broker)
 BROKERS = Parsed("HOST:PORT[,...]", _check_brokers)
 ADDRESS = Parsed("ADDRESS", Address.parse)

@@ -1,5 +1,5 @@
 """The broker's config file checked: ``meshbus broker --check-config`` lists every error
-with its line, and the key paths of errors find their lines (meshbus.cli.config_lines)."""
+with its line, and the key paths of errors find their lines (meshbus.broker.config_lines)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from meshbus.auth import Credentials, TokenKey, users_entry
+from meshbus.broker.config_file import BadConfig, read_config, reread_users
+from meshbus.broker.config_lines import KeyLines
 from meshbus.cli.broker import broker
-from meshbus.cli.config import BadConfig, read_config, reread_users
-from meshbus.cli.config_lines import KeyLines
 
 TEXT = """\
 listen = "127.0.0.1:0"   # line 1
@@ -94,7 +94,7 @@ def test_every_bad_user_is_reported_not_just_the_first(tmp_path: Path) -> None:
         '[[users]]\nname = "c"\ncertificate = "c2"\n'  # 12-14: a second "c"
     )
     with pytest.raises(BadConfig) as caught:
-        read_config(str(config), broker)
+        read_config(str(config))
     assert [line for line, _ in caught.value.errors] == [1, 8, 13]
     assert "user 'a' needs exactly one of public_key" in str(caught.value)
     assert "permissions.request pattern 'nope'" in str(caught.value)
@@ -126,11 +126,11 @@ def test_a_reload_refuses_changed_brokers(tmp_path: Path) -> None:
     a, b = Credentials.generate("a"), Credentials.generate("b")
     config = tmp_path / "broker.toml"
     config.write_text(f'[[brokers]]\nname = "a"\npublic_key = "{a.public_key}"\n')
-    started = read_config(str(config), broker).tables
-    assert list(reread_users(str(config), started.brokers, broker)) == []
+    started = read_config(str(config)).tables
+    assert list(reread_users(str(config), started.brokers)) == []
     config.write_text(
         users_entry("alice", public_key=b.public_key)
         + f'[[brokers]]\nname = "b"\npublic_key = "{b.public_key}"\n'
     )
     with pytest.raises(BadConfig, match=r"broker\.toml:11: \[\[brokers\]\] changed"):
-        reread_users(str(config), started.brokers, broker)
+        reread_users(str(config), started.brokers)

@@ -23,7 +23,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshbus.broker.config import BrokerConfig
+from meshbus.broker.config import BrokerConfig, PartitionHandling
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, PeerInfo
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
@@ -154,7 +154,7 @@ class Mesh:
         self.out_of_reach = OutOfReach(clock, ttl=config.heartbeat_budget + interval)
         self.minority = MinorityRule(
             name=lambda: self.name,
-            enabled=config.partition_handling == "pause-minority",
+            enabled=config.partition_handling is PartitionHandling.PAUSE_MINORITY,
             redials=self.redials,
             peers=peers,
             links=links,

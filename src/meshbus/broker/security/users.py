@@ -66,7 +66,7 @@ class EntryError(InvalidArgument):
     """What is wrong with one entry of a config file's ``[[users]]`` or ``[[brokers]]``. The
     message names the file and the entry; ``key`` says where it is in the file, as a path
     of TOML keys whose arrays of tables count from 1 (``users[2].permissions.send``: the
-    send key of the second [[users]]), for meshbus.cli.config_lines to find its line."""
+    send key of the second [[users]]), for meshbus.broker.config_lines to find its line."""
 
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from meshbus.address import Multicast, server_name_bytes
 from meshbus.auth import Credentials
+from meshbus.broker.config_file import read_config
 from meshbus.broker.core.endpoint import Endpoint, is_peer
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.routing import RoutingTable
@@ -17,7 +18,6 @@ from meshbus.broker.core.usage import QuotaExceeded, UsageTable
 from meshbus.broker.security.quotas import MAX_QUOTA, QUOTA_KEYS, BadQuotas, Quotas
 from meshbus.broker.security.users import User, UserTable
 from meshbus.cli.broker import broker
-from meshbus.cli.config import read_config
 from meshbus.testing import Hub
 
 ALICE = Credentials.generate("alice")
@@ -58,7 +58,7 @@ def test_the_config_file_gives_each_user_its_quotas(tmp_path: Path) -> None:
         f'[[users]]\nname = "alice"\npublic_key = "{ALICE.public_key}"\n'
         "[users.quotas]\nconnections = 3\nservices = 10\n"
     )
-    (alice,) = read_config(str(config), broker).tables.users
+    (alice,) = read_config(str(config)).tables.users
     assert alice.quotas == Quotas(connections=3, services=10)
 
 
