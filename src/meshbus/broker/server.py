@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.core.dispatch import ControlDispatch, ControlTable
+from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.core.forward import Forwarder
 from meshbus.broker.core.link import Link
@@ -51,7 +51,32 @@ from meshbus.broker.security.trust import MeshTrust
 from meshbus.broker.security.users import UserTable
 from meshbus.broker.streams import StreamHost
 from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
+from meshbus.protocol.control import (
+    OP_REMOVE,
+    AddressBody,
+    Brokers,
+    Bye,
+    Claim,
+    DeliveryFailure,
+    Drain,
+    Empty,
+    Error,
+    GroupBind,
+    GroupEnd,
+    Groups,
+    Hello,
+    Load,
+    Membership,
+    MembersRequest,
+    Ready,
+    Register,
+    Relayed,
+    Routed,
+    Routes,
+    StatRequest,
+    StreamRequest,
+    TraceReport,
+)
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.tls import dial_context, server_context
 from meshbus.util import BackgroundTasks
@@ -245,70 +270,61 @@ class Broker:
             request_drain=self.request_drain,
             rng=rng,
         )
-        self.dispatch.install(self.control.on_handshake, self._control_table())
+        self.dispatch.handshake_to(self.control.on_handshake)
+        self._install_handlers()
         self.address = ""
         self.drain_requested = asyncio.Event()
         self._drain_grace: float | None = None
         self._server: asyncio.Server | None = None
         self._tasks = BackgroundTasks()
 
-    def _control_table(self) -> ControlTable:
-        """Who may send which control frame on an open link, and who handles it
-        (meshbus.broker.core.dispatch). A (role, type) missing here is refused; a permission
-        check goes in front of a row. A link still handshaking has no role: its frames
-        go to ``ControlHandler.on_handshake``."""
-        control, mesh, sync = self.control, self.mesh, self.sync
-        guarantees, streams, relay = self.guarantees, self.streams, self.relay
+    def _install_handlers(self) -> None:
+        """Who may send which control frame on an open link, with its body class, and who
+        handles it (meshbus.broker.core.dispatch). A (role, type) missing here is refused;
+        a permission check goes in front of a row. A link still handshaking has no role:
+        its frames go to ``ControlHandler.on_handshake``."""
+        on = self.dispatch.on
+        control = self.control
+        guarantees, streams, mesh, sync = self.guarantees, self.streams, self.mesh, self.sync
         # What connectors and operators both may ask.
-        either = {
-            _C.HELLO: control.on_second_hello,
-            _C.STAT: control.on_stat,
-            _C.PING: control.on_ping,
-            _C.BYE: control.on_bye,
-            _C.DRAIN: control.on_drain,
-            _C.MEMBERS: guarantees.on_members,
-            _C.WATCH: self.watch.on_watch,
-            _C.STREAM: streams.on_request,
-        }
-        connector_only = {
-            _C.REGISTER: control.on_register,
-            _C.UNREGISTER: control.on_unregister,
-            _C.JOIN: control.on_join,
-            _C.LEAVE: control.on_leave,
-            _C.GROUP_BIND: guarantees.on_bind,
-            _C.GROUP_END: guarantees.on_end,
-            _C.TRACE: self.telemetry.on_trace,
-        }
-        peer = {
-            _C.HELLO: control.on_second_hello,
-            _C.LOAD: self._on_load,
-            _C.BROKERS: mesh.on_brokers,
-            _C.READY: mesh.on_ready,
-            _C.DRAINING: mesh.on_draining,
-            _C.BYE: mesh.on_bye,
-            _C.PING: mesh.on_ping,
-            _C.PONG: mesh.on_pong,
-            _C.ROUTES: sync.on_routes,
-            _C.ROUTED: sync.on_routed,
-            _C.CLAIM: sync.on_claim,
-            _C.RELEASE: sync.on_release,
-            _C.OK: sync.on_answer,
-            _C.ERROR: sync.on_answer,
-            _C.NO_ROUTE: self.forwarder.on_peer_no_route,
-            _C.GROUP_BIND: guarantees.on_bind,
-            _C.GROUP_END: guarantees.on_end,
-            _C.GROUPS: guarantees.on_groups,
-            _C.RELAYED: relay.on_relayed,
-            _C.STREAM: streams.on_request,
-        }
-        table: dict[tuple[LinkRole, int], Callable[[Link, int, Body], None]] = {}
-        for role, rows in (
-            (_CONNECTOR, either | connector_only),
-            (_OPERATOR, either),
-            (_PEER, peer),
-        ):
-            table.update({(role, int(ctype)): handler for ctype, handler in rows.items()})
-        return table
+        for role in (_CONNECTOR, _OPERATOR):
+            on(role, _C.HELLO, Hello, control.on_second_hello)
+            on(role, _C.STAT, StatRequest, control.on_stat)
+            on(role, _C.PING, Empty, control.on_ping)
+            on(role, _C.BYE, Bye, control.on_bye)
+            on(role, _C.DRAIN, Drain, control.on_drain)
+            on(role, _C.MEMBERS, MembersRequest, guarantees.on_members)
+            on(role, _C.WATCH, Empty, self.watch.on_watch)
+            on(role, _C.STREAM, StreamRequest, streams.on_request)
+        # Connectors only.
+        on(_CONNECTOR, _C.REGISTER, Register, control.on_register)
+        on(_CONNECTOR, _C.UNREGISTER, AddressBody, control.on_unregister)
+        on(_CONNECTOR, _C.JOIN, Membership, control.on_join)
+        on(_CONNECTOR, _C.LEAVE, Membership, control.on_leave)
+        on(_CONNECTOR, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
+        on(_CONNECTOR, _C.GROUP_END, GroupEnd, guarantees.on_end)
+        on(_CONNECTOR, _C.TRACE, TraceReport, self.telemetry.on_trace)
+        # Peer brokers.
+        on(_PEER, _C.HELLO, Hello, control.on_second_hello)
+        on(_PEER, _C.LOAD, Load, self._on_load)
+        on(_PEER, _C.BROKERS, Brokers, mesh.on_brokers)
+        on(_PEER, _C.READY, Ready, mesh.on_ready)
+        on(_PEER, _C.DRAINING, Empty, mesh.on_draining)
+        on(_PEER, _C.BYE, Bye, mesh.on_bye)
+        on(_PEER, _C.PING, Empty, mesh.on_ping)
+        on(_PEER, _C.PONG, Empty, mesh.on_pong)
+        on(_PEER, _C.ROUTES, Routes, sync.on_routes)
+        on(_PEER, _C.ROUTED, Routed, sync.on_routed)
+        on(_PEER, _C.CLAIM, Claim, sync.on_claim)
+        on(_PEER, _C.RELEASE, Claim, sync.on_release)
+        on(_PEER, _C.OK, Empty, sync.on_answer)
+        on(_PEER, _C.ERROR, Error, sync.on_answer)
+        on(_PEER, _C.NO_ROUTE, DeliveryFailure, self.forwarder.on_peer_no_route)
+        on(_PEER, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
+        on(_PEER, _C.GROUP_END, GroupEnd, guarantees.on_end)
+        on(_PEER, _C.GROUPS, Groups, guarantees.on_groups)
+        on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
+        on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -502,8 +518,7 @@ class Broker:
         if held >= _RELEASE_AFTER:
             _release_memory()
 
-    def _on_load(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Load)
+    def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)
         self.streams.peer_streams(link, body.streams)
 

@@ -51,6 +51,7 @@ from meshbus.protocol.control import (
     ROLE_OPERATOR,
     AddressBody,
     Body,
+    Bye,
     Drain,
     Empty,
     Error,
@@ -316,13 +317,12 @@ class ControlHandler:
             link.accepting.refuse(code, message, redirect), CloseReason.REFUSED, message
         )
 
-    def on_second_hello(self, link: Link, correlation: int, body: Body) -> None:
+    def on_second_hello(self, link: Link, correlation: int, body: Hello) -> None:
         raise Refused(ErrorCode.ALREADY_HANDSHAKEN, "HELLO was already received on this link")
 
     # -- services and groups ----------------------------------------------------------
 
-    def on_register(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Register)
+    def on_register(self, link: Link, correlation: int, body: Register) -> None:
         routing = self._routing
         limit = self._config.max_services
         if routing.owned_count(link) >= limit:
@@ -423,24 +423,21 @@ class ControlHandler:
         self._routing.take_over(address, link, link.session, link.epoch)
         self._sync.announce(OP_ADD, address, owner_of(link.session, link.epoch))
 
-    def on_unregister(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, AddressBody)
+    def on_unregister(self, link: Link, correlation: int, body: AddressBody) -> None:
         self._check_owned(link, body.address, "unregister")
         self._routing.remove_service(body.address, link)
         self._sync.announce(OP_REMOVE, body.address)
         self._watch.services_left([body.address])
         self._answer(link, ControlType.OK, Empty(), correlation, True)
 
-    def on_join(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Membership)
+    def on_join(self, link: Link, correlation: int, body: Membership) -> None:
         self._check_membership(link, body, "join")
         self._check_group_limits(link, body)
         self._routing.join(body.member, body.group)
         self._sync.announce(OP_JOIN, body.member, body.group)
         self._answer(link, ControlType.OK, Empty(), correlation, True)
 
-    def on_leave(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Membership)
+    def on_leave(self, link: Link, correlation: int, body: Membership) -> None:
         self._check_membership(link, body, "leave")
         self._routing.leave(body.member, body.group)
         self._sync.announce(OP_LEAVE, body.member, body.group)
@@ -448,11 +445,10 @@ class ControlHandler:
 
     # -- operations -------------------------------------------------------------------------
 
-    def on_stat(self, link: Link, correlation: int, body: Body) -> None:
+    def on_stat(self, link: Link, correlation: int, body: StatRequest) -> None:
         """The brief answer at once; the detailed one once built (in slices). An answer
         larger than the link's frame limit goes in pages, the rest kept on the link until
         the operator has asked for each (``StatRequest.page``)."""
-        assert isinstance(body, StatRequest)
         if body.page:
             self._stat_page(link, correlation, body.page)
         elif body.detail:
@@ -495,16 +491,15 @@ class ControlHandler:
             link.stat_pages = []
         self._outbox.reply(link, ControlType.STATS, body, correlation)
 
-    def on_ping(self, link: Link, correlation: int, body: Body) -> None:
+    def on_ping(self, link: Link, correlation: int, body: Empty) -> None:
         self._outbox.reply(link, ControlType.PONG, Empty(), correlation)
 
-    def on_drain(self, link: Link, correlation: int, body: Body) -> None:
+    def on_drain(self, link: Link, correlation: int, body: Drain) -> None:
         """An operator asks for a drain; the broker drains and exits (as on SIGTERM)."""
-        assert isinstance(body, Drain)
         self._request_drain(body.grace or None)
         self._outbox.reply(link, ControlType.OK, Empty(), correlation)
 
-    def on_bye(self, link: Link, correlation: int, body: Body) -> None:
+    def on_bye(self, link: Link, correlation: int, body: Bye) -> None:
         link.close(CloseReason.CLIENT_BYE)
 
     def _check_owned(self, link: Link, address: bytes, verb: str) -> None:
