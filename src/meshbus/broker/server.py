@@ -7,7 +7,7 @@ Everything runs on one event loop thread and never awaits inside frame
 handling, so a routing change made by a control frame is visible to the very
 next frame of the same read -- that is what keeps a REGISTER followed by a send
 from the new address in order (a REGISTER that must wait for the mesh blocks
-its link instead; see meshbus.broker.handlers.control).
+its link instead; see meshbus.broker.handlers.services).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.slices import Slices
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.core.watch import ServiceWatch
-from meshbus.broker.handlers.control import ControlHandler
+from meshbus.broker.handlers.admission import Admission
 from meshbus.broker.handlers.guarantees import Guarantees
+from meshbus.broker.handlers.operator import OperatorCommands
+from meshbus.broker.handlers.services import ServiceCommands
 from meshbus.broker.mesh.dialer import Dialer, dial_tcp
 from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
@@ -253,24 +255,33 @@ class Broker:
             reloads=self.sign_in.reloads,
             usage=self.usage,
         )
-        self.control = ControlHandler(
+        self.admission = Admission(
             config=config,
             routing=self.routing,
-            sync=self.sync,
             mesh=self.mesh,
             links=self.links,
-            watch=self.watch,
-            outbox=self.outbox,
             sign_in=self.sign_in,
             usage=self.usage,
             trust=self.trust,
             trace_every=self.telemetry.trace_every,
+        )
+        self.services = ServiceCommands(
+            config=config,
+            routing=self.routing,
+            sync=self.sync,
+            peers=self.peers,
+            watch=self.watch,
+            outbox=self.outbox,
+            usage=self.usage,
+            rng=rng,
+        )
+        self.operator = OperatorCommands(
+            outbox=self.outbox,
             snapshot=self.stat.brief,
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
-            rng=rng,
         )
-        self.dispatch.handshake_to(self.control.on_handshake)
+        self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
         self.drain_requested = asyncio.Event()
@@ -282,30 +293,30 @@ class Broker:
         """Who may send which control frame on an open link, with its body class, and who
         handles it (meshbus.broker.core.dispatch). A (role, type) missing here is refused;
         a permission check goes in front of a row. A link still handshaking has no role:
-        its frames go to ``ControlHandler.on_handshake``."""
+        its frames go to ``Admission.on_handshake``."""
         on = self.dispatch.on
-        control = self.control
+        admission, services, operator = self.admission, self.services, self.operator
         guarantees, streams, mesh, sync = self.guarantees, self.streams, self.mesh, self.sync
         # What connectors and operators both may ask.
         for role in (_CONNECTOR, _OPERATOR):
-            on(role, _C.HELLO, Hello, control.on_second_hello)
-            on(role, _C.STAT, StatRequest, control.on_stat)
-            on(role, _C.PING, Empty, control.on_ping)
-            on(role, _C.BYE, Bye, control.on_bye)
-            on(role, _C.DRAIN, Drain, control.on_drain)
+            on(role, _C.HELLO, Hello, admission.on_second_hello)
+            on(role, _C.STAT, StatRequest, operator.on_stat)
+            on(role, _C.PING, Empty, operator.on_ping)
+            on(role, _C.BYE, Bye, operator.on_bye)
+            on(role, _C.DRAIN, Drain, operator.on_drain)
             on(role, _C.MEMBERS, MembersRequest, guarantees.on_members)
             on(role, _C.WATCH, Empty, self.watch.on_watch)
             on(role, _C.STREAM, StreamRequest, streams.on_request)
         # Connectors only.
-        on(_CONNECTOR, _C.REGISTER, Register, control.on_register)
-        on(_CONNECTOR, _C.UNREGISTER, AddressBody, control.on_unregister)
-        on(_CONNECTOR, _C.JOIN, Membership, control.on_join)
-        on(_CONNECTOR, _C.LEAVE, Membership, control.on_leave)
+        on(_CONNECTOR, _C.REGISTER, Register, services.on_register)
+        on(_CONNECTOR, _C.UNREGISTER, AddressBody, services.on_unregister)
+        on(_CONNECTOR, _C.JOIN, Membership, services.on_join)
+        on(_CONNECTOR, _C.LEAVE, Membership, services.on_leave)
         on(_CONNECTOR, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
         on(_CONNECTOR, _C.GROUP_END, GroupEnd, guarantees.on_end)
         on(_CONNECTOR, _C.TRACE, TraceReport, self.telemetry.on_trace)
         # Peer brokers.
-        on(_PEER, _C.HELLO, Hello, control.on_second_hello)
+        on(_PEER, _C.HELLO, Hello, admission.on_second_hello)
         on(_PEER, _C.LOAD, Load, self._on_load)
         on(_PEER, _C.BROKERS, Brokers, mesh.on_brokers)
         on(_PEER, _C.READY, Ready, mesh.on_ready)
@@ -393,7 +404,7 @@ class Broker:
         if self.tls is not None:
             await self.tls.stop()
         await self.telemetry.stop()
-        await self.control.stop()
+        await self.operator.stop()
         await self.mesh.stop()
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
