@@ -7,7 +7,7 @@ Everything runs on one event loop thread and never awaits inside frame
 handling, so a routing change made by a control frame is visible to the very
 next frame of the same read -- that is what keeps a REGISTER followed by a send
 from the new address in order (a REGISTER that must wait for the mesh blocks
-its link instead; see meshbus.broker.handlers.control).
+its link instead; see meshbus.broker.handlers.services).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.core.dispatch import ControlDispatch, ControlTable
+from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.core.forward import Forwarder
 from meshbus.broker.core.link import Link
@@ -34,8 +34,10 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.slices import Slices
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.core.watch import ServiceWatch
-from meshbus.broker.handlers.control import ControlHandler
+from meshbus.broker.handlers.admission import Admission
 from meshbus.broker.handlers.guarantees import Guarantees
+from meshbus.broker.handlers.operator import OperatorCommands
+from meshbus.broker.handlers.services import ServiceCommands
 from meshbus.broker.mesh.dialer import Dialer, dial_tcp
 from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
@@ -51,7 +53,32 @@ from meshbus.broker.security.trust import MeshTrust
 from meshbus.broker.security.users import UserTable
 from meshbus.broker.streams import StreamHost
 from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import OP_REMOVE, Body, Bye, Load
+from meshbus.protocol.control import (
+    OP_REMOVE,
+    AddressBody,
+    Brokers,
+    Bye,
+    Claim,
+    DeliveryFailure,
+    Drain,
+    Empty,
+    Error,
+    GroupBind,
+    GroupEnd,
+    Groups,
+    Hello,
+    Load,
+    Membership,
+    MembersRequest,
+    Ready,
+    Register,
+    Relayed,
+    Routed,
+    Routes,
+    StatRequest,
+    StreamRequest,
+    TraceReport,
+)
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.tls import dial_context, server_context
 from meshbus.util import BackgroundTasks
@@ -228,87 +255,87 @@ class Broker:
             reloads=self.sign_in.reloads,
             usage=self.usage,
         )
-        self.control = ControlHandler(
+        self.admission = Admission(
             config=config,
             routing=self.routing,
-            sync=self.sync,
             mesh=self.mesh,
             links=self.links,
-            watch=self.watch,
-            outbox=self.outbox,
             sign_in=self.sign_in,
             usage=self.usage,
             trust=self.trust,
             trace_every=self.telemetry.trace_every,
+        )
+        self.services = ServiceCommands(
+            config=config,
+            routing=self.routing,
+            sync=self.sync,
+            peers=self.peers,
+            watch=self.watch,
+            outbox=self.outbox,
+            usage=self.usage,
+            rng=rng,
+        )
+        self.operator = OperatorCommands(
+            outbox=self.outbox,
             snapshot=self.stat.brief,
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
-            rng=rng,
         )
-        self.dispatch.install(self.control.on_handshake, self._control_table())
+        self.dispatch.handshake_to(self.admission.on_handshake)
+        self._install_handlers()
         self.address = ""
         self.drain_requested = asyncio.Event()
         self._drain_grace: float | None = None
         self._server: asyncio.Server | None = None
         self._tasks = BackgroundTasks()
 
-    def _control_table(self) -> ControlTable:
-        """Who may send which control frame on an open link, and who handles it
-        (meshbus.broker.core.dispatch). A (role, type) missing here is refused; a permission
-        check goes in front of a row. A link still handshaking has no role: its frames
-        go to ``ControlHandler.on_handshake``."""
-        control, mesh, sync = self.control, self.mesh, self.sync
-        guarantees, streams, relay = self.guarantees, self.streams, self.relay
+    def _install_handlers(self) -> None:
+        """Who may send which control frame on an open link, with its body class, and who
+        handles it (meshbus.broker.core.dispatch). A (role, type) missing here is refused;
+        a permission check goes in front of a row. A link still handshaking has no role:
+        its frames go to ``Admission.on_handshake``."""
+        on = self.dispatch.on
+        admission, services, operator = self.admission, self.services, self.operator
+        guarantees, streams, mesh, sync = self.guarantees, self.streams, self.mesh, self.sync
         # What connectors and operators both may ask.
-        either = {
-            _C.HELLO: control.on_second_hello,
-            _C.STAT: control.on_stat,
-            _C.PING: control.on_ping,
-            _C.BYE: control.on_bye,
-            _C.DRAIN: control.on_drain,
-            _C.MEMBERS: guarantees.on_members,
-            _C.WATCH: self.watch.on_watch,
-            _C.STREAM: streams.on_request,
-        }
-        connector_only = {
-            _C.REGISTER: control.on_register,
-            _C.UNREGISTER: control.on_unregister,
-            _C.JOIN: control.on_join,
-            _C.LEAVE: control.on_leave,
-            _C.GROUP_BIND: guarantees.on_bind,
-            _C.GROUP_END: guarantees.on_end,
-            _C.TRACE: self.telemetry.on_trace,
-        }
-        peer = {
-            _C.HELLO: control.on_second_hello,
-            _C.LOAD: self._on_load,
-            _C.BROKERS: mesh.on_brokers,
-            _C.READY: mesh.on_ready,
-            _C.DRAINING: mesh.on_draining,
-            _C.BYE: mesh.on_bye,
-            _C.PING: mesh.on_ping,
-            _C.PONG: mesh.on_pong,
-            _C.ROUTES: sync.on_routes,
-            _C.ROUTED: sync.on_routed,
-            _C.CLAIM: sync.on_claim,
-            _C.RELEASE: sync.on_release,
-            _C.OK: sync.on_answer,
-            _C.ERROR: sync.on_answer,
-            _C.NO_ROUTE: self.forwarder.on_peer_no_route,
-            _C.GROUP_BIND: guarantees.on_bind,
-            _C.GROUP_END: guarantees.on_end,
-            _C.GROUPS: guarantees.on_groups,
-            _C.RELAYED: relay.on_relayed,
-            _C.STREAM: streams.on_request,
-        }
-        table: dict[tuple[LinkRole, int], Callable[[Link, int, Body], None]] = {}
-        for role, rows in (
-            (_CONNECTOR, either | connector_only),
-            (_OPERATOR, either),
-            (_PEER, peer),
-        ):
-            table.update({(role, int(ctype)): handler for ctype, handler in rows.items()})
-        return table
+        for role in (_CONNECTOR, _OPERATOR):
+            on(role, _C.HELLO, Hello, admission.on_second_hello)
+            on(role, _C.STAT, StatRequest, operator.on_stat)
+            on(role, _C.PING, Empty, operator.on_ping)
+            on(role, _C.BYE, Bye, operator.on_bye)
+            on(role, _C.DRAIN, Drain, operator.on_drain)
+            on(role, _C.MEMBERS, MembersRequest, guarantees.on_members)
+            on(role, _C.WATCH, Empty, self.watch.on_watch)
+            on(role, _C.STREAM, StreamRequest, streams.on_request)
+        # Connectors only.
+        on(_CONNECTOR, _C.REGISTER, Register, services.on_register)
+        on(_CONNECTOR, _C.UNREGISTER, AddressBody, services.on_unregister)
+        on(_CONNECTOR, _C.JOIN, Membership, services.on_join)
+        on(_CONNECTOR, _C.LEAVE, Membership, services.on_leave)
+        on(_CONNECTOR, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
+        on(_CONNECTOR, _C.GROUP_END, GroupEnd, guarantees.on_end)
+        on(_CONNECTOR, _C.TRACE, TraceReport, self.telemetry.on_trace)
+        # Peer brokers.
+        on(_PEER, _C.HELLO, Hello, admission.on_second_hello)
+        on(_PEER, _C.LOAD, Load, self._on_load)
+        on(_PEER, _C.BROKERS, Brokers, mesh.on_brokers)
+        on(_PEER, _C.READY, Ready, mesh.on_ready)
+        on(_PEER, _C.DRAINING, Empty, mesh.on_draining)
+        on(_PEER, _C.BYE, Bye, mesh.on_bye)
+        on(_PEER, _C.PING, Empty, mesh.on_ping)
+        on(_PEER, _C.PONG, Empty, mesh.on_pong)
+        on(_PEER, _C.ROUTES, Routes, sync.on_routes)
+        on(_PEER, _C.ROUTED, Routed, sync.on_routed)
+        on(_PEER, _C.CLAIM, Claim, sync.on_claim)
+        on(_PEER, _C.RELEASE, Claim, sync.on_release)
+        on(_PEER, _C.OK, Empty, sync.on_answer)
+        on(_PEER, _C.ERROR, Error, sync.on_answer)
+        on(_PEER, _C.NO_ROUTE, DeliveryFailure, self.forwarder.on_peer_no_route)
+        on(_PEER, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
+        on(_PEER, _C.GROUP_END, GroupEnd, guarantees.on_end)
+        on(_PEER, _C.GROUPS, Groups, guarantees.on_groups)
+        on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
+        on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -377,7 +404,7 @@ class Broker:
         if self.tls is not None:
             await self.tls.stop()
         await self.telemetry.stop()
-        await self.control.stop()
+        await self.operator.stop()
         await self.mesh.stop()
         for link in list(self.links.links.values()):
             link.send(encode_control(ControlType.BYE, Bye(reason="broker shutting down")))
@@ -502,8 +529,7 @@ class Broker:
         if held >= _RELEASE_AFTER:
             _release_memory()
 
-    def _on_load(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Load)
+    def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)
         self.streams.peer_streams(link, body.streams)
 

@@ -48,7 +48,6 @@ from meshbus.protocol.control import (
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
-    Body,
     StoredRow,
     StreamReply,
     StreamRequest,
@@ -349,8 +348,7 @@ class StreamHost:
 
     # -- requests ----------------------------------------------------------------------
 
-    def on_request(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, StreamRequest)
+    def on_request(self, link: Link, correlation: int, body: StreamRequest) -> None:
         if not link.is_peer:  # the user that asks, as this broker knows it
             permissions = link.permissions
             body = msgspec.structs.replace(

@@ -149,7 +149,7 @@ class Hub:
             UsageTable(UserTable, self.routing),
         )
         self.dispatch = ControlDispatch(self.outbox)
-        self.dispatch.install(self._no_handshake, {})
+        self.dispatch.handshake_to(self._no_handshake)
         self.closed: list[tuple[Link, CloseReason]] = []
         self._ids = itertools.count(1)
 

@@ -52,7 +52,7 @@ from meshbus.broker.core.stamp import stamp_run
 from meshbus.broker.security.quotas import REQUESTS
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import FrameError, check_data_flags
-from meshbus.protocol.control import Body, DeliveryFailure
+from meshbus.protocol.control import DeliveryFailure
 from meshbus.protocol.ext import block_of
 from meshbus.protocol.layout import (
     DATA_HEADER,
@@ -412,10 +412,9 @@ class Forwarder:
         if flags & _TELL_SENDER:
             self._outbox.no_route(link, msg_id, src, dst, "the route went stale")
 
-    def on_peer_no_route(self, link: Link, correlation: int, body: Body) -> None:
+    def on_peer_no_route(self, link: Link, correlation: int, body: DeliveryFailure) -> None:
         """NO_ROUTE from a peer about a frame that entered the mesh here: to the requester
         (by the pending entry) or to the sender of a notified send (by its address)."""
-        assert isinstance(body, DeliveryFailure)
         target = self._pending.resolve(body.src, body.msg_id)
         if target is None:
             owner = self.routing.owner(body.src)

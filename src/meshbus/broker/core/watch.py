@@ -15,7 +15,7 @@ from meshbus.broker.core.endpoint import LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.security.permissions import STAT_DETAIL, Permissions
-from meshbus.protocol.control import Body, Empty, Left
+from meshbus.protocol.control import Empty, Left
 from meshbus.protocol.layout import ControlType
 
 
@@ -25,7 +25,7 @@ class ServiceWatch:
         self._watchers: set[Link] = set()
         self._left: list[bytes] = []
 
-    def on_watch(self, link: Link, correlation: int, body: Body) -> None:
+    def on_watch(self, link: Link, correlation: int, body: Empty) -> None:
         self._watchers.add(link)
         self._outbox.reply(link, ControlType.OK, Empty(), correlation)
 

@@ -26,7 +26,6 @@ from meshbus.broker.mesh.groups import GroupTable, home_of
 from meshbus.broker.mesh.relay import Relay
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
-    Body,
     Empty,
     GroupBind,
     GroupBound,
@@ -75,8 +74,7 @@ class Guarantees:
 
     # -- members ------------------------------------------------------------------------
 
-    def on_members(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, MembersRequest)
+    def on_members(self, link: Link, correlation: int, body: MembersRequest) -> None:
         routing = self._routing
         members = routing.members(body.group)
         if body.pick and members:
@@ -112,8 +110,7 @@ class Guarantees:
                 "this connector has not registered it",
             )
 
-    def on_bind(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, GroupBind)
+    def on_bind(self, link: Link, correlation: int, body: GroupBind) -> None:
         self._check_sender(link, body.sender)
         name, home = (self._name(), None) if link.is_peer else self._home(body.group + body.key)
         if home is not None:
@@ -159,8 +156,7 @@ class Guarantees:
         bound = GroupBound(member=binding.member, reassigned=binding.moved)
         self._relay.answer(link, ControlType.GROUP_BOUND, bound, correlation)
 
-    def on_end(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, GroupEnd)
+    def on_end(self, link: Link, correlation: int, body: GroupEnd) -> None:
         self._check_sender(link, body.sender)
         name, home = (self._name(), None) if link.is_peer else self._home(body.group + body.key)
         if home is not None:
@@ -176,12 +172,11 @@ class Guarantees:
             for frame in _groups_frames(ops):
                 self._peers.send_all(frame)
 
-    def on_groups(self, link: Link, correlation: int, body: Body) -> None:
+    def on_groups(self, link: Link, correlation: int, body: Groups) -> None:
         """Bindings from a peer. The group's home decides: a binding this broker holds is
         replaced only by its home's. Two sides of a split may each have bound a group
         (each side had its own home for it); when they link again each sends all it
         holds, and without this rule each would take the other's -- swapped, not one."""
-        assert isinstance(body, Groups)
         now = self._clock()
         brokers = self._mesh()
         for anycast, group, member, expiry in body.ops:

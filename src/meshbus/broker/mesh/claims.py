@@ -14,7 +14,7 @@ arbitrates with the same rule, ``ClaimTable.reserve``:
 So of two brokers claiming one key at the same moment the smaller name wins in
 the first round. Of three or more, never two win, but in some orders of the
 messages none does (each arbiter granted another first); the claimants then try
-again after a random pause (meshbus.broker.handlers.control), and one gets there. A loser
+again after a random pause (meshbus.broker.handlers.services), and one gets there. A loser
 finds out from the refusal it gets. A connector's own session never conflicts
 with itself, which is what lets it take its addresses along when it moves.
 

@@ -41,7 +41,6 @@ from meshbus.errors import MeshbusError
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     ROLE_BROKER,
-    Body,
     BrokerInfo,
     Brokers,
     Bye,
@@ -428,12 +427,11 @@ class Mesh:
         if changed:
             self.gossip.changed()
 
-    def on_brokers(self, link: Link, correlation: int, body: Body) -> None:
+    def on_brokers(self, link: Link, correlation: int, body: Brokers) -> None:
         """Gossip (with every heartbeat): every ready broker we hear of and are not linked
         to becomes a candidate to dial (a joining broker dials us itself), and is out of
         reach rather than gone while a peer names it; one that announces its drain is
         leaving."""
-        assert isinstance(body, Brokers)
         now = self._clock()
         for info in body.brokers:
             if info.name == self.name or info.name in self.peers:
@@ -456,9 +454,8 @@ class Mesh:
             name = candidate.name or candidate.address
             self._tasks.spawn(self.dial(candidate.address, candidate.name), f"dial-{name}")
 
-    def on_ready(self, link: Link, correlation: int, body: Body) -> None:
+    def on_ready(self, link: Link, correlation: int, body: Ready) -> None:
         """A broker joined: hand it our share of connectors (the seed's join step)."""
-        assert isinstance(body, Ready)
         state = self.known.get(link.name)
         if state is not None:
             state.ready = True
@@ -467,20 +464,20 @@ class Mesh:
         if not self.draining:
             self.moves.share_with(link, body.counts, self.name)
 
-    def on_draining(self, link: Link, correlation: int, body: Body) -> None:
+    def on_draining(self, link: Link, correlation: int, body: Empty) -> None:
         state = self.known.get(link.name)
         if state is not None:
             state.draining = True
         self._on_event(MeshEvent("drain", link.name))
         self.gossip.changed()
 
-    def on_bye(self, link: Link, correlation: int, body: Body) -> None:
+    def on_bye(self, link: Link, correlation: int, body: Bye) -> None:
         link.close(CloseReason.PEER_BYE)
 
-    def on_ping(self, link: Link, correlation: int, body: Body) -> None:
+    def on_ping(self, link: Link, correlation: int, body: Empty) -> None:
         self._outbox.reply(link, ControlType.PONG, Empty(), correlation)
 
-    def on_pong(self, link: Link, correlation: int, body: Body) -> None:
+    def on_pong(self, link: Link, correlation: int, body: Empty) -> None:
         pass  # a peer's answer to our PING: hearing it is all it is for
 
     # -- taking connectors ---------------------------------------------------------

@@ -40,8 +40,7 @@ class Relay:
         self._relayed[ours] = (origin, corr, peer)
         peer.send(encode_control(type_, body, ours))
 
-    def on_relayed(self, peer: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Relayed)
+    def on_relayed(self, peer: Link, correlation: int, body: Relayed) -> None:
         waiting = self._relayed.pop(correlation, None)
         if waiting is None:
             return

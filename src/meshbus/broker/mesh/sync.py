@@ -49,7 +49,6 @@ from meshbus.protocol.control import (
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
-    Body,
     Claim,
     Empty,
     Error,
@@ -163,8 +162,7 @@ class RouteSync:
             return
         self._waiting.append((self._announced, peers, then))
 
-    def on_routed(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Routed)
+    def on_routed(self, link: Link, correlation: int, body: Routed) -> None:
         self._confirmed[link] = max(body.seq, self._confirmed.get(link, 0))
         self._release()
 
@@ -225,8 +223,7 @@ class RouteSync:
 
     # -- route operations in -------------------------------------------------------------------
 
-    def on_routes(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Routes)
+    def on_routes(self, link: Link, correlation: int, body: Routes) -> None:
         self.stats.route_ops_in += len(body.ops)
         for op, address, extra in body.ops:
             try:
@@ -349,7 +346,7 @@ class RouteSync:
             attempt += 1
             await asyncio.sleep(self._rng.uniform(0.0, 0.05))
 
-    def on_answer(self, link: Link, correlation: int, body: Body) -> None:
+    def on_answer(self, link: Link, correlation: int, body: Empty | Error) -> None:
         """OK or ERROR: the answer to one of our CLAIMs."""
         claim = self._rounds.pop(correlation, None)
         if claim is None:
@@ -387,8 +384,7 @@ class RouteSync:
 
     # -- claims: theirs --------------------------------------------------------------------
 
-    def on_claim(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Claim)
+    def on_claim(self, link: Link, correlation: int, body: Claim) -> None:
         key = body.key
         routing = self._routing
         if is_slot_key(key):
@@ -411,8 +407,7 @@ class RouteSync:
                 correlation,
             )
 
-    def on_release(self, link: Link, correlation: int, body: Body) -> None:
-        assert isinstance(body, Claim)
+    def on_release(self, link: Link, correlation: int, body: Claim) -> None:
         self.claims.release(body.key, link.name)
 
     # -- a peer is gone ---------------------------------------------------------------------

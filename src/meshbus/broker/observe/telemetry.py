@@ -45,7 +45,7 @@ from meshbus.broker.core.registry import LinkRegistry
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.mesh.membership import MeshEvent
 from meshbus.broker.streams import StreamHost
-from meshbus.protocol.control import Body, BrokerInfo, TraceReport
+from meshbus.protocol.control import BrokerInfo, TraceReport
 from meshbus.storage.errors import StoreError
 from meshbus.storage.store import NewMessage, StreamConfig
 
@@ -204,11 +204,10 @@ class Telemetry:
             }
         )
 
-    def on_trace(self, link: Link, correlation: int, body: Body) -> None:
+    def on_trace(self, link: Link, correlation: int, body: TraceReport) -> None:
         """A connector got a traced frame: its hop, with the time it was sent. Only for
         an address of its own (a service of the link, or a group one of them is in): a
         report naming another would put a hop in the trace of someone else's traffic."""
-        assert isinstance(body, TraceReport)
         if not self._routing.delivers_to(link, body.dst):
             return
         self.hop("received", body.src, body.msg_id, body.dst, body.sent_at, at=body.received_at)

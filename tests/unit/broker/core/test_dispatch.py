@@ -1,5 +1,6 @@
-"""The control dispatch: one table from (role, control type) to a handler; a frame its
-link's role may not send is refused with UNSUPPORTED_CONTROL and the link stays open."""
+"""The control dispatch: one table from (role, control type) to a handler, each row
+registered with its type's body class; a frame its link's role may not send is refused
+with UNSUPPORTED_CONTROL and the link stays open."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import itertools
 import pytest
 
 from meshbus.address import Multicast, Unicast
+from meshbus.broker.core import dispatch as dispatch_module
+from meshbus.broker.core import link as link_module
 from meshbus.broker.core.dispatch import ControlDispatch, Refused
-from meshbus.broker.core.endpoint import LinkRole, LinkState
+from meshbus.broker.core.endpoint import CloseReason, LinkRole, LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox, TrafficStats
+from meshbus.broker.security.permissions import Permissions
 from meshbus.broker.server import Broker
-from meshbus.protocol.codec import ControlFrame
+from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
     ROLE_BROKER,
     ROLE_CONNECTOR,
@@ -24,6 +28,7 @@ from meshbus.protocol.control import (
     Membership,
     Register,
     Routes,
+    StreamRequest,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
 from meshbus.testing import (
@@ -45,13 +50,13 @@ ROLES = {
 }
 UNKNOWN_TYPE = 999
 
-# The table of a broker as built; it names its handlers, but which pairs it lists does
-# not depend on the broker it was built for.
-TABLE = Broker()._control_table()
+# The table of a broker as built; its rows name that broker's handlers, but which pairs
+# it lists does not depend on the broker it was built for.
+TABLE = Broker().dispatch
 UNLISTED = [
     (role, int(ctype))
     for role, ctype in itertools.product(ROLES, ControlType)
-    if (role, int(ctype)) not in TABLE
+    if not TABLE.allows(role, ctype)
 ]
 
 
@@ -92,7 +97,8 @@ async def assert_still_open(client: FakeClient) -> None:
 
 def test_the_table_has_rows_for_open_roles_only_and_each_may_be_refused() -> None:
     # A handshaking link has no row: its frames go to the handshake.
-    assert {role for role, _ in TABLE} == set(ROLES)
+    pairs = itertools.product(LinkRole, ControlType)
+    assert {role for role, ctype in pairs if TABLE.allows(role, ctype)} == set(ROLES)
     assert {role for role, _ in UNLISTED} == set(ROLES), "the parametrization below is whole"
 
 
@@ -167,22 +173,14 @@ async def test_dispatch_turns_a_handlers_refusal_into_an_error_frame() -> None:
     dispatch = ControlDispatch(outbox)
     handled: list[tuple[int, Body]] = []
 
-    def refuse(link: Link, correlation: int, body: Body) -> None:
+    def refuse(link: Link, correlation: int, body: StreamRequest) -> None:
         raise Refused(ErrorCode.STREAM_ERROR, "no, thanks")
 
-    def accept(link: Link, correlation: int, body: Body) -> None:
+    def accept(link: Link, correlation: int, body: Empty) -> None:
         handled.append((correlation, body))
 
-    def no_handshake(link: Link, frame: ControlFrame) -> None:
-        raise AssertionError("the link is open")
-
-    dispatch.install(
-        no_handshake,
-        {
-            (LinkRole.CONNECTOR, int(ControlType.STREAM)): refuse,
-            (LinkRole.CONNECTOR, int(ControlType.PING)): accept,
-        },
-    )
+    dispatch.on(LinkRole.CONNECTOR, ControlType.STREAM, StreamRequest, refuse)
+    dispatch.on(LinkRole.CONNECTOR, ControlType.PING, Empty, accept)
     dispatch.handle(link, int(ControlType.STREAM), 31, sample_body(ControlType.STREAM))
     dispatch.handle(link, int(ControlType.PING), 32, Empty())
     outbox.flush()
@@ -196,3 +194,91 @@ async def test_dispatch_turns_a_handlers_refusal_into_an_error_frame() -> None:
     assert handled == [(32, Empty())]
     assert dispatch.refused_frames == 0, "a refusal by a handler is not a refused frame"
     assert link.state is LinkState.OPEN
+
+
+# -- typed rows: each registered with its type's body class ---------------------------------
+
+
+def nothing(link: Link, correlation: int, body: Body) -> None:
+    raise AssertionError("not called")
+
+
+def test_a_row_of_another_class_than_its_types_is_refused_at_registration() -> None:
+    dispatch = ControlDispatch(Outbox(TrafficStats()))
+    with pytest.raises(TypeError, match=r"^JOIN bodies are Membership, not Register$"):
+        dispatch.on(LinkRole.CONNECTOR, ControlType.JOIN, Register, nothing)
+    with pytest.raises(TypeError, match=r"^PING bodies are Empty, not Body$"):
+        dispatch.on(LinkRole.CONNECTOR, ControlType.PING, Body, nothing)
+    assert not dispatch.allows(LinkRole.CONNECTOR, ControlType.JOIN)
+    assert not dispatch.allows(LinkRole.CONNECTOR, ControlType.PING)
+
+
+def test_a_second_handler_for_a_row_is_refused_at_registration() -> None:
+    dispatch = ControlDispatch(Outbox(TrafficStats()))
+    dispatch.on(LinkRole.PEER, ControlType.PING, Empty, nothing)
+    with pytest.raises(ValueError, match=r"^peer already has a handler for PING$"):
+        dispatch.on(LinkRole.PEER, ControlType.PING, Empty, nothing)
+    dispatch.on(LinkRole.CONNECTOR, ControlType.PING, Empty, nothing)  # another role's row
+
+
+def test_a_permission_check_of_another_class_is_refused_at_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checks in front of the table are typed like its rows, and matched to them."""
+    checks = dispatch_module._CHECKS
+    monkeypatch.setitem(checks, ControlType.LEAVE, checks[ControlType.REGISTER])
+    dispatch = ControlDispatch(Outbox(TrafficStats()))
+    with pytest.raises(TypeError, match=r"^the permission check of LEAVE reads Register bodies$"):
+        dispatch.on(LinkRole.CONNECTOR, ControlType.LEAVE, Membership, nothing)
+
+
+def test_every_row_of_a_broker_takes_its_types_body_class() -> None:
+    """Building a broker registers its whole table; a row of the wrong class would raise."""
+    broker = Broker()
+    assert broker.dispatch.allows(LinkRole.CONNECTOR, ControlType.REGISTER)
+    assert broker.dispatch.allows(LinkRole.PEER, ControlType.ROUTES)
+
+
+async def test_a_handler_gets_the_body_class_it_registered() -> None:
+    hub = Hub()
+    joined: list[tuple[int, Membership]] = []
+
+    def join(link: Link, correlation: int, body: Membership) -> None:
+        joined.append((correlation, body))
+
+    hub.dispatch.on(LinkRole.CONNECTOR, ControlType.JOIN, Membership, join)
+    link = hub.connector()
+    member, group = Unicast("svc", 1).to_bytes(), Multicast("chat").to_bytes()
+    hub.feed(link, encode_control(ControlType.JOIN, Membership(member=member, group=group), 9))
+    assert [(c, type(b), b.member, b.group) for c, b in joined] == [(9, Membership, member, group)]
+    assert link.state is LinkState.OPEN
+
+
+async def test_a_body_of_another_class_than_its_rows_is_a_protocol_error_for_its_link_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The codec decodes each type into its class; were a body of another class to reach
+    the table, the dispatch refuses it before the permission check and the handler, and
+    closes that link alone."""
+    hub = Hub()
+    joined: list[Body] = []
+
+    def join(link: Link, correlation: int, body: Membership) -> None:
+        joined.append(body)
+
+    hub.dispatch.on(LinkRole.CONNECTOR, ControlType.JOIN, Membership, join)
+    liar, other = hub.connector("liar"), hub.connector("other")
+    liar.permissions = Permissions("liar")  # JOIN's check would read the body first
+    monkeypatch.setattr(link_module, "decode_body", lambda ctype, raw: Register(server="svc"))
+    member, group = Unicast("svc", 1).to_bytes(), Multicast("chat").to_bytes()
+    hub.feed(liar, encode_control(ControlType.JOIN, Membership(member=member, group=group), 9))
+    assert joined == []
+    [frame] = hub.received(liar)
+    assert isinstance(frame, ControlFrame)
+    assert isinstance(frame.body, Error)
+    assert (frame.body.code, frame.body.message) == (
+        ErrorCode.PROTOCOL_ERROR,
+        "a JOIN frame must carry a Membership body, not a Register",
+    )
+    assert hub.closed == [(liar, CloseReason.PROTOCOL_ERROR)]
+    assert other.state is LinkState.OPEN
