@@ -6,8 +6,9 @@ The ``Dialer`` is injected (``ConnectorParts(dialer=...)``), as the broker's is
 link a real connector to in-process brokers over a fake network
 (``meshbus.testing.connect_over``). A dialer raises ``OSError`` when it cannot connect
 (``ssl.SSLError`` when the TLS handshake fails, ``socket.gaierror`` when the host
-does not resolve); the failover (meshbus.client.failover) puts each in words, and
-bounds how long the dial and the handshake after it may take.
+does not resolve). The caller (meshbus.client.failover) puts each in words, whatever
+the dialer, and bounds the time: a dial by ``connect``'s ``timeout`` or what is left
+of ``failover_timeout``, the broker's answer to HELLO by ``request_timeout``.
 """
 
 from __future__ import annotations
