@@ -2,18 +2,21 @@
 
 ``connect`` turns addresses and options into a handshaken ``Connector``; what the
 connector does from then on is in meshbus.client.connector, and how it stays
-linked (failover, redirects, moves) in meshbus.client.keeper.
+linked (failover, redirects, moves) in meshbus.client.failover.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import socket
 from collections.abc import Sequence
 
 from meshbus.address import Unicast
 from meshbus.auth import Credentials, resolve_credentials
 from meshbus.client.connector import Connector, ConnectorParts
+from meshbus.client.dial import dial_tcp
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
@@ -141,7 +144,8 @@ async def connect(
         reliable=reliable or ReliableConfig(),
         request_timeout=request_timeout,
         credentials=signing_in,
-        tls=tls_context,
+        dialer=functools.partial(dial_tcp, tls=tls_context),
+        rng=random.Random(),
     )
     await parts.start(timeout)
     return Connector(parts)

@@ -7,22 +7,30 @@ closing it, and the ordered end of everything when the mesh is lost. The parts:
 
 * ``Links`` (meshbus.client.link): which link it sends on, and whether it may;
 * ``Outbound`` (meshbus.client.outbound): frames that wait for no answer;
-* ``Services`` / ``Mailbox`` / ``Broadcasts`` (meshbus.client.mailboxes): the
-  registered services, the members of each group, the inboxes, backpressure;
-* ``Inbound`` (meshbus.client.inbound): what the links read, and the waiters for it;
+* ``Services`` / ``Mailbox`` (meshbus.client.mailboxes): the registered services,
+  the inboxes, backpressure;
+* ``Waiters`` (meshbus.client.waiters): what waits for the broker;
 * ``Requester`` (meshbus.client.requester): requests that wait for an answer;
+* ``Gate`` and ``Changes`` (meshbus.client.changes): register, join, ..., never
+  while the services are copied to a new broker;
+* ``Memberships`` (meshbus.client.memberships): who is in which group, the
+  broadcast member;
+* ``Inbound`` (meshbus.client.inbound): what the links read;
 * ``Receiving``, ``Unacked``, ``Reliable`` (meshbus.client.receiving, .reliable):
   reliable sends and message groups, both sides;
-* ``Changes`` and ``LinkKeeper`` (meshbus.client.keeper): register, join, ...;
-  failover, redirects, moves and keepalive;
+* ``LinkKeeper`` (meshbus.client.failover): failover, redirects, moves and
+  keepalive, every link opened by the ``Dialer`` (meshbus.client.dial);
 * ``StreamClient`` (meshbus.client.streams): ``conn.streams``.
+
+The dialer and the random source are injected, as the broker's are: tests run the
+real connector against in-process brokers (meshbus.testing.connect_over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import ssl
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -30,16 +38,20 @@ import msgspec
 
 from meshbus.address import Address, Unicast
 from meshbus.auth import Credentials
+from meshbus.client.changes import Changes, Gate
+from meshbus.client.dial import Dialer
+from meshbus.client.failover import Identity, LinkKeeper
 from meshbus.client.inbound import Inbound, Undeliverable
-from meshbus.client.keeper import Changes, Gate, Identity, LinkKeeper
 from meshbus.client.link import Links
-from meshbus.client.mailboxes import Broadcasts, Services
+from meshbus.client.mailboxes import Services
+from meshbus.client.memberships import Memberships
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.receiving import Receiving
 from meshbus.client.reliable import Reliable, ReliableConfig, Unacked
 from meshbus.client.requester import Requester
 from meshbus.client.service import Service, ServiceParts
 from meshbus.client.streams import StreamClient
+from meshbus.client.waiters import Waiters
 from meshbus.errors import (
     AlreadyConnected,
     ConnectionLost,
@@ -70,7 +82,11 @@ _CLOSE_GRACE = 1.0
 
 
 class ConnectorParts:
-    """Every part of one connector, built and wired here; and what belongs to the whole."""
+    """Every part of one connector, built and wired here; and what belongs to the whole.
+
+    ``dialer`` opens every link (meshbus.client.dial); ``rng`` makes every random choice
+    of the connector (the brokers it tries, the pauses between tries, the member of an
+    anycast group here that gets a message)."""
 
     def __init__(
         self,
@@ -86,7 +102,8 @@ class ConnectorParts:
         reliable: ReliableConfig,
         request_timeout: float,
         credentials: Credentials | None,
-        tls: ssl.SSLContext | None,
+        dialer: Dialer,
+        rng: random.Random,
     ) -> None:
         self.server = server
         self.name = name
@@ -99,16 +116,19 @@ class ConnectorParts:
         self.sampler = sampler = TraceSampler()
         self.outbound = outbound = Outbound(links)
         self.services = services = Services(links)
+        self.waiters = waiters = Waiters()
+        self.requester = requester = Requester(links, outbound, waiters, request_timeout, rng)
+        self.changes = changes = Changes(links, gate, requester)
+        self.memberships = memberships = Memberships(services, changes, links, tasks)
         self.receiving = Receiving(reliable, outbound)
         self.unacked = unacked = Unacked(reliable, outbound)
-        self.inbound = inbound = Inbound(services, self.receiving, unacked, outbound, tasks)
-        self.requester = requester = Requester(links, outbound, inbound, request_timeout)
-        self.changes = changes = Changes(links, gate, requester)
+        self.inbound = inbound = Inbound(
+            services, memberships, waiters, self.receiving, unacked, outbound, tasks, rng
+        )
         self.reliable = Reliable(
             reliable, unacked=unacked, requester=requester, outbound=outbound, tasks=tasks
         )
         self.streams = StreamClient(requester)
-        self.broadcasts = broadcasts = Broadcasts(services, links, tasks)
         self.service_parts = ServiceParts(
             links=links,
             services=services,
@@ -117,7 +137,7 @@ class ConnectorParts:
             requester=requester,
             reliable=self.reliable,
             changes=changes,
-            forget=broadcasts.forget,
+            memberships=memberships,
             streams=self.streams,
             tasks=tasks,
         )
@@ -129,20 +149,22 @@ class ConnectorParts:
                 credential=credentials,
             ),
             brokers=brokers,
-            tls=tls,
+            dialer=dialer,
+            rng=rng,
             failover_timeout=failover_timeout,
             keepalive=keepalive,
             request_timeout=request_timeout,
             links=links,
             gate=gate,
             inbound=inbound,
+            waiters=waiters,
             requester=requester,
             services=services,
+            memberships=memberships,
             outbound=outbound,
             sampler=sampler,
             tasks=tasks,
             resend_all=self.reliable.resend_all,
-            forget=broadcasts.forget,
             shutdown=self.shutdown,
         )
 
@@ -183,7 +205,7 @@ class ConnectorParts:
         """The end: closed (by the user) or lost (the mesh). Everything that waits gets
         ``error``, in order: the link state first, so nothing starts anew meanwhile."""
         self.links.end(error if isinstance(error, ConnectionLost) else None)
-        self.inbound.fail(error)
+        self.waiters.fail(error)
         self.outbound.fail(error)
         self.reliable.stop()
         self.unacked.shutdown(error)
@@ -245,7 +267,12 @@ class Connector:
 
     @property
     def services(self) -> list[Service]:
-        return [mailbox.service for mailbox in self._parts.services.all()]
+        # Each mailbox belongs to the Service that made it (meshbus.client.mailboxes).
+        return [
+            service
+            for mailbox in self._parts.services.all()
+            if isinstance(service := mailbox.service, Service)
+        ]
 
     @property
     def max_frame(self) -> int:
@@ -320,7 +347,7 @@ class Connector:
             registered,
             subject,
         )
-        await parts.broadcasts.reach()
+        await parts.memberships.reach_broadcasts()
         return service
 
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """Frames from the broker, handed to the services, the reliable sender and the waiters.
 
-``Inbound`` owns what waits for the broker: the answers to control requests (by
-correlation), the SYNCED that follows a change's answer, and the responses to
-requests (by requester and message id) -- each tied to the link it can only come
-over, so losing that link fails exactly those.
+``Inbound`` is the dispatch of what the links read. What waits for the broker --
+control answers, SYNCED, responses -- waits in ``Waiters`` (meshbus.client.waiters),
+which it settles.
 
 A data frame is a response (to its waiting request), an ACK (to the reliable
 outbox), or a message: fanned out to the connector's members of a group (one copy
@@ -12,25 +11,28 @@ reliable, put in order when it belongs to a message group. A control frame answe
 a waiting request or brings news: TIMEOUT and NO_ROUTE for a request or a notified
 send, LEFT for the ``on_service_left`` handlers. The rest -- what the broker says
 to one link, the broker list, MOVE -- is the link's and the keeper's
-(meshbus.client.link).
+(meshbus.client.link, meshbus.client.failover). A ``subscribe_other`` from another
+service joins through ``Memberships`` (meshbus.client.memberships).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, Multicast, describe_address
 from meshbus.client.callbacks import Callbacks
+from meshbus.client.link import BrokerLink
 from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
+from meshbus.client.memberships import Memberships
+from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound
-from meshbus.client.service import Message
+from meshbus.client.receiving import Receiving
+from meshbus.client.reliable import Unacked
+from meshbus.client.waiters import Waiters
 from meshbus.errors import MeshbusError, NoRoute, PermissionDenied, ProtocolError, Timeout
 from meshbus.protocol.codec import ControlFrame, DataFrame
 from meshbus.protocol.control import DeliveryFailure, Left, TraceReport
@@ -47,16 +49,7 @@ from meshbus.protocol.layout import (
 )
 from meshbus.util import BackgroundTasks
 
-if TYPE_CHECKING:
-    from meshbus.client.link import BrokerLink
-    from meshbus.client.receiving import Receiving
-    from meshbus.client.reliable import Unacked
-
 log = logging.getLogger("meshbus.client")
-
-K = TypeVar("K")
-V = TypeVar("V")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,7 +63,7 @@ class Undeliverable:
 
 
 class Inbound:
-    """The connector's dispatch of what its links read, and the waiters for it.
+    """The connector's dispatch of what its links read.
 
     ``undeliverable`` and ``left`` are the handlers of ``Connector.on_undeliverable``
     and ``on_service_left``; ``dropped`` counts messages nobody here could take."""
@@ -78,69 +71,25 @@ class Inbound:
     def __init__(
         self,
         services: Services,
+        memberships: Memberships,
+        waiters: Waiters,
         receiving: Receiving,
         unacked: Unacked,
         outbound: Outbound,
         tasks: BackgroundTasks,
+        rng: random.Random,
     ) -> None:
         self._services = services
+        self._memberships = memberships
+        self._waiters = waiters
         self._receiving = receiving
         self._unacked = unacked
         self._outbound = outbound
         self._tasks = tasks
-        self._answers: dict[int, _Answer] = {}
-        # SYNCED after the answer to a change: the change is known mesh-wide.
-        self._synced: dict[int, tuple[asyncio.Future[ControlFrame], BrokerLink]] = {}
-        self._responses: dict[tuple[bytes, int], tuple[asyncio.Future[Message], BrokerLink]] = {}
+        self._rng = rng  # which member of an anycast group here gets its message
         self.undeliverable: Callbacks[Callable[[Undeliverable], object]] = Callbacks()
         self.left: Callbacks[Callable[[list[str]], object]] = Callbacks()
         self.dropped = 0
-        self._rng = random.Random()
-
-    # -- waiters -------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def answer(
-        self, correlation: int, link: BrokerLink, settle: Callable[[ControlFrame], T]
-    ) -> Iterator[asyncio.Future[T]]:
-        """The future of the answer with ``correlation`` over ``link``, while in the block:
-        what ``settle`` makes of the answer, or what it raised.
-
-        ``settle`` runs as the answer is read, before the frames read with it: a service
-        an answer makes is there for the message right behind it."""
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._answers[correlation] = _Answer(future, link, settle)
-        try:
-            yield future
-        finally:
-            self._answers.pop(correlation, None)
-
-    def expect_synced(
-        self, correlation: int, link: BrokerLink, future: asyncio.Future[ControlFrame]
-    ) -> None:
-        """``future`` gets the SYNCED with ``correlation`` over ``link``; it stops waiting
-        for it once it is done (or cancelled)."""
-        self._synced[correlation] = (future, link)
-        future.add_done_callback(lambda _: self._synced.pop(correlation, None))
-
-    def response(
-        self, key: tuple[bytes, int], link: BrokerLink
-    ) -> contextlib.AbstractContextManager[asyncio.Future[Message]]:
-        """The future of the response to request ``key`` (requester, message id) over
-        ``link``, while in the block."""
-        return _waiting(self._responses, key, link)
-
-    def fail(self, error: MeshbusError, link: BrokerLink | None = None) -> None:
-        """Fail what waits for an answer (a control answer, a SYNCED, a response) that can
-        only come over ``link``; over any link when it is None."""
-        waiting: list[tuple[asyncio.Future[Any], BrokerLink]] = [
-            *((answer.future, answer.link) for answer in self._answers.values()),
-            *self._synced.values(),
-            *self._responses.values(),
-        ]
-        for future, via in waiting:
-            if (link is None or via is link) and not future.done():
-                future.set_exception(error)
 
     # -- data frames -----------------------------------------------------------------
 
@@ -148,9 +97,9 @@ class Inbound:
         """A response, an ACK, or a message for services."""
         flags = frame.flags
         if flags & FLAG_RESPONSE:
-            waiting = self._responses.get((frame.dst, frame.response_for))
-            if waiting is not None and not waiting[0].done():
-                waiting[0].set_result(
+            waiting = self._waiters.response_to((frame.dst, frame.response_for))
+            if waiting is not None and not waiting.done():
+                waiting.set_result(
                     Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, None)
                 )
             else:
@@ -205,7 +154,7 @@ class Inbound:
             elif ext.publish_id and not receiving.first_publish(member, ext.publish_id):
                 continue
             elif ext.command:
-                self._tasks.spawn(_obey(member, ext.command, frame.payload), "subscribe-other")
+                self._tasks.spawn(self._obey(member, ext.command, frame.payload), "subscribe-other")
             else:
                 member.deliver(Message.of(frame, member, ext, False))
 
@@ -217,9 +166,9 @@ class Inbound:
         if dst == BROADCAST:  # sent with ECHO: other services here get it too
             members = [s for s in self._services.all() if s.raw != frame.src]
         elif frame.flags & FLAG_ECHO:
-            members = self._services.members(dst)
+            members = self._memberships.members(dst)
         else:
-            members = [m for m in self._services.members(dst) if m.raw != frame.src]
+            members = [m for m in self._memberships.members(dst) if m.raw != frame.src]
         if dst[0] == CAST_ANYCAST and members:
             return [self._rng.choice(members)]
         return members
@@ -235,18 +184,9 @@ class Inbound:
             self._delivery_failure(ctype, body)
             return True
         if ctype == ControlType.SYNCED:
-            synced = self._synced.get(frame.correlation)
-            if synced is not None and not synced[0].done():
-                synced[0].set_result(frame)
+            self._waiters.synced(frame)
             return True
-        waiting = self._answers.get(frame.correlation) if frame.correlation else None
-        if waiting is not None:
-            future = waiting.future
-            if not future.done():
-                try:
-                    future.set_result(waiting.settle(frame))
-                except Exception as exc:  # the asker's to raise, not the link's
-                    future.set_exception(exc)
+        if self._waiters.answered(frame):
             return True
         if isinstance(body, Left):
             left = [describe_address(address) for address in body.addresses]
@@ -267,9 +207,8 @@ class Inbound:
     def _failed(
         self, ctype: int, body: DeliveryFailure, msg_id: int, dst: str, reason: str, denied: str
     ) -> None:
-        waiting = self._responses.get((body.src, msg_id))
-        if waiting is not None:
-            future = waiting[0]
+        future = self._waiters.response_to((body.src, msg_id))
+        if future is not None:
             if not future.done():
                 if denied:
                     future.set_exception(PermissionDenied(denied))
@@ -291,35 +230,13 @@ class Inbound:
         for handler in self.undeliverable.handlers:
             handler(report)
 
-
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    """A control request waiting for its answer."""
-
-    future: asyncio.Future[Any]
-    link: BrokerLink
-    settle: Callable[[ControlFrame], Any]
-
-
-@contextlib.contextmanager
-def _waiting(
-    table: dict[K, tuple[asyncio.Future[V], BrokerLink]], key: K, link: BrokerLink
-) -> Iterator[asyncio.Future[V]]:
-    future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
-    table[key] = (future, link)
-    try:
-        yield future
-    finally:
-        table.pop(key, None)
-
-
-async def _obey(member: Mailbox, command: str, topic: bytes) -> None:
-    """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``."""
-    try:
-        group = Multicast(topic.decode())
-        if command == "subscribe":
-            await member.service.join(group)
-        elif command == "unsubscribe":
-            await member.service.leave(group)
-    except (MeshbusError, UnicodeDecodeError) as exc:
-        log.warning("could not obey", extra={"command": command, "error": str(exc)})
+    async def _obey(self, member: Mailbox, command: str, topic: bytes) -> None:
+        """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``."""
+        try:
+            group = Multicast(topic.decode())
+            if command == "subscribe":
+                await self._memberships.join(member, group)
+            elif command == "unsubscribe":
+                await self._memberships.leave(member, group)
+        except (MeshbusError, UnicodeDecodeError) as exc:
+            log.warning("could not obey", extra={"command": command, "error": str(exc)})

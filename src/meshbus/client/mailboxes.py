@@ -1,20 +1,16 @@
-"""The connector's side of its services: where their messages arrive, and who is in which group.
+"""The connector's side of its services: where their messages arrive.
 
 ``Mailbox`` is the receiving side of one registered service: its address, the
 groups it joined, and the inbox its messages wait in -- or the listeners they go
 to instead. The public ``Service`` (meshbus.client.service) sends and receives
 through its mailbox; the inbound dispatcher delivers to mailboxes.
 
-``Services`` is the registry of the connector's mailboxes and the members of each
-group. It also holds backpressure: each inbox holds at most ``max_inbox``
+``Services`` is the registry of the connector's mailboxes (who is in which group is
+meshbus.client.memberships). It also holds backpressure: each inbox holds at most ``max_inbox``
 messages, and while any is full the links hand out no frame and read nothing,
 until it drains to half -- so a slow service slows its sender through TCP rather
 than growing memory without bound (the broker closes a link that falls more than
 its ``max_pending_bytes`` behind: a slow consumer, as in NATS).
-
-``Broadcasts`` keeps one service of the connector in the broadcast group, so the
-mesh sends the connector one copy of each broadcast, which it hands to every
-service.
 """
 
 from __future__ import annotations
@@ -22,33 +18,32 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from meshbus.address import BROADCAST_GROUP, Address, Unicast
 from meshbus.client.callbacks import Callbacks
 from meshbus.client.link import Links
+from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound
 from meshbus.errors import MeshbusError, NoQueue, NotConnected, Timeout
 from meshbus.protocol.layout import FLAG_RESPONSE
 from meshbus.util import BackgroundTasks
 
-if TYPE_CHECKING:
-    from meshbus.client.service import Message, Service
-
 log = logging.getLogger("meshbus.client")
 
 BROADCAST = BROADCAST_GROUP.to_bytes()
 
-Listener = Callable[["Message"], object]
+Listener = Callable[[Message], object]
 
 
 class Mailbox:
-    """The receiving side of one service. ``service`` is the public object it belongs to."""
+    """The receiving side of one service. ``service`` is the public object it belongs to
+    (a meshbus.client.service.Service, which sits above this module), for
+    ``Connector.services``."""
 
     def __init__(
         self,
-        service: Service,
+        service: object,
         address: Unicast,
         max_inbox: int,
         *,
@@ -60,7 +55,7 @@ class Mailbox:
         self.service = service
         self.address = address
         self.raw = address.to_bytes()
-        self.groups: set[Address] = set()  # changed by Services.joined / left
+        self.groups: set[Address] = set()  # changed by Memberships alone
         self.closed = False
         self._ended_by: MeshbusError | None = None  # why it ended, if not unregistered
         self.listeners: Callbacks[Listener] = Callbacks()
@@ -185,12 +180,11 @@ class Mailbox:
 
 
 class Services:
-    """The connector's mailboxes by address, the members of each group, and ``full``:
-    the mailboxes whose inbox is full (the links read it before every frame)."""
+    """The connector's mailboxes by address, and ``full``: the mailboxes whose inbox is
+    full (the links read it before every frame)."""
 
     def __init__(self, links: Links) -> None:
         self._by_address: dict[bytes, Mailbox] = {}
-        self._members: dict[bytes, list[Mailbox]] = {}
         self.full: set[Mailbox] = set()
         self._links = links
         # The mailbox of a 16-byte address, or None: the dict's own lookup, since every
@@ -206,32 +200,13 @@ class Services:
     def all(self) -> list[Mailbox]:
         return list(self._by_address.values())
 
-    def members(self, group: bytes) -> Sequence[Mailbox]:
-        return self._members.get(group, ())
-
     def add(self, mailbox: Mailbox) -> None:
         self._by_address[mailbox.raw] = mailbox
 
-    def joined(self, mailbox: Mailbox, group: Address) -> None:
-        mailbox.groups.add(group)
-        members = self._members.setdefault(group.to_bytes(), [])
-        if mailbox not in members:
-            members.append(mailbox)
-
-    def left(self, mailbox: Mailbox, group: Address) -> None:
-        mailbox.groups.discard(group)
-        raw = group.to_bytes()
-        members = self._members.get(raw)
-        if members and mailbox in members:
-            members.remove(mailbox)
-            if not members:
-                del self._members[raw]
-
     def remove(self, mailbox: Mailbox, error: MeshbusError | None = None) -> None:
         """The service is unregistered, or (``error``) lost its address: it could not come
-        back after a failover, or another took it after a split."""
-        for group in list(mailbox.groups):
-            self.left(mailbox, group)
+        back after a failover, or another took it after a split (its groups are left
+        first: Memberships.forget)."""
         self._by_address.pop(mailbox.raw, None)
         self.inbox_drained(mailbox)
         mailbox.close(error)
@@ -252,38 +227,3 @@ class Services:
                 for link in self._links.all():
                     link.resume_reading()
                     link.dispatch()
-
-
-class Broadcasts:
-    """Keeps one of the connector's services a member of the broadcast group."""
-
-    def __init__(self, services: Services, links: Links, tasks: BackgroundTasks) -> None:
-        self._services = services
-        self._links = links
-        self._tasks = tasks
-        self._member: Mailbox | None = None
-
-    async def reach(self) -> None:
-        """Make a service the member, if none is and there is a service."""
-        if self._member is not None or not self._services:
-            return
-        member = self._member = self._services.all()[0]
-        try:
-            await member.service.join(BROADCAST_GROUP)
-        except MeshbusError:
-            self._member = None
-            raise
-
-    def forget(self, mailbox: Mailbox, error: MeshbusError | None = None) -> None:
-        """The service is gone (``error``: why, when it did not unregister): out of the
-        registry, and if it was the member, another one takes its place."""
-        self._services.remove(mailbox, error)
-        if mailbox is self._member and not self._links.closed:
-            self._member = None
-            self._tasks.spawn(self._rejoin(), "broadcast-member")
-
-    async def _rejoin(self) -> None:
-        try:
-            await self.reach()
-        except MeshbusError as exc:  # that service went too; the next register tries again
-            log.debug("no broadcast member", extra={"error": str(exc)})

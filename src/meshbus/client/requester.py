@@ -15,7 +15,7 @@ a link lost to a failover, a broker slow to answer): a condition of the mesh tha
 passes in a moment is not the application's to handle.
 
 The waiting itself -- the futures, and failing them when their link is lost -- is
-the inbound dispatcher's (meshbus.client.inbound).
+``Waiters``' (meshbus.client.waiters).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from meshbus.address import Address
-from meshbus.client.inbound import Inbound
 from meshbus.client.link import BrokerLink, Links
+from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound
-from meshbus.client.service import Message
+from meshbus.client.waiters import Waiters
 from meshbus.errors import (
     AddressInUse,
     ConnectionLost,
@@ -69,12 +69,18 @@ _ASK_AGAIN_MAX = 0.5
 
 class Requester:
     def __init__(
-        self, links: Links, outbound: Outbound, inbound: Inbound, request_timeout: float
+        self,
+        links: Links,
+        outbound: Outbound,
+        waiters: Waiters,
+        request_timeout: float,
+        rng: random.Random,
     ) -> None:
         self._links = links
         self._outbound = outbound
-        self._inbound = inbound
+        self._waiters = waiters
         self._request_timeout = request_timeout
+        self._rng = rng  # the pauses of ``patiently``
         self._next_correlation = 1
 
     async def ask(
@@ -124,7 +130,7 @@ class Requester:
         if link is None:
             link = await self._links.usable()
         if synced is not None:
-            self._inbound.expect_synced(correlation, link, synced)
+            self._waiters.expect_synced(correlation, link, synced)
         address = link.address
 
         def settle(frame: ControlFrame) -> T:
@@ -140,7 +146,7 @@ class Requester:
             return apply(reply)
 
         limit = self._request_timeout
-        with self._inbound.answer(correlation, link, settle) as future:
+        with self._waiters.answer(correlation, link, settle) as future:
             if link.closed:
                 future.set_exception(ConnectionLost(f"the link to {address} is closed"))
             else:
@@ -178,7 +184,7 @@ class Requester:
                     except (TryAgain, ConnectionLost, Timeout) as exc:
                         self._links.check_usable()  # the mesh was lost for good, or closed
                         reason = exc
-                    await asyncio.sleep(random.uniform(wait / 2, wait))
+                    await asyncio.sleep(self._rng.uniform(wait / 2, wait))
                     wait = min(2 * wait, _ASK_AGAIN_MAX)
         except TimeoutError:
             raise Timeout(
@@ -201,7 +207,7 @@ class Requester:
             max_frame=self._links.max_frame,
         )
         timeout = timeout_ms / 1000
-        with self._inbound.response((src, msg_id), link) as future:
+        with self._waiters.response((src, msg_id), link) as future:
             link.write(frame)
             try:
                 # The broker sends TIMEOUT at the deadline; the local guard covers a broker

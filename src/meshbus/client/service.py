@@ -1,63 +1,46 @@
-"""Services and the messages they receive.
+"""Services: the public face of each registered address.
 
-A ``Service`` is the public face of one registered address. It sends through the
-connector's parts it is given (``ServiceParts``) and receives through its
-``Mailbox`` (meshbus.client.mailboxes), which the inbound dispatcher fills.
+A ``Service`` sends through the connector's parts it is given (``ServiceParts``),
+joins and leaves groups through ``Memberships`` (meshbus.client.memberships), and
+receives through its ``Mailbox`` (meshbus.client.mailboxes), which the inbound
+dispatcher fills with ``Message`` values (meshbus.client.message).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshbus.address import BROADCAST_GROUP, Address, Multicast, Unicast
+from meshbus.client.addressing import AddressLike, as_address
+from meshbus.client.changes import Changes
+from meshbus.client.link import Links
 from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
+from meshbus.client.memberships import Memberships
+from meshbus.client.message import Message
+from meshbus.client.outbound import Outbound, TraceSampler
+from meshbus.client.reliable import Reliable
+from meshbus.client.requester import Requester
+from meshbus.client.streams import StreamClient
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
-    MeshbusError,
     NotConnected,
     RegistrationError,
 )
-from meshbus.protocol.codec import DataFrame
-from meshbus.protocol.control import AddressBody, Empty, Membership
+from meshbus.protocol.control import AddressBody, Empty
 from meshbus.protocol.ext import Ext, wrap
 from meshbus.protocol.layout import (
     FLAG_ECHO,
     FLAG_EXT,
     FLAG_NOTIFY_DROP,
-    FLAG_REQUEST,
     FLAG_TRACE,
     ControlType,
 )
-
-if TYPE_CHECKING:
-    from meshbus.client.keeper import Changes
-    from meshbus.client.link import Links
-    from meshbus.client.outbound import Outbound, TraceSampler
-    from meshbus.client.reliable import Reliable
-    from meshbus.client.requester import Requester
-    from meshbus.client.streams import StreamClient
-    from meshbus.util import BackgroundTasks
-
-AddressLike = Address | str
-
-
-def as_address(value: AddressLike) -> Address:
-    """Accept an Address or its text form (``game01:1``, ``multicast:chat``, ``anycast:login``)."""
-    if isinstance(value, Address):
-        return value
-    if isinstance(value, str):
-        return _parse(value)
-    raise TypeError(f"expected an Address or its text form, not {type(value).__name__}")
-
-
-# Most senders name a few addresses over and over: parse each text form once.
-_parse = functools.lru_cache(maxsize=4096)(Address.parse)
+from meshbus.util import BackgroundTasks
 
 
 def _group_address(value: AddressLike) -> Address:
@@ -110,103 +93,6 @@ def _group_key(group: str | bytes | None, final: bool) -> bytes:
     return key
 
 
-_NO_EXT = Ext()
-
-
-class Message:
-    """A message as a service receives it.
-
-    ``priority`` is the sender's; ``group`` and ``final`` are set on the messages of a
-    message group, and ``group_reassigned`` on the first one a member receives of a group
-    that was held by another member before (that member died or left): the receiver
-    should recover the group's state before it handles the message."""
-
-    __slots__ = (
-        "_dst",
-        "_ext",
-        "_mailbox",
-        "_src",
-        "flags",
-        "group_reassigned",
-        "msg_id",
-        "payload",
-    )
-
-    def __init__(
-        self,
-        src: bytes,
-        dst: bytes,
-        payload: bytes,
-        msg_id: int,
-        flags: int,
-        mailbox: Mailbox | None,
-        ext: Ext = _NO_EXT,
-        group_reassigned: bool = False,
-    ) -> None:
-        self._src = src
-        self._dst = ext.origin or dst
-        self.payload = payload
-        self.msg_id = msg_id
-        self.flags = flags
-        self._mailbox = mailbox
-        self._ext = ext
-        self.group_reassigned = group_reassigned
-
-    @classmethod
-    def of(cls, frame: DataFrame, mailbox: Mailbox, ext: Ext, reassigned: bool) -> Message:
-        return cls(
-            frame.src,
-            frame.dst,
-            frame.payload,
-            frame.msg_id,
-            frame.flags,
-            mailbox,
-            ext,
-            reassigned,
-        )
-
-    @property
-    def priority(self) -> int:
-        return self._ext.priority
-
-    @property
-    def group(self) -> str | None:
-        """The message group's id, or None for a message outside any group."""
-        return self._ext.group.decode() if self._ext.group else None
-
-    @property
-    def final(self) -> bool:
-        """The last message of its group."""
-        return self._ext.final
-
-    @property
-    def src(self) -> Address:
-        """The sending service's unicast address."""
-        return Address.from_bytes(self._src)
-
-    @property
-    def dst(self) -> Address:
-        """The address the message was sent to (a group address for group sends)."""
-        return Address.from_bytes(self._dst)
-
-    @property
-    def is_request(self) -> bool:
-        """True when the sender waits for ``reply``."""
-        return bool(self.flags & FLAG_REQUEST)
-
-    async def reply(self, payload: bytes) -> None:
-        """Answer a request. The response comes from the service that received the request."""
-        if not self.is_request:
-            raise MeshbusError("reply() needs a request; this message was a plain send")
-        if self._mailbox is None:
-            raise MeshbusError("this message was not received by a service and cannot be answered")
-        await self._mailbox.respond(self._src, self.msg_id, payload)
-
-    def __repr__(self) -> str:
-        kind = "request" if self.is_request else "message"
-        return f"<{kind} {self.src} -> {self.dst} {len(self.payload)} bytes>"
-
-
 @dataclass(frozen=True)
 class ServiceParts:
     """What a service uses of its connector: one set, shared by all of them."""
@@ -217,8 +103,8 @@ class ServiceParts:
     sampler: TraceSampler  # which plain sends to trace
     requester: Requester  # requests
     reliable: Reliable  # reliable sends, message groups, subscribe_other
-    changes: Changes  # join, leave, unregister
-    forget: Callable[[Mailbox], None]  # once it is unregistered
+    changes: Changes  # unregister
+    memberships: Memberships  # join, leave; forgets it once it is unregistered
     streams: StreamClient  # fetch
     tasks: BackgroundTasks  # coroutine listeners
 
@@ -474,30 +360,15 @@ class Service:
 
     async def join(self, group: AddressLike) -> None:
         """Join a multicast (topic) or anycast (pool) group."""
-        await self._change_group(ControlType.JOIN, group, self._parts.services.joined)
+        await self._parts.memberships.join(self._mailbox, _group_address(group))
 
     async def leave(self, group: AddressLike) -> None:
         """Leave a group; leaving a group the service is not in does nothing."""
-        await self._change_group(ControlType.LEAVE, group, self._parts.services.left)
-
-    async def _change_group(
-        self,
-        type_: ControlType,
-        group: AddressLike,
-        apply: Callable[[Mailbox, Address], None],
-    ) -> None:
-        address = _group_address(group)
-        mailbox = self._mailbox
-        await self._parts.changes.change(
-            type_,
-            Membership(member=self._raw, group=address.to_bytes()),
-            Empty,
-            lambda _: apply(mailbox, address),
-        )
+        await self._parts.memberships.leave(self._mailbox, _group_address(group))
 
     async def unregister(self) -> None:
         """Remove the service from the bus; its address becomes free."""
-        mailbox, forget = self._mailbox, self._parts.forget
+        mailbox, forget = self._mailbox, self._parts.memberships.forget
         await self._parts.changes.change(
             ControlType.UNREGISTER,
             AddressBody(address=self._raw),

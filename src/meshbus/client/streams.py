@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshbus.address import Address
+from meshbus.client.addressing import AddressLike, as_address
+from meshbus.client.message import Message
 from meshbus.client.requester import Requester
-from meshbus.client.service import AddressLike, Message, as_address
 from meshbus.protocol.blocks import BlockSlice, slices_of
 from meshbus.protocol.control import StoredRow, StreamReply, StreamRequest
 from meshbus.protocol.ext import Ext

@@ -30,13 +30,16 @@ a raw protocol client. No process, no socket, no sleep.
   tests but in-process.
 * ``start_broker`` / ``build_mesh`` -- in-process brokers founding and joining a mesh,
   with their timers off: tests call ``housekeeping`` and ``expire_requests`` themselves.
+* ``connect_over`` -- a real connector (``meshbus.connect``'s client) linked to those
+  brokers through the fake network (``client_dialer``), its random choices seeded: its
+  failover, moves, redirects and resends on fake time.
 * ``Hub`` -- a ``Forwarder`` with real tables and an outbox, and links on capturing
   transports, without a ``Broker``: the forwarding decisions on their own.
 
 Everything here is deterministic: one thread, FIFO queues, no wall clock. The broker's
 random choices come from ``random`` (claim back-off, slot picks), which the conftest
 seeds per test, and from Random instances of its routing and group tables, which
-``start_broker`` seeds.
+``start_broker`` seeds; a connector's from the Random ``connect_over`` seeds.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from meshbus.testing.brokers import (
     start_broker,
     tick,
 )
+from meshbus.testing.clients import client_dialer, connect_over
 from meshbus.testing.network import FakeNetwork, FakeTransport, Wire, attach, feed
 from meshbus.testing.raw import FakeClient, decode_all, describe_frame, sample_body
 from meshbus.testing.sim import (
@@ -80,7 +84,9 @@ __all__ = [
     "attach",
     "broker_side",
     "build_mesh",
+    "client_dialer",
     "connect_client",
+    "connect_over",
     "connector",
     "decode_all",
     "describe_frame",

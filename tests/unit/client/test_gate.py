@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from meshbus.client.keeper import Gate
+from meshbus.client.changes import Gate
 
 # Waits on real timers, not on meshbus.testing's simulated loop (tests/unit/conftest.py).
 pytestmark = pytest.mark.real_loop

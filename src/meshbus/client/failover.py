@@ -23,28 +23,35 @@ Keepalive: a link silent for ``keepalive`` seconds is pinged; three silent
 intervals mean the broker is gone (one that hangs, or a host that vanished: a
 killed process closes its sockets itself).
 
-Service changes (``Changes``): register, unregister, join and leave go through the
-``Gate``, so none slips in while the services are copied to a new broker.
+Every link is opened by the injected ``Dialer`` (meshbus.client.dial), and every
+random choice -- the order of the brokers tried, the pauses between rounds -- is
+drawn from the injected ``random.Random``: a test runs the real connector against
+in-process brokers on a fake network, the same course every time. The services are
+copied through the ``Gate`` (meshbus.client.changes), so no register, join, ...
+slips in meanwhile and goes missing at the new broker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
+from meshbus.client.changes import Gate
+from meshbus.client.dial import Dialer
 from meshbus.client.inbound import Inbound
 from meshbus.client.link import BrokerLink, Links
-from meshbus.client.mailboxes import Mailbox, Services
+from meshbus.client.mailboxes import Services
+from meshbus.client.memberships import Memberships
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.requester import Requester
+from meshbus.client.waiters import Waiters
 from meshbus.errors import (
     AddressInUse,
     AuthenticationFailed,
@@ -63,7 +70,6 @@ from meshbus.protocol.control import (
     Bye,
     Empty,
     Hello,
-    Membership,
     Move,
     Register,
     Revoked,
@@ -74,9 +80,6 @@ from meshbus.tls import handshake_error
 from meshbus.util import BackgroundTasks, parse_hostport
 
 log = logging.getLogger("meshbus.client")
-
-T = TypeVar("T")
-B = TypeVar("B", bound=Body)
 
 # Brokers that refuse us in a row while naming another one before we give up on that chain.
 _MAX_REDIRECTS = 8
@@ -105,94 +108,6 @@ class Redirected(ConnectionLost):
         self.address = address
 
 
-class Gate:
-    """Many service changes (register, join, ...) at once, or one copy of all services to
-    a new broker (failover, move) alone -- so no change can slip in while the services
-    are copied and be missing at the new broker. A waiting copy goes before new changes."""
-
-    def __init__(self) -> None:
-        self._changes = 0
-        self._copying = False
-        self._copy_waiting = 0
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def change(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._copying and not self._copy_waiting)
-            self._changes += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._changes -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def copy(self) -> AsyncIterator[None]:
-        async with self._cond:
-            self._copy_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._copying and not self._changes)
-            finally:
-                self._copy_waiting -= 1
-            self._copying = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._copying = False
-                self._cond.notify_all()
-
-
-class Changes:
-    """Register, unregister, join and leave: each made on the current broker, never
-    interleaved with copying the services to a new one, and done once the whole mesh
-    knows it."""
-
-    def __init__(self, links: Links, gate: Gate, requester: Requester) -> None:
-        self._links = links
-        self._gate = gate
-        self._requester = requester
-
-    async def change(
-        self,
-        type_: ControlType,
-        body: Body,
-        answer: type[B],
-        apply: Callable[[B], T],
-        subject: str = "",
-    ) -> T:
-        """Make the change and ``apply`` its answer.
-
-        It returns once the broker says every broker of the mesh knows the change
-        (SYNCED), so a message sent through any broker afterwards sees it. One whose
-        broker dies before it answers is made again on the new broker: each of them is
-        safe to repeat there (a service the old broker registered but never confirmed
-        is not in ``services``, so the copy did not bring it along)."""
-        links = self._links
-        while True:
-            link = await links.usable()
-            synced: asyncio.Future[ControlFrame] = asyncio.get_running_loop().create_future()
-            try:
-                async with self._gate.change():
-                    # A failover may have begun while we waited: wait it out.
-                    if links.current is link and links.connected.is_set():
-                        result = await self._requester.ask_and_apply(
-                            type_, body, answer, apply, subject, link=link, synced=synced
-                        )
-                        try:
-                            await synced
-                        except ConnectionLost:
-                            pass  # done here; the failover copies it to the next broker
-                        return result
-            except ConnectionLost:
-                if links.closed:
-                    raise
-            finally:
-                synced.cancel()
-
-
 @dataclass(frozen=True)
 class Identity:
     """What the connector tells every broker in its HELLO."""
@@ -207,33 +122,36 @@ class Identity:
 class LinkKeeper:
     """Opens the connector's links, fails over, moves, and keeps the link alive.
 
-    Besides the links it changes, it uses: the inbound dispatcher (every link's
-    frames; the waiters a lost link fails; whether anyone watches for LEFT), the
-    requester and the registry of services (to copy them to a new broker), the
-    outbound (woken when a socket takes bytes again), the trace sampler (each
-    WELCOME sets its rate), and three things of the whole connector: resending the
-    unacknowledged messages after a failover, forgetting a service that cannot come
-    back, and ending the connector when the mesh is lost."""
+    Besides the links it changes, it uses: the dialer and the random source, the
+    inbound dispatcher (every link's frames; whether anyone watches for LEFT), the
+    waiters (those a lost link fails), the requester, the registry of services and the
+    memberships (to copy them to a new broker; to forget a service that cannot come
+    back), the outbound (woken when a socket takes bytes again), the trace sampler
+    (each WELCOME sets its rate), and two things of the whole connector: resending the
+    unacknowledged messages after a failover, and ending the connector when the mesh
+    is lost."""
 
     def __init__(
         self,
         *,
         identity: Identity,
         brokers: list[str],
-        tls: ssl.SSLContext | None,
+        dialer: Dialer,
+        rng: random.Random,
         failover_timeout: float,
         keepalive: float,
         request_timeout: float,
         links: Links,
         gate: Gate,
         inbound: Inbound,
+        waiters: Waiters,
         requester: Requester,
         services: Services,
+        memberships: Memberships,
         outbound: Outbound,
         sampler: TraceSampler,
         tasks: BackgroundTasks,
         resend_all: Callable[[], None],
-        forget: Callable[[Mailbox, MeshbusError | None], None],
         shutdown: Callable[[MeshbusError], None],
     ) -> None:
         self.brokers = list(brokers)
@@ -241,7 +159,7 @@ class LinkKeeper:
         self.failovers = 0
         self.moves = 0
         self._identity = identity
-        self._tls = tls  # every link, the first and each after a failover, redirect or move
+        self._dial = dialer  # every link, the first and each after a failover, redirect or move
         self._epoch = 0  # links opened so far: each HELLO says how many came before it
         self._failover_timeout = failover_timeout
         self._keepalive = keepalive
@@ -249,15 +167,16 @@ class LinkKeeper:
         self._links = links
         self._gate = gate
         self._inbound = inbound
+        self._waiters = waiters
         self._requester = requester
         self._services = services
+        self._memberships = memberships
         self._outbound = outbound
         self._sampler = sampler
         self._tasks = tasks
         self._resend_all = resend_all
-        self._forget = forget
         self._shutdown = shutdown
-        self._rng = random.Random()
+        self._rng = rng
 
     # -- opening a link ------------------------------------------------------------------
 
@@ -312,9 +231,10 @@ class LinkKeeper:
             credential=identity.credential,
         )
         self._epoch += 1
-        loop = asyncio.get_running_loop()
         try:
-            _, link = await loop.create_connection(
+            link = await self._dial(
+                host,
+                port,
                 lambda: BrokerLink(
                     address,
                     handshake,
@@ -325,10 +245,6 @@ class LinkKeeper:
                     on_lost=self._link_lost,
                     on_writable=self._outbound.resume_writing,
                 ),
-                host,
-                port,
-                ssl=self._tls,
-                server_hostname=host if self._tls is not None else None,
             )
         except ssl.SSLError as exc:
             raise handshake_error(exc, address) from None
@@ -398,7 +314,9 @@ class LinkKeeper:
             if mailbox is not None:
                 log.error("a service lost its address", extra={"error": body.reason})
                 address = str(mailbox.address)
-                self._forget(mailbox, AddressInUse(f"{body.reason}; register again", address))
+                self._memberships.forget(
+                    mailbox, AddressInUse(f"{body.reason}; register again", address)
+                )
         elif isinstance(body, Brokers):
             if link is self._links.current:
                 self._set_brokers(body.brokers)
@@ -410,7 +328,7 @@ class LinkKeeper:
     # -- losing it ---------------------------------------------------------------------------
 
     def _link_lost(self, link: BrokerLink, lost: ConnectionLost) -> None:
-        self._inbound.fail(lost, link)
+        self._waiters.fail(lost, link)
         if not self._links.closed and not self._fail_over_from(link, lost):
             self._shutdown(self._links.lost or lost)
 
@@ -562,15 +480,12 @@ class LinkKeeper:
                         "a service could not be registered again after failover",
                         extra={"address": str(mailbox.address), "error": str(answer)},
                     )
-                    self._forget(mailbox, answer if isinstance(answer, MeshbusError) else None)
+                    error = answer if isinstance(answer, MeshbusError) else None
+                    self._memberships.forget(mailbox, error)
                     continue
                 joins.extend(
-                    change(
-                        ControlType.JOIN,
-                        Membership(member=mailbox.raw, group=group.to_bytes()),
-                        Empty,
-                    )
-                    for group in mailbox.groups
+                    change(ControlType.JOIN, join, Empty)
+                    for join in self._memberships.rejoins(mailbox)
                 )
             if self._inbound.left.handlers:
                 joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))
