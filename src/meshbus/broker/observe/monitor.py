@@ -71,6 +71,16 @@ _GAUGES = (
     ("meshbus_capacity", "Connectors it takes now.", "capacity"),
     ("meshbus_max_connectors", "Connectors it takes at most (--max-connectors).", "max_connectors"),
     ("meshbus_groups_bound", "Message-group bindings.", "groups_bound"),
+    (
+        "meshbus_handshaking",
+        "Connections in their handshake: TLS, HELLO, sign-in (--max-handshaking).",
+        "handshaking",
+    ),
+    (
+        "meshbus_handshaking_sources",
+        "Addresses (an IPv6 /64) with connections in their handshake.",
+        "handshaking_sources",
+    ),
 )
 
 

@@ -140,6 +140,10 @@ class StatView:
             "mesh_trust": self._config.mesh_trust,
             "capacity": mesh.capacity,
             "max_connectors": self._config.max_connectors,
+            # Connections in their handshake (TLS, HELLO, the sign-in) and the addresses
+            # they come from (docs/security.md, "One source cannot lock others out").
+            "handshaking": len(self._links.by_source),
+            "handshaking_sources": self._links.by_source.sources(),
             "links": links,
             "peer_links": peer_links,
             "mesh": [msgspec.structs.asdict(state) for state in mesh.brokers()],

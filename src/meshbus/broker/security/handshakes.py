@@ -57,6 +57,10 @@ class HandshakesBySource(Generic[Connection]):
     def __contains__(self, connection: object) -> bool:
         return connection in self._source
 
+    def sources(self) -> int:
+        """Sources with connections in their handshake."""
+        return len(self._by_source)
+
     def count(self, source: str) -> int:
         """Connections of ``source`` in their handshake."""
         return len(self._by_source.get(source, ()))

@@ -57,6 +57,8 @@ def fake_stat() -> dict[str, Any]:
         "capacity": 50,
         "max_connectors": 50,
         "groups_bound": 2,
+        "handshaking": 7,
+        "handshaking_sources": 3,
         "users": {
             "alice": {
                 "connections": {"used": 2, "quota": 64},
@@ -139,6 +141,8 @@ def test_every_counter_is_exposed_with_its_value_and_broker_label() -> None:
     assert got[("meshbus_services", b)] == 14
     assert got[("meshbus_peers", b)] == 2
     assert got[("meshbus_groups_bound", b)] == 2
+    assert got[("meshbus_handshaking", b)] == 7
+    assert got[("meshbus_handshaking_sources", b)] == 3
     assert got[("meshbus_ready", b)] == 1
     assert got[("meshbus_draining", b)] == 0
     assert got[("meshbus_stream_captured_total", b)] == 40

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshbus.broker.observe.monitor import BrokerCollector
 from meshbus.broker.security.handshakes import HandshakesBySource, source_of
 from meshbus.protocol.codec import ControlFrame, encode_control
 from meshbus.protocol.control import (
@@ -116,3 +117,28 @@ async def test_a_new_connection_from_a_source_at_its_cap_closes_its_longest_wait
     assert frame.body.code == ErrorCode.LIMIT_EXCEEDED
     assert "--max-handshaking-per-source" in frame.body.message
     assert broker.links.by_source.count("flood") == 1  # second; valid is done
+
+
+async def test_stat_and_metrics_count_the_connections_in_their_handshake(
+    network: FakeNetwork,
+) -> None:
+    broker = await start_broker(network, "a")
+    flood = [connect_client(network, broker, "flood") for _ in range(3)]
+    other = connect_client(network, broker, "elsewhere")
+    await network.settle()
+    brief = broker.stat.brief()
+    assert (brief["handshaking"], brief["handshaking_sources"]) == (4, 2)
+    metrics = {
+        family.name: family.samples[0].value
+        for family in BrokerCollector(
+            stat=broker.stat.brief, traffic_bytes=lambda: (0, 0), lag=broker.lag, streams=list
+        ).collect()
+        if family.name.startswith("meshbus_handshaking")
+    }
+    assert metrics == {"meshbus_handshaking": 4, "meshbus_handshaking_sources": 2}
+    await other.hello()
+    for client in flood[:2]:
+        client.close()
+    await network.settle()
+    brief = broker.stat.brief()
+    assert (brief["handshaking"], brief["handshaking_sources"]) == (1, 1)
