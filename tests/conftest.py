@@ -84,11 +84,41 @@ async def broker() -> AsyncIterator[BrokerProcess]:
         assert code == 0, f"broker exited with {code} on SIGTERM"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Under pytest-xdist (make test runs a worker per core), every test that uses the
     # session's SparkSession runs on one worker: one JVM of it, started once, as in a
     # serial run. Tests that run Spark in a process of their own (the demo, the spark
-    # bench, the standalone cluster) go wherever there is room.
+    # bench, the standalone cluster) go wherever there is room. (tryfirst: before
+    # xdist's worker reads the marks in its own pytest_collection_modifyitems.)
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("spark"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """``--dist loadgroup`` groups tests by an ``@GROUP`` suffix that xdist's worker adds
+    to each marked test's node id by assigning ``item._nodeid``; since pytest 9.2 the
+    node id is ``item._id`` and that assignment does nothing (pytest-xdist issue 1386),
+    so no test was grouped: the Spark tests were spread over both workers, each starting
+    a JVM and building a module's DataFrames again every time it came back to the
+    module. Until xdist does it again, the suffix is added here, before the worker sends
+    its collection (xdist's pytest_collection_finish) to the scheduler."""
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist's workers
+        return
+    for item in session.items:
+        groups = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
+        suffix = "@" + "_".join(groups)
+        if not groups or item.nodeid.endswith(suffix):
+            continue
+        node_id = getattr(item, "_id", None)
+        parse = getattr(node_id, "parse", None)
+        if parse is None:  # not pytest's structured node id: leave it to xdist
+            continue
+        item._id = parse(item.nodeid + suffix)  # type: ignore[attr-defined]
