@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -84,11 +85,56 @@ async def broker() -> AsyncIterator[BrokerProcess]:
         assert code == 0, f"broker exited with {code} on SIGTERM"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Under pytest-xdist (make test runs a worker per core), every test that uses the
     # session's SparkSession runs on one worker: one JVM of it, started once, as in a
     # serial run. Tests that run Spark in a process of their own (the demo, the spark
-    # bench, the standalone cluster) go wherever there is room.
+    # bench, the standalone cluster) go wherever there is room. (tryfirst: before
+    # xdist's worker reads the marks in its own pytest_collection_modifyitems.)
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("spark"))
+    # And under xdist, the slow tests outside that group (the demo, the Spark bench and
+    # cluster, the fault and memory tests: 10-65 s each) are handed out first, while one
+    # worker runs the Spark group, and the quick ones fill in behind them: in file order
+    # the bench and the cluster test came last, one after the other on one worker, while
+    # the other had run out of tests (~70 s of the run's wall time). The same order in
+    # every worker, as xdist requires; a run without xdist keeps the file order.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not _slow_outside_the_spark_group(item))
+
+
+def _slow_outside_the_spark_group(item: pytest.Item) -> bool:
+    return (
+        item.get_closest_marker("slow") is not None
+        and item.get_closest_marker("xdist_group") is None
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """``--dist loadgroup`` groups tests by an ``@GROUP`` suffix that xdist's worker adds
+    to each marked test's node id by assigning ``item._nodeid``; since pytest 9.2 the
+    node id is ``item._id`` and that assignment does nothing (pytest-xdist issue 1386),
+    so no test was grouped: the Spark tests were spread over both workers, each starting
+    a JVM and building a module's DataFrames again every time it came back to the
+    module. Until xdist does it again, the suffix is added here, before the worker sends
+    its collection (xdist's pytest_collection_finish) to the scheduler."""
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist's workers
+        return
+    for item in session.items:
+        groups = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
+        suffix = "@" + "_".join(groups)
+        if not groups or item.nodeid.endswith(suffix):
+            continue
+        node_id = getattr(item, "_id", None)
+        parse = getattr(node_id, "parse", None)
+        if parse is None:  # not pytest's structured node id: leave it to xdist
+            continue
+        item._id = parse(item.nodeid + suffix)  # type: ignore[attr-defined]

@@ -90,7 +90,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
 
 @pytest.mark.timeout(120)
 async def test_ctrl_c_leaves_no_process_behind() -> None:
-    process = await start_demo("--play-seconds", "60")
+    process = await start_demo("--play-seconds", "8")
     assert process.stdout is not None
     seen = b""
     try:
