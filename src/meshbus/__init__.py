@@ -9,12 +9,12 @@
 The public surface is what ``__all__`` lists; every other module is private.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from meshbus.address import Address, Anycast, Multicast, Unicast
-from meshbus.auth import Credentials
-from meshbus.client import Connector, Message, Service, Undeliverable, connect
-from meshbus.client.delivery import RetryPolicy
-from meshbus.client.reliable import ReliableConfig
-from meshbus.client.streams import Consumer, StreamInfo, StreamMessage
 from meshbus.errors import (
     AddressInUse,
     AlreadyConnected,
@@ -39,7 +39,49 @@ from meshbus.errors import (
     TLSError,
 )
 
+if TYPE_CHECKING:
+    from meshbus.auth import Credentials
+    from meshbus.client.connecting import connect
+    from meshbus.client.connector import Connector
+    from meshbus.client.delivery import RetryPolicy
+    from meshbus.client.inbound import Undeliverable
+    from meshbus.client.message import Message
+    from meshbus.client.reliable import ReliableConfig
+    from meshbus.client.service import Service
+    from meshbus.client.streams import Consumer, StreamInfo, StreamMessage
+
 __version__ = "0.1.0"
+
+# The client and the credentials are imported when first used, not with the package: a
+# broker process (``python -m meshbus broker``) uses neither, and importing them took a
+# third of its start-up.
+_LAZY = {
+    "Credentials": "meshbus.auth",
+    "Connector": "meshbus.client.connector",
+    "Message": "meshbus.client.message",
+    "Service": "meshbus.client.service",
+    "Undeliverable": "meshbus.client.inbound",
+    "connect": "meshbus.client.connecting",
+    "RetryPolicy": "meshbus.client.delivery",
+    "ReliableConfig": "meshbus.client.reliable",
+    "Consumer": "meshbus.client.streams",
+    "StreamInfo": "meshbus.client.streams",
+    "StreamMessage": "meshbus.client.streams",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshbus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups find it like any other name
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Address",

@@ -97,7 +97,11 @@ async def test_max_requests_flag() -> None:
         silent = await conn.register(instance=1)  # never answers
         asker = await conn.register()
         waiting = asyncio.create_task(asker.request(silent.address, b"1", timeout=1.0))
-        await asyncio.sleep(0.2)
+
+        async def first_is_pending() -> bool:
+            return bool((await stat(broker, detail=False))["counters"]["pending"] == 1)
+
+        await wait_until(first_is_pending, "the first request pending at the broker")
         with pytest.raises(NoRoute, match="--max-requests"):
             await asker.request(silent.address, b"2", timeout=5.0)
         with pytest.raises(Timeout):

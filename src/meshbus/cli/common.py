@@ -17,13 +17,13 @@ import click
 
 from meshbus.address import Address, Unicast
 from meshbus.auth import CREDS_ENV
-from meshbus.client.connecting import (
+from meshbus.client.brokers import (
     BROKER_ENV,
     DEFAULT_PORT,
     TLS_CA_ENV,
     broker_list,
 )
-from meshbus.client.connecting import (
+from meshbus.client.brokers import (
     DEFAULT_BROKER as DEFAULT_BROKER,  # the CLI's default too
 )
 from meshbus.errors import MeshbusError, TLSError

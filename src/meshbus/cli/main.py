@@ -31,7 +31,10 @@ from meshbus.cli.common import (
 from meshbus.errors import NoRoute, Timeout
 
 if TYPE_CHECKING:
-    from meshbus.client import Connector, Message, Service, Undeliverable
+    from meshbus.client.connector import Connector
+    from meshbus.client.inbound import Undeliverable
+    from meshbus.client.message import Message
+    from meshbus.client.service import Service
 
 
 class TimedOut(click.ClickException):

@@ -29,7 +29,7 @@ from meshbus.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from meshbus.client import Connector
+    from meshbus.client.connector import Connector
     from meshbus.client.streams import StreamInfo, StreamMessage
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -35,7 +35,7 @@ from meshbus.cli.top_view import Line, Row, Sample, Style, fit, rates, table
 from meshbus.errors import MeshbusError
 
 if TYPE_CHECKING:
-    from meshbus.client import Connector
+    from meshbus.client.connector import Connector
 
 # How long a broker has to take a link or answer a stat before it counts as
 # unreachable for that refresh; a refresh waits that long at most.

@@ -1,9 +1,3 @@
-"""The client side: connector, services, messages."""
-
-from meshbus.client.connecting import connect
-from meshbus.client.connector import Connector
-from meshbus.client.inbound import Undeliverable
-from meshbus.client.message import Message
-from meshbus.client.service import Service
-
-__all__ = ["Connector", "Message", "Service", "Undeliverable", "connect"]
+"""The client side: connector, services, messages (the public names are re-exported by
+``meshbus``; this package imports none of its modules, so one of them -- the broker
+lists of ``brokers.py`` -- can be used without the rest)."""

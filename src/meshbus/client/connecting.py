@@ -1,4 +1,5 @@
-"""Connecting to the mesh: ``meshbus.connect`` and the broker address lists it takes.
+"""Connecting to the mesh: ``meshbus.connect`` (the broker lists it takes are
+meshbus.client.brokers).
 
 ``connect`` turns addresses and options into a handshaken ``Connector``; what the
 connector does from then on is in meshbus.client.connector, and how it stays
@@ -15,34 +16,13 @@ from collections.abc import Sequence
 
 from meshbus.address import Unicast
 from meshbus.auth import Credentials, resolve_credentials
+from meshbus.client.brokers import BROKER_ENV, DEFAULT_BROKER, TLS_CA_ENV, broker_list
 from meshbus.client.connector import Connector, ConnectorParts
 from meshbus.client.dial import dial_tcp
 from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.tls import TLSOption, client_context
-from meshbus.util import hostport_text, parse_hostport
-
-DEFAULT_PORT = 7400
-DEFAULT_BROKER = f"127.0.0.1:{DEFAULT_PORT}"
-# The client's configuration from the environment; an argument given wins.
-BROKER_ENV = "MESHBUS_BROKER"
-TLS_CA_ENV = "MESHBUS_TLS_CA"
-
-
-def broker_list(brokers: str | Sequence[str]) -> list[str]:
-    """``"h1:p1,h2:p2"`` or a list of ``HOST:PORT``, each as ``HOST:PORT`` (a bare ``HOST``
-    means port 7400); InvalidArgument names a bad entry."""
-    items = brokers.split(",") if isinstance(brokers, str) else list(brokers)
-    addresses = [item.strip() for item in items if item.strip()]
-    if not addresses:
-        raise InvalidArgument("no broker address given; expected HOST:PORT[,HOST:PORT...]")
-    try:
-        return [
-            hostport_text(*parse_hostport(item, default_port=DEFAULT_PORT)) for item in addresses
-        ]
-    except ValueError as exc:
-        raise InvalidArgument(f"broker address {exc}") from exc
 
 
 def _check_options(

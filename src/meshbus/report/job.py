@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from meshbus.client.connecting import broker_list
+from meshbus.client.brokers import broker_list
 from meshbus.errors import MeshbusError
 from meshbus.report import TELEMETRY_PREFIX, TRACES_PREFIX
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from meshbus.cli.common import Access
-    from meshbus.client import Connector
+    from meshbus.client.connector import Connector
 
 SERVER = "report"  # the server name of the report's connectors
 MAX_POINTS = 600  # per broker and plot: longer windows are resampled into buckets

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshbus.address import Address, Unicast
-from meshbus.client.connecting import broker_list
+from meshbus.client.brokers import broker_list
 
 PREFIX = "meshbus data source"
 
