@@ -346,7 +346,17 @@ async def test_a_group_stays_with_its_member_behind_a_cut_link(home: int) -> Non
             gates[1].open_to(a.name)
             await seconds_until_whole(brokers, HEAL_BUDGET + POLL_SLACK)
             await scene.sender_conn.wait_acked(ACK_TIMEOUT)
-            assert scene.m2.payloads == [], "the group moved while its member was out of reach"
+            if scene.m2.payloads:
+                # Seen once on a host at load 10: say whether c lost b too (then b was
+                # gone, not out of reach, and the move was right) or a loop stalled.
+                views = {
+                    broker.name: {
+                        key: (await stat(broker, detail=False))[key]
+                        for key in ("mesh_counters", "loop_lag_ms", "out_of_reach")
+                    }
+                    for broker in brokers
+                }
+                raise AssertionError(f"the group moved while its member was out of reach: {views}")
             assert scene.m1.payloads == [b"%d" % seq for seq in range(21)]
     finally:
         await stop_all(brokers)
