@@ -88,6 +88,7 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "dedupe_window": 120.0,
         "store": "",  # this broker keeps its streams in memory
         "host": socket.gethostname(),
+        "owner": "",  # a broker without users: nobody's
     }
     table = await stream_cli("info", "orders", *at)
     assert table.code == 0

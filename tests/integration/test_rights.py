@@ -166,6 +166,7 @@ async def test_a_stream_captures_only_groups_its_user_may_join(tmp_path: Path) -
             )
             assert "spy" not in [s["name"] for s in await alice.streams.list()]
             await alice.streams.add("team-log", team)
+            assert (await mal.streams.info("team-log")).owner == "alice"
             sender = await shop.register(1)
 
             async def stored(count: int) -> None:

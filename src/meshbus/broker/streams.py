@@ -515,6 +515,7 @@ class StreamHost:
             "max_bytes": config.max_bytes,
             "max_age": config.max_age,
             "dedupe_window": config.dedupe_window,
+            "owner": config.owner,
             "store": os.path.abspath(self.store.path)
             if isinstance(self.store, SqliteStreamStore)
             else "",

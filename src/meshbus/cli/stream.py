@@ -190,8 +190,9 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     consumers and limits.
 
     --json prints one object with the keys name, broker, captures, first_seq,
-    last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age and
-    dedupe_window. An empty stream has last_seq = first_seq - 1.
+    last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age,
+    dedupe_window, store, host and owner (the user that added it; "" on a broker
+    without users). An empty stream has last_seq = first_seq - 1.
     """
 
     async def go() -> StreamInfo:
@@ -219,6 +220,7 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
 
     rows = [
         ("host broker", info.broker),
+        ("owner", info.owner or "-"),
         ("stored in", f"{info.store} on {info.host}" if info.store else "memory"),
         ("captures", ", ".join(info.captures)),
         ("messages", f"{info.messages:,}"),

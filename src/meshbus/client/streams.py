@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from meshbus.address import Address
@@ -64,6 +64,18 @@ class StreamInfo:
     # readers on the same machine (the Spark source's local reads).
     store: str = ""
     host: str = ""
+    # The user that added it, whose rights its captures follow (docs/security.md,
+    # "Streams and consumers have owners"); "" for nobody's: a broker without users.
+    owner: str = ""
+
+    @classmethod
+    def from_reply(cls, info: dict[str, Any]) -> StreamInfo:
+        """The info of a STREAM reply. Keys this client does not know are left out, so
+        a broker newer than the client (one more key) does not break it."""
+        return cls(**{key: value for key, value in info.items() if key in _INFO_FIELDS})
+
+
+_INFO_FIELDS = frozenset(field.name for field in fields(StreamInfo))
 
 
 class StreamClient:
@@ -100,10 +112,10 @@ class StreamClient:
                 dedupe_window=dedupe_window,
             )
         )
-        return StreamInfo(**reply.info)
+        return StreamInfo.from_reply(reply.info)
 
     async def info(self, name: str) -> StreamInfo:
-        return StreamInfo(**(await self._ask(StreamRequest(op="info", stream=name))).info)
+        return StreamInfo.from_reply((await self._ask(StreamRequest(op="info", stream=name))).info)
 
     async def list(self) -> builtins.list[dict[str, Any]]:
         """Every stream of the mesh: ``{"name": ..., "broker": ...}``."""
