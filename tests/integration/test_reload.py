@@ -159,3 +159,24 @@ async def test_a_broken_file_on_reload_changes_nothing_and_is_logged(tmp_path: P
     assert code == 0
     assert "config not reloaded; the users and permissions stay as they were" in err
     assert f"{config}:1: unknown key 'max-conectors'" in err
+
+
+async def test_a_config_file_others_may_change_is_not_reloaded(tmp_path: Path) -> None:
+    """Its mode is checked again on SIGHUP, as at start (docs/security.md, "Files that hold
+    secrets"): a file made writable by others since the start is refused, and the users
+    stay as they were."""
+    config = tmp_path / "broker.toml"
+    config.write_text(config_text('["*"]'))
+    config.chmod(0o644)
+    broker = await launch_broker("--config", str(config))
+    try:
+        async with await meshbus.connect(broker.address, server="game01", credentials=GAME) as game:
+            config.chmod(0o666)
+            await reload(broker, config, config_text("[]", game=False), "config_reloads_failed")
+            await game.register()  # game is still a user: nothing was applied
+    finally:
+        broker.process.send_signal(signal.SIGTERM)
+        code, _, err = await broker.finish()
+    assert code == 0
+    assert f"the config file {config} may be changed by users other than its owner" in err
+    assert f"chmod 600 {config}" in err

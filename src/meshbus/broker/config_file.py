@@ -18,6 +18,7 @@ from meshbus.broker.config_lines import KeyLines
 from meshbus.broker.security.users import BadEntries, UserTable
 from meshbus.broker.settings import BadSetting, Declared, declared_settings
 from meshbus.errors import InvalidArgument
+from meshbus.private_files import WRITABLE_BY_OTHERS, check_private
 
 
 class ConfigTables(NamedTuple):
@@ -33,6 +34,15 @@ class ConfigTables(NamedTuple):
     def empty(cls) -> ConfigTables:
         """No config file: no users, no brokers."""
         return cls(UserTable(), UserTable())
+
+    def check_private(self) -> None:
+        """A config file of users is its owner's: no other user may change it, nor read it
+        when it holds token hashes (docs/security.md, "Files that hold secrets").
+        InsecureFile says which and how to fix it; nothing to check without users."""
+        if self.path and (self.users or self.brokers):
+            hashes = any(user.token_hash is not None for user in self.users)
+            what = "the config file, which holds token hashes," if hashes else "the config file"
+            check_private(self.path, what, mask=0o077 if hashes else WRITABLE_BY_OTHERS)
 
 
 class ConfigFile(NamedTuple):
@@ -125,11 +135,16 @@ def read_config(path: str) -> ConfigFile:
     return ConfigFile(settings, ConfigTables(users, brokers, path), lines)
 
 
-def reread_users(path: str, brokers: UserTable) -> UserTable:
-    """What a reload (SIGHUP) applies: the users of the config file ``path``, read as at
-    start. BadConfig for any error in the file, and for a ``[[brokers]]`` that is not
-    ``brokers`` any more (the mesh's brokers change with a restart: docs/security.md)."""
+def reread_users(path: str, brokers: UserTable, *, check_mode: bool = True) -> UserTable:
+    """What a reload (SIGHUP) applies: the users of the config file ``path``, read and
+    checked as at start -- its mode too, unless ``check_mode`` is off
+    (--allow-insecure-key-files). BadConfig for any error in the file, InsecureFile for a
+    file others may change (or read, with token hashes), and BadConfig for a
+    ``[[brokers]]`` that is not ``brokers`` any more (the mesh's brokers change with a
+    restart: docs/security.md)."""
     config = read_config(path)
+    if check_mode:
+        config.tables.check_private()
     if not config.tables.brokers.same_as(brokers):
         message = (
             f"[[{_BROKERS}]] changed since the broker started: the mesh's brokers are read "

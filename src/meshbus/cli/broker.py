@@ -168,7 +168,14 @@ def broker(tables: ConfigTables, **flags: Any) -> None:
         )
     try:
         reread = (
-            functools.partial(reread_users, tables.path, tables.brokers) if tables.path else None
+            functools.partial(
+                reread_users,
+                tables.path,
+                tables.brokers,
+                check_mode=not start.allow_insecure_key_files,
+            )
+            if tables.path
+            else None
         )
         uvloop.run(serve(config, reread))
     except TLSError as exc:  # a ConnectionError too, so before OSError
@@ -185,13 +192,10 @@ def _check_secrets(tables: ConfigTables, broker_key: str, tls_key: str) -> None:
     """The broker's secrets are its owner's only: its key pair and TLS key (no other user
     may read or change them), a config file of users (none may change it; with token
     hashes, none may read it either). InsecureFile names the first that is not."""
-    from meshbus.private_files import WRITABLE_BY_OTHERS, check_private
+    from meshbus.private_files import check_private
 
     if broker_key:
         check_private(broker_key, "the broker key (--broker-key)")
     if tls_key:
         check_private(tls_key, "the TLS key (--tls-key)")
-    if tables.path and (tables.users or tables.brokers):
-        hashes = any(user.token_hash is not None for user in tables.users)
-        what = "the config file, which holds token hashes," if hashes else "the config file"
-        check_private(tables.path, what, mask=0o077 if hashes else WRITABLE_BY_OTHERS)
+    tables.check_private()
