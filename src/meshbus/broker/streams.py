@@ -163,6 +163,7 @@ class StreamHost:
         """The streams in the store start capturing again (the broker is ready: it has
         a slot for their member addresses)."""
         for config in self.store.streams():
+            self._usage.stream_added(config.owner, config.name, config.max_bytes)
             self._host(config)
         self._purge_later()  # a delete that a restart cut short
 
@@ -444,10 +445,10 @@ class StreamHost:
                     )
             new = name not in store
             if new:
-                self._usage.check(link, STREAM_BYTES, config.max_bytes)
+                self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
             info = store.add_stream(config)
             if new:
-                self._usage.stream_added(link, name, config.max_bytes)
+                self._usage.stream_added(config.owner, name, config.max_bytes)
             self._host(config)
             return StreamReply(info=self._info(info))
         if op == "list":

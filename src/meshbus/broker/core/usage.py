@@ -130,11 +130,10 @@ class UsageTable:
         tally = usage.requests
         return tally if tally.count < self.quotas_of(user).requests else None
 
-    def check(self, link: Link, key: str, more: int = 1) -> None:
-        """QuotaExceeded when ``link``'s user may not take ``more`` of quota ``key``; a
-        link without a user (a broker without users) has no quota."""
-        user = link.user
-        if user is not None:
+    def check(self, user: str | None, key: str, more: int = 1) -> None:
+        """QuotaExceeded when ``user`` may not take ``more`` of quota ``key``; nobody (a
+        link without a user: a broker without users) has no quota."""
+        if user:
             refusal = self.refusal(user, key, more)
             if refusal:
                 raise QuotaExceeded(refusal)
@@ -157,12 +156,14 @@ class UsageTable:
             usage.links.discard(link)
             self._forget_if_idle(usage)
 
-    def stream_added(self, link: Link, name: str, max_bytes: int) -> None:
-        """``link`` added the stream ``name`` here (a new one; ``stream_bytes`` checked
-        first)."""
-        user = link.user
-        usage = self._usage.get(user) if user is not None else None
-        if usage is not None:
+    def stream_added(self, owner: str, name: str, max_bytes: int) -> None:
+        """The stream ``name`` of ``owner`` ("" for nobody's) is hosted here: added now
+        (``stream_bytes`` checked first), or read back from the store at start -- what a
+        user's streams hold counts against its quota across restarts."""
+        if owner:
+            usage = self._usage.get(owner)
+            if usage is None:
+                usage = self._usage[owner] = UserUsage(owner)
             usage.streams[name] = max_bytes
             self._stream_adders[name] = usage
 

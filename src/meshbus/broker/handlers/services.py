@@ -111,7 +111,7 @@ class ServiceCommands:
                 f"limit exceeded: this connector already has {limit} services registered "
                 "(the broker's --max-services); unregister some first",
             )
-        self._usage.check(link, SERVICES)
+        self._usage.check(link.user, SERVICES)
         try:
             if body.instance == 0:
                 address = routing.allocate_dynamic(
@@ -248,7 +248,7 @@ class ServiceCommands:
                 f"limit exceeded: this connector's services are already in {config.max_groups} "
                 "groups in all (the broker's --max-groups); leave some first",
             )
-        self._usage.check(link, MEMBERSHIPS)
+        self._usage.check(link.user, MEMBERSHIPS)
 
     def _check_membership(self, link: Link, body: Membership, verb: str) -> None:
         self._check_owned(link, body.member, verb)

@@ -102,7 +102,7 @@ def test_each_figure_is_summed_over_the_users_links_from_the_tables() -> None:
     assert usage.used("alice", "connections") == 2
     assert usage.refusal("bob", "connections") == ""
     with pytest.raises(QuotaExceeded) as caught:
-        usage.check(first, "connections")
+        usage.check(first.user, "connections")
     assert caught.value.args[0] == (
         "limit exceeded: user 'alice' already has 2 links open to this broker, and its quota "
         "is 2 (quotas.connections of its [[users]] entry in the broker's config); close one "
@@ -133,10 +133,10 @@ def test_stream_bytes_are_held_until_the_stream_is_deleted_by_anyone() -> None:
     link = hub.connector("a")
     link.user = "alice"
     usage.link_opened(link)
-    usage.check(link, "stream_bytes", 100)
-    usage.stream_added(link, "s", 100)
+    usage.check(link.user, "stream_bytes", 100)
+    usage.stream_added("alice", "s", 100)
     with pytest.raises(QuotaExceeded):
-        usage.check(link, "stream_bytes", 1)
+        usage.check(link.user, "stream_bytes", 1)
     usage.link_closed(link)
     assert usage.used("alice", "stream_bytes") == 100, "the stream outlives the link"
     usage.stream_deleted("s")
@@ -149,7 +149,7 @@ def test_a_link_without_a_user_has_no_quota() -> None:
     usage = usage_of(hub, Quotas(connections=0))
     link = hub.connector("anonymous")
     usage.link_opened(link)
-    usage.check(link, "connections")
+    usage.check(link.user, "connections")
     assert usage.snapshot()["alice"]["connections"] == {"used": 0, "quota": 0}
     assert set(usage.snapshot()["bob"]) == set(QUOTA_KEYS)
 

@@ -6,6 +6,7 @@ operator link gets none."""
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from meshbus.address import Multicast
@@ -30,6 +31,8 @@ from meshbus.protocol.control import (
 )
 from meshbus.protocol.handshake import sign_in_message
 from meshbus.protocol.layout import FLAG_REQUEST, FLAG_RESPONSE, ControlType, ErrorCode
+from meshbus.storage.sqlite import SqliteStreamStore
+from meshbus.storage.store import StreamConfig
 from meshbus.testing import (
     FakeClient,
     FakeNetwork,
@@ -196,6 +199,31 @@ async def test_stream_bytes_are_the_max_bytes_of_the_streams_the_user_added(
     deleted = await alice.ask(ControlType.STREAM, StreamRequest(op="delete", stream="s1"))
     assert isinstance(deleted.body, StreamReply)
     assert broker.usage.used("alice", "stream_bytes") == 400
+
+
+async def test_a_users_streams_read_back_at_start_count_against_its_quota(
+    network: FakeNetwork, tmp_path: Path
+) -> None:
+    """A broker that starts on a store holding alice's stream (a restart) counts its
+    max_bytes against her stream_bytes, as the add did: a restart is no way past a quota."""
+    store = SqliteStreamStore(tmp_path / "streams.db")
+    store.add_stream(StreamConfig(name="kept", captures=(), max_bytes=700, owner="alice"))
+    store.add_stream(StreamConfig(name="nobodys", captures=(), max_bytes=900))
+    store.close()
+    broker = await start_broker(
+        network, "a", users=users(), broker_key=BROKER_A, data_dir=str(tmp_path)
+    )
+    try:
+        assert broker.usage.used("alice", "stream_bytes") == 700
+        alice = await signed_in(network, broker, ALICE)
+        request = StreamRequest(op="add", stream="more", max_bytes=400)
+        message = over_quota(await alice.ask(ControlType.STREAM, request), "stream_bytes")
+        assert "already has 700 bytes of streams" in message
+        deleted = await alice.ask(ControlType.STREAM, StreamRequest(op="delete", stream="kept"))
+        assert isinstance(deleted.body, StreamReply)
+        assert broker.usage.used("alice", "stream_bytes") == 0
+    finally:
+        await broker.stop()  # gives back the data directory's lock and the store
 
 
 async def test_a_user_with_no_use_for_an_operator_link_gets_none(network: FakeNetwork) -> None:
