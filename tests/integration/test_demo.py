@@ -4,6 +4,8 @@ no broker or Spark process behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import pathlib
 import re
 import signal
@@ -23,11 +25,24 @@ def _hear_sigint() -> None:
 
 
 async def start_demo(*args: str) -> asyncio.subprocess.Process:
+    """The demo in a process group of its own, with its brokers and Spark's JVM: a test
+    that fails or times out kills the whole group (``kill_demo``), not the demo alone,
+    whose children would outlive it."""
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshbus.demo", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_hear_sigint,
+        preexec_fn=_hear_sigint, start_new_session=True,
     )  # fmt: skip
+
+
+async def kill_demo(process: asyncio.subprocess.Process) -> None:
+    """A demo still running when its test ends (failed, timed out) is killed with its
+    whole process group. One that exited is left as it is: what it left behind is for
+    the test to find (``left_behind``)."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
 
 
 def left_behind(work_dir: str) -> str:
@@ -43,9 +58,7 @@ async def test_demo_runs_and_passes(tmp_path: object) -> None:
     try:
         out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), 200)
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await kill_demo(process)
     out, err = out_bytes.decode(), err_bytes.decode()
     assert process.returncode == 0, out + err
     assert "Traceback" not in err, err[-4000:]
@@ -101,9 +114,7 @@ async def test_ctrl_c_leaves_no_process_behind() -> None:
         process.send_signal(signal.SIGINT)
         rest, err = await asyncio.wait_for(process.communicate(), 60)
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await kill_demo(process)
     assert process.returncode == 130, (seen + rest + err).decode()
     work_dir = re.search(rb"work dir (\S+)", seen)
     assert work_dir, seen
