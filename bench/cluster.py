@@ -107,7 +107,9 @@ def meshbus_mesh(
                 mesh = runner.run(brokers.mesh(size, *extra, each=each))
             except BrokerStartError as exc:
                 raise BenchSetupError(f"a meshbus broker did not start: {exc}") from exc
-            nodes = [Server(kind, *parse_hostport(broker.address)) for broker in mesh]
+            nodes = [
+                Server(kind, *parse_hostport(broker.address), broker.process.pid) for broker in mesh
+            ]
             _wait_until(
                 f"a full mesh of {size} meshbus brokers",
                 lambda: _mesh_formed(nodes, credentials),
@@ -168,7 +170,7 @@ def _nats_node(
                 raise BenchSetupError("clustered nats-server did not start: " + "".join(tail))
             time.sleep(0.01)
         yield (
-            Server("nats", "127.0.0.1", ports["nats"]),
+            Server("nats", "127.0.0.1", ports["nats"], process.pid),
             ports["monitoring"],
             ports["cluster"],
         )

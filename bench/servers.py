@@ -31,6 +31,8 @@ class Server:
     kind: str
     host: str
     port: int
+    # The server's process id (0: not known), for what reads its CPU time (bench game).
+    pid: int = 0
 
 
 @contextlib.contextmanager
@@ -45,7 +47,7 @@ def meshbus_broker(*extra: str, kind: str = "meshbus") -> Iterator[Server]:
             if ready is None:
                 raise BenchSetupError(f"meshbus broker did not start: {line!r}")
             host, port = parse_hostport(ready[1])
-            yield Server(kind, host, port)
+            yield Server(kind, host, port, process.pid)
         finally:
             stop_process(process)
 
@@ -106,7 +108,7 @@ def nats_server(*extra: str, kind: str = "nats", after: str = "") -> Iterator[Se
                     target=_drain, args=(log,), name="nats-server log", daemon=True
                 )
                 drain.start()
-                yield Server(kind, match.group(1), int(match.group(2)))
+                yield Server(kind, match.group(1), int(match.group(2)), process.pid)
                 return
         raise BenchSetupError(f"nats-server {' '.join(extra)} did not start: " + "".join(seen[-5:]))
     finally:
