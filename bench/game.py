@@ -40,7 +40,8 @@ own sender is not counted: meshbus does not hand it back, NATS does and the hand
 it), login requests answered (each counts as two delivered messages, request and reply),
 and match results received by the consumer. CPU is utime + stime from /proc/PID/stat of
 every process of the system -- the server(s) and all the client processes -- read at the
-start and the end of the window; "CPU s/M" is CPU seconds per million delivered messages.
+start and the end of the window; "CPU s/M" is CPU seconds per million delivered messages
+(the last line also has the server(s)' share alone, ``server_cpu_s_per_m``).
 
 ``--brokers 3`` runs a 3-broker meshbus mesh against a 3-node nats-server cluster
 (``bench.cluster``), the processes spread over the servers round robin.
@@ -92,7 +93,8 @@ class GameOptions:
 class GameResult:
     system: str
     seconds: float
-    cpu_seconds: float
+    cpu_seconds: float  # every process of the system
+    server_cpu_seconds: float  # the server(s) alone
     expected_zone: int  # zone deliveries the zone sends of the window should make
     results: list[WorkerResult] = field(default_factory=list)
 
@@ -132,6 +134,10 @@ class GameResult:
     @property
     def cpu_per_million(self) -> float:
         return self.cpu_seconds / (self.delivered / 1e6) if self.delivered else float("inf")
+
+    @property
+    def server_cpu_per_million(self) -> float:
+        return self.server_cpu_seconds / (self.delivered / 1e6) if self.delivered else float("inf")
 
     @property
     def kept_up(self) -> float:
@@ -284,18 +290,20 @@ def measure_game(cluster: Cluster, o: GameOptions) -> GameResult:
         window_start = start + o.warmup
         window_end = window_start + o.duration
         _tell(processes, f"go {start} {window_start} {window_end}")
-        pids = [node.pid for node in cluster.nodes] + [p.pid for p in processes]
+        servers = [node.pid for node in cluster.nodes]
+        clients = [p.pid for p in processes]
         time.sleep(max(0.0, window_start - time.monotonic()))
-        cpu_before = cpu_seconds(pids)
+        before = cpu_seconds(servers), cpu_seconds(clients)
         time.sleep(max(0.0, window_end - time.monotonic()))
-        cpu_after = cpu_seconds(pids)
+        after = cpu_seconds(servers), cpu_seconds(clients)
         reports = lines.next("report", _READY_TIMEOUT)
     results = [WorkerResult(**json.loads(line)) for line in reports]
     zone_size = o.game_servers * o.players / o.zones
     return GameResult(
         cluster.kind,
         o.duration,
-        cpu_after - cpu_before,
+        after[0] - before[0] + after[1] - before[1],
+        after[0] - before[0],
         round(sum(r.zone_sent for r in results) * (zone_size - 1)),
         results,
     )
@@ -313,6 +321,7 @@ _FIGURES: dict[str, tuple[Callable[[GameResult], float], int]] = {
     "p50_us": (lambda r: r.p50_us, 0),
     "p99_us": (lambda r: r.p99_us, 0),
     "cpu_s_per_m": (lambda r: r.cpu_per_million, 2),
+    "server_cpu_s_per_m": (lambda r: r.server_cpu_per_million, 2),
     "kept_up": (lambda r: r.kept_up, 3),
 }
 _RATIOS = {
@@ -439,7 +448,8 @@ def game(
 
     Last line: `meshbus_msgs=<per s> meshbus_unicast=<per s> meshbus_multicast=<per s>
     meshbus_requests=<per s> meshbus_reliable=<per s> meshbus_p50_us=<us>
-    meshbus_p99_us=<us> meshbus_cpu_s_per_m=<s> meshbus_kept_up=<fraction> [the same for
+    meshbus_p99_us=<us> meshbus_cpu_s_per_m=<s> meshbus_server_cpu_s_per_m=<s>
+    meshbus_kept_up=<fraction> [the same for
     nats_, ratio=<msgs meshbus/nats> p50_ratio=<r> p99_ratio=<r> cpu_ratio=<r>]`.
     """
     options = GameOptions(
@@ -469,7 +479,7 @@ def game(
             f"{result.per_s('reliable'):,.0f}",
             f"{result.p50_us:,.0f}",
             f"{result.p99_us:,.0f}",
-            f"{result.cpu_seconds:.2f}",
+            f"{result.cpu_seconds:.2f} ({result.server_cpu_seconds:.2f})",
             f"{result.cpu_per_million:.2f}",
             f"{result.kept_up:.1%}",
         )
@@ -490,7 +500,7 @@ def game(
             "reliable/s",
             "p50 µs",
             "p99 µs",
-            "CPU s",
+            "CPU s (server)",
             "CPU s/M",
             "kept up",
         ),

@@ -26,6 +26,7 @@ _FIGURES = (
     "p50_us",
     "p99_us",
     "cpu_s_per_m",
+    "server_cpu_s_per_m",
     "kept_up",
 )
 
@@ -38,7 +39,10 @@ def _parse(line: str) -> dict[str, float]:
 
 def _check_system(figures: dict[str, float], kind: str) -> None:
     for name in _FIGURES:
-        assert figures[f"{kind}_{name}"] > 0, (kind, name, figures)
+        # A server may use less than one clock tick (10 ms) at this load.
+        if name != "server_cpu_s_per_m":
+            assert figures[f"{kind}_{name}"] > 0, (kind, name, figures)
+    assert figures[f"{kind}_server_cpu_s_per_m"] <= figures[f"{kind}_cpu_s_per_m"]
     # 40 players send 5 unicast updates/s each; 2 s measured: nothing near nothing.
     assert figures[f"{kind}_unicast"] > 50
     assert figures[f"{kind}_p99_us"] >= figures[f"{kind}_p50_us"]
