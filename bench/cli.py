@@ -33,6 +33,7 @@ _ELSEWHERE = {
     "handshake": "bench.handshake",
     "stream": "bench.streams",
     "spark": "bench.spark",
+    "client": "bench.client",
 }
 
 

@@ -26,6 +26,7 @@ COMMANDS = (
     "bursts",
     "handshake",
     "stream",
+    "client",
 )
 
 
