@@ -8,6 +8,9 @@ comparison and nats.py on the other, the same code shape on both:
 * ``plain``: 16-byte messages one way, ``await svc.send`` -> ``async for msg in svc``
   vs ``await nc.publish`` -> a subscription callback; messages per second at the
   receiver, from the first tenth of the messages (a warm-up) to the last.
+* ``fast``: the same with meshbus's batch and callback APIs, ``await svc.send_many``
+  (64 messages a call) -> an inline ``svc.add_listener``; nats.py has nothing faster
+  than publish -> callback, so its side is the same as in ``plain``.
 * ``request``: request/response with ``concurrency`` requests in flight, ``await
   svc.request`` against ``async for msg in svc: await msg.reply(...)`` in the other
   process vs ``await nc.request`` against a subscription callback that
@@ -43,6 +46,7 @@ from bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
 
 _RECEIVER = ("benchrx", 1)  # the fixed meshbus address of the receiving service
 _SUBJECT = "bench.client"  # and the nats subject
+_SEND_MANY = 64  # messages per send_many in the fast one-way scenario
 # Bounds one scenario in a worker; reached only when messages were lost or a peer hung.
 _SCENARIO_TIMEOUT = 120.0
 
@@ -58,6 +62,7 @@ class Job:
     count: int  # messages or requests
     size: int
     concurrency: int = 1
+    fast: bool = False  # meshbus: the batch and callback APIs (nats.py has no other)
 
 
 # -- the worker processes -----------------------------------------------------------------
@@ -119,6 +124,10 @@ async def _receive(job: Job, pipe: Connection) -> dict[str, float]:
     if job.system == "meshbus":
         async with await _connect_meshbus(job, _RECEIVER[0]) as conn:
             svc = await conn.register(_RECEIVER[1])
+            if job.fast:
+                svc.add_listener(lambda _: arrivals.arrived())
+                _ready(pipe)
+                return await arrivals.rate()
             _ready(pipe)
             async for _ in svc:
                 arrivals.arrived()
@@ -146,8 +155,15 @@ async def _send(job: Job, pipe: Connection) -> dict[str, float]:
             svc = await conn.register()
             dst = meshbus.Unicast(*_RECEIVER)
             _ready(pipe)
-            for _ in range(job.count):
-                await svc.send(dst, payload)
+            if job.fast:
+                batch = [payload] * _SEND_MANY
+                full, rest = divmod(job.count, _SEND_MANY)
+                for _ in range(full):
+                    await svc.send_many(dst, batch)
+                await svc.send_many(dst, batch[:rest])
+            else:
+                for _ in range(job.count):
+                    await svc.send(dst, payload)
             await conn.ping()  # every message is routed before the link closes
         return {}
     nc = await _connect_nats(job)
@@ -368,16 +384,20 @@ def client(
     """The Python API between two processes through one server, vs nats.py.
 
     Last line: `meshbus_msgs=<msgs/s> [nats_msgs=<msgs/s> ratio_msgs=<r>]
+    meshbus_fast_msgs=<msgs/s> [nats_fast_msgs=<msgs/s> ratio_fast_msgs=<r>]
     meshbus_rps=<req/s> [nats_rps=<req/s> ratio_rps=<r>] meshbus_p50_us=<us>
     [nats_p50_us=<us> ratio_p50=<r>]`: the ratios are meshbus/nats (for p50 lower is better).
     """
     figures: dict[str, str] = {}
     with workers() as pool:
 
-        def one_way(server: Server) -> tuple[float, tuple[str, ...]]:
-            job = Job("receive", server.kind, server.host, server.port, count, size)
-            done = pool.run(job, _as(job, "send"), stop_serving=False)
-            return done["msgs_per_s"], (f"{done['msgs_per_s']:,.0f}",)
+        def one_way(fast: bool) -> Callable[[Server], tuple[float, tuple[str, ...]]]:
+            def measure(server: Server) -> tuple[float, tuple[str, ...]]:
+                job = Job("receive", server.kind, server.host, server.port, count, size, fast=fast)
+                done = pool.run(job, _as(job, "send"), stop_serving=False)
+                return done["msgs_per_s"], (f"{done['msgs_per_s']:,.0f}",)
+
+            return measure
 
         def requests_at(concurrency: int) -> Callable[[Server], tuple[float, tuple[str, ...]]]:
             def measure(server: Server) -> tuple[float, tuple[str, ...]]:
@@ -397,9 +417,18 @@ def client(
             f"one way: {count:,} x {size} B, await send -> async for "
             "(nats.py: publish -> callback)",
             ("msgs/s",),
-            one_way,
+            one_way(fast=False),
         )
         _figures(figures, "msgs", plain, 0)
+        fast = alternate(
+            _servers(vs_nats),
+            runs,
+            f"one way: {count:,} x {size} B, send_many -> inline listener "
+            "(nats.py: publish -> callback)",
+            ("msgs/s",),
+            one_way(fast=True),
+        )
+        _figures(figures, "fast_msgs", fast, 0)
         rps = alternate(
             _servers(vs_nats),
             runs,
@@ -420,7 +449,7 @@ def client(
 
 
 def _as(job: Job, role: str, *, concurrency: int = 1) -> Job:
-    return Job(role, job.system, job.host, job.port, job.count, job.size, concurrency)
+    return Job(role, job.system, job.host, job.port, job.count, job.size, concurrency, job.fast)
 
 
 def _figures(into: dict[str, str], name: str, medians: dict[str, float], digits: int) -> None:

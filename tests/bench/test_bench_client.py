@@ -9,7 +9,7 @@ import pytest
 
 from tests.bench.helpers import run_bench
 
-_FIGURES = ("msgs", "rps", "p50_us")
+_FIGURES = ("msgs", "fast_msgs", "rps", "p50_us")
 
 
 def test_client_vs_nats_last_line() -> None:
