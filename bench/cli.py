@@ -34,6 +34,7 @@ _ELSEWHERE = {
     "stream": "bench.streams",
     "spark": "bench.spark",
     "game": "bench.game",
+    "client": "bench.client",
 }
 
 

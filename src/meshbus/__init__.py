@@ -37,6 +37,7 @@ from meshbus.errors import (
     StreamError,
     Timeout,
     TLSError,
+    WouldBlock,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ __all__ = [
     "Timeout",
     "Undeliverable",
     "Unicast",
+    "WouldBlock",
     "__version__",
     "connect",
 ]

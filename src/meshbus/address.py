@@ -21,7 +21,7 @@ Text form, used by the CLI and by ``str()``: ``game01:65537``,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from meshbus.errors import InvalidArgument
@@ -137,14 +137,18 @@ class Unicast(Address):
 
     server: str
     instance: int
+    # The wire form, made once: a sender names the same address message after message.
+    _raw: bytes = field(init=False, repr=False)
     cast_type: ClassVar[int] = CAST_UNICAST
 
     def __post_init__(self) -> None:
-        server_name_bytes(self.server)
+        server = server_name_bytes(self.server)
         if not isinstance(self.instance, int) or isinstance(self.instance, bool):
             raise TypeError("instance must be an int")
         if not 1 <= self.instance <= INSTANCE_MAX:
             raise InvalidArgument(f"instance {self.instance} is out of range 1..{INSTANCE_MAX}")
+        raw = bytes((CAST_UNICAST,)) + server + self.instance.to_bytes(4, "big")
+        object.__setattr__(self, "_raw", raw)
 
     @property
     def is_fixed(self) -> bool:
@@ -152,11 +156,7 @@ class Unicast(Address):
         return self.instance <= FIXED_INSTANCE_MAX
 
     def to_bytes(self) -> bytes:
-        return (
-            bytes((CAST_UNICAST,))
-            + server_name_bytes(self.server)
-            + self.instance.to_bytes(4, "big")
-        )
+        return self._raw
 
     def __str__(self) -> str:
         return f"{self.server}:{self.instance}"
@@ -165,13 +165,15 @@ class Unicast(Address):
 @dataclass(frozen=True, eq=False, slots=True)
 class _Group(Address):
     name: str
+    _raw: bytes = field(init=False, repr=False)  # the wire form, made once (as Unicast's)
 
     def __post_init__(self) -> None:
-        _encode_name(self.name, GROUP_NAME_MAX, "group name")
+        name = _encode_name(self.name, GROUP_NAME_MAX, "group name")
+        raw = bytes((self.cast_type,)) + name + b"\x00" * (GROUP_NAME_MAX - len(name))
+        object.__setattr__(self, "_raw", raw)
 
     def to_bytes(self) -> bytes:
-        name = self.name.encode("utf-8")
-        return bytes((self.cast_type,)) + name + b"\x00" * (GROUP_NAME_MAX - len(name))
+        return self._raw
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -23,6 +23,8 @@
     ├── DeliveryFailed                    a reliable send was never acknowledged
     │                                     (.address, .msg_id)
     ├── NoQueue                           next_message() on a service that has listeners
+    ├── WouldBlock                        send_nowait/send_many... could not send without
+    │                                     waiting (a full write buffer, a failover)
     ├── StreamError                       a stream request was refused (.code)
     ├── SparkSetupError                   Spark's Python workers cannot run meshbus's
     │                                     data source (meshbus.spark.register's check)
@@ -189,6 +191,13 @@ class DeliveryFailed(MeshbusError):
 
 class NoQueue(MeshbusError):
     """``next_message()`` on a service whose messages go to listeners (``add_listener``)."""
+
+
+class WouldBlock(MeshbusError):
+    """A send that may not wait (``Service.send_nowait``, ``Message.reply_nowait``) could
+    not go out without waiting: the link's write buffer is over its high-water mark (the
+    broker takes bytes slower than they are sent), or the connector is failing over.
+    Nothing was sent; ``await svc.flush()`` waits until a send can go out again."""
 
 
 class PermissionDenied(MeshbusError, PermissionError):

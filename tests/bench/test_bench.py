@@ -27,6 +27,7 @@ COMMANDS = (
     "handshake",
     "stream",
     "game",
+    "client",
 )
 
 

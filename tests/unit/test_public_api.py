@@ -43,6 +43,7 @@ EXPECTED_ALL = [
     "Timeout",
     "Undeliverable",
     "Unicast",
+    "WouldBlock",
     "__version__",
     "connect",
 ]
@@ -69,6 +70,7 @@ EXPECTED_EXCEPTIONS = {
     "RequestError",
     "TLSError",
     "Timeout",
+    "WouldBlock",
 }
 
 

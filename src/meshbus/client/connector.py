@@ -43,7 +43,7 @@ from meshbus.client.dial import Dialer
 from meshbus.client.failover import Identity, LinkKeeper
 from meshbus.client.inbound import Inbound, Undeliverable
 from meshbus.client.link import Links
-from meshbus.client.mailboxes import Services
+from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.client.memberships import Memberships
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.receiving import Receiving
@@ -377,6 +377,12 @@ class Connector:
         since the broker handles a link's frames in order."""
         await self._parts.requester.ask(ControlType.PING, Empty(), Empty)
 
+    async def flush(self) -> None:
+        """Wait until a send would go out without waiting (``Service.flush``: the link's
+        write buffer under its low-water mark, the connector linked). Not a round trip:
+        that is ``ping``."""
+        await self._parts.outbound.writable()
+
     async def drain_broker(self, grace: float = 0.0) -> None:
         """Ask the broker this connector is linked to to drain: it moves its connectors
         (this one too) to other brokers and exits. ``grace`` 0 uses the broker's own."""
@@ -414,6 +420,18 @@ class Connector:
         if not inbound.left.handlers:
             await self._parts.requester.ask(ControlType.WATCH, Empty(), Empty)
         return inbound.left.add(handler)
+
+    def on_slow_consumer(self, handler: Callable[[Service], object]) -> Callable[[], None]:
+        """Call ``handler`` with a service whose inbox just filled up (``max_inbox``
+        messages): the connector stops reading -- nothing is lost, its senders are slowed
+        through TCP -- until that inbox drains to half. Each service counts these
+        (``Service.inbox_fills``). Returns a function that removes the handler again."""
+
+        def slow(mailbox: Mailbox) -> None:
+            if isinstance(service := mailbox.service, Service):
+                handler(service)
+
+        return self._parts.services.slow.add(slow)
 
     @property
     def unacked(self) -> int:

@@ -23,7 +23,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, Multicast, describe_address
+from meshbus.address import (
+    CAST_ANYCAST,
+    CAST_MULTICAST,
+    CAST_UNICAST,
+    Multicast,
+    describe_address,
+)
 from meshbus.client.callbacks import Callbacks
 from meshbus.client.link import BrokerLink
 from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
@@ -50,6 +56,10 @@ from meshbus.protocol.layout import (
 from meshbus.util import BackgroundTasks
 
 log = logging.getLogger("meshbus.client")
+
+# A data frame with none of these flags is a plain send or a request: no response to
+# settle, no ack to take, no extension to read, no duplicate to check.
+_NOT_PLAIN = FLAG_RESPONSE | FLAG_ACK | FLAG_EXT | FLAG_RELIABLE
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class Inbound:
         self._waiters = waiters
         self._receiving = receiving
         self._unacked = unacked
+        self._heard = unacked.heard  # bound once: every message from another service calls it
         self._outbound = outbound
         self._tasks = tasks
         self._rng = rng  # which member of an anycast group here gets its message
@@ -96,6 +107,18 @@ class Inbound:
     def on_data(self, frame: DataFrame) -> None:
         """A response, an ACK, or a message for services."""
         flags = frame.flags
+        dst = frame.dst
+        if not flags & _NOT_PLAIN and dst[0] == CAST_UNICAST:
+            # The common case, in few steps: a plain send or a request to one service here.
+            self._heard(frame.src)
+            mailbox = self._services.get(dst)
+            if mailbox is None:
+                self.dropped += 1
+            else:
+                mailbox.deliver(
+                    Message(frame.src, dst, frame.payload, frame.msg_id, flags, mailbox)
+                )
+            return
         if flags & FLAG_RESPONSE:
             waiting = self._waiters.response_to((frame.dst, frame.response_for))
             if waiting is not None and not waiting.done():
@@ -108,7 +131,7 @@ class Inbound:
         if flags & FLAG_ACK:
             self._unacked.on_ack(frame)
             return
-        self._unacked.heard(frame.src)
+        self._heard(frame.src)
         ext: Ext | None = None
         if flags & FLAG_EXT:
             try:
@@ -121,7 +144,6 @@ class Inbound:
             if flags & FLAG_TRACE:
                 report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
                 self._outbound.send_control(ControlType.TRACE, report)
-        dst = frame.dst
         if dst[0] in (CAST_MULTICAST, CAST_ANYCAST):
             members = self._members(frame)
         else:

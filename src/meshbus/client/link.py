@@ -78,6 +78,8 @@ class BrokerLink(asyncio.Protocol):
         self._gone: asyncio.Future[None] = self._loop.create_future()  # connection_lost
         self._handshake: DiallingHandshake | None = handshake  # None once answered
         self._decoder = FrameDecoder(max_frame)
+        self._decoded: list[DataFrame | ControlFrame] = []  # see dispatch
+        self._handed = 0
         self._reader = reader
         self._full_inboxes = full_inboxes
         self._on_news = on_news
@@ -151,13 +153,26 @@ class BrokerLink(asyncio.Protocol):
     # -- frames ----------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        """Hand out the buffered frames, stopping while an inbox is full: the rest stay
-        in the decoder, so an inbox never holds more than ``max_inbox`` messages."""
+        """Hand out the frames read, stopping while an inbox is full: the rest wait (decoded,
+        or in the decoder), so an inbox never holds more than ``max_inbox`` messages.
+
+        The decoder decodes what one read brought in one pass; the frames it gave and
+        this link has not handed out yet are ``_decoded[_handed:]``. A handler may call
+        ``dispatch`` again (a drained inbox does): each frame is counted as handed out
+        before it is."""
         full = self._full_inboxes
-        decoder = self._decoder
         reader = self._reader
         try:
-            while not full and (frame := decoder.next_frame()) is not None:
+            while not full:
+                decoded = self._decoded
+                handed = self._handed
+                if handed == len(decoded):
+                    decoded = self._decoded = self._decoder.frames()
+                    handed = self._handed = 0
+                    if not decoded:
+                        return
+                frame = decoded[handed]
+                self._handed = handed + 1
                 if self._handshake is not None:
                     if not self._answered(self._handshake.receive(frame)):
                         return

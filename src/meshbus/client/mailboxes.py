@@ -59,6 +59,7 @@ class Mailbox:
         self.closed = False
         self._ended_by: MeshbusError | None = None  # why it ended, if not unregistered
         self.listeners: Callbacks[Listener] = Callbacks()
+        self.fills = 0  # times the inbox filled up, pausing the links (Service.inbox_fills)
         self._inbox: deque[Message] = deque()
         self._max_inbox = max_inbox
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -80,9 +81,12 @@ class Mailbox:
         if self.listeners.handlers:
             self._hand_to_listeners(message)
             return
-        self._inbox.append(message)
-        self._wake_one()
-        if len(self._inbox) == self._max_inbox:
+        inbox = self._inbox
+        inbox.append(message)
+        if self._waiters:
+            self._wake_one()
+        if len(inbox) == self._max_inbox:
+            self.fills += 1
             self._services.inbox_full(self)
 
     def add_listener(self, listener: Listener) -> Callable[[], None]:
@@ -95,6 +99,7 @@ class Mailbox:
         return remove
 
     def _hand_to_listeners(self, message: Message) -> None:
+        """Each listener in turn, inline: the link reads no further frame until they return."""
         for listener in self.listeners.handlers:
             try:
                 result = listener(message)
@@ -105,13 +110,49 @@ class Mailbox:
 
     # -- taking ----------------------------------------------------------------------
 
+    def take_ready(self) -> Message | None:
+        """The next message if one is waiting (and the queue is on), else None: the part of
+        ``take`` that never suspends, for ``async for``."""
+        inbox = self._inbox
+        if not inbox or self.listeners.handlers:
+            return None
+        message = inbox.popleft()
+        if len(inbox) == self._max_inbox // 2:
+            self._services.inbox_drained(self)
+        return message
+
     async def take(self, timeout: float | None) -> Message:
         """The next message of the inbox (``Service.recv``)."""
+        await self._wait(timeout)
+        message = self._inbox.popleft()
+        if len(self._inbox) == self._max_inbox // 2:
+            self._services.inbox_drained(self)
+        return message
+
+    async def take_batch(self, max_size: int) -> list[Message]:
+        """Every message waiting, up to ``max_size``, once there is one
+        (``Service.batches``)."""
+        await self._wait(None)
+        inbox = self._inbox
+        before = len(inbox)
+        if before <= max_size:
+            batch = list(inbox)
+            inbox.clear()
+        else:
+            batch = [inbox.popleft() for _ in range(max_size)]
+        if before > self._max_inbox // 2 >= len(inbox):
+            self._services.inbox_drained(self)
+        return batch
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Return once the inbox holds a message; Timeout past ``timeout`` seconds."""
         if self.listeners.handlers:
             raise NoQueue(
                 f"{self.address} hands its messages to listeners (add_listener), "
                 "so it has no queue to take them from"
             )
+        if self._inbox:
+            return
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not self._inbox:
@@ -127,7 +168,7 @@ class Mailbox:
             except TimeoutError:
                 self._remove_waiter(waiter)
                 if self._inbox:
-                    break  # a message arrived just as the time ran out: take it
+                    return  # a message arrived just as the time ran out: take it
                 raise Timeout(
                     f"no message for {self.address} within {timeout} s", timeout
                 ) from None
@@ -138,10 +179,6 @@ class Mailbox:
                 if self._inbox:
                     self._wake_one()
                 raise
-        message = self._inbox.popleft()
-        if len(self._inbox) == self._max_inbox // 2:
-            self._services.inbox_drained(self)
-        return message
 
     def _check_open(self) -> None:
         self._links.check_usable()
@@ -164,9 +201,16 @@ class Mailbox:
     # -- answering ---------------------------------------------------------------------
 
     async def respond(self, requester: bytes, msg_id: int, payload: bytes) -> None:
-        await self._outbound.send_data(
-            self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
-        )
+        outbound = self._outbound
+        if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
+            await outbound.send_data(
+                self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
+            )
+
+    def respond_nowait(self, requester: bytes, msg_id: int, payload: bytes) -> None:
+        outbound = self._outbound
+        if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
+            raise outbound.would_block()
 
     def close(self, error: MeshbusError | None = None) -> None:
         """Unregistered, or the connector ended, or (``error``) the service lost its
@@ -186,6 +230,8 @@ class Services:
     def __init__(self, links: Links) -> None:
         self._by_address: dict[bytes, Mailbox] = {}
         self.full: set[Mailbox] = set()
+        # Connector.on_slow_consumer: called with each mailbox whose inbox just filled up.
+        self.slow: Callbacks[Callable[[Mailbox], object]] = Callbacks()
         self._links = links
         # The mailbox of a 16-byte address, or None: the dict's own lookup, since every
         # unicast message asks it.
@@ -219,6 +265,11 @@ class Services:
         self.full.add(mailbox)
         for link in self._links.all():
             link.pause_reading()
+        for handler in self.slow.handlers:
+            try:
+                handler(mailbox)
+            except Exception:
+                log.exception("a slow-consumer handler failed")
 
     def inbox_drained(self, mailbox: Mailbox) -> None:
         if mailbox in self.full:

@@ -22,6 +22,8 @@ class Replier(Protocol):
 
     async def respond(self, requester: bytes, msg_id: int, payload: bytes) -> None: ...
 
+    def respond_nowait(self, requester: bytes, msg_id: int, payload: bytes) -> None: ...
+
 
 _NO_EXT = Ext()
 
@@ -108,12 +110,22 @@ class Message:
         return bool(self.flags & FLAG_REQUEST)
 
     async def reply(self, payload: bytes) -> None:
-        """Answer a request. The response comes from the service that received the request."""
+        """Answer a request. The response comes from the service that received the request.
+        It suspends only while the link's write buffer is full or the connector fails over."""
+        await self._replier("reply").respond(self._src, self.msg_id, payload)
+
+    def reply_nowait(self, payload: bytes) -> None:
+        """``reply`` without suspending, from a listener or for a batch: the responses
+        written in one loop turn leave in one socket write. Raises ``meshbus.WouldBlock``
+        (nothing sent) where ``reply`` would wait; ``await svc.flush()`` waits that out."""
+        self._replier("reply_nowait").respond_nowait(self._src, self.msg_id, payload)
+
+    def _replier(self, call: str) -> Replier:
         if not self.is_request:
-            raise MeshbusError("reply() needs a request; this message was a plain send")
+            raise MeshbusError(f"{call}() needs a request; this message was a plain send")
         if self._mailbox is None:
             raise MeshbusError("this message was not received by a service and cannot be answered")
-        await self._mailbox.respond(self._src, self.msg_id, payload)
+        return self._mailbox
 
     def __repr__(self) -> str:
         kind = "request" if self.is_request else "message"

@@ -6,6 +6,11 @@ while the socket's buffer is full, so a fast sender is slowed by TCP rather than
 growing memory -- and sends the control frames nobody waits an answer for. What
 waits for an answer is meshbus.client.requester.
 
+A send that need not wait does not suspend: ``try_send`` writes at once when the
+link is up and its buffer under the high-water mark, which is what ``await send``
+tries first and all that ``send_nowait`` does. The link gathers what is written in
+one loop turn into one socket write (meshbus.client.link).
+
 ``TraceSampler`` picks the plain sends the broker asked to trace (its telemetry):
 one in every ``every``, as the WELCOME said.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 
 from meshbus.client.link import Links
-from meshbus.errors import MeshbusError
+from meshbus.errors import MeshbusError, WouldBlock
 from meshbus.protocol.codec import encode_control, encode_data
 from meshbus.protocol.control import Body
 from meshbus.protocol.layout import ControlType
@@ -32,6 +37,46 @@ class Outbound:
         self._next_msg_id += 1
         return msg_id
 
+    def try_send(
+        self, src: bytes, dst: bytes, payload: bytes, flags: int, response_for: int = 0
+    ) -> int:
+        """Write one data frame if that needs no waiting: its message id, or 0 while the
+        connector fails over or the link's write buffer is over its high-water mark (nothing
+        is written then). NotConnected or ConnectionLost once the connector ended."""
+        links = self._links
+        link = links.current
+        if link is None or link.write_paused or links.closed or not links.connected.is_set():
+            links.check_usable()
+            return 0
+        msg_id = self._next_msg_id
+        link.write(
+            encode_data(
+                dst,
+                src,
+                payload,
+                msg_id=msg_id,
+                response_for=response_for,
+                flags=flags,
+                max_frame=links.max_frame,
+            )
+        )
+        self._next_msg_id = msg_id + 1
+        return msg_id
+
+    def would_block(self) -> WouldBlock:
+        """Why ``try_send`` wrote nothing, for the caller that may not wait."""
+        link = self._links.current
+        if link is not None and link.write_paused:
+            return WouldBlock(
+                f"the link to broker {link.broker_name or link.address} has more bytes waiting "
+                "than its high-water mark: await flush() before sending on, or use "
+                "await send(), which waits by itself"
+            )
+        return WouldBlock(
+            "the connector is failing over to another broker: await flush() to wait for it, "
+            "or use await send(), which waits by itself"
+        )
+
     async def send_data(
         self, src: bytes, dst: bytes, payload: bytes, flags: int, *, response_for: int = 0
     ) -> int:
@@ -39,6 +84,26 @@ class Outbound:
         msg_id = self.new_msg_id()
         await self.write_data(dst, src, payload, flags, msg_id, response_for)
         return msg_id
+
+    async def send_many(self, src: bytes, messages: list[tuple[bytes, bytes, int]]) -> range:
+        """Send ``messages`` (destination, payload, flags) in one write, numbered in order;
+        returns their message ids. Waits out a failover first and a full write buffer
+        after, as ``write_data``; FrameTooLarge (nothing sent) if one is over the limit."""
+        links = self._links
+        link = links.current
+        if link is None or not links.connected.is_set() or links.closed:
+            link = await links.usable()
+        first = self._next_msg_id
+        max_frame = links.max_frame
+        frames = [
+            encode_data(dst, src, payload, msg_id=msg_id, flags=flags, max_frame=max_frame)
+            for msg_id, (dst, payload, flags) in enumerate(messages, first)
+        ]
+        self._next_msg_id = first + len(frames)
+        link.write(b"".join(frames))
+        if link.write_paused:
+            await self.writable()
+        return range(first, first + len(frames))
 
     async def write_data(
         self,
@@ -66,9 +131,20 @@ class Outbound:
         )
         link.write(frame)
         if link.write_paused:
+            await self.writable()
+
+    async def writable(self) -> None:
+        """Return once a send would go out without waiting: the connector is linked (after
+        a failover) and its link's write buffer is back under its low-water mark. What was
+        written is handed to the socket at once."""
+        links = self._links
+        link = await links.usable()
+        link.flush()
+        while link.write_paused:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(future)
             await future
+            link = await links.usable()
 
     def send_control(self, type_: ControlType, body: Body) -> None:
         """A control frame whose answer nobody waits for; dropped while the connector fails

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from meshbus.address import BROADCAST_GROUP, Address, Multicast, Unicast
 from meshbus.client.addressing import AddressLike, as_address
@@ -114,7 +114,9 @@ class Service:
 
     Receive with ``await svc.recv()`` or ``async for msg in svc``; the iteration
     ends when the service is unregistered or its connector closed, and raises
-    ``ConnectionLost`` if the link to the broker broke.
+    ``ConnectionLost`` if the link to the broker broke. The fast paths: ``send_nowait``,
+    ``send_many`` and ``flush`` to send, ``batches`` and ``add_listener`` (inline) to
+    receive, ``Message.reply_nowait`` to answer.
     """
 
     def __init__(self, address: Unicast, max_inbox: int, parts: ServiceParts) -> None:
@@ -213,19 +215,129 @@ class Service:
             raise InvalidArgument(
                 "timeout= bounds a reliable or group send; a plain one waits for nothing"
             )
-        if priority or publish_id:
-            _checked_priority(priority)
-            _checked_publish_id(publish_id)
+        payload, flags = self._plain(payload, echo, notify, priority, publish_id)
+        outbound = self._outbound
+        # Written at once when nothing stands in the way (no suspension); else it waits.
+        return outbound.try_send(self._raw, raw, payload, flags) or await outbound.send_data(
+            self._raw, raw, payload, flags
+        )
+
+    def send_nowait(
+        self,
+        dst: AddressLike,
+        payload: bytes,
+        *,
+        echo: bool = False,
+        notify: bool = False,
+        priority: int = 0,
+        publish_id: bytes = b"",
+    ) -> int:
+        """A plain ``send`` that never suspends: the frame is written to the link's buffer
+        (handed to the socket with everything else written in this loop turn) and its
+        message id returned. For a sender that may not wait -- a callback, a game loop's tick.
+
+        Raises ``meshbus.WouldBlock``, and sends nothing, while the link's write buffer is
+        over its high-water mark (the broker reads slower than this connector writes) or
+        the connector is failing over: ``await flush()`` waits for both to pass. That is
+        nats.py's choice too (a publish past its pending limit raises): a full buffer is
+        the sender's to see, not a memory that grows without bound. The options are
+        ``send``'s plain ones."""
+        payload, flags = self._plain(payload, echo, notify, priority, publish_id)
+        outbound = self._outbound
+        msg_id = outbound.try_send(self._raw, as_address(dst).to_bytes(), payload, flags)
+        if not msg_id:
+            raise outbound.would_block()
+        return msg_id
+
+    @overload
+    async def send_many(
+        self,
+        dst: AddressLike,
+        payloads: Iterable[bytes],
+        /,
+        *,
+        echo: bool = False,
+        notify: bool = False,
+    ) -> range: ...
+
+    @overload
+    async def send_many(
+        self,
+        messages: Iterable[tuple[AddressLike, bytes]],
+        /,
+        *,
+        echo: bool = False,
+        notify: bool = False,
+    ) -> range: ...
+
+    async def send_many(
+        self,
+        dst_or_messages: AddressLike | Iterable[tuple[AddressLike, bytes]],
+        payloads: Iterable[bytes] | None = None,
+        /,
+        *,
+        echo: bool = False,
+        notify: bool = False,
+    ) -> range:
+        """Plain sends in one write: ``send_many(dst, payloads)`` sends each payload to
+        ``dst``, ``send_many([(dst, payload), ...])`` each payload to its own destination.
+        Returns their message ids (consecutive, in the order given).
+
+        It waits as ``send`` does -- out a failover before writing, and while the link's
+        write buffer is over its high-water mark after -- and is at most once per message
+        as ``send`` is. A payload over the frame limit raises ``meshbus.FrameTooLarge``
+        and nothing is sent."""
+        if payloads is None:
+            if isinstance(dst_or_messages, Address | str):
+                raise InvalidArgument(
+                    "send_many takes a destination and its payloads, "
+                    "or (destination, payload) pairs; got a destination alone"
+                )
+            messages = [
+                (as_address(dst).to_bytes(), *self._plain(payload, echo, notify, 0, b""))
+                for dst, payload in dst_or_messages
+            ]
+        else:
+            if not isinstance(dst_or_messages, Address | str):
+                raise InvalidArgument(
+                    "send_many(dst, payloads): dst is an Address or its text form, "
+                    f"not {type(dst_or_messages).__name__}"
+                )
+            raw = as_address(dst_or_messages).to_bytes()
+            messages = [(raw, *self._plain(payload, echo, notify, 0, b"")) for payload in payloads]
+        return await self._outbound.send_many(self._raw, messages)
+
+    async def flush(self) -> None:
+        """Wait until a send would go out without waiting: the link's write buffer is back
+        under its low-water mark, and the connector is linked (after a failover). What was
+        written is handed to the socket at once.
+
+        The backpressure wait of ``send_nowait`` and ``reply_nowait`` (``await send``
+        waits by itself). It is not a round trip: for "the broker has routed everything
+        sent so far", ``await conn.ping()``."""
+        await self._outbound.writable()
+
+    def _plain(
+        self, payload: bytes, echo: bool, notify: bool, priority: int, publish_id: bytes
+    ) -> tuple[bytes, int]:
+        """A plain send's payload and flags: with an extension block when it carries a
+        priority or a publish id, or is one the broker asked to trace."""
         flags = (FLAG_ECHO if echo else 0) | (FLAG_NOTIFY_DROP if notify else 0)
         sampler = self._sampler
         if sampler.every and sampler.this_one():
             flags |= FLAG_EXT | FLAG_TRACE
-            ext = Ext(priority=priority, publish_id=publish_id, sent_at=time.time())
-            payload = wrap(ext, payload)
-        elif priority or publish_id:
-            flags |= FLAG_EXT
-            payload = wrap(Ext(priority=priority, publish_id=publish_id), payload)
-        return await self._outbound.send_data(self._raw, raw, payload, flags)
+            ext = Ext(
+                priority=_checked_priority(priority),
+                publish_id=_checked_publish_id(publish_id),
+                sent_at=time.time(),
+            )
+            return wrap(ext, payload), flags
+        if priority or publish_id:
+            ext = Ext(
+                priority=_checked_priority(priority), publish_id=_checked_publish_id(publish_id)
+            )
+            return wrap(ext, payload), flags | FLAG_EXT
+        return payload, flags
 
     async def send_reliable(
         self,
@@ -315,8 +427,15 @@ class Service:
         return await self._parts.streams.fetch(stream, from_seq, max_count)
 
     def add_listener(self, listener: Callable[[Message], object]) -> Callable[[], None]:
-        """Call ``listener`` with each message (a coroutine function is run as a task).
-        From then on the queue is off: ``next_message``/``recv`` raise ``NoQueue``.
+        """Call ``listener`` with each message. From then on the queue is off:
+        ``next_message``/``recv`` raise ``NoQueue``.
+
+        A plain function runs inline, as the link reads the message: no task, no queue --
+        the fastest way to receive. The link reads nothing more until it returns, so a
+        slow listener slows its senders through TCP (backpressure with no inbox), and it
+        may answer with ``msg.reply_nowait``: the responses to one read leave in one
+        write. A coroutine function is run as a task per message instead (no
+        backpressure: prefer ``batches`` for work that awaits).
 
         Returns a function that removes the listener again; once the last one is removed,
         messages queue for ``recv`` as before (the shape of every ``on_...`` here:
@@ -350,11 +469,45 @@ class Service:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Message]:
+        mailbox = self._mailbox
+        take_ready = mailbox.take_ready
+        while True:
+            message = take_ready()  # no suspension while messages wait
+            if message is None:
+                try:
+                    message = await mailbox.take(None)
+                except NotConnected:
+                    return
+            yield message
+
+    def batches(self, max_size: int = 1024) -> AsyncIterator[list[Message]]:
+        """``async for batch in svc.batches():`` the messages waiting, as lists of at most
+        ``max_size`` -- what one read brought, or more if the service fell behind -- in
+        the order they arrived. Ends as ``async for msg in svc`` does.
+
+        Taking a list is one step per read instead of one per message; the inbox stays
+        bounded (``max_inbox``), and the responses a batch's requests get with
+        ``reply_nowait`` (or ``await msg.reply``, which does not suspend while the link
+        takes bytes) leave in one write."""
+        if max_size < 1:
+            raise InvalidArgument(f"max_size must be at least 1, got {max_size}")
+        return self._batches(max_size)
+
+    async def _batches(self, max_size: int) -> AsyncIterator[list[Message]]:
+        mailbox = self._mailbox
         while True:
             try:
-                yield await self.recv()
+                batch = await mailbox.take_batch(max_size)
             except NotConnected:
                 return
+            yield batch
+
+    @property
+    def inbox_fills(self) -> int:
+        """Times this service's inbox filled up (``max_inbox`` messages): the connector
+        stopped reading until it drained to half -- it is a slow consumer, and its senders
+        were slowed through TCP. ``Connector.on_slow_consumer`` hears each one."""
+        return self._mailbox.fills
 
     # -- membership ---------------------------------------------------------------
 

@@ -1,12 +1,15 @@
 """Sans-IO codec: bytes in, frames out; frames in, bytes out. No sockets here.
 
-Use ``FrameDecoder``: ``feed(data)`` then call ``next_frame()`` until it returns
-``None`` (it needs more bytes). Any violation raises a ``ProtocolError`` whose
-``code`` says which rule broke; after that the decoder is poisoned, because a
-byte stream that lost its framing cannot be trusted again.
+Use ``FrameDecoder``: ``feed(data)``, then ``frames()`` for every complete frame, or
+``next_frame()`` until it returns ``None`` (it needs more bytes). Any violation
+raises a ``ProtocolError`` whose ``code`` says which rule broke; after that the
+decoder is poisoned, because a byte stream that lost its framing cannot be trusted
+again.
 
 ``frame_extent`` is the one place that checks a frame's prefix; the decoder and
-the broker's hot path both call it, so they accept exactly the same frames.
+the broker's hot path both call it, so they accept exactly the same frames. (The
+one-pass ``frames`` takes a well-formed data frame without that call, by the same
+rules; whatever does not pass them goes through ``frame_extent``.)
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ _MIN_SIZE = {KIND_DATA: DATA_HEADER_SIZE, KIND_CONTROL: CONTROL_HEADER_SIZE}
 _NEVER = 1 << 40  # larger than any frame: an unknown kind never passes the fast check
 _PREFIX_SIZE = PREFIX.size
 _unpack_prefix = PREFIX.unpack_from
+_unpack_data = DATA_HEADER.unpack_from
+_REQUEST_AND_RESPONSE = 0x03  # a data frame's flags may not have both (check_data_flags)
 
 
 class FrameError(ProtocolError):
@@ -127,7 +132,7 @@ def _check_prefix(buf: bytes | bytearray | memoryview, pos: int, avail: int, max
 
 def check_data_flags(flags: int) -> None:
     """Reject reserved flag bits and contradictory combinations."""
-    if flags & 0x03 == 0x03:
+    if flags & _REQUEST_AND_RESPONSE == _REQUEST_AND_RESPONSE:
         raise FrameError(ErrorCode.PROTOCOL_ERROR, "a frame cannot be both REQUEST and RESPONSE")
 
 
@@ -232,7 +237,9 @@ def decode_body(ctype: int, raw: bytes | bytearray | memoryview) -> Body | None:
 
 
 class FrameDecoder:
-    """Incremental decoder: ``feed`` bytes, then take frames with ``next_frame``."""
+    """Incremental decoder: ``feed`` bytes, then take the frames -- all the complete ones
+    at once with ``frames`` (what a link does with each read), or one by one with
+    ``next_frame``."""
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
@@ -252,6 +259,73 @@ class FrameDecoder:
             del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
+
+    def frames(self) -> list[Frame]:
+        """Every complete frame buffered, decoded in one pass ([] when more bytes are
+        needed). A frame that breaks the rules ends the pass: the frames before it are
+        returned, and the next call raises its ProtocolError."""
+        if self._error is not None:
+            raise self._error
+        # One copy of what is buffered: the frames' payloads are slices of it, and the
+        # buffer stays resizable for feed() (a memoryview on it would pin it).
+        data = bytes(self._buf[self._pos :]) if self._pos else bytes(self._buf)
+        end = len(data)
+        max_frame = self.max_frame
+        frames: list[Frame] = []
+        pos = 0
+        try:
+            while True:
+                # A data frame that needs no checking beyond its header's: decoded here, the
+                # common case without a call; anything else goes the checked way below.
+                if end - pos >= DATA_HEADER_SIZE:
+                    (
+                        length,
+                        kind,
+                        version,
+                        flags,
+                        hops,
+                        dst,
+                        src,
+                        tag,
+                        msg_id,
+                        resp,
+                        timeout_ms,
+                    ) = _unpack_data(data, pos)
+                    total = length + LENGTH_SIZE
+                    if (
+                        kind == KIND_DATA
+                        and version == PROTOCOL_VERSION
+                        and DATA_HEADER_SIZE <= total <= max_frame
+                        and pos + total <= end
+                        and flags & _REQUEST_AND_RESPONSE != _REQUEST_AND_RESPONSE
+                    ):
+                        frames.append(
+                            DataFrame(
+                                dst,
+                                src,
+                                data[pos + DATA_HEADER_SIZE : pos + total],
+                                msg_id,
+                                resp,
+                                flags,
+                                hops,
+                                tag,
+                                timeout_ms,
+                            )
+                        )
+                        pos += total
+                        continue
+                total = frame_extent(data, pos, end, max_frame)
+                if not total:
+                    break
+                frames.append(decode_frame(data[pos : pos + total]))
+                pos += total
+        except ProtocolError as exc:
+            self._error = exc
+            if not frames:
+                raise
+        del self._buf[: self._pos + pos]
+        self._pos = 0
+        return frames
 
     def next_frame(self) -> Frame | None:
         """The next complete frame, or None when more bytes are needed."""

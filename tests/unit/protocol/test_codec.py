@@ -752,3 +752,73 @@ def test_valid_frames_split_anywhere_decode_back(
         out.extend(drain(decoder))
     assert out == frames
     assert decoder.buffered == 0
+
+
+# -- frames(): the one-pass decoding of a read ------------------------------------------------
+
+
+def _frames_or_error(
+    decoder: FrameDecoder, chunks: list[bytes], one_pass: bool
+) -> tuple[list[DataFrame | ControlFrame], type[ProtocolError] | None, object]:
+    """What ``decoder`` makes of ``chunks``: the frames, and the error it ended with (its
+    class and code), taking the frames with ``frames()`` or with ``next_frame()``."""
+    out: list[DataFrame | ControlFrame] = []
+    try:
+        for chunk in chunks:
+            decoder.feed(chunk)
+            if one_pass:
+                while batch := decoder.frames():
+                    out.extend(batch)
+            else:
+                while (frame := decoder.next_frame()) is not None:
+                    out.append(frame)
+    except ProtocolError as exc:
+        return out, type(exc), getattr(exc, "code", None)
+    return out, None, None
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.one_of(
+        st.binary(max_size=600),
+        _header_then_noise(),
+        st.lists(st.one_of(_header_then_noise(), data_frames.map(encode_frame)), max_size=4).map(
+            b"".join
+        ),
+    ),
+    max_frame=st.sampled_from(MAX_FRAMES),
+    chunk=st.integers(1, 700),
+)
+def test_frames_takes_what_next_frame_takes(data: bytes, max_frame: int, chunk: int) -> None:
+    """The one-pass decoding accepts exactly the frames the frame-by-frame one does, and
+    stops at the same broken rule -- after handing out the frames before it."""
+    chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    one_pass = _frames_or_error(FrameDecoder(max_frame), chunks, one_pass=True)
+    one_by_one = _frames_or_error(FrameDecoder(max_frame), chunks, one_pass=False)
+    assert one_pass == one_by_one
+
+
+def test_frames_hands_out_the_frames_before_a_broken_one_then_raises() -> None:
+    decoder = FrameDecoder()
+    good = encode_data(DST, SRC, b"before", msg_id=1)
+    bad = bytearray(encode_data(DST, SRC, b"bad", msg_id=2))
+    bad[6] = 0x03  # REQUEST and RESPONSE at once
+    decoder.feed(good + good + bytes(bad) + good)
+    assert [f.payload for f in decoder.frames() if isinstance(f, DataFrame)] == [b"before"] * 2
+    with pytest.raises(FrameError) as broken:
+        decoder.frames()
+    assert broken.value.code is ErrorCode.PROTOCOL_ERROR
+    with pytest.raises(FrameError):
+        decoder.next_frame()
+
+
+def test_frames_keeps_a_partial_frame_for_the_next_read() -> None:
+    decoder = FrameDecoder()
+    last = encode_data(DST, SRC, b"the next one", msg_id=99)
+    decoder.feed(STREAM + last[:70])
+    assert decoder.frames() == STREAM_FRAMES
+    assert decoder.buffered == 70
+    assert decoder.frames() == []
+    decoder.feed(last[70:])
+    assert decoder.frames() == [DataFrame(dst=DST, src=SRC, payload=b"the next one", msg_id=99)]
+    assert decoder.buffered == 0
