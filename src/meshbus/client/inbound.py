@@ -190,7 +190,11 @@ class Inbound:
         elif frame.flags & FLAG_ECHO:
             members = self._memberships.members(dst)
         else:
-            members = [m for m in self._memberships.members(dst) if m.raw != frame.src]
+            members = self._memberships.members(dst)
+            if self._services.get(frame.src) is not None:
+                # Sent by a service here: not back to it. (Only then: copying the members
+                # for every group frame showed in the profiles of bench game.)
+                members = [m for m in members if m.raw != frame.src]
         if dst[0] == CAST_ANYCAST and members:
             return [self._rng.choice(members)]
         return members

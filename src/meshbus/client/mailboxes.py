@@ -103,7 +103,9 @@ class Mailbox:
         for listener in self.listeners.handlers:
             try:
                 result = listener(message)
-                if asyncio.iscoroutine(result):
+                # A plain listener returns None: asyncio.iscoroutine's type checks cost
+                # more than the rest of the hand-off, so they are asked of a result only.
+                if result is not None and asyncio.iscoroutine(result):
                     self._tasks.spawn(result, "listener")
             except Exception:
                 log.exception("a message listener failed", extra={"service": str(self.address)})
