@@ -8,8 +8,6 @@ machine noise, and the ratio is taken between the medians of the runs.
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
 from bench.monitor import MONITOR_KIND, monitor_option, monitor_servers
@@ -17,42 +15,29 @@ from bench.report import new_table, print_tables
 from bench.runs import alternate, count_option, last_line, runs_options, size_option
 from bench.security import Security, auth_option, security, tls_option
 from bench.servers import Server, nats_server, servers_of
+from meshbus.cli.lazy import LazyGroup
 
-# The commands defined elsewhere, by name: the module that defines each. They are imported
+# The commands defined elsewhere, by name: the module and attribute of each. They are imported
 # when looked up, so that a command starts without the others' imports (`unicast` does not
 # import pyspark).
 _ELSEWHERE = {
-    "cross": "bench.traffic",
-    "fanout": "bench.traffic",
-    "failover": "bench.membership",
-    "join": "bench.membership",
-    "routes": "bench.routes",
-    "reliable": "bench.reliable",
-    "chaos": "bench.chaos",
-    "bursts": "bench.bursts",
-    "handshake": "bench.handshake",
-    "stream": "bench.streams",
-    "spark": "bench.spark",
-    "game": "bench.game",
-    "client": "bench.client",
+    "cross": "bench.traffic:cross",
+    "fanout": "bench.traffic:fanout",
+    "failover": "bench.membership:failover",
+    "join": "bench.membership:join",
+    "routes": "bench.routes:routes",
+    "reliable": "bench.reliable:reliable",
+    "chaos": "bench.chaos:chaos",
+    "bursts": "bench.bursts:bursts",
+    "handshake": "bench.handshake:handshake",
+    "stream": "bench.streams:stream",
+    "spark": "bench.spark:spark",
+    "game": "bench.game:game",
+    "client": "bench.client:client",
 }
 
 
-class _BenchGroup(click.Group):
-    """The commands defined here, and those of ``_ELSEWHERE``, imported on demand."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *_ELSEWHERE])
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in _ELSEWHERE:
-            command = getattr(importlib.import_module(_ELSEWHERE[cmd_name]), cmd_name)
-            assert isinstance(command, click.Command)
-            return command
-        return super().get_command(ctx, cmd_name)
-
-
-@click.group(cls=_BenchGroup)
+@click.group(cls=LazyGroup, elsewhere=_ELSEWHERE)
 def bench() -> None:
     """Measure meshbus, optionally against nats-server in the same run (--vs-nats).
 

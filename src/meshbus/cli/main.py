@@ -28,6 +28,7 @@ from meshbus.cli.common import (
     connection_options,
     run,
 )
+from meshbus.cli.lazy import LazyGroup
 from meshbus.errors import NoRoute, Timeout
 
 if TYPE_CHECKING:
@@ -68,7 +69,26 @@ def _setup_logging(verbose: int) -> None:
     logging.basicConfig(level=level, handlers=[handler])
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=ADDRESS_HELP)
+# The operator's commands live in modules of their own, imported when one runs.
+_ELSEWHERE = {
+    "broker": "meshbus.cli.broker:broker",
+    "mesh": "meshbus.cli.admin:mesh",
+    "drain": "meshbus.cli.admin:drain",
+    "stat": "meshbus.cli.admin:stat",
+    "top": "meshbus.cli.top:top",
+    "stream": "meshbus.cli.stream:stream",
+    "report": "meshbus.report.cli:report",
+    "keygen": "meshbus.cli.auth:keygen",
+    "hash-token": "meshbus.cli.auth:hash_token",
+}
+
+
+@click.group(
+    cls=LazyGroup,
+    elsewhere=_ELSEWHERE,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=ADDRESS_HELP,
+)
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-v info, -vv debug).")
 @click.version_option(package_name="meshbus")
 def main(verbose: int) -> None:
@@ -453,22 +473,6 @@ async def _reply(
         await conn.ping()
     if count is not None and answered < count:
         raise TimedOut(f"answered {answered} of {count} requests within {timeout} s")
-
-
-def _add_commands() -> None:
-    """The operator's commands live in modules of their own."""
-    from meshbus.cli.admin import drain, mesh, stat
-    from meshbus.cli.auth import hash_token, keygen
-    from meshbus.cli.broker import broker
-    from meshbus.cli.stream import stream
-    from meshbus.cli.top import top
-    from meshbus.report.cli import report
-
-    for command in (broker, mesh, drain, stat, top, stream, report, keygen, hash_token):
-        main.add_command(command)
-
-
-_add_commands()
 
 
 if __name__ == "__main__":
