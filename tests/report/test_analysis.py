@@ -10,7 +10,13 @@ import pytest
 from pyspark.sql import DataFrame, SparkSession
 
 from meshbus.report import analysis as A
-from meshbus.report.job import ReportError, analyse, rows, with_unanswered
+from meshbus.report.job import (
+    ReportError,
+    analyse,
+    rows,
+    tuned_for_small_data,
+    with_unanswered,
+)
 from meshbus.report.plots import PLOTS
 from meshbus.report.render import render_html
 from tests.report.conftest import stream_rows, telemetry, trace
@@ -409,6 +415,21 @@ def test_analyse_resamples_long_series(spark: SparkSession) -> None:
     rates = [(p["at"] - T0, p["msgs_in_per_s"], p["restart"]) for p in series]
     assert rates == [(2, 150.0, False), (11, 75.0, True)]
     assert data["throughput"]["summary"][0]["mean_msgs_in_per_s"] == pytest.approx(112.5)
+
+
+@pytest.mark.parametrize("before", ["true", None])
+def test_the_tuning_for_small_data_is_undone_after(spark: SparkSession, before: str | None) -> None:
+    """``analyse`` turns adaptive execution off for its own queries only: a session it
+    is given (the demo's) gets its own setting back, set or not."""
+    key = "spark.sql.adaptive.enabled"
+    saved = spark.conf.get(key, None)
+    try:
+        spark.conf.set(key, before) if before is not None else spark.conf.unset(key)
+        with tuned_for_small_data(spark):
+            assert spark.conf.get(key) == "false"
+        assert spark.conf.get(key, None) == before
+    finally:
+        spark.conf.set(key, saved) if saved is not None else spark.conf.unset(key)
 
 
 def test_analyse_an_empty_window(spark: SparkSession) -> None:
