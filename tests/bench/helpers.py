@@ -58,6 +58,12 @@ def _session_pids(session: int) -> set[int]:
     return {pid for pid, (_, sid) in _live_processes().items() if sid == session}
 
 
+def _kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def run_bench(*args: str, command: Sequence[str] = BENCH, cwd: Path = CHECKOUT) -> str:
     """`python -m bench ARGS` (or ``command ARGS``) in a session of its own: its last line
     on stdout."""
@@ -73,12 +79,12 @@ def run_bench(*args: str, command: Sequence[str] = BENCH, cwd: Path = CHECKOUT) 
         out, err = process.communicate(timeout=BENCH_TIMEOUT)
     finally:
         if process.poll() is None:
-            process.kill()
+            # Its whole session goes, not the bench alone: the brokers and the JVM it
+            # started hold its pipes open, and communicate() would wait for them.
+            _kill_all(_session_pids(process.pid))
             process.communicate()
         left = _session_pids(process.pid)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all(left)
     assert process.returncode == 0, err
     assert not left, f"processes left running by `python -m bench {' '.join(args)}`: {left}"
     lines = out.strip().splitlines()
