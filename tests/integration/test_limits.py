@@ -246,8 +246,9 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
     """A broker's RSS after a connector with 200,000 services in 100,000 groups has left is
     back near where it was (docs/architecture.md, the limits: what is kept), and after a
     second such connector too. On Python's allocator (the default) objects that outlive
-    the abuser pin some of pymalloc's arenas, so the promise is 35 % above the baseline at
-    most; on the C allocator (PYTHONMALLOC=malloc) 20 %."""
+    the abuser pin some of pymalloc's arenas, so the promise is 50 % above the baseline at
+    most, and a second abuser adds at most a tenth of what the first took (a leak of the
+    tables would add all of it); on the C allocator (PYTHONMALLOC=malloc) 20 %."""
     monkeypatch.setenv("PYTHONMALLOC", allocator)
     limits = ("--max-services", "1000000", "--max-groups", "1000000")
     async with running(*limits) as broker:
@@ -279,8 +280,11 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
         (during, after), (_, after_again) = figures
         assert during > baseline + 50 * 1024, "the abuse took memory"
         # pymalloc: measured 1.09-1.20x after one abuser, 1.16-1.33x after each of up to six
-        # (1.5-1.85x before the broker emptied the free lists and kept its tables out of
-        # the collector's sight). A fixed step per abuser failed: the pinned arenas vary by
-        # a few MiB from one abuser to the next, up or down.
-        bound = 1.2 if allocator == "malloc" else 1.35
+        # on an idle machine, 1.37x after the second on one under heavy load (load average
+        # 9 on 2 cores: more of the loop's short-lived objects settle in the abuser's
+        # arenas); 1.5-1.85x before the broker emptied the free lists and kept its tables
+        # out of the collector's sight. The pinned arenas vary by a few MiB from one abuser
+        # to the next, up or down, so the step is held to a tenth of the abuse, not to 0.
+        bound = 1.2 if allocator == "malloc" else 1.5
         assert max(after, after_again) <= baseline * bound, (baseline, figures)
+        assert after_again - after <= (during - baseline) / 10, (baseline, figures)
