@@ -195,7 +195,10 @@ class Requester:
 
     async def request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
         """Send a request from ``src`` and wait for its response."""
-        link = await self._links.usable()
+        links = self._links
+        link = links.current
+        if link is None or links.closed or not links.connected.is_set():
+            link = await links.usable()
         msg_id = self._outbound.new_msg_id()
         frame = encode_data(
             dst.to_bytes(),
@@ -204,23 +207,31 @@ class Requester:
             msg_id=msg_id,
             flags=FLAG_REQUEST,
             timeout_ms=timeout_ms,
-            max_frame=self._links.max_frame,
+            max_frame=links.max_frame,
         )
         timeout = timeout_ms / 1000
-        with self._waiters.response((src, msg_id), link) as future:
+        key = (src, msg_id)
+        loop = asyncio.get_running_loop()
+        future = self._waiters.expect_response(key, link, loop)
+        # The broker sends TIMEOUT at the deadline; this local guard covers a broker that
+        # died or stalled, so a request can never hang. A plain timer that fails the
+        # future: no cancellation of the caller's task is involved (asyncio.timeout's
+        # bookkeeping cost more than the rest of a request's client side).
+        guard = loop.call_later(timeout + _LOCAL_TIMEOUT_GRACE, _give_up, future, dst, timeout)
+        try:
             link.write(frame)
-            try:
-                # The broker sends TIMEOUT at the deadline; the local guard covers a broker
-                # that died or stalled, so a request can never hang.
-                # asyncio.timeout, not wait_for: in Python 3.11 wait_for loses a
-                # cancellation (Ctrl-C) that comes as the answer does.
-                async with asyncio.timeout(timeout + _LOCAL_TIMEOUT_GRACE):
-                    return await future
-            except Timeout as exc:  # the broker's TIMEOUT (before the guard: it is one too)
-                exc.timeout = timeout
-                raise
-            except TimeoutError:
-                raise Timeout(f"no response from {dst} within {timeout} s", timeout) from None
+            return await future
+        except Timeout as exc:  # the broker's TIMEOUT, or the guard's
+            exc.timeout = timeout
+            raise
+        finally:
+            guard.cancel()
+            self._waiters.forget_response(key)
+
+
+def _give_up(future: asyncio.Future[Message], dst: Address, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(Timeout(f"no response from {dst} within {timeout} s", timeout))
 
 
 def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError:

@@ -59,16 +59,18 @@ class Waiters:
         self._synced[correlation] = (future, link)
         future.add_done_callback(lambda _: self._synced.pop(correlation, None))
 
-    @contextlib.contextmanager
-    def response(self, key: ResponseKey, link: BrokerLink) -> Iterator[asyncio.Future[Message]]:
+    def expect_response(
+        self, key: ResponseKey, link: BrokerLink, loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[Message]:
         """The future of the response to request ``key`` (requester, message id) over
-        ``link``, while in the block."""
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        ``link``, until ``forget_response``. (Not a context manager, as ``answer`` is: a
+        request is on the per-message path.)"""
+        future: asyncio.Future[Message] = loop.create_future()
         self._responses[key] = (future, link)
-        try:
-            yield future
-        finally:
-            self._responses.pop(key, None)
+        return future
+
+    def forget_response(self, key: ResponseKey) -> None:
+        self._responses.pop(key, None)
 
     def fail(self, error: MeshbusError, link: BrokerLink | None = None) -> None:
         """Fail what waits for an answer (a control answer, a SYNCED, a response) that can
