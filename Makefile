@@ -44,8 +44,8 @@ tmux:
 	  || { echo "could not install tmux: run 'apt-get install tmux' as root"; exit 1; }; }
 
 # One worker more than the cores: a test spends much of its time waiting on brokers,
-# JVMs and timers, and the extra worker fills that time (on 2 cores: 7 min 19 s with 3
-# workers, 8 min 24 s with 2; the CPU 97 % busy). The Spark tests share one worker, so
+# JVMs and timers, and the extra worker fills that time (pytest on 2 cores: 7 min 19 s
+# with 3 workers, the CPU 97 % busy; 8 min 24 s with 2). The Spark tests share one worker, so
 # one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 
