@@ -1,6 +1,6 @@
 """meshbus: a message-routing bus for game and service back ends.
 
-    async with await meshbus.connect("127.0.0.1:7400", server="game01") as conn:
+    async with meshbus.connect("127.0.0.1:7400", server="game01") as conn:
         login = await conn.register(instance=1)
         await login.join(meshbus.Anycast("login"))
         async for msg in login:

@@ -12,7 +12,9 @@ import functools
 import os
 import random
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from types import TracebackType
+from typing import Any, ParamSpec
 
 from meshbus.address import Unicast
 from meshbus.auth import Credentials, resolve_credentials
@@ -23,6 +25,8 @@ from meshbus.client.reliable import ReliableConfig
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 from meshbus.tls import TLSOption, client_context
+
+P = ParamSpec("P")
 
 
 def _check_options(
@@ -49,6 +53,58 @@ def _check_options(
             raise InvalidArgument(f"{name} must be 0 or more seconds, got {value}")
 
 
+class Connecting(Coroutine[Any, Any, Connector]):
+    """What ``connect`` returns: ``await`` it for the ``Connector``, or enter it --
+    ``async with meshbus.connect(...) as conn:`` -- for a connector closed when the block
+    ends. It is a coroutine too (``asyncio.create_task``, ``asyncio.run`` take it), as
+    aiohttp's ``session.get()`` is. (``async with await meshbus.connect(...)`` works as
+    before: a ``Connector`` is an async context manager itself.)"""
+
+    __slots__ = ("_connecting", "_connector")
+
+    def __init__(self, connecting: Coroutine[Any, Any, Connector]) -> None:
+        self._connecting = connecting
+        self._connector: Connector | None = None
+
+    def __await__(self) -> Generator[Any, None, Connector]:
+        return self._connecting.__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._connecting.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        return self._connecting.throw(*args)
+
+    def close(self) -> None:
+        self._connecting.close()
+
+    async def __aenter__(self) -> Connector:
+        self._connector = await self._connecting
+        return self._connector
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._connector is not None:
+            await self._connector.close()
+
+
+def _entered_or_awaited(
+    connecting: Callable[P, Coroutine[Any, Any, Connector]],
+) -> Callable[P, Connecting]:
+    """``connecting``, returning its coroutine as a ``Connecting``."""
+
+    @functools.wraps(connecting)
+    def connect(*args: P.args, **kwargs: P.kwargs) -> Connecting:
+        return Connecting(connecting(*args, **kwargs))
+
+    return connect
+
+
+@_entered_or_awaited
 async def connect(
     broker: str | Sequence[str] | None = None,
     *,
@@ -102,6 +158,9 @@ async def connect(
     and moves dial with the same settings. A TLS failure raises ``meshbus.TLSError``
     naming its cause. Without ``tls`` (None), the CA file ``MESHBUS_TLS_CA`` names turns
     TLS on, if set; ``tls=False`` is plain TCP whatever the environment says.
+
+    Returns a ``Connecting``: ``conn = await meshbus.connect(...)``, or
+    ``async with meshbus.connect(...) as conn:`` to close it at the end of the block.
     """
     if server is None:
         server = socket.gethostname().split(".")[0]

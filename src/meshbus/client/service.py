@@ -141,6 +141,14 @@ class Service:
     def __repr__(self) -> str:
         return f"<Service {self.address}>"
 
+    async def __aenter__(self) -> Service:
+        """``async with await conn.register() as svc:`` unregisters it when the block ends."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._mailbox.closed:  # not unregistered yet, its connector not ended
+            await self.unregister()
+
     @property
     def groups(self) -> frozenset[Address]:
         """The multicast and anycast groups this service is a member of."""
