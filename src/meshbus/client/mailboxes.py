@@ -26,6 +26,7 @@ from meshbus.client.link import Links
 from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound
 from meshbus.errors import MeshbusError, NoQueue, NotConnected, Timeout
+from meshbus.protocol.codec import BytesLike
 from meshbus.protocol.layout import FLAG_RESPONSE
 from meshbus.util import BackgroundTasks
 
@@ -202,14 +203,14 @@ class Mailbox:
 
     # -- answering ---------------------------------------------------------------------
 
-    async def respond(self, requester: bytes, msg_id: int, payload: bytes) -> None:
+    async def respond(self, requester: bytes, msg_id: int, payload: BytesLike) -> None:
         outbound = self._outbound
         if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
             await outbound.send_data(
                 self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
             )
 
-    def respond_nowait(self, requester: bytes, msg_id: int, payload: bytes) -> None:
+    def respond_nowait(self, requester: bytes, msg_id: int, payload: BytesLike) -> None:
         outbound = self._outbound
         if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
             raise outbound.would_block()

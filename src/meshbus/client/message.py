@@ -11,7 +11,7 @@ from typing import Protocol
 
 from meshbus.address import Address
 from meshbus.errors import MeshbusError
-from meshbus.protocol.codec import DataFrame
+from meshbus.protocol.codec import BytesLike, DataFrame
 from meshbus.protocol.ext import Ext
 from meshbus.protocol.layout import FLAG_REQUEST
 
@@ -20,9 +20,9 @@ class Replier(Protocol):
     """Where a request's answer goes out from: the mailbox of the service that received it
     (meshbus.client.mailboxes.Mailbox)."""
 
-    async def respond(self, requester: bytes, msg_id: int, payload: bytes) -> None: ...
+    async def respond(self, requester: bytes, msg_id: int, payload: BytesLike) -> None: ...
 
-    def respond_nowait(self, requester: bytes, msg_id: int, payload: bytes) -> None: ...
+    def respond_nowait(self, requester: bytes, msg_id: int, payload: BytesLike) -> None: ...
 
 
 _NO_EXT = Ext()
@@ -109,12 +109,12 @@ class Message:
         """True when the sender waits for ``reply``."""
         return bool(self.flags & FLAG_REQUEST)
 
-    async def reply(self, payload: bytes) -> None:
+    async def reply(self, payload: BytesLike) -> None:
         """Answer a request. The response comes from the service that received the request.
         It suspends only while the link's write buffer is full or the connector fails over."""
         await self._replier("reply").respond(self._src, self.msg_id, payload)
 
-    def reply_nowait(self, payload: bytes) -> None:
+    def reply_nowait(self, payload: BytesLike) -> None:
         """``reply`` without suspending, from a listener or for a batch: the responses
         written in one loop turn leave in one socket write. Raises ``meshbus.WouldBlock``
         (nothing sent) where ``reply`` would wait; ``await svc.flush()`` waits that out."""

@@ -21,7 +21,7 @@ import asyncio
 
 from meshbus.client.link import Links
 from meshbus.errors import MeshbusError, WouldBlock
-from meshbus.protocol.codec import encode_control, encode_data
+from meshbus.protocol.codec import BytesLike, encode_control, encode_data
 from meshbus.protocol.control import Body
 from meshbus.protocol.layout import ControlType
 
@@ -38,7 +38,7 @@ class Outbound:
         return msg_id
 
     def try_send(
-        self, src: bytes, dst: bytes, payload: bytes, flags: int, response_for: int = 0
+        self, src: bytes, dst: bytes, payload: BytesLike, flags: int, response_for: int = 0
     ) -> int:
         """Write one data frame if that needs no waiting: its message id, or 0 while the
         connector fails over or the link's write buffer is over its high-water mark (nothing
@@ -78,14 +78,14 @@ class Outbound:
         )
 
     async def send_data(
-        self, src: bytes, dst: bytes, payload: bytes, flags: int, *, response_for: int = 0
+        self, src: bytes, dst: bytes, payload: BytesLike, flags: int, *, response_for: int = 0
     ) -> int:
         """Send one data frame with a new message id; returns the id."""
         msg_id = self.new_msg_id()
         await self.write_data(dst, src, payload, flags, msg_id, response_for)
         return msg_id
 
-    async def send_many(self, src: bytes, messages: list[tuple[bytes, bytes, int]]) -> range:
+    async def send_many(self, src: bytes, messages: list[tuple[bytes, BytesLike, int]]) -> range:
         """Send ``messages`` (destination, payload, flags) in one write, numbered in order;
         returns their message ids. Waits out a failover first and a full write buffer
         after, as ``write_data``; FrameTooLarge (nothing sent) if one is over the limit."""
@@ -109,7 +109,7 @@ class Outbound:
         self,
         dst: bytes,
         src: bytes,
-        payload: bytes,
+        payload: BytesLike,
         flags: int,
         msg_id: int,
         response_for: int = 0,

@@ -44,7 +44,13 @@ from meshbus.errors import (
     Timeout,
     TryAgain,
 )
-from meshbus.protocol.codec import ControlFrame, describe, encode_control_raw, encode_data
+from meshbus.protocol.codec import (
+    BytesLike,
+    ControlFrame,
+    describe,
+    encode_control_raw,
+    encode_data,
+)
 from meshbus.protocol.control import Body, Error, encode_in_bounds
 from meshbus.protocol.layout import (
     DEFAULT_MAX_FRAME,
@@ -193,7 +199,9 @@ class Requester:
                 limit,
             ) from reason
 
-    async def request(self, src: bytes, dst: Address, payload: bytes, timeout_ms: int) -> Message:
+    async def request(
+        self, src: bytes, dst: Address, payload: BytesLike, timeout_ms: int
+    ) -> Message:
         """Send a request from ``src`` and wait for its response."""
         links = self._links
         link = links.current

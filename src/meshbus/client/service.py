@@ -31,6 +31,7 @@ from meshbus.errors import (
     NotConnected,
     RegistrationError,
 )
+from meshbus.protocol.codec import BytesLike, payload_bytes
 from meshbus.protocol.control import AddressBody, Empty
 from meshbus.protocol.ext import Ext, wrap
 from meshbus.protocol.layout import (
@@ -165,7 +166,7 @@ class Service:
     async def send(
         self,
         dst: AddressLike,
-        payload: bytes,
+        payload: BytesLike,
         *,
         echo: bool = False,
         notify: bool = False,
@@ -208,7 +209,7 @@ class Service:
             return await self._parts.reliable.send(
                 self._raw,
                 raw,
-                payload,
+                payload_bytes(payload),  # kept for resends: a copy the caller cannot change
                 echo=echo,
                 group=_group_key(group, final),
                 final=final,
@@ -233,7 +234,7 @@ class Service:
     def send_nowait(
         self,
         dst: AddressLike,
-        payload: bytes,
+        payload: BytesLike,
         *,
         echo: bool = False,
         notify: bool = False,
@@ -261,7 +262,7 @@ class Service:
     async def send_many(
         self,
         dst: AddressLike,
-        payloads: Iterable[bytes],
+        payloads: Iterable[BytesLike],
         /,
         *,
         echo: bool = False,
@@ -271,7 +272,7 @@ class Service:
     @overload
     async def send_many(
         self,
-        messages: Iterable[tuple[AddressLike, bytes]],
+        messages: Iterable[tuple[AddressLike, BytesLike]],
         /,
         *,
         echo: bool = False,
@@ -280,8 +281,8 @@ class Service:
 
     async def send_many(
         self,
-        dst_or_messages: AddressLike | Iterable[tuple[AddressLike, bytes]],
-        payloads: Iterable[bytes] | None = None,
+        dst_or_messages: AddressLike | Iterable[tuple[AddressLike, BytesLike]],
+        payloads: Iterable[BytesLike] | None = None,
         /,
         *,
         echo: bool = False,
@@ -326,8 +327,8 @@ class Service:
         await self._outbound.writable()
 
     def _plain(
-        self, payload: bytes, echo: bool, notify: bool, priority: int, publish_id: bytes
-    ) -> tuple[bytes, int]:
+        self, payload: BytesLike, echo: bool, notify: bool, priority: int, publish_id: bytes
+    ) -> tuple[BytesLike, int]:
         """A plain send's payload and flags: with an extension block when it carries a
         priority or a publish id, or is one the broker asked to trace."""
         flags = (FLAG_ECHO if echo else 0) | (FLAG_NOTIFY_DROP if notify else 0)
@@ -350,7 +351,7 @@ class Service:
     async def send_reliable(
         self,
         dst: AddressLike,
-        payload: bytes,
+        payload: BytesLike,
         *,
         group: str | None = None,
         final: bool = False,
@@ -365,7 +366,7 @@ class Service:
         return await self._parts.reliable.send(
             self._raw,
             as_address(dst).to_bytes(),
-            payload,
+            payload_bytes(payload),
             echo=echo,
             group=_group_key(group, final),
             final=final,
@@ -378,7 +379,7 @@ class Service:
     # -- the Postina verbs (docs/architecture.md) ------------------------------------------
 
     async def publish(
-        self, topic: str, payload: bytes, *, priority: int = 0, reliable: bool = False
+        self, topic: str, payload: BytesLike, *, priority: int = 0, reliable: bool = False
     ) -> int:
         """Send to every subscriber of ``topic`` (the multicast address of that name)."""
         return await self.send(Multicast(topic), payload, priority=priority, reliable=reliable)
@@ -425,7 +426,7 @@ class Service:
             command=command,
         )
 
-    async def broadcast(self, payload: bytes, *, priority: int = 0) -> int:
+    async def broadcast(self, payload: BytesLike, *, priority: int = 0) -> int:
         """Send to every service on the bus (at most once, like ``publish``)."""
         return await self.send(BROADCAST_GROUP, payload, priority=priority, echo=True)
 
@@ -454,7 +455,9 @@ class Service:
         """The next message from the queue (Postina's name for ``recv``)."""
         return await self.recv(timeout)
 
-    async def request(self, dst: AddressLike, payload: bytes, *, timeout: float = 5.0) -> Message:
+    async def request(
+        self, dst: AddressLike, payload: BytesLike, *, timeout: float = 5.0
+    ) -> Message:
         """Send a request and wait for its response.
 
         Raises ``meshbus.Timeout`` when no response comes within ``timeout`` seconds

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from meshbus.errors import FrameTooLarge, ProtocolError
+from meshbus.errors import FrameTooLarge, InvalidArgument, ProtocolError
 from meshbus.protocol.control import DECODERS, ENCODER, Body
 from meshbus.protocol.layout import (
     CONTROL_HEADER,
@@ -139,7 +139,7 @@ def check_data_flags(flags: int) -> None:
 def encode_data(
     dst: bytes,
     src: bytes,
-    payload: bytes | bytearray | memoryview,
+    payload: BytesLike,
     *,
     msg_id: int = 0,
     response_for: int = 0,
@@ -149,7 +149,10 @@ def encode_data(
     timeout_ms: int = 0,
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
-    """Encode one data frame. Raises FrameTooLarge instead of sending what the peer must refuse."""
+    """Encode one data frame. Raises FrameTooLarge instead of sending what the peer must
+    refuse, and InvalidArgument for a payload that is not bytes-like."""
+    if type(payload) is not bytes:
+        payload = payload_bytes(payload)
     if len(dst) != 16 or len(src) != 16:
         raise ValueError(f"addresses are 16 bytes; got dst of {len(dst)}, src of {len(src)}")
     total = DATA_HEADER_SIZE + len(payload)
@@ -169,6 +172,21 @@ def encode_data(
         timeout_ms,
     )
     return header + payload
+
+
+# What a payload may be (``payload_bytes``): what the buffer protocol gives as bytes.
+BytesLike = bytes | bytearray | memoryview
+
+
+def payload_bytes(payload: object) -> bytes:
+    """``payload`` as the bytes a frame carries: any bytes-like object (a memoryview by its
+    bytes, whatever its item size), never text or a number."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    hint = ": encode the text first, e.g. text.encode()" if isinstance(payload, str) else ""
+    raise InvalidArgument(
+        f"a payload is bytes, a bytearray or a memoryview, not {type(payload).__name__}{hint}"
+    )
 
 
 def encode_control(

@@ -16,7 +16,7 @@ import struct
 import msgspec
 
 from meshbus.errors import ProtocolError
-from meshbus.protocol.codec import encode_data
+from meshbus.protocol.codec import encode_data, payload_bytes
 from meshbus.protocol.layout import DataFlags
 
 _LENGTH = 2
@@ -76,7 +76,7 @@ def unpack_acks(payload: bytes) -> tuple[int, ...]:
 def wrap(ext: Ext, payload: bytes | bytearray | memoryview) -> bytes:
     """The frame payload: the block, then the application's payload."""
     block = _encode(ext)
-    return len(block).to_bytes(_LENGTH, "big") + block + bytes(payload)
+    return len(block).to_bytes(_LENGTH, "big") + block + payload_bytes(payload)
 
 
 def split(payload: bytes | memoryview) -> tuple[Ext, bytes]:
