@@ -47,3 +47,22 @@ async def test_a_service_block_unregisters_it(broker: BrokerProcess) -> None:
         async with await conn.register(5) as again:
             assert again.address == svc.address
             await again.unregister()  # unregistered inside the block: the exit lets it be
+
+
+async def test_connectors_given_one_list_spread_over_its_brokers(
+    mesh3: list[BrokerProcess],
+) -> None:
+    """As NATS clients do: twelve processes started with one list do not all land on its
+    first broker (all twelve there by chance: (1/3)^11, about 6 in a million); with
+    ``randomize_brokers=False`` they do, in the order given."""
+    addresses = [b.address for b in mesh3]
+    spread = [await meshbus.connect(addresses, server=f"s{i}") for i in range(12)]
+    in_order = [
+        await meshbus.connect(addresses, server=f"o{i}", randomize_brokers=False) for i in range(4)
+    ]
+    try:
+        assert len({conn.broker_name for conn in spread}) > 1
+        assert {conn.broker_name for conn in in_order} == {mesh3[0].name}
+    finally:
+        for conn in [*spread, *in_order]:
+            await conn.close()

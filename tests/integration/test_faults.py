@@ -237,7 +237,9 @@ async def group_scene_on(
     it (it stays with b through any pause or cut)."""
     a, b, c = brokers
     if m1_fails_over:
-        m1_conn = await meshbus.connect([b.address, c.address], server="m1")
+        m1_conn = await meshbus.connect(
+            [b.address, c.address], server="m1", randomize_brokers=False
+        )
     else:
         m1_conn = await meshbus.connect(b.address, server="m1", failover=False, keepalive=0)
     m2_conn = await meshbus.connect(c.address, server="m2", failover=False)
@@ -389,10 +391,10 @@ async def test_under_pause_minority_a_cut_off_broker_hands_its_connectors_to_the
     brokers, gates = await gated_mesh(3, "--partition-handling", "pause-minority")
     a, b, c = brokers
     conns = [
-        await meshbus.connect([b.address, c.address], server="m1"),
+        await meshbus.connect([b.address, c.address], server="m1", randomize_brokers=False),
         await meshbus.connect(c.address, server="m2", failover=False),
         await meshbus.connect(a.address, server="sa", failover=False),
-        await meshbus.connect([b.address, a.address], server="sb"),
+        await meshbus.connect([b.address, a.address], server="sb", randomize_brokers=False),
     ]
     collectors: list[Collector] = []
     try:

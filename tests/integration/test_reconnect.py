@@ -304,7 +304,10 @@ async def test_cancelling_what_waits_on_a_failing_over_connector_leaves_nothing(
     doomed = DiesInTheRestore()
     restoring, restoring_address = await listener(doomed)
     conn = await meshbus.connect(
-        [broker.address, restoring_address], server="cancel", failover_timeout=30
+        [broker.address, restoring_address],
+        server="cancel",
+        failover_timeout=30,
+        randomize_brokers=False,
     )
     try:
         async with clean_loop() as reported:

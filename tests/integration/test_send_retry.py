@@ -81,7 +81,9 @@ class Scene:
 
     async def connect(self, broker: BrokerProcess, server: str) -> meshbus.Connector:
         others = [b.address for b in self.brokers if b is not broker]
-        conn = await meshbus.connect([broker.address, *others], server=server)
+        conn = await meshbus.connect(
+            [broker.address, *others], server=server, randomize_brokers=False
+        )
         self.conns.append(conn)
         return conn
 

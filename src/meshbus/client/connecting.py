@@ -121,6 +121,7 @@ async def connect(
     request_timeout: float = 30.0,
     credentials: Credentials | str | os.PathLike[str] | None = None,
     tls: TLSOption = None,
+    randomize_brokers: bool = True,
 ) -> Connector:
     """Connect to the mesh through one of ``broker`` (``HOST:PORT``, several separated
     by commas, or a list; a bare ``HOST`` means port 7400) and complete the handshake.
@@ -159,6 +160,10 @@ async def connect(
     naming its cause. Without ``tls`` (None), the CA file ``MESHBUS_TLS_CA`` names turns
     TLS on, if set; ``tls=False`` is plain TCP whatever the environment says.
 
+    ``randomize_brokers``: the brokers given are tried in a random order, so that the
+    processes started with one list spread over its brokers (as NATS clients do);
+    False tries them in the order given (nats.py's ``dont_randomize``).
+
     Returns a ``Connecting``: ``conn = await meshbus.connect(...)``, or
     ``async with meshbus.connect(...) as conn:`` to close it at the end of the block.
     """
@@ -171,6 +176,9 @@ async def connect(
     _check_options(max_frame, max_inbox, timeout, failover_timeout, keepalive, request_timeout)
     signing_in = resolve_credentials(credentials)
     tls_context = client_context(os.environ.get(TLS_CA_ENV) if tls is None else tls)
+    rng = random.Random()
+    if randomize_brokers:
+        rng.shuffle(addresses)
     parts = ConnectorParts(
         server=server,
         name=name or server,
@@ -184,7 +192,7 @@ async def connect(
         request_timeout=request_timeout,
         credentials=signing_in,
         dialer=functools.partial(dial_tcp, tls=tls_context),
-        rng=random.Random(),
+        rng=rng,
     )
     await parts.start(timeout)
     return Connector(parts)

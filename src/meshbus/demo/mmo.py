@@ -97,7 +97,7 @@ async def build(addresses: str, homes: dict[str, str], access: Access) -> World:
     async def connect(name: str) -> meshbus.Connector:
         first = homes[name]
         rest = [a for a in addresses.split(",") if a != first]
-        return await access.connect(",".join([first, *rest]), server=name)
+        return await access.connect(",".join([first, *rest]), server=name, randomize_brokers=False)
 
     names = ["login01", "login02", "game01", "game02", "master", "matches", "lobby"]
     conns = dict(zip(names, await asyncio.gather(*(connect(n) for n in names)), strict=True))
