@@ -46,7 +46,8 @@ Addresses:
   multicast:NAME    a topic: every member gets a copy, e.g. multicast:chat
   anycast:NAME      a pool: exactly one member gets each message,
                     e.g. anycast:login
-  Group names are at most 15 bytes; names may not contain ':'."""
+  Group names are at most 15 bytes; names may not contain ':'. They are
+  matched exactly: '*' and '>' are not wildcards, and are refused."""
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])

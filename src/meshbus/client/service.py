@@ -12,9 +12,9 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
-from meshbus.address import BROADCAST_GROUP, Address, Multicast, Unicast
+from meshbus.address import BROADCAST_GROUP, Address, Anycast, Multicast, Unicast
 from meshbus.client.addressing import AddressLike, as_address
 from meshbus.client.changes import Changes
 from meshbus.client.link import Links
@@ -43,14 +43,27 @@ from meshbus.protocol.layout import (
 )
 from meshbus.util import BackgroundTasks
 
+G = TypeVar("G", bound=Multicast | Anycast)
+
 
 def _group_address(value: AddressLike) -> Address:
     address = as_address(value)
-    if not address.is_group:
+    if not isinstance(address, Multicast | Anycast):
         raise InvalidArgument(
             f"{address} is a unicast address; services join multicast:NAME or anycast:NAME"
         )
-    return address
+    return _exact(address)
+
+
+def _exact(group: G) -> G:
+    """A group to join or publish to, never one named like a wildcard subject: it would be
+    matched by its literal name and silently reach nobody."""
+    if "*" in group.name or ">" in group.name:
+        raise InvalidArgument(
+            f"{group}: group names are matched exactly, '*' and '>' are not wildcards "
+            "(subjects with wildcards are not supported yet); name the group itself"
+        )
+    return group
 
 
 # A priority reaches stream readers as a 32-bit signed integer (Spark's IntegerType).
@@ -382,7 +395,9 @@ class Service:
         self, topic: str, payload: BytesLike, *, priority: int = 0, reliable: bool = False
     ) -> int:
         """Send to every subscriber of ``topic`` (the multicast address of that name)."""
-        return await self.send(Multicast(topic), payload, priority=priority, reliable=reliable)
+        return await self.send(
+            _exact(Multicast(topic)), payload, priority=priority, reliable=reliable
+        )
 
     async def subscribe(self, topics: str | Iterable[str]) -> None:
         """Receive what is published to ``topics`` (one name or several; a bad name fails
@@ -396,7 +411,8 @@ class Service:
     async def _membership(
         change: Callable[[Multicast], Awaitable[None]], topics: str | Iterable[str]
     ) -> None:
-        groups = [Multicast(topic) for topic in ([topics] if isinstance(topics, str) else topics)]
+        topics = [topics] if isinstance(topics, str) else topics
+        groups = [_exact(Multicast(topic)) for topic in topics]
         for group in groups:
             try:
                 await change(group)
@@ -412,7 +428,7 @@ class Service:
         await self._command("unsubscribe", topic, address)
 
     async def _command(self, command: str, topic: str, address: AddressLike) -> None:
-        Multicast(topic)  # a bad topic fails here
+        _exact(Multicast(topic))  # a bad topic fails here
         await self._parts.reliable.send(
             self._raw,
             as_address(address).to_bytes(),
