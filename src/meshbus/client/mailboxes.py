@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from meshbus.address import BROADCAST_GROUP, Address, Unicast
 from meshbus.client.callbacks import Callbacks
@@ -107,9 +108,26 @@ class Mailbox:
                 # A plain listener returns None: asyncio.iscoroutine's type checks cost
                 # more than the rest of the hand-off, so they are asked of a result only.
                 if result is not None and asyncio.iscoroutine(result):
-                    self._tasks.spawn(result, "listener")
+                    self._tasks.spawn(self._listening(result, message), "listener")
             except Exception:
-                log.exception("a message listener failed", extra={"service": str(self.address)})
+                self._listener_failed(message)
+
+    async def _listening(self, listening: Coroutine[Any, Any, object], message: Message) -> None:
+        """A coroutine listener's run: what it raises is logged as a plain one's is, not
+        left to asyncio's "Task exception was never retrieved"."""
+        try:
+            await listening
+        except Exception:
+            self._listener_failed(message)
+
+    def _listener_failed(self, message: Message) -> None:
+        """Logged once, with the service and the message; the listeners go on."""
+        log.exception(
+            "a message listener of %s failed on %r",
+            self.address,
+            message,
+            extra={"service": str(self.address), "src": str(message.src)},
+        )
 
     # -- taking ----------------------------------------------------------------------
 
