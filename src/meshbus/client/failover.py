@@ -312,7 +312,12 @@ class LinkKeeper:
         if isinstance(body, Revoked):
             mailbox = self._services.get(body.address)
             if mailbox is not None:
-                log.error("a service lost its address", extra={"error": body.reason})
+                log.error(
+                    "service %s lost its address: %s",
+                    mailbox.address,
+                    body.reason,
+                    extra={"error": body.reason},
+                )
                 address = str(mailbox.address)
                 self._memberships.forget(
                     mailbox, AddressInUse(f"{body.reason}; register again", address)
@@ -346,7 +351,10 @@ class LinkKeeper:
             return False
         links.failing_over()
         log.warning(
-            "lost the broker, reconnecting",
+            "lost broker %s (%s), failing over for up to %g s",
+            link.broker_name or link.address,
+            error,
+            self._failover_timeout,
             extra={
                 "broker": link.broker_name,
                 "why": str(error),
@@ -380,7 +388,9 @@ class LinkKeeper:
                 self.failovers += 1
                 self.activate(link)
                 self._resend_all()
-                log.info("failed over", extra={"broker": link.broker_name})
+                log.info(
+                    "failed over to broker %s", link.broker_name, extra={"broker": link.broker_name}
+                )
                 return
         self._give_up(
             ConnectionLost(
@@ -398,7 +408,7 @@ class LinkKeeper:
         return order
 
     def _give_up(self, error: ConnectionLost) -> None:
-        log.error("lost the mesh", extra={"error": str(error)})
+        log.error("lost the mesh: %s", error, extra={"error": str(error)})
         self._shutdown(error)
 
     # -- moving ----------------------------------------------------------------------------
@@ -414,7 +424,12 @@ class LinkKeeper:
             try:
                 link = await self._open_restored([address])
             except (ConnectionLost, TLSError, RemoteProtocolError, AuthenticationFailed) as exc:
-                log.warning("could not move", extra={"to": address, "error": str(exc)})
+                log.warning(
+                    "could not move to broker %s: %s",
+                    address,
+                    exc,
+                    extra={"to": address, "error": str(exc)},
+                )
                 return
             if links.closed:
                 link.abort()
@@ -423,7 +438,12 @@ class LinkKeeper:
             links.leaving(old)
             self.activate(link)
             old.write(encode_control(ControlType.BYE, Bye(reason=f"moved: {reason}")))
-        log.info("moved", extra={"to": link.broker_name, "reason": reason})
+        log.info(
+            "moved to broker %s: %s",
+            link.broker_name,
+            reason,
+            extra={"to": link.broker_name, "reason": reason},
+        )
 
     async def _open_restored(self, addresses: list[str]) -> BrokerLink:
         """A link to the first of ``addresses`` that takes the connector, with every
@@ -477,7 +497,9 @@ class LinkKeeper:
             for mailbox, answer in zip(mailboxes, answers, strict=True):
                 if isinstance(answer, BaseException):
                     log.error(
-                        "a service could not be registered again after failover",
+                        "service %s could not be registered again after failover: %s",
+                        mailbox.address,
+                        answer,
                         extra={"address": str(mailbox.address), "error": str(answer)},
                     )
                     error = answer if isinstance(answer, MeshbusError) else None

@@ -138,7 +138,12 @@ class Inbound:
                 ext, frame.payload = split(frame.payload)
             except ProtocolError as exc:
                 # Another service's bytes, not the broker's: drop the message, keep the link.
-                log.warning("dropped a message with a bad extension", extra={"error": str(exc)})
+                log.warning(
+                    "dropped a message from %s with a bad extension: %s",
+                    describe_address(frame.src),
+                    exc,
+                    extra={"error": str(exc)},
+                )
                 self.dropped += 1
                 return
             if flags & FLAG_TRACE:
@@ -250,7 +255,11 @@ class Inbound:
         report = Undeliverable(describe_address(body.src), dst, msg_id, reason)
         if not self.undeliverable.handlers:
             log.warning(
-                "undeliverable message",
+                "undeliverable message %s -> %s (msg id %s): %s",
+                report.src,
+                report.dst,
+                msg_id,
+                reason,
                 extra={"src": report.src, "dst": report.dst, "reason": reason},
             )
         for handler in self.undeliverable.handlers:
@@ -265,4 +274,11 @@ class Inbound:
             elif command == "unsubscribe":
                 await self._memberships.leave(member, group)
         except (MeshbusError, UnicodeDecodeError) as exc:
-            log.warning("could not obey", extra={"command": command, "error": str(exc)})
+            log.warning(
+                "could not %s %s for %s: %s",
+                command,
+                topic.decode(errors="replace"),
+                member.address,
+                exc,
+                extra={"command": command, "error": str(exc)},
+            )

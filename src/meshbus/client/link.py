@@ -204,14 +204,25 @@ class BrokerLink(asyncio.Protocol):
         body = frame.body
         if isinstance(body, Error):
             self.error = body.message
-            log.warning("broker error", extra={"code": body.code, "error": body.message})
+            log.warning(
+                "broker %s sent an error: %s (code %s)",
+                self.broker_name or self.address,
+                body.message,
+                body.code,
+                extra={"code": body.code, "error": body.message},
+            )
         elif frame.type == ControlType.BYE and isinstance(body, Bye):
             self.error = f"the broker said goodbye: {body.reason}"
         else:
             self._on_news(self, frame)
 
     def _protocol_error(self, exc: ProtocolError) -> None:
-        log.warning("broker broke the protocol", extra={"error": str(exc)})
+        log.warning(
+            "broker %s broke the protocol: %s",
+            self.broker_name or self.address,
+            exc,
+            extra={"error": str(exc)},
+        )
         self.abort(f"the broker sent an invalid frame: {exc}")
 
     # -- writing ---------------------------------------------------------------------

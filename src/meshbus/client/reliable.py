@@ -252,7 +252,7 @@ class Unacked:
             # send_reliable raises it, instead of handlers
             pending.future.set_exception(denied or error)
         elif not self.failed.handlers:
-            log.warning("reliable send failed", extra={"error": str(error)})
+            log.warning("reliable send failed: %s", error, extra={"error": str(error)})
         else:
             for handler in self.failed.handlers:
                 handler(error)
