@@ -9,6 +9,7 @@ get, and checked as the flag is. Its tables are the users and the brokers of the
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from typing import Any, NamedTuple
@@ -105,10 +106,13 @@ def read_config(path: str) -> ConfigFile:
             continue
         declared = by_key.get(key)
         if declared is None:
+            close = difflib.get_close_matches(key, [*by_key, _USERS, _BROKERS], n=1)
             errors.append(
                 (
                     lines.line_of(key),
-                    f"unknown key {key!r}; the keys are the broker's long flag names "
+                    f"unknown key {key!r}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + "; the keys are the broker's long flag names "
                     f"(see meshbus broker --help), [[{_USERS}]] and [[{_BROKERS}]]",
                 )
             )

@@ -73,8 +73,9 @@ def test_check_config_reports_every_error_with_its_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(broker, ["--check-config", str(config)])
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
-        f"{config}:2: unknown key 'max-conectors'; the keys are the broker's long flag "
-        "names (see meshbus broker --help), [[users]] and [[brokers]]",
+        f"{config}:2: unknown key 'max-conectors' (did you mean 'max-connectors'?); the keys "
+        "are the broker's long flag names (see meshbus broker --help), [[users]] and "
+        "[[brokers]]",
         f"{config}:3: max-connectors = 'many': 'many' is not a valid integer range.",
         f"{config}:9: user 'alice': permissions.join pattern 'game01:1': only multicast "
         "and anycast addresses are groups",
