@@ -12,7 +12,12 @@ with equal keys get the same routing decision, so:
    ``bytearray.startswith`` and extends the current run;
 2. a frame whose key was seen before takes its decision from a per-link cache
    (cleared whenever the routing table changes); a run goes on while the target
-   links stay the same, whatever the destination address;
+   links stay the same, whatever the destination address. Once a run is a few
+   frames long, the rest of the read is matched at C speed: the keys of the cached
+   decisions with the run's targets and frame size are kept as one set, and
+   ``_frames_in`` counts how many of the frames that follow have keys in it (a
+   producer interleaving destinations on the same link costs a set lookup a frame,
+   not a turn of the loop);
 3. any other frame is validated in full (prefix, flags, hops, source ownership,
    cast type) and routed by the table; its decision is cached when it can be reused.
 
@@ -42,9 +47,11 @@ tag (must be the one we gave that peer) guard it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from operator import length_hint
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
@@ -82,6 +89,10 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
+# A run this many frames long, its frames all of one size, has the rest of the read
+# matched in one C-level pass (``_frames_in``): a pass costs a few frames' worth to start,
+# so runs broken every frame or two never start one.
+_SCAN_AFTER = 4
 # Frames of a read that cost more than a run's (requests, responses, refusals, a new
 # routing key) between two looks at the clock (every 32nd: this mask's bits all 0): a
 # look is dearer than a run's frame, cheap beside these; and a read with fewer never
@@ -162,6 +173,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         # key, frame size and targets of the last data frame read on this link.
         self._decisions: dict[bytes, Decision] = {}
         self._decisions_version = -1
+        # The keys of the cached plain decisions, as ``_scan_keys`` yields them, by
+        # (targets, frame size): the frames of a run whose keys are all in its group.
+        # Cleared with the decisions.
+        self._run_keys: dict[tuple[tuple[Endpoint, ...], int], set[tuple[bytes]]] = {}
         self._key = _NO_KEY
         self._key_total = 0
         self._targets: tuple[Endpoint, ...] = ()
@@ -390,8 +405,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         forwarder = self._forwarder
         flush_run = forwarder.flush_run
         decisions = self._decisions
+        run_keys = self._run_keys
         if self._decisions_version != routing.version:
             decisions.clear()
+            run_keys.clear()
             self._key = _NO_KEY
             self._decisions_version = routing.version
         key = self._key
@@ -440,6 +457,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             run_size = key_total
                         elif key_total != run_size:
                             run_size = 0
+                        elif run_frames >= _SCAN_AFTER:
+                            # A run of several keys (or one key again after others):
+                            # count its frames up to the first of another group at once.
+                            # The frame at ``pos`` is in the group, so the count is >= 1.
+                            counted = _frames_in(
+                                run_keys[targets, key_total], mv, pos, end, key_total
+                            )
+                            pos += counted * key_total
+                            run_frames += counted
+                            continue
                         pos += key_total
                         run_frames += 1
                         continue
@@ -462,6 +489,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     self._on_control(bytes(buf[pos : pos + total]))
                     if self._decisions_version != routing.version:
                         decisions.clear()
+                        run_keys.clear()
                         self._decisions_version = routing.version
                     if perf_counter() > self._slice_end and self.state is not LinkState.CLOSED:
                         pos += total
@@ -484,11 +512,17 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                         else forwarder.route_connector_frame(self, buf, mv, pos, total)
                     )
                     if decided is not None:
-                        (seen,) = _unpack_key(buf, pos)
+                        unpacked = _unpack_key(buf, pos)
+                        (seen,) = unpacked
                         if len(decisions) >= _MAX_DECISIONS:
                             decisions.clear()
+                            run_keys.clear()
                         decisions[seen] = decided
                         if decided.carry is PLAIN:
+                            group = run_keys.get((decided.targets, total))
+                            if group is None:
+                                group = run_keys[decided.targets, total] = set()
+                            group.add(unpacked)
                             # This frame opens a run, flushed with the frames that follow it.
                             key = seen
                             key_total = run_size = total
@@ -622,3 +656,24 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._buf = buf
         self._mv = memoryview(buf)
         self._start, self._end = 0, pending
+
+
+@functools.lru_cache(maxsize=64)
+def _scan_keys(size: int) -> Callable[[memoryview], Iterator[tuple[bytes]]]:
+    """The routing keys of consecutive frames of ``size`` bytes, one 1-tuple each."""
+    return struct.Struct(f"{ROUTING_KEY_SIZE}s{size - ROUTING_KEY_SIZE}x").iter_unpack
+
+
+def _frames_in(keys: set[tuple[bytes]], mv: memoryview, pos: int, end: int, size: int) -> int:
+    """How many whole frames of ``size`` bytes from ``pos`` have their routing key in
+    ``keys``, up to the first that has not (or the end of the read).
+
+    Sound without looking at each frame's length: a key holds the length field, and
+    every key in ``keys`` is one of frames of ``size`` bytes. One C-level pass:
+    ``issuperset`` stops at the first key missing, and the iterator's length hint says
+    how far it got."""
+    count = (end - pos) // size
+    scan = _scan_keys(size)(mv[pos : pos + count * size])
+    if keys.issuperset(scan):
+        return count
+    return count - length_hint(scan) - 1

@@ -3,6 +3,7 @@ on capturing transports fed by hand (``Hub``) -- no broker, no network."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -336,3 +337,98 @@ async def test_an_anycast_goes_to_a_local_member_before_a_peer(hub: Hub) -> None
     hub.routing.leave(B1, POOL)
     hub.feed(a, encode_data(POOL, A1, b"job"))
     assert payloads(hub.received(q)) == [b"job"], "no local member left: the peer's"
+
+
+# -- runs over interleaved destinations (Link._process, _frames_in) ------------------------
+
+B3 = Unicast("beta", 3).to_bytes()
+R2 = Unicast("remote", 2).to_bytes()
+
+
+async def test_interleaved_destinations_on_one_link_make_one_run_and_one_decision_each(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2, B3)
+    spy = Spy(hub, monkeypatch)
+    frames = [encode_data((B1, B2, B3)[i % 3], A1, b"%04d" % i, msg_id=i) for i in range(300)]
+    hub.feed(a, *frames)
+    received = [f for f in hub.received(b) if isinstance(f, DataFrame)]
+    assert [f.payload for f in received] == [b"%04d" % i for i in range(300)]
+    assert [f.dst for f in received[:3]] == [B1, B2, B3]
+    assert spy.calls == 3
+    assert (a.msgs_in, b.msgs_out) == (300, 300)
+
+
+async def test_a_run_over_interleaved_destinations_ends_at_a_frame_for_other_targets(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    frames = [encode_data((B1, B2)[i % 2], A1, b"%03d" % i) for i in range(40)]
+    frames[25] = encode_data(C1, A1, b"c25")  # other targets
+    frames[30] = encode_data(B1, A1, b"longer30")  # the same targets, another size
+    frames[33] = encode_data(NOBODY, A1, b"n33")  # no route
+    hub.feed(a, *frames, *frames)  # the second time every key is cached
+    for_b = [b"%03d" % i for i in range(40) if i not in (25, 30, 33)]
+    for_b.insert(29, b"longer30")
+    assert payloads(hub.received(b)) == for_b * 2
+    assert payloads(hub.received(c)) == [b"c25"] * 2
+    assert hub.stats.dropped_no_route == 2
+    assert (a.msgs_in, b.msgs_out + c.msgs_out) == (80, 78)
+
+
+async def test_a_run_over_interleaved_destinations_stops_at_a_frame_cut_by_the_read(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    data = b"".join(encode_data((B1, B2)[i % 2], A1, b"%02d" % i) for i in range(50))
+    cut = len(data) // 2 + 7  # inside a frame
+    hub.feed(a, data[:cut])
+    hub.feed(a, data[cut:])
+    assert payloads(hub.received(b)) == [b"%02d" % i for i in range(50)]
+
+
+async def test_interleaved_destinations_behind_one_peer_are_stamped_in_one_run(
+    hub: Hub,
+) -> None:
+    a, q = hub.connector("a"), hub.peer("q", tag_out=TAG_FROM_Q)
+    register(hub, a, A1)
+    register(hub, q, R1, R2)
+    hub.feed(a, *(encode_data((R1, R2)[i % 2], A1, b"%02d" % i) for i in range(20)))
+    frames = [f for f in hub.received(q) if isinstance(f, DataFrame)]
+    assert [(f.hops, f.link_tag, f.dst, f.payload) for f in frames] == [
+        (1, TAG_FROM_Q, (R1, R2)[i % 2], b"%02d" % i) for i in range(20)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_any_mix_of_cached_keys_split_anywhere_is_delivered_in_order(
+    hub: Hub, seed: int
+) -> None:
+    """Random frames over destinations on two links, no route, and two sizes, in random
+    reads: each link gets exactly its frames, in order, and every frame is counted."""
+    rng = random.Random(seed)
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    owner = {B1: b, B2: b, C1: c, NOBODY: None}
+    sent: list[tuple[bytes, bytes]] = []
+    for i in range(rng.randrange(50, 400)):
+        dst = rng.choice((B1, B2, B1, B2, C1, NOBODY))
+        sent.append((dst, (b"%04d" if rng.random() < 0.9 else b"long%04d") % i))
+    data = b"".join(encode_data(dst, A1, payload) for dst, payload in sent)
+    pos = 0
+    while pos < len(data):
+        step = rng.randrange(1, 3000)
+        hub.feed(a, data[pos : pos + step])
+        pos += step
+    for link in (b, c):
+        expected = [payload for dst, payload in sent if owner[dst] is link]
+        assert payloads(hub.received(link)) == expected
+    assert a.msgs_in == len(sent)
+    assert hub.stats.dropped_no_route == sum(1 for dst, _ in sent if dst == NOBODY)
