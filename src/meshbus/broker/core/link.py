@@ -22,8 +22,10 @@ with equal keys get the same routing decision, so:
    cast type) and routed by the table; its decision is cached when it can be reused.
 
 A run is written out as one slice. Requests and responses reuse cached
-decisions too but are carried out one by one, since each touches the pending
-table; anycast picks a member per frame and is never cached. Everything routed
+decisions too; each touches the pending table on its own, but a burst of them
+with one routing key is carried out by one ``Forwarder.forward`` call, and its
+frames for one link leave as one slice. Anycast picks a member per frame and is
+never cached. Everything routed
 during one read is batched per destination link and written once per link at
 the end of the read, in arrival order.
 
@@ -433,7 +435,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     hit = decisions.get(seen)
                     if hit is not None and pos + hit.size <= end:
                         if hit.carry is not PLAIN:
-                            # A request or response: its own pending-table work, no run.
+                            # Requests or responses: each its own pending-table work, no
+                            # run. A burst of them with this key is carried out at once, up
+                            # to the next look at the clock.
                             if run_frames:
                                 flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                                 run_frames = 0
@@ -442,8 +446,18 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             if not costly & _COSTLY_MASK and self._past_slice():
                                 spent = True
                                 break
-                            forwarder.forward(self, hit, buf, mv, pos)
-                            pos += hit.size
+                            burst = forwarder.forward(
+                                self,
+                                hit,
+                                seen,
+                                buf,
+                                mv,
+                                pos,
+                                end,
+                                _COSTLY_MASK + 1 - (costly & _COSTLY_MASK),
+                            )
+                            costly += burst - 1
+                            pos += burst * hit.size
                             run_start = pos
                             continue
                         key = seen
@@ -531,7 +545,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             pos += total
                             run_frames = 1
                             continue
-                        forwarder.forward(self, decided, buf, mv, pos)
+                        forwarder.forward(self, decided, seen, buf, mv, pos, end, 1)
                 pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED or self._blocked:

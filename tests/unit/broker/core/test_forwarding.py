@@ -432,3 +432,68 @@ async def test_any_mix_of_cached_keys_split_anywhere_is_delivered_in_order(
         assert payloads(hub.received(link)) == expected
     assert a.msgs_in == len(sent)
     assert hub.stats.dropped_no_route == sum(1 for dst, _ in sent if dst == NOBODY)
+
+
+# -- bursts of requests and responses (Forwarder.forward) ----------------------------------
+
+
+def request(msg_id: int, dst: bytes = B1, src: bytes = A1) -> bytes:
+    return encode_data(dst, src, b"q%d" % msg_id, msg_id=msg_id, flags=FLAG_REQUEST)
+
+
+def response(response_for: int, dst: bytes = A1, src: bytes = B1) -> bytes:
+    return encode_data(
+        dst, src, b"r%d" % response_for, response_for=response_for, flags=FLAG_RESPONSE
+    )
+
+
+async def test_a_burst_of_requests_past_the_cap_goes_up_to_it_and_the_rest_is_refused(
+    hub: Hub,
+) -> None:
+    a = hub.connector("a")
+    register(hub, a, A1, B1)  # a asks itself: its requests and refusals share one link
+    hub.pending.max_per_link = 3
+    hub.feed(a, *(request(i, dst=B1) for i in range(1, 6)))
+    received = hub.received(a)
+    assert [f.msg_id for f in received if isinstance(f, DataFrame)] == [1, 2, 3]
+    refused = [f for f in received if isinstance(f, ControlFrame)]
+    assert [f.type for f in refused] == [ControlType.NO_ROUTE] * 2
+    assert [f.body.msg_id for f in refused if isinstance(f.body, DeliveryFailure)] == [4, 5]
+    assert received.index(refused[0]) == 3, "the refusals come after the requests sent"
+    assert (len(hub.pending), hub.stats.requests, a.msgs_in) == (3, 3, 5)
+
+
+async def test_a_long_burst_of_requests_is_recorded_and_forwarded_whole(hub: Hub) -> None:
+    a, b = a_and_b(hub)
+    hub.feed(a, *(request(i) for i in range(1, 201)))
+    assert [f.msg_id for f in hub.received(b) if isinstance(f, DataFrame)] == list(range(1, 201))
+    assert (len(hub.pending), hub.stats.requests, a.msgs_in, b.msgs_out) == (200, 200, 200, 200)
+
+
+async def test_a_burst_of_responses_goes_to_the_requester_save_the_late_and_the_forged(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    hub.feed(a, request(1), request(2, dst=B2), request(3), request(4))
+    hub.received(b)
+    # B1 answers 1, then 2 (a request to B2: not B1's to answer), 9 (no such request),
+    # then 3 and 4: all with one routing key.
+    hub.feed(b, response(1), response(2), response(9), response(3), response(4))
+    assert payloads(hub.received(a)) == [b"r1", b"r3", b"r4"]
+    assert (hub.stats.dropped_wrong_responder, hub.stats.late_responses) == (1, 1)
+    assert len(hub.pending) == 1, "request 2 still waits for B2"
+    hub.feed(b, response(2, src=B2))
+    assert payloads(hub.received(a)) == [b"r2"]
+    assert (b.msgs_in, a.msgs_out) == (6, 4)
+
+
+async def test_a_burst_of_responses_for_a_requester_behind_a_peer_is_stamped(hub: Hub) -> None:
+    b, q = hub.connector("b"), hub.peer("q", tag_out=TAG_FROM_Q)
+    register(hub, b, B1)
+    register(hub, q, R1)
+    hub.feed(b, *(response(i, dst=R1) for i in range(1, 40)))
+    frames = [f for f in hub.received(q) if isinstance(f, DataFrame)]
+    assert [(f.hops, f.link_tag, f.response_for) for f in frames] == [
+        (1, TAG_FROM_Q, i) for i in range(1, 40)
+    ]
