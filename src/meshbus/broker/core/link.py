@@ -9,7 +9,8 @@ each frame (length, kind, version, flags, hops, destination, source). Frames
 with equal keys get the same routing decision, so:
 
 1. a frame whose key equals the previous frame's costs one
-   ``bytearray.startswith`` and extends the current run;
+   ``bytearray.startswith`` and extends the current run (then, as in 2., the rest
+   of the run is matched at C speed);
 2. a frame whose key was seen before takes its decision from a per-link cache
    (cleared whenever the routing table changes); a run goes on while the target
    links stay the same, whatever the destination address. Once a run is a few
@@ -423,10 +424,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         spent = False  # this loop turn's slice is used up: the rest waits for the next
         try:
             while True:
-                # 1. The same routing key as the frame before: extend the run.
+                # 1. The same routing key as the frame before: extend the run; once it is
+                #    a few frames long, by all its frames up to the first of another group.
                 if key and buf.startswith(key, pos) and pos + key_total <= end:
-                    pos += key_total
-                    run_frames += 1
+                    if run_frames < _SCAN_AFTER or key_total != run_size:
+                        pos += key_total
+                        run_frames += 1
+                        continue
+                    counted = _frames_in(run_keys[targets, key_total], mv, pos, end, key_total)
+                    pos += counted * key_total
+                    run_frames += counted
                     continue
                 # 2. A key seen before: its decision is cached; a run continues as long
                 #    as the targets stay the same, whatever the destination address.
