@@ -434,6 +434,33 @@ async def test_any_mix_of_cached_keys_split_anywhere_is_delivered_in_order(
     assert hub.stats.dropped_no_route == sum(1 for dst, _ in sent if dst == NOBODY)
 
 
+@pytest.mark.parametrize("seed", range(10))
+async def test_long_same_key_runs_broken_anywhere_are_delivered_in_order(
+    hub: Hub, seed: int
+) -> None:
+    """Runs of one key long enough to be checked a chunk at a time (hundreds of frames),
+    broken by a frame for the same link, for another link, or of another size, anywhere."""
+    rng = random.Random(seed)
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    sent: list[tuple[bytes, bytes]] = []
+    for i in range(3000):
+        odd = rng.random() < 0.003
+        dst = rng.choice((B2, C1)) if odd else B1
+        sent.append((dst, b"longer%04d" % i if odd and rng.random() < 0.3 else b"%04d" % i))
+    data = b"".join(encode_data(dst, A1, payload) for dst, payload in sent)
+    pos = 0
+    while pos < len(data):
+        step = rng.randrange(20_000, 300_000)
+        hub.feed(a, data[pos : pos + step])
+        pos += step
+    assert payloads(hub.received(b)) == [p for dst, p in sent if dst in (B1, B2)]
+    assert payloads(hub.received(c)) == [p for dst, p in sent if dst == C1]
+    assert a.msgs_in == len(sent)
+
+
 # -- bursts of requests and responses (Forwarder.forward) ----------------------------------
 
 
