@@ -688,10 +688,19 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         and grow the buffer if that is not enough (a frame larger than the buffer)."""
         pending = self._end - self._start
         size = len(self._buf)
+        if size - pending >= self._min_read and pending <= self._start:
+            # Room enough once the tail (mostly part of one frame) is moved to the front,
+            # and the two do not overlap: moved in place. Nothing holds a view of the
+            # buffer between reads -- the outbox was flushed at the end of ``_process``,
+            # and the loop takes a view only from here to ``buffer_updated`` -- while a
+            # fresh buffer costs an allocation, its zeroing and its page faults per read.
+            self._buf[:pending] = self._mv[self._start : self._end]
+            self._start, self._end = 0, pending
+            return
         if size - pending < self._min_read:
             size = min(2 * size, self.max_frame + _READ_BUFFER)
-        # A fresh buffer rather than an in-place move or resize: the loop may still hold
-        # views of the old one, and a bytearray with live views cannot be resized.
+        # A fresh buffer rather than a resize: a bytearray with live views (``_mv``)
+        # cannot be resized.
         buf = bytearray(size)
         buf[:pending] = self._mv[self._start : self._end]
         self._buf = buf
