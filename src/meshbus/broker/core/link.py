@@ -26,9 +26,8 @@ A run is written out as one slice. Requests and responses reuse cached
 decisions too; each touches the pending table on its own, but a burst of them
 with one routing key is carried out by one ``Forwarder.forward`` call, and its
 frames for one link leave as one slice. Anycast picks a member per frame and is
-never cached. Everything routed
-during one read is batched per destination link and written once per link at
-the end of the read, in arrival order.
+never cached. Everything routed during one read is batched per destination link
+and written once per link at the end of the read, in arrival order.
 
 A link never holds the loop for more than a slice (about 5 ms, ``slices.SLICE``) of
 one loop turn, across all the reads the loop hands it in that turn: control frames
