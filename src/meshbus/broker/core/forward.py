@@ -8,7 +8,9 @@ frames with the same decision; the first frame of each routing key comes to the
   hops 0, the source is the link's own) and routed to local links and peers;
 * ``route_peer_frame`` -- a frame from a peer broker: hop count and link tag
   checked, and routed to *local* links only, never to another broker;
-* ``forward`` -- requests and responses, one at a time (the pending table);
+* ``forward`` -- requests and responses (the pending table), and refusals: the frame
+  at hand and those right after it with the same routing key, each frame's table work
+  done one by one and their deliveries queued as one slice per target;
 * ``flush_run`` -- a run of frames queued for its targets, stamped per peer.
 
 Permissions (docs/security.md): a connector's frame is checked against its link's
@@ -32,9 +34,10 @@ the routing table's version moves (docs/architecture.md, "the routing caches").
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from meshbus.address import (
@@ -65,6 +68,7 @@ from meshbus.protocol.layout import (
     FLAG_TRACE,
     OFF_MSG_ID,
     OFF_RESPONSE_FOR,
+    OFF_TIMEOUT_MS,
     PEER_HOPS,
     ControlType,
     ErrorCode,
@@ -86,7 +90,6 @@ _REQUEST_RESPONSE = FLAG_REQUEST | FLAG_RESPONSE
 _REQUEST_OR_TRACE = FLAG_REQUEST | FLAG_TRACE
 _unpack_header = DATA_HEADER.unpack_from
 _unpack_u64 = struct.Struct(">Q").unpack_from
-_unpack_request_ids = struct.Struct(">Q8xI").unpack_from  # msg_id, (response_for), timeout_ms
 _REQUEST_OR_EXT = FLAG_REQUEST | FLAG_EXT
 _HEADER_SIZE = DATA_HEADER.size
 _GROUP_CASTS = (CAST_MULTICAST, CAST_ANYCAST)
@@ -180,6 +183,12 @@ class Forwarder:
         if not targets:
             self._stats.dropped_no_route += count
             return
+        self._queue_run(targets, frames, count, size)
+
+    def _queue_run(
+        self, targets: tuple[Endpoint, ...], frames: memoryview, count: int, size: int
+    ) -> None:
+        """Queue ``count`` frames for each target, whose limits the decision checked."""
         queue = self._outbox.queue
         for target in targets:
             peer = target.peer
@@ -231,7 +240,8 @@ class Forwarder:
             # routing key may be for another group, or for none.
             group = _group_named(permissions, mv[pos + _HEADER_SIZE : pos + total])
             if not group:
-                self.forward(link, _denied(permissions, flags, total, src, dst), buf, mv, pos)
+                link.msgs_in += 1
+                self._denied(link, _denied(permissions, flags, total, src, dst), buf, pos)
                 return None
             if not routing.is_member(dst, group):
                 # Allowed, but the member has left the group (or its join has not reached
@@ -423,56 +433,117 @@ class Forwarder:
             self._outbox.reply(target, ControlType.NO_ROUTE, body)
 
     def forward(
-        self, link: Link, decision: Decision, buf: bytearray, mv: memoryview, pos: int
+        self,
+        link: Link,
+        decision: Decision,
+        key: bytes,
+        buf: bytearray,
+        mv: memoryview,
+        pos: int,
+        end: int,
+        most: int,
+    ) -> int:
+        """Carry out a request, response or refusal decision for the frame at ``pos``
+        (``mv`` is a view of ``buf``) and for the frames right after it that have its
+        routing key ``key``, whole before ``end``: at most ``most`` frames in all (the
+        caller looks at the clock between bursts). Returns how many it carried out.
+
+        A burst of requests (or responses) from one pipelining connector is the common
+        case: each frame's pending-table work is its own, but consecutive frames bound
+        for the same link are queued as one slice, as a run is."""
+        size = decision.size
+        stop = pos + size
+        last = min(end, pos + most * size)
+        while stop + size <= last and buf.startswith(key, stop):
+            stop += size
+        link.msgs_in += (stop - pos) // size
+        carry = decision.carry
+        if carry is Carry.REQUEST:
+            self._requests(link, decision, mv, pos, stop)
+        elif carry is Carry.RESPONSE:
+            self._responses(link, decision, mv, pos, stop)
+        else:
+            for at in range(pos, stop, size):
+                self._denied(link, decision, buf, at)
+        return (stop - pos) // size
+
+    def _requests(
+        self, link: Link, decision: Decision, mv: memoryview, pos: int, stop: int
     ) -> None:
-        """Carry out a request or response decision for the frame at ``pos`` (``mv`` is a
-        view of ``buf``)."""
-        outbox = self._outbox
-        link.msgs_in += 1
-        frame = mv[pos : pos + decision.size]
+        """Record and deliver the requests from ``pos`` to ``stop``. A request is recorded
+        first: refused, and not forwarded, past the link's cap (--max-requests) or its
+        user's quota; the requests before it leave before its refusal does."""
+        size = decision.size
+        src = decision.src
         dst = decision.dst
-        if decision.carry is Carry.DENIED:
-            self._denied(link, decision, buf, pos)
-            return
-        if decision.carry is Carry.RESPONSE:
-            (response_for,) = _unpack_u64(buf, pos + OFF_RESPONSE_FOR)
-            requester_link = self._pending.accept_response(dst, response_for, decision.src, link)
-            if requester_link is WRONG_RESPONDER:
-                self._stats.dropped_wrong_responder += 1
-                return
-            if requester_link is None and not link.is_peer:
-                # The request entered the mesh at another broker, which keeps its pending
-                # entry: the response goes there, one hop, and is resolved there.
-                owner = self.routing.route_unicast(dst)
-                if owner is not None and owner.is_peer:
-                    outbox.deliver(owner, frame)
-                    return
-            if requester_link is None or requester_link.closed:
-                self._stats.late_responses += 1
-            else:
-                outbox.deliver(requester_link, frame)
-            return
-        msg_id, timeout_ms = _unpack_request_ids(buf, pos + OFF_MSG_ID)
+        via = decision.via
+        responders = decision.responders
         targets = decision.targets
-        # Recorded first: refused, and not forwarded, past the link's cap (--max-requests)
-        # or its user's quota.
         user = link.user
-        tally = None if user is None else self._usage.tally_for_request(user)
-        if (tally is None and user is not None) or not self._pending.add(
-            decision.src,
-            msg_id,
-            link,
-            self._deadline(timeout_ms),
-            dst,
-            decision.via,
-            responders=decision.responders,
-            tally=tally,
-        ):
-            self._too_many_requests(link, msg_id, decision.src, dst)
-            return
-        for target in targets:
-            outbox.deliver(target, frame)
-        self._stats.requests += 1
+        usage = self._usage
+        add = self._pending.add
+        # The requests of a burst were read at one time: one clock reading serves all
+        # those with the same timeout.
+        timeout = -1
+        expires = 0.0
+        at = pos
+        waiting = pos  # the first recorded request not queued yet
+        for msg_id, timeout_ms in _request_ids(size)(mv[pos:stop]):
+            if timeout_ms != timeout:
+                timeout = timeout_ms
+                expires = self._deadline(timeout_ms)
+            tally = None if user is None else usage.tally_for_request(user)
+            if (tally is None and user is not None) or not add(
+                src, msg_id, link, expires, dst, via, responders=responders, tally=tally
+            ):
+                if at > waiting:
+                    self._queue_run(targets, mv[waiting:at], (at - waiting) // size, size)
+                    self._stats.requests += (at - waiting) // size
+                self._too_many_requests(link, msg_id, src, dst)
+                waiting = at + size
+            at += size
+        if stop > waiting:
+            self._queue_run(targets, mv[waiting:stop], (stop - waiting) // size, size)
+            self._stats.requests += (stop - waiting) // size
+
+    def _responses(
+        self, link: Link, decision: Decision, mv: memoryview, pos: int, stop: int
+    ) -> None:
+        """Pass the responses from ``pos`` to ``stop`` back along their pending entries;
+        consecutive ones for the same link leave as one slice."""
+        size = decision.size
+        src = decision.src
+        dst = decision.dst
+        accept = self._pending.accept_response
+        stats = self._stats
+        deliver_run = self._outbox.deliver_run
+        target: Endpoint | None = None  # where the responses from ``start`` on go
+        start = at = pos
+        for (response_for,) in _responses_for(size)(mv[pos:stop]):
+            requester_link = accept(dst, response_for, src, link)
+            to: Endpoint | None = None
+            if requester_link is WRONG_RESPONDER:
+                stats.dropped_wrong_responder += 1
+            elif requester_link is not None and not requester_link.closed:
+                to = requester_link
+            else:
+                if requester_link is None and not link.is_peer:
+                    # The request entered the mesh at another broker, which keeps its
+                    # pending entry: the response goes there, one hop, and is resolved
+                    # there.
+                    owner = self.routing.route_unicast(dst)
+                    if owner is not None and owner.is_peer:
+                        to = owner
+                if to is None:
+                    stats.late_responses += 1
+            if to is not target:
+                if target is not None:
+                    deliver_run(target, mv[start:at], (at - start) // size, size)
+                target = to
+                start = at
+            at += size
+        if target is not None:
+            deliver_run(target, mv[start:stop], (stop - start) // size, size)
 
     def _denied(self, link: Link, decision: Decision, buf: bytearray, pos: int) -> None:
         """A frame its user may not send: dropped and counted; a request or notified send
@@ -502,6 +573,18 @@ class Forwarder:
             dst,
             (user is not None and self._usage.refusal(user, REQUESTS)) or self._past_cap,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _request_ids(size: int) -> Callable[[memoryview], Iterator[tuple[int, int]]]:
+    """The (msg_id, timeout_ms) of consecutive request frames of ``size`` bytes."""
+    return struct.Struct(f">{OFF_MSG_ID}xQ8xI{size - OFF_TIMEOUT_MS - 4}x").iter_unpack
+
+
+@functools.lru_cache(maxsize=64)
+def _responses_for(size: int) -> Callable[[memoryview], Iterator[tuple[int]]]:
+    """The response_for of consecutive response frames of ``size`` bytes."""
+    return struct.Struct(f">{OFF_RESPONSE_FOR}xQ{size - OFF_RESPONSE_FOR - 8}x").iter_unpack
 
 
 def _denied(permissions: Permissions, flags: int, total: int, src: bytes, dst: bytes) -> Decision:

@@ -9,18 +9,25 @@ each frame (length, kind, version, flags, hops, destination, source). Frames
 with equal keys get the same routing decision, so:
 
 1. a frame whose key equals the previous frame's costs one
-   ``bytearray.startswith`` and extends the current run;
+   ``bytearray.startswith`` and extends the current run (then, as in 2., the rest
+   of the run is matched at C speed);
 2. a frame whose key was seen before takes its decision from a per-link cache
    (cleared whenever the routing table changes); a run goes on while the target
-   links stay the same, whatever the destination address;
+   links stay the same, whatever the destination address. Once a run is a few
+   frames long, the rest of the read is matched at C speed: the keys of the cached
+   decisions with the run's targets and frame size are kept as one set, and
+   ``_frames_in`` counts how many of the frames that follow have keys in it (a
+   producer interleaving destinations on the same link costs a set lookup a frame,
+   not a turn of the loop);
 3. any other frame is validated in full (prefix, flags, hops, source ownership,
    cast type) and routed by the table; its decision is cached when it can be reused.
 
 A run is written out as one slice. Requests and responses reuse cached
-decisions too but are carried out one by one, since each touches the pending
-table; anycast picks a member per frame and is never cached. Everything routed
-during one read is batched per destination link and written once per link at
-the end of the read, in arrival order.
+decisions too; each touches the pending table on its own, but a burst of them
+with one routing key is carried out by one ``Forwarder.forward`` call, and its
+frames for one link leave as one slice. Anycast picks a member per frame and is
+never cached. Everything routed during one read is batched per destination link
+and written once per link at the end of the read, in arrival order.
 
 A link never holds the loop for more than a slice (about 5 ms, ``slices.SLICE``) of
 one loop turn, across all the reads the loop hands it in that turn: control frames
@@ -42,12 +49,15 @@ tag (must be the one we gave that peer) guard it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from operator import length_hint
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
+from meshbus.address import ADDRESS_SIZE
 from meshbus.broker.core import slices
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, LinkState, PeerInfo
 from meshbus.broker.core.forward import PLAIN, Decision, Forwarder
@@ -61,7 +71,14 @@ from meshbus.protocol.handshake import (
     AcceptingHandshake,
     DiallingHandshake,
 )
-from meshbus.protocol.layout import KIND_CONTROL, ROUTING_KEY_SIZE, ControlType, ErrorCode
+from meshbus.protocol.layout import (
+    KIND_CONTROL,
+    OFF_DST,
+    OFF_SRC,
+    ROUTING_KEY_SIZE,
+    ControlType,
+    ErrorCode,
+)
 
 if TYPE_CHECKING:
     from meshbus.broker.core.dispatch import ControlDispatch
@@ -82,6 +99,20 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # A link sending to more distinct (destination, source, size) keys than this starts over;
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
+# A run this many frames long, its frames all of one size, has the rest of the read
+# matched in one C-level pass (``_frames_in``): a pass costs a few frames' worth to start,
+# so short runs never start one.
+_SCAN_AFTER = 8
+# The frames a same-key run's first byte-column check covers (``_same_key_frames``), then
+# twice as many each time: 40 strided slices cost what about 100 frames' set lookups do.
+_FIRST_CHUNK = 256
+# The key's bytes in the order they are checked: a run's next key most often differs in
+# its destination, then in its length or flags, and seldom in its source.
+_KEY_COLUMNS = (
+    *range(OFF_DST + ADDRESS_SIZE - 1, OFF_DST - 1, -1),
+    *range(OFF_DST),
+    *range(OFF_SRC, ROUTING_KEY_SIZE),
+)
 # Frames of a read that cost more than a run's (requests, responses, refusals, a new
 # routing key) between two looks at the clock (every 32nd: this mask's bits all 0): a
 # look is dearer than a run's frame, cheap beside these; and a read with fewer never
@@ -162,6 +193,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         # key, frame size and targets of the last data frame read on this link.
         self._decisions: dict[bytes, Decision] = {}
         self._decisions_version = -1
+        # The keys of the cached plain decisions, as ``_scan_keys`` yields them, by
+        # (targets, frame size): the frames of a run whose keys are all in its group.
+        # Cleared with the decisions.
+        self._run_keys: dict[tuple[tuple[Endpoint, ...], int], set[tuple[bytes]]] = {}
         self._key = _NO_KEY
         self._key_total = 0
         self._targets: tuple[Endpoint, ...] = ()
@@ -390,8 +425,10 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         forwarder = self._forwarder
         flush_run = forwarder.flush_run
         decisions = self._decisions
+        run_keys = self._run_keys
         if self._decisions_version != routing.version:
             decisions.clear()
+            run_keys.clear()
             self._key = _NO_KEY
             self._decisions_version = routing.version
         key = self._key
@@ -404,10 +441,18 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         spent = False  # this loop turn's slice is used up: the rest waits for the next
         try:
             while True:
-                # 1. The same routing key as the frame before: extend the run.
+                # 1. The same routing key as the frame before: extend the run; once it is
+                #    a few frames long, by all its frames up to the first of another group.
                 if key and buf.startswith(key, pos) and pos + key_total <= end:
-                    pos += key_total
-                    run_frames += 1
+                    if run_frames < _SCAN_AFTER or key_total != run_size:
+                        pos += key_total
+                        run_frames += 1
+                        continue
+                    counted = _same_key_frames(
+                        key, run_keys[targets, key_total], buf, mv, pos, end, key_total
+                    )
+                    pos += counted * key_total
+                    run_frames += counted
                     continue
                 # 2. A key seen before: its decision is cached; a run continues as long
                 #    as the targets stay the same, whatever the destination address.
@@ -416,7 +461,9 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     hit = decisions.get(seen)
                     if hit is not None and pos + hit.size <= end:
                         if hit.carry is not PLAIN:
-                            # A request or response: its own pending-table work, no run.
+                            # Requests or responses: each its own pending-table work, no
+                            # run. A burst of them with this key is carried out at once, up
+                            # to the next look at the clock.
                             if run_frames:
                                 flush_run(self, targets, mv[run_start:pos], run_frames, run_size)
                                 run_frames = 0
@@ -425,8 +472,18 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             if not costly & _COSTLY_MASK and self._past_slice():
                                 spent = True
                                 break
-                            forwarder.forward(self, hit, buf, mv, pos)
-                            pos += hit.size
+                            burst = forwarder.forward(
+                                self,
+                                hit,
+                                seen,
+                                buf,
+                                mv,
+                                pos,
+                                end,
+                                _COSTLY_MASK + 1 - (costly & _COSTLY_MASK),
+                            )
+                            costly += burst - 1
+                            pos += burst * hit.size
                             run_start = pos
                             continue
                         key = seen
@@ -440,6 +497,16 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             run_size = key_total
                         elif key_total != run_size:
                             run_size = 0
+                        elif run_frames >= _SCAN_AFTER:
+                            # A run of several keys (or one key again after others):
+                            # count its frames up to the first of another group at once.
+                            # The frame at ``pos`` is in the group, so the count is >= 1.
+                            counted = _frames_in(
+                                run_keys[targets, key_total], mv, pos, end, key_total
+                            )
+                            pos += counted * key_total
+                            run_frames += counted
+                            continue
                         pos += key_total
                         run_frames += 1
                         continue
@@ -462,6 +529,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                     self._on_control(bytes(buf[pos : pos + total]))
                     if self._decisions_version != routing.version:
                         decisions.clear()
+                        run_keys.clear()
                         self._decisions_version = routing.version
                     if perf_counter() > self._slice_end and self.state is not LinkState.CLOSED:
                         pos += total
@@ -484,11 +552,17 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                         else forwarder.route_connector_frame(self, buf, mv, pos, total)
                     )
                     if decided is not None:
-                        (seen,) = _unpack_key(buf, pos)
+                        unpacked = _unpack_key(buf, pos)
+                        (seen,) = unpacked
                         if len(decisions) >= _MAX_DECISIONS:
                             decisions.clear()
+                            run_keys.clear()
                         decisions[seen] = decided
                         if decided.carry is PLAIN:
+                            group = run_keys.get((decided.targets, total))
+                            if group is None:
+                                group = run_keys[decided.targets, total] = set()
+                            group.add(unpacked)
                             # This frame opens a run, flushed with the frames that follow it.
                             key = seen
                             key_total = run_size = total
@@ -497,7 +571,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             pos += total
                             run_frames = 1
                             continue
-                        forwarder.forward(self, decided, buf, mv, pos)
+                        forwarder.forward(self, decided, seen, buf, mv, pos, end, 1)
                 pos += total
                 run_start = pos
                 if self.state is LinkState.CLOSED or self._blocked:
@@ -613,12 +687,71 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         and grow the buffer if that is not enough (a frame larger than the buffer)."""
         pending = self._end - self._start
         size = len(self._buf)
+        if size - pending >= self._min_read and pending <= self._start:
+            # Room enough once the tail (mostly part of one frame) is moved to the front,
+            # and the two do not overlap: moved in place. Nothing holds a view of the
+            # buffer between reads -- the outbox was flushed at the end of ``_process``,
+            # and the loop takes a view only from here to ``buffer_updated`` -- while a
+            # fresh buffer costs an allocation, its zeroing and its page faults per read.
+            self._buf[:pending] = self._mv[self._start : self._end]
+            self._start, self._end = 0, pending
+            return
         if size - pending < self._min_read:
             size = min(2 * size, self.max_frame + _READ_BUFFER)
-        # A fresh buffer rather than an in-place move or resize: the loop may still hold
-        # views of the old one, and a bytearray with live views cannot be resized.
+        # A fresh buffer rather than a resize: a bytearray with live views (``_mv``)
+        # cannot be resized.
         buf = bytearray(size)
         buf[:pending] = self._mv[self._start : self._end]
         self._buf = buf
         self._mv = memoryview(buf)
         self._start, self._end = 0, pending
+
+
+@functools.lru_cache(maxsize=64)
+def _scan_keys(size: int) -> Callable[[memoryview], Iterator[tuple[bytes]]]:
+    """The routing keys of consecutive frames of ``size`` bytes, one 1-tuple each."""
+    return struct.Struct(f"{ROUTING_KEY_SIZE}s{size - ROUTING_KEY_SIZE}x").iter_unpack
+
+
+def _frames_in(keys: set[tuple[bytes]], mv: memoryview, pos: int, end: int, size: int) -> int:
+    """How many whole frames of ``size`` bytes from ``pos`` have their routing key in
+    ``keys``, up to the first that has not (or the end of the read).
+
+    Sound without looking at each frame's length: a key holds the length field, and
+    every key in ``keys`` is one of frames of ``size`` bytes. One C-level pass:
+    ``issuperset`` stops at the first key missing, and the iterator's length hint says
+    how far it got."""
+    count = (end - pos) // size
+    scan = _scan_keys(size)(mv[pos : pos + count * size])
+    if keys.issuperset(scan):
+        return count
+    return count - length_hint(scan) - 1
+
+
+def _same_key_frames(
+    key: bytes,
+    keys: set[tuple[bytes]],
+    buf: bytearray,
+    mv: memoryview,
+    pos: int,
+    end: int,
+    size: int,
+) -> int:
+    """``_frames_in`` for a run whose frame at ``pos`` has routing key ``key`` (one of
+    ``keys``), faster while the frames keep that key: a chunk of them is checked a byte
+    column at a time -- each of the key's 40 bytes, in every frame of the chunk, by one
+    strided slice compared with that byte repeated -- with no object made per frame.
+    From the first chunk with another key in it, the set lookups take over."""
+    left = (end - pos) // size
+    at = pos
+    chunk = _FIRST_CHUNK
+    while left >= _FIRST_CHUNK:
+        count = min(chunk, left)
+        last = at + count * size
+        if any(buf[at + i : last : size] != key[i : i + 1] * count for i in _KEY_COLUMNS):
+            break
+        at = last
+        left -= count
+        chunk *= 2
+    counted = (at - pos) // size
+    return counted + _frames_in(keys, mv, at, end, size) if left else counted

@@ -112,6 +112,16 @@ class Outbox:
         self.queue(link, frame, 1)
         return True
 
+    def deliver_run(self, link: Endpoint, frames: Frames, count: int, size: int) -> None:
+        """Queue ``count`` frames of ``size`` bytes each for ``link``, as ``deliver``
+        would one by one."""
+        if size > link.max_frame:
+            self.stats.dropped_too_large += count
+            return
+        if link.peer is not None:
+            frames = stamp_run(frames, count, size, link.peer.tag_out)
+        self.queue(link, frames, count)
+
     def queue(self, link: Endpoint, frames: Frames, count: int) -> None:
         """Queue ``count`` frames (one contiguous slice) for ``link`` without checks."""
         link.msgs_out += count

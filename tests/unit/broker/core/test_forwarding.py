@@ -3,6 +3,7 @@ on capturing transports fed by hand (``Hub``) -- no broker, no network."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -336,3 +337,190 @@ async def test_an_anycast_goes_to_a_local_member_before_a_peer(hub: Hub) -> None
     hub.routing.leave(B1, POOL)
     hub.feed(a, encode_data(POOL, A1, b"job"))
     assert payloads(hub.received(q)) == [b"job"], "no local member left: the peer's"
+
+
+# -- runs over interleaved destinations (Link._process, _frames_in) ------------------------
+
+B3 = Unicast("beta", 3).to_bytes()
+R2 = Unicast("remote", 2).to_bytes()
+
+
+async def test_interleaved_destinations_on_one_link_make_one_run_and_one_decision_each(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2, B3)
+    spy = Spy(hub, monkeypatch)
+    frames = [encode_data((B1, B2, B3)[i % 3], A1, b"%04d" % i, msg_id=i) for i in range(300)]
+    hub.feed(a, *frames)
+    received = [f for f in hub.received(b) if isinstance(f, DataFrame)]
+    assert [f.payload for f in received] == [b"%04d" % i for i in range(300)]
+    assert [f.dst for f in received[:3]] == [B1, B2, B3]
+    assert spy.calls == 3
+    assert (a.msgs_in, b.msgs_out) == (300, 300)
+
+
+async def test_a_run_over_interleaved_destinations_ends_at_a_frame_for_other_targets(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    frames = [encode_data((B1, B2)[i % 2], A1, b"%03d" % i) for i in range(40)]
+    frames[25] = encode_data(C1, A1, b"c25")  # other targets
+    frames[30] = encode_data(B1, A1, b"longer30")  # the same targets, another size
+    frames[33] = encode_data(NOBODY, A1, b"n33")  # no route
+    hub.feed(a, *frames, *frames)  # the second time every key is cached
+    for_b = [b"%03d" % i for i in range(40) if i not in (25, 30, 33)]
+    for_b.insert(29, b"longer30")
+    assert payloads(hub.received(b)) == for_b * 2
+    assert payloads(hub.received(c)) == [b"c25"] * 2
+    assert hub.stats.dropped_no_route == 2
+    assert (a.msgs_in, b.msgs_out + c.msgs_out) == (80, 78)
+
+
+async def test_a_run_over_interleaved_destinations_stops_at_a_frame_cut_by_the_read(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    data = b"".join(encode_data((B1, B2)[i % 2], A1, b"%02d" % i) for i in range(50))
+    cut = len(data) // 2 + 7  # inside a frame
+    hub.feed(a, data[:cut])
+    hub.feed(a, data[cut:])
+    assert payloads(hub.received(b)) == [b"%02d" % i for i in range(50)]
+
+
+async def test_interleaved_destinations_behind_one_peer_are_stamped_in_one_run(
+    hub: Hub,
+) -> None:
+    a, q = hub.connector("a"), hub.peer("q", tag_out=TAG_FROM_Q)
+    register(hub, a, A1)
+    register(hub, q, R1, R2)
+    hub.feed(a, *(encode_data((R1, R2)[i % 2], A1, b"%02d" % i) for i in range(20)))
+    frames = [f for f in hub.received(q) if isinstance(f, DataFrame)]
+    assert [(f.hops, f.link_tag, f.dst, f.payload) for f in frames] == [
+        (1, TAG_FROM_Q, (R1, R2)[i % 2], b"%02d" % i) for i in range(20)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_any_mix_of_cached_keys_split_anywhere_is_delivered_in_order(
+    hub: Hub, seed: int
+) -> None:
+    """Random frames over destinations on two links, no route, and two sizes, in random
+    reads: each link gets exactly its frames, in order, and every frame is counted."""
+    rng = random.Random(seed)
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    owner = {B1: b, B2: b, C1: c, NOBODY: None}
+    sent: list[tuple[bytes, bytes]] = []
+    for i in range(rng.randrange(50, 400)):
+        dst = rng.choice((B1, B2, B1, B2, C1, NOBODY))
+        sent.append((dst, (b"%04d" if rng.random() < 0.9 else b"long%04d") % i))
+    data = b"".join(encode_data(dst, A1, payload) for dst, payload in sent)
+    pos = 0
+    while pos < len(data):
+        step = rng.randrange(1, 3000)
+        hub.feed(a, data[pos : pos + step])
+        pos += step
+    for link in (b, c):
+        expected = [payload for dst, payload in sent if owner[dst] is link]
+        assert payloads(hub.received(link)) == expected
+    assert a.msgs_in == len(sent)
+    assert hub.stats.dropped_no_route == sum(1 for dst, _ in sent if dst == NOBODY)
+
+
+@pytest.mark.parametrize("seed", range(10))
+async def test_long_same_key_runs_broken_anywhere_are_delivered_in_order(
+    hub: Hub, seed: int
+) -> None:
+    """Runs of one key long enough to be checked a chunk at a time (hundreds of frames),
+    broken by a frame for the same link, for another link, or of another size, anywhere."""
+    rng = random.Random(seed)
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    c = hub.connector("c")
+    register(hub, c, C1)
+    sent: list[tuple[bytes, bytes]] = []
+    for i in range(3000):
+        odd = rng.random() < 0.003
+        dst = rng.choice((B2, C1)) if odd else B1
+        sent.append((dst, b"longer%04d" % i if odd and rng.random() < 0.3 else b"%04d" % i))
+    data = b"".join(encode_data(dst, A1, payload) for dst, payload in sent)
+    pos = 0
+    while pos < len(data):
+        step = rng.randrange(20_000, 300_000)
+        hub.feed(a, data[pos : pos + step])
+        pos += step
+    assert payloads(hub.received(b)) == [p for dst, p in sent if dst in (B1, B2)]
+    assert payloads(hub.received(c)) == [p for dst, p in sent if dst == C1]
+    assert a.msgs_in == len(sent)
+
+
+# -- bursts of requests and responses (Forwarder.forward) ----------------------------------
+
+
+def request(msg_id: int, dst: bytes = B1, src: bytes = A1) -> bytes:
+    return encode_data(dst, src, b"q%d" % msg_id, msg_id=msg_id, flags=FLAG_REQUEST)
+
+
+def response(response_for: int, dst: bytes = A1, src: bytes = B1) -> bytes:
+    return encode_data(
+        dst, src, b"r%d" % response_for, response_for=response_for, flags=FLAG_RESPONSE
+    )
+
+
+async def test_a_burst_of_requests_past_the_cap_goes_up_to_it_and_the_rest_is_refused(
+    hub: Hub,
+) -> None:
+    a = hub.connector("a")
+    register(hub, a, A1, B1)  # a asks itself: its requests and refusals share one link
+    hub.pending.max_per_link = 3
+    hub.feed(a, *(request(i, dst=B1) for i in range(1, 6)))
+    received = hub.received(a)
+    assert [f.msg_id for f in received if isinstance(f, DataFrame)] == [1, 2, 3]
+    refused = [f for f in received if isinstance(f, ControlFrame)]
+    assert [f.type for f in refused] == [ControlType.NO_ROUTE] * 2
+    assert [f.body.msg_id for f in refused if isinstance(f.body, DeliveryFailure)] == [4, 5]
+    assert received.index(refused[0]) == 3, "the refusals come after the requests sent"
+    assert (len(hub.pending), hub.stats.requests, a.msgs_in) == (3, 3, 5)
+
+
+async def test_a_long_burst_of_requests_is_recorded_and_forwarded_whole(hub: Hub) -> None:
+    a, b = a_and_b(hub)
+    hub.feed(a, *(request(i) for i in range(1, 201)))
+    assert [f.msg_id for f in hub.received(b) if isinstance(f, DataFrame)] == list(range(1, 201))
+    assert (len(hub.pending), hub.stats.requests, a.msgs_in, b.msgs_out) == (200, 200, 200, 200)
+
+
+async def test_a_burst_of_responses_goes_to_the_requester_save_the_late_and_the_forged(
+    hub: Hub,
+) -> None:
+    a, b = a_and_b(hub)
+    register(hub, b, B2)
+    hub.feed(a, request(1), request(2, dst=B2), request(3), request(4))
+    hub.received(b)
+    # B1 answers 1, then 2 (a request to B2: not B1's to answer), 9 (no such request),
+    # then 3 and 4: all with one routing key.
+    hub.feed(b, response(1), response(2), response(9), response(3), response(4))
+    assert payloads(hub.received(a)) == [b"r1", b"r3", b"r4"]
+    assert (hub.stats.dropped_wrong_responder, hub.stats.late_responses) == (1, 1)
+    assert len(hub.pending) == 1, "request 2 still waits for B2"
+    hub.feed(b, response(2, src=B2))
+    assert payloads(hub.received(a)) == [b"r2"]
+    assert (b.msgs_in, a.msgs_out) == (6, 4)
+
+
+async def test_a_burst_of_responses_for_a_requester_behind_a_peer_is_stamped(hub: Hub) -> None:
+    b, q = hub.connector("b"), hub.peer("q", tag_out=TAG_FROM_Q)
+    register(hub, b, B1)
+    register(hub, q, R1)
+    hub.feed(b, *(response(i, dst=R1) for i in range(1, 40)))
+    frames = [f for f in hub.received(q) if isinstance(f, DataFrame)]
+    assert [(f.hops, f.link_tag, f.response_for) for f in frames] == [
+        (1, TAG_FROM_Q, i) for i in range(1, 40)
+    ]
