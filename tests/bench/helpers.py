@@ -64,9 +64,14 @@ def _kill_all(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def run_bench(*args: str, command: Sequence[str] = BENCH, cwd: Path = CHECKOUT) -> str:
+def run_bench(
+    *args: str,
+    command: Sequence[str] = BENCH,
+    cwd: Path = CHECKOUT,
+    timeout: float = BENCH_TIMEOUT,
+) -> str:
     """`python -m bench ARGS` (or ``command ARGS``) in a session of its own: its last line
-    on stdout."""
+    on stdout; killed, and the test failed, past ``timeout`` seconds."""
     process = subprocess.Popen(
         [*command, *args],
         stdout=subprocess.PIPE,
@@ -76,7 +81,7 @@ def run_bench(*args: str, command: Sequence[str] = BENCH, cwd: Path = CHECKOUT) 
         start_new_session=True,
     )
     try:
-        out, err = process.communicate(timeout=BENCH_TIMEOUT)
+        out, err = process.communicate(timeout=timeout)
     finally:
         if process.poll() is None:
             # Its whole session goes, not the bench alone: the brokers and the JVM it

@@ -11,7 +11,7 @@ import pytest
 
 from tests.bench.helpers import BENCH, CHECKOUT, run_bench
 
-pytestmark = [pytest.mark.slow, pytest.mark.spark]
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.xdist_group("jvm")]
 
 # The group imported by a process that has the checkout on its sys.path but neither runs
 # in it nor has it on PYTHONPATH (a notebook, a test runner started elsewhere): Spark's
@@ -27,7 +27,7 @@ LAST_LINE = (
 )
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("elsewhere", [False, True], ids=["python -m bench", "imported"])
 def test_spark_bench_last_line(elsewhere: bool, tmp_path: Path) -> None:
     """The benchmark itself runs once (a minute on two cores: a JVM and eight queries),
@@ -51,7 +51,9 @@ def test_spark_bench_last_line(elsewhere: bool, tmp_path: Path) -> None:
         for key in re.findall(r"(\w+)=\(", LAST_LINE):
             assert f"{key}=<" in documented, (key, documented)
         return
-    line = run_bench(*args, command=IMPORTED, cwd=tmp_path)
+    # A JVM and eight queries: about a minute on two idle cores, over two beside a
+    # test suite's other JVMs.
+    line = run_bench(*args, command=IMPORTED, cwd=tmp_path, timeout=240)
     match = re.fullmatch(LAST_LINE, line)
     assert match, line
     read, bus, parquet = int(match[1]), int(match[2]), int(match[3])

@@ -26,7 +26,7 @@ import meshbus
 from tests.conftest import BrokerProcess
 from tests.spark.conftest import publish
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("jvm")]
 
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 CHECKOUT = Path(__file__).parents[2]
@@ -120,6 +120,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             daemon.stop()
 
 
+@pytest.mark.timeout(300)
 async def test_register_refuses_workers_without_meshbus_and_a_restart_is_exactly_once(
     cluster: Cluster, broker: BrokerProcess, tmp_path: Path
 ) -> None:
@@ -142,7 +143,8 @@ async def test_register_refuses_workers_without_meshbus_and_a_restart_is_exactly
                 cwd=CHECKOUT, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
             try:
-                code = await asyncio.wait_for(driver.wait(), 90)
+                # Five JVMs: about a minute on two idle cores, more beside a test suite's others.
+                code = await asyncio.wait_for(driver.wait(), 200)
             finally:
                 if driver.returncode is None:  # its JVM ends with it (stdin closed)
                     driver.kill()
