@@ -16,7 +16,7 @@ import pytest
 import meshbus
 from meshbus import Multicast
 from meshbus.client.streams import StreamMessage
-from meshbus.errors import DeliveryFailed, StreamError
+from meshbus.errors import DeliveryFailed, FrameTooLarge, StreamError
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import start_broker_process, wait_members
 
@@ -298,3 +298,47 @@ async def test_a_data_dir_serves_one_broker(tmp_path: Path) -> None:
             await conn.ping()
     finally:
         await stop_all([first])
+
+
+async def test_a_batch_is_stored_and_delivered_row_by_row_once(broker: BrokerProcess) -> None:
+    """``send_batch``: frames split below the link's max_frame, each row a message of its
+    own for the stream and for a plain member, in order; sent again from a new connector
+    (a retried Spark task), every row is dropped by its publish id."""
+    rows = [(b"row %04d " % i * 10, b"job-7/%d" % i, i % 3) for i in range(500)]
+    async with (
+        await meshbus.connect(broker.address, server="admin") as admin,
+        await meshbus.connect(broker.address, server="member") as conn,
+    ):
+        await admin.streams.add("batches", "multicast:batches")
+        member = await conn.register()
+        await member.join("multicast:batches")
+        got: list[meshbus.Message] = []
+        member.add_listener(got.append)
+        for attempt in range(2):
+            async with await meshbus.connect(
+                broker.address, server="writer", max_frame=8192
+            ) as writer:
+                sender = await writer.register()
+                frames = await sender.send_batch("multicast:batches", rows)
+                await writer.wait_acked(10)
+                assert writer.unacked == 0
+            assert len(frames) > 5  # 500 rows of ~110 bytes do not fit one 8 KiB frame
+            assert sum(count for _, count in frames) == 500
+            stored = await fetch_all(admin, "batches")
+            assert [(m.seq, m.payload, m.priority) for m in stored] == [
+                (i + 1, payload, priority) for i, (payload, _, priority) in enumerate(rows)
+            ], f"attempt {attempt}"
+            assert {str(m.dst) for m in stored} == {"multicast:batches"}
+            assert [(m.payload, m.priority) for m in got] == [(p, pr) for p, _, pr in rows]
+            assert {str(m.dst) for m in got} == {"multicast:batches"}
+
+
+async def test_a_batch_row_too_large_for_a_frame_fails_before_sending(
+    broker: BrokerProcess,
+) -> None:
+    async with await meshbus.connect(broker.address, server="writer", max_frame=4096) as conn:
+        await conn.streams.add("big", "multicast:big")
+        sender = await conn.register()
+        with pytest.raises(FrameTooLarge, match="exceeds the maximum frame size of 4096"):
+            await sender.send_batch("multicast:big", [(b"small", b"1"), (b"x" * 5000, b"2")])
+        assert (await conn.streams.info("big")).messages == 0

@@ -98,3 +98,36 @@ async def test_a_batch_write_rerun_with_its_write_id_is_stored_once(
     await in_thread(write, "nightly-1")
     assert len(await in_thread(stored, "red")) == 10
     assert len(await in_thread(stored, "blue")) == 10
+
+
+async def test_rows_in_message_groups_arrive_in_order_and_a_row_over_max_frame_fails(
+    spark: SparkSession, broker: BrokerProcess
+) -> None:
+    """A DataFrame with a `group` column goes row by row (each message takes its place in
+    its group); a row too large for a frame fails the job with FrameTooLarge, not a cut."""
+    rows = [(f"turn {i}", f"match-{i % 2}", i >= 18) for i in range(20)]
+
+    def write(df_rows: list[tuple[object, ...]], schema: str) -> None:
+        (
+            spark.createDataFrame(df_rows, schema)
+            .coalesce(1)
+            .write.format("meshbus")
+            .option("brokers", broker.address)
+            .option("address", "anycast:referee")
+            .mode("append")
+            .save()
+        )
+
+    async with await meshbus.connect(broker.address, server="referee") as conn:
+        referee = await conn.register()
+        await referee.join("anycast:referee")
+        got: list[meshbus.Message] = []
+        referee.add_listener(got.append)
+        await in_thread(write, rows, "payload STRING, group STRING, final BOOLEAN")
+        for match in ("match-0", "match-1"):
+            mine = [(m.payload.decode(), m.final) for m in got if m.group == match]
+            assert mine == [(p, f) for p, g, f in rows if g == match]
+
+        with pytest.raises(Exception, match="exceeds the maximum frame size") as failed:
+            await in_thread(write, [(b"x" * (2 << 20),)], "payload BINARY")
+        assert "FrameTooLarge" in str(failed.value)

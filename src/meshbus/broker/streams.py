@@ -43,6 +43,7 @@ from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
+from meshbus.protocol.batch import BATCH_ROWS, decode_rows
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -52,7 +53,7 @@ from meshbus.protocol.control import (
     StreamReply,
     StreamRequest,
 )
-from meshbus.protocol.ext import ack_frames, split
+from meshbus.protocol.ext import Ext, ack_frames, split
 from meshbus.protocol.layout import (
     DATA_HEADER,
     FLAG_ACK,
@@ -290,8 +291,17 @@ class StreamHost:
             if flags & FLAG_EXT:
                 try:
                     ext, payload = split(payload)
-                except ProtocolError:
+                    if ext.batch:
+                        rows = self._rows(ext, payload, src, dst)
+                except ProtocolError as exc:
                     self.dropped += 1
+                    log.warning(
+                        "dropped a frame with a bad extension block",
+                        extra={"src": describe_address(src), "error": str(exc)},
+                    )
+                    continue
+                if ext.batch:
+                    self._queue(dst, src, msg_id, flags, rows)
                     continue
                 publish = ext.publish_id
                 if not publish and flags & FLAG_RELIABLE:
@@ -311,6 +321,39 @@ class StreamHost:
                 entry[0].append(message)
                 if flags & FLAG_RELIABLE:
                     entry[1].setdefault(src, []).append(msg_id)
+
+    @staticmethod
+    def _rows(ext: Ext, payload: bytes, src: bytes, dst: bytes) -> list[NewMessage]:
+        """A batch frame's rows as messages of their own, each with its publish id (so a
+        resent batch is stored once per row); ProtocolError if it is not a batch of
+        rows in a format this broker reads."""
+        if ext.batch != BATCH_ROWS:
+            raise ProtocolError(
+                f"batch format {ext.batch} is unknown to this broker (it reads format "
+                f"{BATCH_ROWS}): upgrade it to the sender's meshbus version"
+            )
+        if ext.group or ext.command:
+            raise ProtocolError("a batch frame cannot be a message group's or a command")
+        origin = ext.origin or dst
+        new = _new_message
+        return [
+            new(NewMessage, (src, origin, row.payload, b"", row.priority, row.publish_id))
+            for row in decode_rows(payload)
+        ]
+
+    def _queue(
+        self, dst: bytes, src: bytes, msg_id: int, flags: int, messages: list[NewMessage]
+    ) -> None:
+        """A batch frame's rows, for this turn's commit; the frame is acknowledged once
+        all of them are stored."""
+        batch, by_member = self._batch, self._by_member
+        for name in (by_member[dst],) if dst in by_member else self._by_group.get(dst, ()):
+            entry = batch.get(name)
+            if entry is None:
+                entry = batch[name] = ([], {})
+            entry[0].extend(messages)
+            if flags & FLAG_RELIABLE:
+                entry[1].setdefault(src, []).append(msg_id)
 
     def _commit(self) -> None:
         batch, self._batch = self._batch, {}

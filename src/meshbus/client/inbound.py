@@ -40,6 +40,7 @@ from meshbus.client.receiving import Receiving
 from meshbus.client.reliable import Unacked
 from meshbus.client.waiters import Waiters
 from meshbus.errors import MeshbusError, NoRoute, PermissionDenied, ProtocolError, Timeout
+from meshbus.protocol.batch import BATCH_ROWS, BatchRow, decode_rows
 from meshbus.protocol.codec import ControlFrame, DataFrame
 from meshbus.protocol.control import DeliveryFailure, Left, TraceReport
 from meshbus.protocol.ext import Ext, split
@@ -133,6 +134,7 @@ class Inbound:
             return
         self._heard(frame.src)
         ext: Ext | None = None
+        rows: list[BatchRow] = []
         if flags & FLAG_EXT:
             try:
                 ext, frame.payload = split(frame.payload)
@@ -149,6 +151,11 @@ class Inbound:
             if flags & FLAG_TRACE:
                 report = TraceReport(frame.src, frame.msg_id, frame.dst, ext.sent_at, time.time())
                 self._outbound.send_control(ControlType.TRACE, report)
+            if ext.batch:
+                decoded = self._batch_rows(frame, ext)
+                if decoded is None:
+                    return
+                rows = decoded
         if dst[0] in (CAST_MULTICAST, CAST_ANYCAST):
             members = self._members(frame)
         else:
@@ -174,7 +181,19 @@ class Inbound:
                 continue
             if flags & FLAG_RELIABLE and not receiving.accept(member, frame):
                 continue
-            if ext is None:
+            if ext is not None and ext.batch:
+                # One message per row, each deduplicated by its publish id: a batch sent
+                # again from a new connector (a retried Spark task) has new message ids.
+                for row in rows:
+                    if receiving.first_publish(member, row.publish_id):
+                        row_ext = Ext(
+                            origin=ext.origin, priority=row.priority, publish_id=row.publish_id
+                        )
+                        message = Message(
+                            frame.src, frame.dst, row.payload, frame.msg_id, flags, member, row_ext
+                        )
+                        member.deliver(message)
+            elif ext is None:
                 member.deliver(
                     Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, member)
                 )
@@ -184,6 +203,27 @@ class Inbound:
                 self._tasks.spawn(self._obey(member, ext.command, frame.payload), "subscribe-other")
             else:
                 member.deliver(Message.of(frame, member, ext, False))
+
+    def _batch_rows(self, frame: DataFrame, ext: Ext) -> list[BatchRow] | None:
+        """The rows of a batch frame; None (dropped, counted, not acknowledged) when it
+        is not one this connector can deliver: the sender's bytes, not the broker's, so
+        the link stays up."""
+        try:
+            if ext.batch != BATCH_ROWS:
+                raise ProtocolError(
+                    f"batch format {ext.batch} is unknown here (this connector reads format "
+                    f"{BATCH_ROWS}): upgrade it to the sender's meshbus version"
+                )
+            if ext.group or ext.command:
+                raise ProtocolError("a batch frame cannot be a message group's or a command")
+            return decode_rows(frame.payload)
+        except ProtocolError as exc:
+            log.warning(
+                "dropped a bad batch frame",
+                extra={"src": describe_address(frame.src), "error": str(exc)},
+            )
+            self.dropped += 1
+            return None
 
     def _members(self, frame: DataFrame) -> Sequence[Mailbox]:
         """The services here that get a group's frame: its members (one random one of an

@@ -80,6 +80,9 @@ _TICK = 0.01
 # How long a multicast's member list is reused: a member that joined since is not waited
 # for (it still gets the message if it joined before the broker routed it).
 _MEMBERS_TTL = 1.0
+# Batch frames unacknowledged at once, per connector: ``max_unacked`` counts frames, and
+# ten thousand batch frames of up to a megabyte each would be gigabytes held for resends.
+MAX_UNACKED_BATCHES = 16
 
 GroupKey = tuple[bytes, bytes, bytes]  # (sending service, anycast address, group id)
 
@@ -161,6 +164,9 @@ class Unacked:
         self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._batches = 0  # batch frames among ``messages``
+        self._batch_room = asyncio.Event()
+        self._batch_room.set()
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -175,12 +181,20 @@ class Unacked:
         """Wait until every message sent so far is acknowledged or given up."""
         await self._idle.wait()
 
+    async def batch_room(self) -> None:
+        """Wait while ``MAX_UNACKED_BATCHES`` batch frames are unacknowledged."""
+        while self._batches >= MAX_UNACKED_BATCHES:
+            self._batch_room.clear()
+            await self._batch_room.wait()
+
     def add(
         self, msg_id: int, pending: _Pending, members: frozenset[bytes] | None, now: float
     ) -> None:
         """Track a message sent to ``pending.dst``, or, to a multicast, to ``members``."""
         self.messages[msg_id] = pending
         self._idle.clear()
+        if pending.ext is not None and pending.ext.batch:
+            self._batches += 1
         if members is None:
             self.outbox.add(msg_id, frozenset((pending.dst,)), now)
         else:
@@ -270,6 +284,10 @@ class Unacked:
             self._room.set()
         if not self.messages:
             self._idle.set()
+        if pending.ext is not None and pending.ext.batch:
+            self._batches -= 1
+            if self._batches < MAX_UNACKED_BATCHES:
+                self._batch_room.set()
         if pending.group is None:
             return
         state = self.groups.get(pending.group)
@@ -292,8 +310,10 @@ class Unacked:
         self.messages.clear()
         for msg_id in self.outbox.ids():
             self.outbox.remove(msg_id)
+        self._batches = 0
         self._room.set()
         self._idle.set()
+        self._batch_room.set()
 
 
 class Reliable:
@@ -338,8 +358,11 @@ class Reliable:
         wait: bool,
         timeout: float | None = None,
         command: str = "",
+        batch: int = 0,
     ) -> int:
-        """Send reliably; with ``wait``, return once acknowledged. What the broker is
+        """Send reliably; with ``wait``, return once acknowledged. ``batch``: the payload
+        is a batch of rows in that format (meshbus.protocol.batch); it waits while
+        ``MAX_UNACKED_BATCHES`` batch frames are unacknowledged. What the broker is
         asked first (the group's member, a group's members) is asked again while it
         cannot answer now, until ``timeout`` seconds (None: the retry policy's
         ``give_up_after``) have passed: then ``Timeout``."""
@@ -352,6 +375,8 @@ class Reliable:
         deadline = _now() + limit
         unacked = self._unacked
         await unacked.room()
+        if batch:
+            await unacked.batch_room()
         targets: frozenset[bytes] | None = None
         target = dst
         state: _GroupSend | None = None
@@ -410,12 +435,13 @@ class Reliable:
                 origin=dst, group=group, seq=seq, floor=state.floor(), final=final,
                 priority=priority, publish_id=publish_id,
             )  # fmt: skip
-        elif target != dst or priority or publish_id or command:
+        elif target != dst or priority or publish_id or command or batch:
             ext = Ext(
                 origin=dst if target != dst else b"",
                 priority=priority,
                 publish_id=publish_id,
                 command=command,
+                batch=batch,
             )
         flags = _RELIABLE | (FLAG_ECHO if echo else 0) | (FLAG_EXT if ext is not None else 0)
         future = asyncio.get_running_loop().create_future() if wait else None

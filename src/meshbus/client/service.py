@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -31,6 +31,7 @@ from meshbus.errors import (
     NotConnected,
     RegistrationError,
 )
+from meshbus.protocol.batch import BATCH_ROWS, FRAME_OVERHEAD, RowTuple, pack_rows
 from meshbus.protocol.codec import BytesLike, payload_bytes
 from meshbus.protocol.control import AddressBody, Empty
 from meshbus.protocol.ext import Ext, wrap
@@ -388,6 +389,45 @@ class Service:
             wait=True,
             timeout=_checked_send_timeout(timeout),
         )
+
+    async def send_batch(
+        self, dst: AddressLike, rows: Sequence[RowTuple], *, timeout: float | None = None
+    ) -> list[tuple[int, int]]:
+        """Send ``rows`` -- ``(payload, publish_id)`` or ``(payload, publish_id, priority)``
+        tuples -- reliably to ``dst`` in as few frames as the link's ``max_frame`` allows
+        (docs/protocol.md §4.9). Every receiver gets each row as a message of its own, in
+        order, and a stream stores each row as a message of its own; a frame is
+        acknowledged, resent and given up (``Connector.on_delivery_failed``) as one
+        reliable message. The publish id (1 to 1024 bytes, required) is what keeps each
+        row exactly once when a frame is resent, or a whole job sent again.
+
+        Returns ``(msg_id, rows)`` per frame sent, in order; ``msg_id`` is 0 for a frame
+        to a multicast address without members. Waits while 16 batch frames of this
+        connector are unacknowledged. A row too large for a frame of its own raises
+        ``meshbus.FrameTooLarge``, a row with a bad field ``InvalidArgument``, before
+        anything is sent. ``timeout`` as for ``send``. Not for message groups, whose
+        messages each have their place in the group: send those with ``send``."""
+        raw = as_address(dst).to_bytes()
+        timeout = _checked_send_timeout(timeout)
+        limit = self._parts.links.max_frame - FRAME_OVERHEAD
+        packed = list(pack_rows(rows, limit))  # every row checked before the first send
+        sent: list[tuple[int, int]] = []
+        for payload, count in packed:
+            msg_id = await self._parts.reliable.send(
+                self._raw,
+                raw,
+                payload,
+                echo=False,
+                group=b"",
+                final=False,
+                priority=0,
+                publish_id=b"",
+                wait=False,
+                timeout=timeout,
+                batch=BATCH_ROWS,
+            )
+            sent.append((msg_id, count))
+        return sent
 
     # -- the Postina verbs (docs/architecture.md) ------------------------------------------
 

@@ -12,6 +12,7 @@ frame, and connectors when they deliver it.
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import msgspec
 
@@ -27,7 +28,8 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     member (a reliable resend, an anycast send pinned to a member, a message group).
     ``group``/``seq``/``floor``/``final``: message-group ordering (client/delivery.py).
     ``publish_id``: a stream stores a frame with a given id once per dedupe window.
-    ``priority``: the sender's priority, carried to the receiver."""
+    ``priority``: the sender's priority, carried to the receiver. ``batch``: the
+    payload is many rows (meshbus.protocol.batch)."""
 
     origin: bytes = b""
     group: bytes = b""
@@ -40,6 +42,9 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     # receiving service to the topic named by the payload; not delivered as a message.
     command: str = ""
     sent_at: float = 0.0  # with the TRACE flag: when the sending connector sent it
+    # Not 0: the payload is a batch of rows in this format (meshbus.protocol.batch), each
+    # delivered and stored as a message of its own.
+    batch: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
 
 
 _encode = msgspec.msgpack.Encoder().encode

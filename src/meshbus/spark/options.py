@@ -64,6 +64,7 @@ class WriteOptions:
     address: str | None  # the text form; None: every row has an `address` column
     write_id: str | None  # batch writes; None: one made up per save()
     ack_timeout: float
+    max_batch_rows: int  # rows per batch frame, at most (fewer when max_frame is reached)
 
 
 class _Options:
@@ -214,6 +215,7 @@ def parse_write(options: Mapping[str, str]) -> WriteOptions:
         address=address,
         write_id=opts.text("writeId"),
         ack_timeout=opts.seconds("ackTimeout", 60.0),
+        max_batch_rows=opts.count("maxBatchRows", 4096),
     )
 
 

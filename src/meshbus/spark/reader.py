@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import (
@@ -61,7 +60,6 @@ from meshbus.errors import StreamError
 from meshbus.protocol.blocks import Block, BlockSlice
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
-from meshbus.storage.sqlite import SqliteStreamReader
 
 log = logging.getLogger("meshbus.spark")
 
@@ -165,6 +163,8 @@ def to_batch(part: SeqRange, pieces: list[BlockSlice], schema: pa.Schema) -> pa.
         if name == "stream":
             array = pa.repeat(pa.scalar(part.options.stream, kind), total)
         elif name == "seq":  # a running sum in C: pa.array(range(...)) took 60 ns a row
+            import pyarrow.compute as pc  # here: see _read_local
+
             ones = pa.repeat(pa.scalar(1, kind), total)
             array = pc.cumulative_sum(ones, start=pa.scalar(first - 1, kind))
         elif name == "stored_at":
@@ -318,6 +318,11 @@ def _read_local(part: SeqRange, store: str, schema: pa.Schema) -> Iterator[pa.Re
     """``read_range`` from the broker's SQLite file (read-only; WAL lets the broker go
     on writing): no broker work, no socket, the pages packed here."""
     opts = part.options
+    # Imported where a task uses it, not with the module: Spark starts a fresh Python
+    # process per streaming query for the source's offsets, and its imports are part of
+    # every query's start (this and pyarrow.compute were 60 ms of it, BENCHMARKS.md).
+    from meshbus.storage.sqlite import SqliteStreamReader
+
     reader = SqliteStreamReader(store)
     try:
         expected = part.start

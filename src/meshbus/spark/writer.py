@@ -1,12 +1,15 @@
 """Writing rows to an address on the bus, in batches and from streaming queries.
 
 Each Spark task opens a connector, registers one service (``SERVER:65536`` and
-up) and sends every row of its partition reliably: the task returns -- and Spark
+up) and sends every row of its partition reliably, in *batch frames*
+(``Service.send_batch``, docs/protocol.md §4.9): up to ``maxBatchRows`` rows to one
+address in a frame, acknowledged and resent as one message, each row delivered
+(and stored by a stream) as a message of its own. The task returns -- and Spark
 may commit the batch -- only once every receiving connector (every member, for a
-multicast address) has acknowledged every row, or it fails with the
-``DeliveryFailed`` of the first row given up. Sends are not awaited one by one:
-up to ``ReliableConfig.max_unacked`` are in flight, as ``send(reliable=True)``
-allows.
+multicast address) has acknowledged every frame, or it fails with the
+``DeliveryFailed`` of the first frame given up. Frames are not awaited one by
+one: up to 16 are in flight. Rows of a DataFrame with a ``group`` column go one
+frame each, as ``send(..., group=...)``: each takes its own place in its group.
 
 Every row carries a publish id, so that a retried task or a replayed micro-batch
 is delivered (and stored by a stream) once: a receiving connector drops a publish
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import uuid
 from collections.abc import Iterator
@@ -53,8 +57,10 @@ from pyspark.sql.types import (
     StructType,
 )
 
+import meshbus
 from meshbus.address import Address, Anycast
 from meshbus.errors import DeliveryFailed, MeshbusError, Timeout
+from meshbus.protocol.batch import RowTuple
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, WriteOptions, check_address, option_error
 
@@ -149,64 +155,27 @@ async def send_partition(
     conn = await bus.connect(options.bus, keepalive=1.0)
     failed: list[DeliveryFailed] = []
     conn.on_delivery_failed(failed.append)
-    sent = unheard = 0
-    addresses: dict[str, Address] = {}
-    default = Address.parse(options.address) if options.address else None
+    rows = _Rows(options, layout, prefix)
     try:
         service = await conn.register()
         while (batch := await loop.run_in_executor(None, next, batches, None)) is not None:
-            columns = {name: batch.column(name).to_pylist() for name in layout.columns}
-            payloads = columns["payload"]
-            for i in range(batch.num_rows):
-                payload = payloads[i]
-                if payload is None:
-                    raise ValueError(f"{PREFIX}: row {sent} has a null payload")
-                if layout.payload_text:
-                    payload = payload.encode()
-                dst = default
-                if layout.has("address") and (text := columns["address"][i]) is not None:
-                    dst = addresses.get(text)
-                    if dst is None:
-                        dst = addresses[text] = Address.parse(
-                            check_address(text, f"row {sent}: column 'address'")
-                        )
-                if dst is None:
-                    raise ValueError(f"{PREFIX}: row {sent} has no address")
-                publish_id = columns["publish_id"][i] if layout.has("publish_id") else None
-                if publish_id is None:
-                    publish_id = prefix + sent.to_bytes(8, "big")
-                elif layout.publish_id_text:
-                    publish_id = publish_id.encode()
-                group = columns["group"][i] if layout.has("group") else None
-                if group is not None and not isinstance(dst, Anycast):
-                    raise ValueError(
-                        f"{PREFIX}: row {sent} is in message group {group!r}, so it must go "
-                        f"to an anycast address, not {dst}"
-                    )
-                msg_id = await service.send(
-                    dst,
-                    payload,
-                    reliable=True,
-                    group=group,
-                    final=bool(group is not None and layout.has("final") and columns["final"][i]),
-                    priority=(columns["priority"][i] or 0) if layout.has("priority") else 0,
-                    publish_id=publish_id,
-                )
-                sent += 1
-                unheard += msg_id == 0
+            if layout.has("group"):
+                await rows.send_one_by_one(service, batch)
+            else:
+                await rows.send_batched(service, batch)
         try:
             await conn.wait_acked(options.ack_timeout)
         except TimeoutError:
             raise Timeout(
-                f"{PREFIX}: {conn.unacked} of {sent} messages were not acknowledged within "
-                f"{options.ack_timeout} s (option 'ackTimeout')",
+                f"{PREFIX}: {conn.unacked} of {rows.frames} frames ({rows.sent} rows) were not "
+                f"acknowledged within {options.ack_timeout} s (option 'ackTimeout')",
                 options.ack_timeout,
             ) from None
         if failed:
             first = failed[0]
             raise DeliveryFailed(
-                f"{PREFIX}: {len(failed)} of {sent} messages were never acknowledged; "
-                f"the first: {first}",
+                f"{PREFIX}: {len(failed)} of {rows.frames} frames ({rows.sent} rows) were never "
+                f"acknowledged; the first: {first}",
                 first.address,
                 first.msg_id,
             )
@@ -214,7 +183,119 @@ async def send_partition(
         bus.reraise(exc, options.bus, f"sending partition {partition}")
     finally:
         await conn.close()
-    return Sent(partition, sent, unheard)
+    return Sent(partition, rows.sent, rows.unheard)
+
+
+class _Rows:
+    """One task's rows on their way: each gets the next index of the partition, which
+    makes its derived publish id."""
+
+    def __init__(self, options: WriteOptions, layout: Layout, prefix: bytes) -> None:
+        self.options = options
+        self.layout = layout
+        self.prefix = prefix
+        self.default = Address.parse(options.address) if options.address else None
+        self.addresses: dict[str, Address] = {}
+        self.sent = 0  # rows
+        self.frames = 0
+        self.unheard = 0  # rows sent to a multicast address without members
+
+    def _address(self, text: str | None, row: int) -> Address:
+        dst = self.default
+        if text is not None:
+            dst = self.addresses.get(text)
+            if dst is None:
+                dst = self.addresses[text] = Address.parse(
+                    check_address(text, f"row {row}: column 'address'")
+                )
+        if dst is None:
+            raise ValueError(f"{PREFIX}: row {row} has no address")
+        return dst
+
+    def _payloads(self, batch: pa.RecordBatch) -> list[bytes]:
+        column = batch.column("payload")
+        if column.null_count:
+            row = self.sent + column.to_pylist().index(None)
+            raise ValueError(f"{PREFIX}: row {row} has a null payload")
+        if self.layout.payload_text:  # UTF-8 already: the same buffers, seen as bytes
+            column = column.cast(pa.binary())
+        payloads: list[bytes] = column.to_pylist()
+        return payloads
+
+    def _publish_ids(self, batch: pa.RecordBatch) -> list[bytes]:
+        prefix, first = self.prefix, self.sent
+        derived = [prefix + i.to_bytes(8, "big") for i in range(first, first + batch.num_rows)]
+        if not self.layout.has("publish_id"):
+            return derived
+        given = batch.column("publish_id")
+        if self.layout.publish_id_text:
+            given = given.cast(pa.binary())
+        return [own or made for own, made in zip(given.to_pylist(), derived, strict=True)]
+
+    async def send_batched(self, service: meshbus.Service, batch: pa.RecordBatch) -> None:
+        """Rows in batch frames of at most ``maxBatchRows`` rows: a run of rows to one
+        address at a time, so rows keep their order per address."""
+        payloads = self._payloads(batch)
+        ids = self._publish_ids(batch)
+        rows: list[RowTuple]
+        if self.layout.has("priority"):
+            priorities = [p or 0 for p in batch.column("priority").to_pylist()]
+            rows = list(zip(payloads, ids, priorities, strict=True))
+        else:
+            rows = list(zip(payloads, ids, strict=True))
+        if self.layout.has("address"):
+            runs = _runs(batch.column("address").to_pylist())
+        else:
+            runs = [(None, 0, len(rows))]
+        step = self.options.max_batch_rows
+        for text, start, stop in runs:
+            dst = self._address(text, self.sent + start)
+            for lo in range(start, stop, step):
+                chunk = rows[lo : min(lo + step, stop)]
+                for msg_id, count in await service.send_batch(dst, chunk):
+                    self.frames += 1
+                    self.unheard += count if msg_id == 0 else 0
+        self.sent += len(rows)
+
+    async def send_one_by_one(self, service: meshbus.Service, batch: pa.RecordBatch) -> None:
+        """A frame per row, for a DataFrame with a ``group`` column: every message of a
+        message group takes its own place in the group's order."""
+        layout = self.layout
+        payloads = self._payloads(batch)
+        ids = self._publish_ids(batch)
+        columns = {name: batch.column(name).to_pylist() for name in layout.columns}
+        for i in range(batch.num_rows):
+            row = self.sent
+            dst = self._address(columns["address"][i] if layout.has("address") else None, row)
+            group = columns["group"][i]
+            if group is not None and not isinstance(dst, Anycast):
+                raise ValueError(
+                    f"{PREFIX}: row {row} is in message group {group!r}, so it must go "
+                    f"to an anycast address, not {dst}"
+                )
+            msg_id = await service.send(
+                dst,
+                payloads[i],
+                reliable=True,
+                group=group,
+                final=bool(group is not None and layout.has("final") and columns["final"][i]),
+                priority=(columns["priority"][i] or 0) if layout.has("priority") else 0,
+                publish_id=ids[i],
+            )
+            self.sent += 1
+            self.frames += 1
+            self.unheard += msg_id == 0
+
+
+def _runs(values: list[str | None]) -> list[tuple[str | None, int, int]]:
+    """(value, start, stop) of each run of equal values, in order."""
+    runs = []
+    start = 0
+    for value, run in itertools.groupby(values):
+        stop = start + sum(1 for _ in run)
+        runs.append((value, start, stop))
+        start = stop
+    return runs
 
 
 def _run_task(

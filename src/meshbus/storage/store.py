@@ -31,7 +31,7 @@ import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
+from itertools import repeat, takewhile
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -125,6 +125,7 @@ class Appended(NamedTuple):
 # tuple's is not (the fields are the same).
 _new_tuple = tuple.__new__
 _payload_of = itemgetter(2)  # NewMessage.payload
+_publish_id_of = itemgetter(5)  # NewMessage.publish_id
 
 
 @dataclass(frozen=True)
@@ -391,11 +392,17 @@ class MirroredStore(StreamStore):
         """Number the batch; return the results and what to store, which gets the seqs
         from the old ``last_seq + 1`` on, in order. Once per captured message: kept tight."""
         window = st.config.dedupe_window
+        seq = st.last_seq
+        seen = st.ids.seen(now)
+        if window > 0:
+            ids = list(map(_publish_id_of, messages))
+            if all(ids) and len(set(ids)) == len(ids) and st.ids.ids.keys().isdisjoint(ids):
+                # Every message has a publish id never seen: the usual batch from a bulk
+                # writer (a Spark task's rows), stored whole with no step per message here.
+                return MirroredStore._append_all(st, messages, ids, now)
         results: list[Appended] = []
         stored: list[NewMessage] = []
         fresh: dict[bytes, int] = {}
-        seq = st.last_seq
-        seen = st.ids.seen(now)
         for msg in messages:
             publish_id = msg.publish_id
             if publish_id and window > 0:
@@ -416,6 +423,22 @@ class MirroredStore(StreamStore):
             st.bytes += sum(map(len, map(_payload_of, stored)))
             if fresh:
                 st.ids.remember(fresh, now)
+        return results, stored
+
+    @staticmethod
+    def _append_all(
+        st: StreamState, messages: Sequence[NewMessage], ids: list[bytes], now: float
+    ) -> tuple[list[Appended], list[NewMessage]]:
+        """``_append`` of a batch stored whole, in C loops."""
+        seqs = range(st.last_seq + 1, st.last_seq + 1 + len(messages))
+        results = list(map(_new_tuple, repeat(Appended), zip(seqs, repeat(False))))
+        stored = list(messages)
+        if stored:
+            if st.count == 0:
+                st.first_at = now
+            st.last_seq = seqs[-1]
+            st.bytes += sum(map(len, map(_payload_of, stored)))
+            st.ids.remember(dict(zip(ids, seqs, strict=True)), now)
         return results, stored
 
     @staticmethod

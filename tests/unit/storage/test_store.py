@@ -582,3 +582,23 @@ def test_a_read_only_reader_sees_what_the_store_committed(tmp_path: Path) -> Non
     finally:
         reader.close()
         store.close()
+
+
+def test_a_batch_of_new_publish_ids_and_one_with_a_repeat_number_alike(store: StreamStore) -> None:
+    """The whole-batch path (every id new) and the per-message one (a repeat, an id twice
+    in one batch, a message without an id) give the seqs and duplicates of the rule."""
+    store.add_stream(cfg())
+    fresh = [msg(b"r%d" % i, b"job/%d" % i) for i in range(5)]
+    assert store.append_batch("orders", fresh, 1.0) == [Appended(i, False) for i in range(1, 6)]
+    mixed = [msg(b"a", b"job/9"), msg(b"b", b"job/2"), msg(b"c"), msg(b"d", b"job/9")]
+    assert store.append_batch("orders", mixed, 2.0) == [
+        Appended(6, False),
+        Appended(3, True),
+        Appended(7, False),
+        Appended(6, True),
+    ]
+    info = store.info("orders")
+    assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (1, 7, 7, 12)
+    assert [m.payload for m in store.read("orders", 1, 10)] == [
+        b"r0", b"r1", b"r2", b"r3", b"r4", b"a", b"c",
+    ]  # fmt: skip
