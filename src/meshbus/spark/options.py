@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from meshbus.address import Address, Unicast
 from meshbus.client.brokers import broker_list
+from meshbus.protocol.batch import MAX_ROWS
 
 PREFIX = "meshbus data source"
 
@@ -215,7 +216,7 @@ def parse_write(options: Mapping[str, str]) -> WriteOptions:
         address=address,
         write_id=opts.text("writeId"),
         ack_timeout=opts.seconds("ackTimeout", 60.0),
-        max_batch_rows=opts.count("maxBatchRows", 4096),
+        max_batch_rows=_max_batch_rows(opts.count("maxBatchRows", MAX_ROWS)),
     )
 
 
@@ -226,3 +227,12 @@ def check_address(text: str, what: str) -> str:
         return str(Address.parse(text))
     except ValueError as exc:
         raise option_error(f"{what}: {exc}") from None
+
+
+def _max_batch_rows(rows: int) -> int:
+    if not 1 <= rows <= MAX_ROWS:
+        raise option_error(
+            f"option 'maxBatchRows' must be 1 to {MAX_ROWS} (the rows a batch frame may "
+            f"carry), got {rows}"
+        )
+    return rows

@@ -9,6 +9,7 @@ import pytest
 from meshbus.errors import FrameTooLarge, InvalidArgument, ProtocolError
 from meshbus.protocol.batch import (
     FRAME_OVERHEAD,
+    MAX_ROWS,
     PRIORITY_MAX,
     PUBLISH_ID_MAX,
     BatchRow,
@@ -79,6 +80,7 @@ def test_a_bad_row_is_refused_before_sending(row: RowTuple) -> None:
         msgspec.msgpack.encode([[b"p", b"id", 2**64 - 1]]),
         msgspec.msgpack.encode([[b"p", b"i" * (PUBLISH_ID_MAX + 1)]]),
         msgspec.msgpack.encode([[b"p", b"id"]])[:-1],  # cut short
+        msgspec.msgpack.encode([[b"", b"i"]] * (MAX_ROWS + 1)),  # more rows than a frame may carry
     ],
 )
 def test_a_bad_batch_is_a_protocol_error(payload: bytes) -> None:
@@ -93,3 +95,12 @@ def test_the_extension_block_says_batch_and_checks_its_range() -> None:
     block = msgspec.msgpack.encode(["", "", 0, 0, False, 0, "", "", 0.0, 256])
     with pytest.raises(ProtocolError, match="malformed extension block"):
         split(len(block).to_bytes(2, "big") + block)
+
+
+def test_a_sender_splits_at_the_most_rows_a_frame_may_carry() -> None:
+    rows = [(b"", b"%d" % i) for i in range(MAX_ROWS * 2 + 1)]
+    packed = list(pack_rows(rows, 1 << 20))
+    assert [count for _, count in packed] == [MAX_ROWS, MAX_ROWS, 1]
+    assert [row.publish_id for payload, _ in packed for row in decode_rows(payload)] == [
+        publish_id for _, publish_id in rows
+    ]
