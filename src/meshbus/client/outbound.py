@@ -49,17 +49,7 @@ class Outbound:
             links.check_usable()
             return 0
         msg_id = self._next_msg_id
-        link.write(
-            encode_data(
-                dst,
-                src,
-                payload,
-                msg_id=msg_id,
-                response_for=response_for,
-                flags=flags,
-                max_frame=links.max_frame,
-            )
-        )
+        link.write(self._frame(dst, src, payload, flags, msg_id, response_for))
         self._next_msg_id = msg_id + 1
         return msg_id
 
@@ -120,18 +110,28 @@ class Outbound:
         link = links.current
         if link is None or not links.connected.is_set() or links.closed:
             link = await links.usable()
-        frame = encode_data(
+        link.write(self._frame(dst, src, payload, flags, msg_id, response_for))
+        if link.write_paused:
+            await self.writable()
+
+    def _frame(
+        self,
+        dst: bytes,
+        src: bytes,
+        payload: BytesLike,
+        flags: int,
+        msg_id: int,
+        response_for: int,
+    ) -> bytes:
+        return encode_data(
             dst,
             src,
             payload,
             msg_id=msg_id,
             response_for=response_for,
             flags=flags,
-            max_frame=links.max_frame,
+            max_frame=self._links.max_frame,
         )
-        link.write(frame)
-        if link.write_paused:
-            await self.writable()
 
     async def writable(self) -> None:
         """Return once a send would go out without waiting: the connector is linked (after
