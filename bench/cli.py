@@ -46,7 +46,7 @@ def bench() -> None:
 
 
 @bench.command()
-@size_option
+@size_option()
 @count_option(1_000_000)
 @runs_options
 @auth_option
@@ -143,13 +143,7 @@ def _unicast(
     show_default=True,
     help="Timed requests per run (a warm-up of 10% more is not timed).",
 )
-@click.option(
-    "--size",
-    type=click.IntRange(0, 1_000_000),
-    default=16,
-    show_default=True,
-    help="Payload bytes per request and response.",
-)
+@size_option("Payload bytes per request and response.")
 @runs_options
 @auth_option
 @tls_option

@@ -41,7 +41,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 import meshbus
 from bench.report import key_values
-from bench.runs import alternate, runs_options
+from bench.runs import alternate, runs_options, size_option
 from bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
 
 _RECEIVER = ("benchrx", 1)  # the fixed meshbus address of the receiving service
@@ -363,13 +363,7 @@ def _servers(vs_nats: bool) -> list[AbstractContextManager[Server]]:
     show_default=True,
     help="Timed requests per run (a warm-up of 10% more is not timed).",
 )
-@click.option(
-    "--size",
-    type=click.IntRange(0, 1_000_000),
-    default=16,
-    show_default=True,
-    help="Payload bytes per message, request and response.",
-)
+@size_option("Payload bytes per message, request and response.")
 @click.option(
     "--concurrency",
     type=click.IntRange(1, 10_000),

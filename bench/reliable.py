@@ -29,7 +29,7 @@ import meshbus
 from bench.cluster import Cluster, meshbus_mesh
 from bench.harness import CheckFailed
 from bench.report import new_table, print_tables
-from bench.runs import count_option
+from bench.runs import count_option, size_option
 from bench.servers import BenchSetupError
 
 _ID = struct.Struct(">I")  # the message id, at the head of every payload
@@ -136,13 +136,7 @@ async def _measure(cluster: Cluster, mode: str, count: int, size: int) -> RunRes
 
 
 @click.command()
-@click.option(
-    "--size",
-    type=click.IntRange(_ID.size, 1_000_000),
-    default=100,
-    show_default=True,
-    help="Payload bytes per message (its first 4 are the message id).",
-)
+@size_option("Payload bytes per message (its first 4 are the message id).", 100, _ID.size)
 @count_option(100_000)
 @click.option(
     "--runs",

@@ -99,15 +99,21 @@ def runs_options(command: F) -> F:
     )(command)
 
 
-def size_option(command: F) -> F:
-    """--size of the message benchmarks (unicast, cross, fanout)."""
-    return click.option(
-        "--size",
-        type=click.IntRange(0, 1_000_000),
-        default=16,
-        show_default=True,
-        help="Payload bytes per message.",
-    )(command)
+def size_option(
+    text: str = "Payload bytes per message.", default: int = 16, smallest: int = 0
+) -> Callable[[F], F]:
+    """--size of the benchmarks, with their own help ``text``, default and smallest size."""
+
+    def decorate(command: F) -> F:
+        return click.option(
+            "--size",
+            type=click.IntRange(smallest, 1_000_000),
+            default=default,
+            show_default=True,
+            help=text,
+        )(command)
+
+    return decorate
 
 
 def count_option(default: int, text: str = "Messages per run.") -> Callable[[F], F]:

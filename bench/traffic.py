@@ -196,7 +196,7 @@ def measure_cross(
 
 
 @click.command()
-@size_option
+@size_option()
 @count_option(1_000_000)
 @runs_options
 @auth_option
@@ -417,7 +417,7 @@ def _worst(copies: list[float]) -> float:
     show_default=True,
     help=f"Subscriber links on each of the {_FANOUT_BROKERS} brokers (nats-server nodes).",
 )
-@size_option
+@size_option()
 @count_option(100_000, "Messages published per run.")
 @runs_options
 def fanout(
