@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def _session_pids(session: int) -> set[int]:
     return {pid for pid, (_, sid) in _live_processes().items() if sid == session}
 
 
+# How long the processes of a bench that ended may take to end too: multiprocessing's
+# resource tracker (which a spawned worker starts) exits once it reads the end of its
+# pipe, just after the bench; a process still there past this was left running.
+_EXIT_GRACE = 3.0
+
+
+def _left_running(session: int) -> set[int]:
+    deadline = time.monotonic() + _EXIT_GRACE
+    while (left := _session_pids(session)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def _kill_all(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -88,7 +102,7 @@ def run_bench(
             # started hold its pipes open, and communicate() would wait for them.
             _kill_all(_session_pids(process.pid))
             process.communicate()
-        left = _session_pids(process.pid)
+        left = _left_running(process.pid)
         _kill_all(left)
     assert process.returncode == 0, err
     assert not left, f"processes left running by `python -m bench {' '.join(args)}`: {left}"
