@@ -16,7 +16,7 @@ with equal keys get the same routing decision, so:
    links stay the same, whatever the destination address. Once a run is a few
    frames long, the rest of the read is matched at C speed: the keys of the cached
    decisions with the run's targets and frame size are kept as one set, and
-   ``_frames_in`` counts how many of the frames that follow have keys in it (a
+   ``runs.frames_in`` counts how many of the frames that follow have keys in it (a
    producer interleaving destinations on the same link costs a set lookup a frame,
    not a turn of the loop);
 3. any other frame is validated in full (prefix, flags, hops, source ownership,
@@ -49,20 +49,18 @@ tag (must be the one we gave that peer) guard it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import struct
-from collections.abc import Callable, Iterator
-from operator import length_hint
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from meshbus.address import ADDRESS_SIZE
 from meshbus.broker.core import slices
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, LinkState, PeerInfo
 from meshbus.broker.core.forward import PLAIN, Decision, Forwarder
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.routing import RoutingTable
+from meshbus.broker.core.runs import frames_in, same_key_frames
 from meshbus.errors import FrameTooLarge, ProtocolError
 from meshbus.protocol.codec import FrameError, decode_body, encode_control, frame_extent
 from meshbus.protocol.control import Body, Error
@@ -73,8 +71,6 @@ from meshbus.protocol.handshake import (
 )
 from meshbus.protocol.layout import (
     KIND_CONTROL,
-    OFF_DST,
-    OFF_SRC,
     ROUTING_KEY_SIZE,
     ControlType,
     ErrorCode,
@@ -100,19 +96,9 @@ _unpack_key = struct.Struct(f"{ROUTING_KEY_SIZE}s").unpack_from
 # the bound keeps a hostile or unusual sender from growing the cache without limit.
 _MAX_DECISIONS = 4096
 # A run this many frames long, its frames all of one size, has the rest of the read
-# matched in one C-level pass (``_frames_in``): a pass costs a few frames' worth to start,
+# matched in one C-level pass (``runs.frames_in``): a pass costs a few frames' worth to start,
 # so short runs never start one.
 _SCAN_AFTER = 8
-# The frames a same-key run's first byte-column check covers (``_same_key_frames``), then
-# twice as many each time: 40 strided slices cost what about 100 frames' set lookups do.
-_FIRST_CHUNK = 256
-# The key's bytes in the order they are checked: a run's next key most often differs in
-# its destination, then in its length or flags, and seldom in its source.
-_KEY_COLUMNS = (
-    *range(OFF_DST + ADDRESS_SIZE - 1, OFF_DST - 1, -1),
-    *range(OFF_DST),
-    *range(OFF_SRC, ROUTING_KEY_SIZE),
-)
 # Frames of a read that cost more than a run's (requests, responses, refusals, a new
 # routing key) between two looks at the clock (every 32nd: this mask's bits all 0): a
 # look is dearer than a run's frame, cheap beside these; and a read with fewer never
@@ -448,7 +434,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                         pos += key_total
                         run_frames += 1
                         continue
-                    counted = _same_key_frames(
+                    counted = same_key_frames(
                         key, run_keys[targets, key_total], buf, mv, pos, end, key_total
                     )
                     pos += counted * key_total
@@ -501,7 +487,7 @@ class Link(Endpoint, asyncio.BufferedProtocol):
                             # A run of several keys (or one key again after others):
                             # count its frames up to the first of another group at once.
                             # The frame at ``pos`` is in the group, so the count is >= 1.
-                            counted = _frames_in(
+                            counted = frames_in(
                                 run_keys[targets, key_total], mv, pos, end, key_total
                             )
                             pos += counted * key_total
@@ -705,53 +691,3 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         self._buf = buf
         self._mv = memoryview(buf)
         self._start, self._end = 0, pending
-
-
-@functools.lru_cache(maxsize=64)
-def _scan_keys(size: int) -> Callable[[memoryview], Iterator[tuple[bytes]]]:
-    """The routing keys of consecutive frames of ``size`` bytes, one 1-tuple each."""
-    return struct.Struct(f"{ROUTING_KEY_SIZE}s{size - ROUTING_KEY_SIZE}x").iter_unpack
-
-
-def _frames_in(keys: set[tuple[bytes]], mv: memoryview, pos: int, end: int, size: int) -> int:
-    """How many whole frames of ``size`` bytes from ``pos`` have their routing key in
-    ``keys``, up to the first that has not (or the end of the read).
-
-    Sound without looking at each frame's length: a key holds the length field, and
-    every key in ``keys`` is one of frames of ``size`` bytes. One C-level pass:
-    ``issuperset`` stops at the first key missing, and the iterator's length hint says
-    how far it got."""
-    count = (end - pos) // size
-    scan = _scan_keys(size)(mv[pos : pos + count * size])
-    if keys.issuperset(scan):
-        return count
-    return count - length_hint(scan) - 1
-
-
-def _same_key_frames(
-    key: bytes,
-    keys: set[tuple[bytes]],
-    buf: bytearray,
-    mv: memoryview,
-    pos: int,
-    end: int,
-    size: int,
-) -> int:
-    """``_frames_in`` for a run whose frame at ``pos`` has routing key ``key`` (one of
-    ``keys``), faster while the frames keep that key: a chunk of them is checked a byte
-    column at a time -- each of the key's 40 bytes, in every frame of the chunk, by one
-    strided slice compared with that byte repeated -- with no object made per frame.
-    From the first chunk with another key in it, the set lookups take over."""
-    left = (end - pos) // size
-    at = pos
-    chunk = _FIRST_CHUNK
-    while left >= _FIRST_CHUNK:
-        count = min(chunk, left)
-        last = at + count * size
-        if any(buf[at + i : last : size] != key[i : i + 1] * count for i in _KEY_COLUMNS):
-            break
-        at = last
-        left -= count
-        chunk *= 2
-    counted = (at - pos) // size
-    return counted + _frames_in(keys, mv, at, end, size) if left else counted

@@ -339,7 +339,7 @@ async def test_an_anycast_goes_to_a_local_member_before_a_peer(hub: Hub) -> None
     assert payloads(hub.received(q)) == [b"job"], "no local member left: the peer's"
 
 
-# -- runs over interleaved destinations (Link._process, _frames_in) ------------------------
+# -- runs over interleaved destinations (Link._process, runs.frames_in) ------------------------
 
 B3 = Unicast("beta", 3).to_bytes()
 R2 = Unicast("remote", 2).to_bytes()
