@@ -219,7 +219,9 @@ class Inbound:
             return decode_rows(frame.payload)
         except ProtocolError as exc:
             log.warning(
-                "dropped a bad batch frame",
+                "dropped a bad batch frame from %s: %s",
+                describe_address(frame.src),
+                exc,
                 extra={"src": describe_address(frame.src), "error": str(exc)},
             )
             self.dropped += 1
