@@ -95,6 +95,8 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
     assert re.search(r"messages\s*│\s*3 ", table.out), table.out
     assert re.search(r"last seq\s*│\s*3 ", table.out), table.out
     assert re.search(r"stored in\s*│\s*memory ", table.out), table.out
+    assert re.search(r"max bytes\s*│\s*1,073,741,824 \(1 GiB\) ", table.out), table.out
+    assert re.search(r"bytes\s*│\s*17 ", table.out), table.out
 
     listed = await stream_cli("list", "--json", *at)
     assert (listed.code, json.loads(listed.out)) == (0, [{"name": "orders", "broker": broker.name}])

@@ -204,6 +204,20 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     _print_info(result, as_json)
 
 
+def byte_size(size: int) -> str:
+    """``1,073,741,824 (1 GiB)``: the exact count, and in binary units past 1 KiB."""
+    exact = f"{size:,}"
+    if size < 1024:
+        return exact
+    scaled = float(size)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        scaled /= 1024
+        if scaled < 1024 or unit == "PiB":
+            break
+    shown = f"{scaled:.3g}" if scaled < 1000 else f"{scaled:,.0f}"
+    return f"{exact} ({shown} {unit})"
+
+
 def _print_info(info: StreamInfo, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(info), indent=2))
@@ -218,18 +232,21 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
     def limit(value: float, unit: str = "") -> str:
         return f"{value:g}{unit}" if value else "none"
 
+    def count(value: int) -> str:
+        return f"{value:,}" if value else "none"
+
     rows = [
         ("host broker", info.broker),
         ("owner", info.owner or "-"),
         ("stored in", f"{info.store} on {info.host}" if info.store else "memory"),
         ("captures", ", ".join(info.captures)),
         ("messages", f"{info.messages:,}"),
-        ("bytes", f"{info.bytes:,}"),
+        ("bytes", byte_size(info.bytes)),
         ("first seq", str(info.first_seq)),
         ("last seq", str(info.last_seq)),
         ("consumers", ", ".join(info.consumers) or "-"),
-        ("max msgs", limit(info.max_msgs)),
-        ("max bytes", limit(info.max_bytes)),
+        ("max msgs", count(info.max_msgs)),
+        ("max bytes", byte_size(info.max_bytes) if info.max_bytes else "none"),
         ("max age", limit(info.max_age, " s")),
         ("dedupe window", limit(info.dedupe_window, " s")),
     ]
