@@ -43,7 +43,7 @@ from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
-from meshbus.protocol.batch import BATCH_ROWS, decode_rows
+from meshbus.protocol.batch import received_rows
 from meshbus.protocol.control import (
     OP_ADD,
     OP_JOIN,
@@ -327,18 +327,11 @@ class StreamHost:
         """A batch frame's rows as messages of their own, each with its publish id (so a
         resent batch is stored once per row); ProtocolError if it is not a batch of
         rows in a format this broker reads."""
-        if ext.batch != BATCH_ROWS:
-            raise ProtocolError(
-                f"batch format {ext.batch} is unknown to this broker (it reads format "
-                f"{BATCH_ROWS}): upgrade it to the sender's meshbus version"
-            )
-        if ext.group or ext.command:
-            raise ProtocolError("a batch frame cannot be a message group's or a command")
         origin = ext.origin or dst
         new = _new_message
         return [
             new(NewMessage, (src, origin, row.payload, b"", row.priority, row.publish_id))
-            for row in decode_rows(payload)
+            for row in received_rows(ext, payload)
         ]
 
     def _queue(

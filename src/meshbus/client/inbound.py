@@ -40,7 +40,7 @@ from meshbus.client.receiving import Receiving
 from meshbus.client.reliable import Unacked
 from meshbus.client.waiters import Waiters
 from meshbus.errors import MeshbusError, NoRoute, PermissionDenied, ProtocolError, Timeout
-from meshbus.protocol.batch import BATCH_ROWS, BatchRow, decode_rows
+from meshbus.protocol.batch import BatchRow, received_rows
 from meshbus.protocol.codec import ControlFrame, DataFrame
 from meshbus.protocol.control import DeliveryFailure, Left, TraceReport
 from meshbus.protocol.ext import Ext, split
@@ -209,14 +209,7 @@ class Inbound:
         is not one this connector can deliver: the sender's bytes, not the broker's, so
         the link stays up."""
         try:
-            if ext.batch != BATCH_ROWS:
-                raise ProtocolError(
-                    f"batch format {ext.batch} is unknown here (this connector reads format "
-                    f"{BATCH_ROWS}): upgrade it to the sender's meshbus version"
-                )
-            if ext.group or ext.command:
-                raise ProtocolError("a batch frame cannot be a message group's or a command")
-            return decode_rows(frame.payload)
+            return received_rows(ext, frame.payload)
         except ProtocolError as exc:
             log.warning(
                 "dropped a bad batch frame from %s: %s",

@@ -26,6 +26,7 @@ from typing import Annotated
 import msgspec
 
 from meshbus.errors import FrameTooLarge, InvalidArgument, ProtocolError
+from meshbus.protocol.ext import Ext
 
 # The batch format of the EXT block's ``batch`` field; 0 is a plain message.
 BATCH_ROWS = 1
@@ -62,6 +63,20 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_rows: Callable[[bytes | memoryview], list[BatchRow]] = msgspec.msgpack.Decoder(
     Annotated[list[BatchRow], msgspec.Meta(max_length=MAX_ROWS)]
 ).decode
+
+
+def received_rows(ext: Ext, payload: bytes | memoryview) -> list[BatchRow]:
+    """The rows of a batch frame with extension block ``ext``, as every receiver reads
+    them (a connector delivering, a stream host storing); ``ProtocolError`` if it is not
+    a batch in a format this version reads, or claims a message group or a command."""
+    if ext.batch != BATCH_ROWS:
+        raise ProtocolError(
+            f"batch format {ext.batch} is unknown here (this meshbus reads format "
+            f"{BATCH_ROWS}): upgrade it to the sender's meshbus version"
+        )
+    if ext.group or ext.command:
+        raise ProtocolError("a batch frame cannot be a message group's or a command")
+    return decode_rows(payload)
 
 
 def decode_rows(payload: bytes | memoryview) -> list[BatchRow]:

@@ -16,6 +16,7 @@ from meshbus.protocol.batch import (
     RowTuple,
     decode_rows,
     pack_rows,
+    received_rows,
 )
 from meshbus.protocol.ext import Ext, split, wrap
 
@@ -104,3 +105,18 @@ def test_a_sender_splits_at_the_most_rows_a_frame_may_carry() -> None:
     assert [row.publish_id for payload, _ in packed for row in decode_rows(payload)] == [
         publish_id for _, publish_id in rows
     ]
+
+
+@pytest.mark.parametrize(
+    ("ext", "refusal"),
+    [
+        (Ext(batch=2), "batch format 2 is unknown here"),
+        (Ext(batch=1, group=b"g"), "cannot be a message group's or a command"),
+        (Ext(batch=1, command="subscribe"), "cannot be a message group's or a command"),
+    ],
+)
+def test_every_receiver_refuses_a_batch_it_cannot_read(ext: Ext, refusal: str) -> None:
+    rows = msgspec.msgpack.encode([[b"p", b"id"]])
+    assert [row.payload for row in received_rows(Ext(batch=1), rows)] == [b"p"]
+    with pytest.raises(ProtocolError, match=refusal):
+        received_rows(ext, rows)
