@@ -28,7 +28,8 @@ def test_reliable_last_line() -> None:
     plain, reliable_, ratio = int(match[1]), int(match[2]), float(match[3])
     assert plain > 0
     assert reliable_ > 0
-    assert ratio == pytest.approx(reliable_ / plain, rel=0.01)
+    # The ratio is printed to three decimals: half a unit of the last one is its rounding.
+    assert ratio == pytest.approx(reliable_ / plain, rel=0.01, abs=0.0005)
 
 
 # The healing goal after the pause: whole within 3 heartbeat intervals + 1 s.
