@@ -3,6 +3,8 @@
     MeshbusError
     ├── InvalidArgument (ValueError)      an argument the library cannot use: an address,
     │                                     an option, a value out of range
+    ├── InvalidPayload (ValueError)       Message.json()/decode(Type) on a payload that is
+    │                                     not JSON of that shape
     ├── ProtocolError                     the bytes on a link broke the wire rules
     │   ├── FrameTooLarge                 .size, .limit
     │   └── RemoteProtocolError           the broker told us we broke them (.code)
@@ -70,6 +72,11 @@ class MeshbusError(Exception):
 class InvalidArgument(MeshbusError, ValueError):
     """An argument the library cannot use: a bad address text, a value out of range,
     an option that makes no sense. Also a ``ValueError``."""
+
+
+class InvalidPayload(MeshbusError, ValueError):
+    """``Message.json()`` or ``Message.decode(Type)`` on a payload that is not JSON of that
+    shape: the message says where it failed. Also a ``ValueError``."""
 
 
 class ProtocolError(MeshbusError):

@@ -126,7 +126,9 @@ async def test_listen_send_multicast_to_two_members(broker: Broker) -> None:
         cli_process("listen", "--json", *args) as json_listener,
     ):
         await wait_for_stat(broker.address, members("multicast:chat", 2), "two chat members")
-        sent = await run_cli("send", "--broker", broker.address, "multicast:chat", "hello world")
+        sent = await run_cli(
+            "send", "--broker", broker.address, "-H", "Trace: 7", "multicast:chat", "hello world"
+        )
         assert sent.code == 0, sent.err
         assert sent.out == ""
 
@@ -141,6 +143,7 @@ async def test_listen_send_multicast_to_two_members(broker: Broker) -> None:
         assert message["dst"] == "multicast:chat"
         assert message["payload"] == "hello world"
         assert message["request"] is False
+        assert message["headers"] == {"Trace": "7"}
         assert re.fullmatch(r"cli:\d+", message["src"])
 
 

@@ -8,6 +8,7 @@ broker may publish right after it.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import meshbus
 from meshbus import Multicast
 from meshbus.client.streams import StreamMessage
 from meshbus.errors import DeliveryFailed, FrameTooLarge, StreamError
-from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import start_broker_process, wait_members
 
 
@@ -41,7 +42,9 @@ async def test_capture_and_fetch_through_another_broker(mesh2: list[BrokerProces
         publisher = await conn.register()
         before = time.time()
         await publisher.send_reliable("multicast:orders", b"first")
-        await publisher.send_reliable("multicast:orders", b"second", priority=7)
+        await publisher.send_reliable(
+            "multicast:orders", b"second", priority=7, headers={"Trace": "t2", "Kind": "sale"}
+        )
         await publisher.send_reliable("multicast:orders", b"")
         after = time.time()
         # Every request below goes to `other`, which relays it to the host.
@@ -49,6 +52,7 @@ async def test_capture_and_fetch_through_another_broker(mesh2: list[BrokerProces
         assert [m.seq for m in got] == [1, 2, 3]
         assert [m.payload for m in got] == [b"first", b"second", b""]
         assert [m.priority for m in got] == [0, 7, 0]
+        assert [m.headers for m in got] == [{}, {"Trace": "t2", "Kind": "sale"}, {}]
         assert {(m.src, m.dst, m.group, m.stream) for m in got} == {
             (publisher.address, Multicast("orders"), None, "orders")
         }
@@ -111,8 +115,8 @@ async def test_a_block_fetch_holds_what_fetch_does_and_fills_a_frame(
                for seq, *m in zip(piece.seqs, *piece.columns(), strict=True)]  # fmt: skip
         src, dst = publisher.address.to_bytes(), meshbus.Multicast("bulk").to_bytes()
         assert got == [
-            (1, rows[0].stored_at, src, dst, b"plain", b"", 0, b""),
-            (2, rows[1].stored_at, src, dst, b"prio", b"", 3, b""),
+            (1, rows[0].stored_at, src, dst, b"plain", b"", 0, b"", b""),
+            (2, rows[1].stored_at, src, dst, b"prio", b"", 3, b"", b""),
         ]
         big = await conn.streams.fetch_blocks("bulk", 3, 1000)
         seqs = [seq for piece in big for seq in piece.seqs]
@@ -127,12 +131,12 @@ async def test_durable_consumer_acks_redelivers_and_gives_up(broker: BrokerProce
         await conn.streams.add("jobs", "multicast:jobs")
         publisher = await conn.register()
         for i in (1, 2, 3):
-            await publisher.send_reliable("multicast:jobs", b"job%d" % i)
+            await publisher.send_reliable("multicast:jobs", b"job%d" % i, headers={"N": str(i)})
         consumer = await conn.streams.consumer("jobs", "worker", ack_wait=0.3, max_deliver=2)
         assert (await conn.streams.info("jobs")).consumers == ["worker"]
         first = await consumer.next(10)
-        assert [(m.seq, m.payload, m.delivery) for m in first] == [
-            (1, b"job1", 1), (2, b"job2", 1), (3, b"job3", 1)
+        assert [(m.seq, m.payload, m.delivery, m.headers) for m in first] == [
+            (1, b"job1", 1, {"N": "1"}), (2, b"job2", 1, {"N": "2"}), (3, b"job3", 1, {"N": "3"})
         ]  # fmt: skip
         assert await consumer.ack(first[:1]) == 1
         assert await consumer.ack([1]) == 0  # acked already
@@ -233,6 +237,39 @@ async def test_an_unknown_stream_is_a_stream_error(mesh2: list[BrokerProcess]) -
             await conn.streams.consumer("nope", "reader")
         with pytest.raises(StreamError, match="no stream named 'nope'"):
             await conn.streams.delete("nope")
+
+
+async def test_a_stream_whose_host_is_down_is_unreachable_not_missing() -> None:
+    host, other = mesh = await start_mesh(2)
+    try:
+        await _host_killed_then_asked(host, other)
+    finally:
+        assert await stop_all(mesh) == [-9, 0]
+
+
+async def _host_killed_then_asked(host: BrokerProcess, other: BrokerProcess) -> None:
+    async with await meshbus.connect(host.address, server="admin") as admin:
+        await admin.streams.add("results", "multicast:results")
+    host.process.kill()  # kill -9: the host says nothing, its peer sees the link drop
+    await host.process.wait()
+    async with await meshbus.connect(other.address, server="user") as conn:
+        deadline = time.monotonic() + 10
+        while True:
+            with pytest.raises(StreamError) as error:
+                await conn.streams.info("results")
+            if "unreachable" in str(error.value) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)  # the request was relayed before the link dropped
+        assert re.fullmatch(
+            rf"stream 'results' is hosted by broker {host.name}, unreachable from this broker "
+            r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+ s ago\); it is back when its "
+            r"broker is -- adding a stream of the same name elsewhere would make a second one",
+            str(error.value),
+        ), str(error.value)
+        with pytest.raises(StreamError, match="unreachable"):
+            await conn.streams.fetch("results")
+        with pytest.raises(StreamError, match="no stream named 'other'"):
+            await conn.streams.info("other")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 
 from meshbus.address import Address
 from meshbus.protocol.blocks import BlockSlice, encode_block
+from meshbus.protocol.headers import encode_headers
 from meshbus.spark.options import parse_read
 from meshbus.spark.reader import COLUMNS, SCHEMA, SeqRange, to_batch
 
@@ -23,11 +24,16 @@ TOPIC = Address.parse("multicast:scores").to_bytes()
 
 
 def block(
-    first: int, at: float, srcs: list[bytes], groups: list[bytes], prios: list[int]
+    first: int,
+    at: float,
+    srcs: list[bytes],
+    groups: list[bytes],
+    prios: list[int],
+    headers: list[bytes] | None = None,
 ) -> BlockSlice:
     n = len(srcs)
     payloads = [b"p%d" % (first + i) for i in range(n)]
-    data = encode_block(srcs, [TOPIC] * n, payloads, groups, prios, [b""] * n)
+    data = encode_block(srcs, [TOPIC] * n, payloads, groups, prios, [b""] * n, headers or [])
     return BlockSlice(first, at, 0, n, data)
 
 
@@ -37,7 +43,9 @@ def test_blocks_become_one_arrow_batch_of_the_stored_messages() -> None:
 
     # seqs 10-13 from one sender at t=5, then 14-18 from two senders with groups at t=6
     one = block(10, 5.0, [A] * 4, [b""] * 4, [0] * 4)
-    two = block(14, 6.25, [A, B, A, B, B], [b"", b"g", b"g", b"", b"h"], [0, 1, 0, 2, 0])
+    trace = encode_headers({"Trace": "t1", "Zone": "eu"})
+    headers = [b"", trace, b"", b"", trace]
+    two = block(14, 6.25, [A, B, A, B, B], [b"", b"g", b"g", b"", b"h"], [0, 1, 0, 2, 0], headers)
     one = BlockSlice(one.first_seq, one.stored_at, 1, one.stop, one.data)  # the block starts at 11
     options = parse_read({"brokers": "127.0.0.1:1", "stream": "scores"}, streaming=True)
     part = SeqRange(options, tuple(COLUMNS), 12, 17)  # the range cuts both blocks
@@ -55,6 +63,14 @@ def test_blocks_become_one_arrow_batch_of_the_stored_messages() -> None:
     assert [r["group"] for r in rows] == [None, None, None, "g", "g"]
     assert [r["priority"] for r in rows] == [0, 0, 0, 1, 0]
     assert {r["stream"] for r in rows} == {"scores"}
+    # A map column: Arrow gives a map as its (key, value) pairs.
+    assert [r["headers"] for r in rows] == [
+        None,
+        None,
+        None,
+        [("Trace", "t1"), ("Zone", "eu")],
+        None,
+    ]
     # Starting inside a block with many distinct values: the index is read from there.
     wanted = ("seq", "src", "group", "priority")
     schema = to_arrow_schema(StructType([SCHEMA[name] for name in wanted]), timezone="UTC")

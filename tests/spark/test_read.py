@@ -50,8 +50,8 @@ async def test_a_batch_read_returns_exactly_the_range(
     rows = await in_thread(read)
     assert [r[1] for r in rows] == list(range(5, 28))
     assert [bytes(r[7]) for r in rows] == payloads[4:27]  # type: ignore[arg-type]
-    stream, _, stored_at, src, dst, group, priority, _ = rows[0]
-    assert (stream, dst, group, priority) == ("games", "multicast:games", None, 0)
+    stream, _, stored_at, src, dst, group, priority, _, headers = rows[0]
+    assert (stream, dst, group, priority, headers) == ("games", "multicast:games", None, 0, None)
     assert str(src).startswith("pub:")
     assert isinstance(stored_at, dt.datetime)
     assert before - 1 <= stored_at.timestamp() <= after + 1

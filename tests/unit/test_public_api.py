@@ -20,6 +20,7 @@ EXPECTED_ALL = [
     "DeliveryFailed",
     "FrameTooLarge",
     "InvalidArgument",
+    "InvalidPayload",
     "JoinFailed",
     "MeshbusError",
     "Message",
@@ -60,6 +61,7 @@ EXPECTED_EXCEPTIONS = {
     "ConnectionLost",
     "FrameTooLarge",
     "InvalidArgument",
+    "InvalidPayload",
     "MeshbusError",
     "NoRoute",
     "NotConnected",
@@ -113,6 +115,7 @@ def test_exception_tree() -> None:
     assert issubclass(meshbus.AddressInUse, meshbus.RegistrationError)
     # Code that knows nothing of meshbus catches ours with the builtin it expects.
     assert issubclass(meshbus.InvalidArgument, ValueError)
+    assert issubclass(meshbus.InvalidPayload, ValueError)
     assert issubclass(meshbus.Timeout, TimeoutError)
     assert issubclass(meshbus.ConnectionLost, ConnectionError)
     assert issubclass(meshbus.NotConnected, ConnectionError)

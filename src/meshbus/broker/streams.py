@@ -54,6 +54,7 @@ from meshbus.protocol.control import (
     StreamRequest,
 )
 from meshbus.protocol.ext import Ext, ack_frames, split
+from meshbus.protocol.headers import decode_headers
 from meshbus.protocol.layout import (
     DATA_HEADER,
     FLAG_ACK,
@@ -151,6 +152,9 @@ class StreamHost:
         # stream -> (messages of this turn, sender -> reliable message ids to acknowledge)
         self._batch: dict[str, tuple[list[NewMessage], dict[bytes, list[int]]]] = {}
         self.elsewhere: dict[str, Link] = {}  # streams hosted by peers
+        # stream -> (its host, since when): hosted by a peer this broker lost the link to,
+        # so that a request for it says so instead of "no such stream".
+        self.unreachable: dict[str, tuple[str, float]] = {}
         self.stored = 0
         self.dropped = 0
         self._purging: asyncio.Handle | None = None
@@ -260,13 +264,18 @@ class StreamHost:
         for name, link in list(self.elsewhere.items()):
             if link is peer and name not in names:
                 del self.elsewhere[name]
+        for name, (host, _) in list(self.unreachable.items()):
+            if host == peer.name or name in names:
+                del self.unreachable[name]
         for name in names:
             self.elsewhere[name] = peer
 
     def peer_lost(self, peer: Link) -> None:
+        now = time.time()
         for name, link in list(self.elsewhere.items()):
             if link is peer:
                 del self.elsewhere[name]
+                self.unreachable[name] = (peer.name, now)
 
     # -- capturing ---------------------------------------------------------------------
 
@@ -293,6 +302,9 @@ class StreamHost:
                     ext, payload = split(payload)
                     if ext.batch:
                         rows = self._rows(ext, payload, src, dst)
+                    if ext.headers:
+                        # Stored ones are read back without a check (a Spark read).
+                        decode_headers(ext.headers)
                 except ProtocolError as exc:
                     self.dropped += 1
                     log.warning(
@@ -306,13 +318,15 @@ class StreamHost:
                 publish = ext.publish_id
                 if not publish and flags & FLAG_RELIABLE:
                     publish = src + msg_id.to_bytes(8, "big")
-                fields = (src, ext.origin or dst, payload, ext.group, ext.priority, publish)
+                fields = (
+                    src, ext.origin or dst, payload, ext.group, ext.priority, publish, ext.headers
+                )  # fmt: skip
             elif flags & FLAG_RELIABLE:
                 # A reliable frame is its own publish id: a resend after a failover is
                 # stored once.
-                fields = (src, dst, payload, b"", 0, src + msg_id.to_bytes(8, "big"))
+                fields = (src, dst, payload, b"", 0, src + msg_id.to_bytes(8, "big"), b"")
             else:
-                fields = (src, dst, payload, b"", 0, b"")
+                fields = (src, dst, payload, b"", 0, b"", b"")
             message = _new_message(NewMessage, fields)
             for name in (by_member[dst],) if dst in by_member else by_group.get(dst, ()):
                 entry = batch.get(name)
@@ -330,7 +344,7 @@ class StreamHost:
         origin = ext.origin or dst
         new = _new_message
         return [
-            new(NewMessage, (src, origin, row.payload, b"", row.priority, row.publish_id))
+            new(NewMessage, (src, origin, row.payload, b"", row.priority, row.publish_id, b""))
             for row in received_rows(ext, payload)
         ]
 
@@ -400,6 +414,9 @@ class StreamHost:
             if peer is not None and not link.is_peer:
                 self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
                 return
+            if name in self.unreachable:
+                self._refuse(link, ErrorCode.UNAVAILABLE, self._unreachable(name), correlation)
+                return
             self._refuse(link, ErrorCode.NO_STREAM, str(StreamNotFound(name)), correlation)
             return
         not_theirs = self._not_theirs(body)
@@ -441,6 +458,15 @@ class StreamHost:
             f"{body.consumer!r} of stream {body.stream!r}: user {owner!r} made it, and only "
             f"it or a user with the operator right {CONSUMERS!r} may use or delete it "
             "(permissions.operator)"
+        )
+
+    def _unreachable(self, name: str) -> str:
+        host, since = self.unreachable[name]
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+        return (
+            f"stream {name!r} is hosted by broker {host}, unreachable from this broker since "
+            f"{at} ({time.time() - since:.0f} s ago); it is back when its broker is -- "
+            f"adding a stream of the same name elsewhere would make a second one"
         )
 
     def _refuse(self, link: Link, code: ErrorCode, message: str, correlation: int) -> None:
@@ -595,6 +621,7 @@ def _row(message: StoredMessage, delivery: int) -> StoredRow:
         message.priority,
         message.payload,
         delivery,
+        message.headers,
     )
 
 

@@ -29,7 +29,7 @@ from meshbus.cli.common import (
     run,
 )
 from meshbus.cli.lazy import LazyGroup
-from meshbus.errors import NoRoute, Timeout
+from meshbus.errors import NoRoute, ProtocolError, Timeout
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
@@ -135,11 +135,21 @@ def _print_message(msg: Message, as_json: bool) -> None:
                 "encoding": encoding,
                 "request": msg.is_request,
                 "msg_id": msg.msg_id,
+                "headers": _headers_of(msg),
             }
         )
     else:
         line = f"[{msg.src} -> {msg.dst}] {_text(msg.payload)}"
     click.echo(line)  # click.echo flushes, so a reader on a pipe sees each line at once
+
+
+def _headers_of(msg: Message) -> dict[str, str]:
+    """The message's headers; a malformed block (another service's bytes) is shown as
+    such rather than ending the listener."""
+    try:
+        return msg.headers
+    except ProtocolError as exc:
+        return {"error": str(exc)}
 
 
 def _check_bindable(address: Address) -> None:
@@ -199,6 +209,14 @@ async def _messages(service: Service, timeout: float | None) -> AsyncIterator[Me
     default=None,
     help="Send the bytes of this file (- for stdin) instead of TEXT.",
 )
+@click.option(
+    "--header",
+    "-H",
+    "headers",
+    multiple=True,
+    metavar="NAME:VALUE",
+    help="A header the receiver reads as msg.headers; repeat for more.",
+)
 @click.argument("address", type=ADDRESS)
 @click.argument("text", required=False)
 def send(
@@ -207,6 +225,7 @@ def send(
     access: Access,
     notify: bool,
     payload_file: BinaryIO | None,
+    headers: tuple[str, ...],
     address: Address,
     text: str | None,
 ) -> None:
@@ -221,7 +240,18 @@ def send(
     Exit codes: 0 sent, 1 error (e.g. no broker),
     2 bad arguments, 4 no route (with --notify).
     """
-    run(_send(broker_address, server, access, address, _send_payload(text, payload_file), notify))
+    payload = _send_payload(text, payload_file)
+    run(_send(broker_address, server, access, address, payload, _headers(headers), notify))
+
+
+def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for pair in pairs:
+        name, colon, value = pair.partition(":")
+        if not colon:
+            raise click.BadParameter(f"{pair!r} is not NAME:VALUE", param_hint="'--header'")
+        headers[name.strip()] = value.strip()
+    return headers
 
 
 def _send_payload(text: str | None, payload_file: BinaryIO | None) -> bytes:
@@ -243,14 +273,14 @@ async def _send(
     access: Access,
     address: Address,
     payload: bytes,
+    headers: dict[str, str],
     notify: bool,
 ) -> None:
-
     async with await access.connect(broker_address, server=server) as conn:
         service = await conn.register()
         failed: list[Undeliverable] = []
         conn.on_undeliverable(failed.append)
-        await service.send(address, payload, notify=notify)
+        await service.send(address, payload, headers=headers, notify=notify)
         # The broker answers in the order it reads: PONG comes after the send was routed
         # (and after its NO_ROUTE, if any), so the message has left this process.
         await conn.ping()

@@ -32,12 +32,13 @@ import asyncio
 import os
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 
 from meshbus.address import Address, Unicast
 from meshbus.auth import Credentials
+from meshbus.client.addressing import AddressLike
 from meshbus.client.changes import Changes, Gate
 from meshbus.client.dial import Dialer
 from meshbus.client.failover import Identity, LinkKeeper
@@ -45,6 +46,8 @@ from meshbus.client.inbound import Inbound, Undeliverable
 from meshbus.client.link import Links
 from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.client.memberships import Memberships
+from meshbus.client.message import Message
+from meshbus.client.options import PublishOptions, RequestOptions, SendOptions
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.receiving import Receiving
 from meshbus.client.reliable import Reliable, ReliableConfig, Unacked
@@ -62,7 +65,7 @@ from meshbus.errors import (
     ProtocolError,
     Timeout,
 )
-from meshbus.protocol.codec import encode_control
+from meshbus.protocol.codec import BytesLike, encode_control
 from meshbus.protocol.control import (
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
@@ -248,6 +251,11 @@ class Connector:
     def __init__(self, parts: ConnectorParts) -> None:
         """A started connector (``meshbus.connect`` makes them)."""
         self._parts = parts
+        # The dynamic service ``send``, ``publish`` and ``request`` go out from, registered
+        # by the first of them; and what came to its address (nobody reads it).
+        self._own: Service | None = None
+        self._own_lock = asyncio.Lock()
+        self._dropped_at_own = 0
         self.server = parts.server
         self.name = parts.name
         self.operator = parts.operator
@@ -281,8 +289,9 @@ class Connector:
 
     @property
     def dropped(self) -> int:
-        """Messages that arrived for no service here (or a response nobody waited for)."""
-        return self._parts.inbound.dropped
+        """Messages that arrived for no service here (or a response nobody waited for),
+        and those sent to the address ``send``, ``publish`` and ``request`` go out from."""
+        return self._parts.inbound.dropped + self._dropped_at_own
 
     @property
     def refused_acks(self) -> int:
@@ -349,6 +358,45 @@ class Connector:
         )
         await parts.memberships.reach_broadcasts()
         return service
+
+    # -- sending without a service of one's own ------------------------------------------
+
+    async def send(
+        self, dst: AddressLike, payload: BytesLike | None = None, **options: Unpack[SendOptions]
+    ) -> int:
+        """``Service.send``, from this connector's own dynamic address: a process that only
+        sends needs no service, as a NATS client publishes without subscribing. The
+        address is registered by the first ``send``, ``publish`` or ``request`` and kept
+        across failovers; what is sent to it is dropped (counted in ``dropped``) -- to be
+        addressed, to receive or to serve requests, ``register`` a service."""
+        return await (await self._sender()).send(dst, payload, **options)
+
+    async def publish(
+        self, topic: str, payload: BytesLike | None = None, **options: Unpack[PublishOptions]
+    ) -> int:
+        """``Service.publish`` from this connector's own address (see ``send``)."""
+        return await (await self._sender()).publish(topic, payload, **options)
+
+    async def request(
+        self, dst: AddressLike, payload: BytesLike | None = None, **options: Unpack[RequestOptions]
+    ) -> Message:
+        """``Service.request`` from this connector's own address (see ``send``); the
+        response comes back to it."""
+        return await (await self._sender()).request(dst, payload, **options)
+
+    async def _sender(self) -> Service:
+        own = self._own
+        if own is not None and not own.closed:
+            return own
+        async with self._own_lock:  # concurrent first sends register one address
+            own = self._own
+            if own is None or own.closed:
+                own = self._own = await self.register()
+                own.add_listener(self._to_own_address)
+            return own
+
+    def _to_own_address(self, msg: Message) -> None:
+        self._dropped_at_own += 1
 
     async def stat(self, *, detail: bool = True) -> dict[str, Any]:
         """The broker's view: itself, its links, the mesh, services, groups and counters.

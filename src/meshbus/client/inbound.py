@@ -60,6 +60,7 @@ log = logging.getLogger("meshbus.client")
 
 # A data frame with none of these flags is a plain send or a request: no response to
 # settle, no ack to take, no extension to read, no duplicate to check.
+_NO_EXT = Ext()
 _NOT_PLAIN = FLAG_RESPONSE | FLAG_ACK | FLAG_EXT | FLAG_RELIABLE
 
 
@@ -122,12 +123,21 @@ class Inbound:
             return
         if flags & FLAG_RESPONSE:
             waiting = self._waiters.response_to((frame.dst, frame.response_for))
-            if waiting is not None and not waiting.done():
-                waiting.set_result(
-                    Message(frame.src, frame.dst, frame.payload, frame.msg_id, flags, None)
-                )
-            else:
+            if waiting is None or waiting.done():
                 self.dropped += 1
+                return
+            response_ext = _NO_EXT
+            if flags & FLAG_EXT:
+                try:
+                    response_ext, frame.payload = split(frame.payload)
+                except ProtocolError as exc:
+                    waiting.set_exception(exc)
+                    return
+            waiting.set_result(
+                Message(
+                    frame.src, frame.dst, frame.payload, frame.msg_id, flags, None, response_ext
+                )
+            )
             return
         if flags & FLAG_ACK:
             self._unacked.on_ack(frame)

@@ -28,7 +28,8 @@ from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound
 from meshbus.errors import MeshbusError, NoQueue, NotConnected, Timeout
 from meshbus.protocol.codec import BytesLike
-from meshbus.protocol.layout import FLAG_RESPONSE
+from meshbus.protocol.ext import Ext, wrap
+from meshbus.protocol.layout import FLAG_EXT, FLAG_RESPONSE
 from meshbus.util import BackgroundTasks
 
 log = logging.getLogger("meshbus.client")
@@ -221,16 +222,20 @@ class Mailbox:
 
     # -- answering ---------------------------------------------------------------------
 
-    async def respond(self, requester: bytes, msg_id: int, payload: BytesLike) -> None:
+    async def respond(
+        self, requester: bytes, msg_id: int, payload: BytesLike, headers: bytes
+    ) -> None:
+        payload, flags = _response(payload, headers)
         outbound = self._outbound
-        if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
-            await outbound.send_data(
-                self.raw, requester, payload, FLAG_RESPONSE, response_for=msg_id
-            )
+        if not outbound.try_send(self.raw, requester, payload, flags, msg_id):
+            await outbound.send_data(self.raw, requester, payload, flags, response_for=msg_id)
 
-    def respond_nowait(self, requester: bytes, msg_id: int, payload: BytesLike) -> None:
+    def respond_nowait(
+        self, requester: bytes, msg_id: int, payload: BytesLike, headers: bytes
+    ) -> None:
+        payload, flags = _response(payload, headers)
         outbound = self._outbound
-        if not outbound.try_send(self.raw, requester, payload, FLAG_RESPONSE, msg_id):
+        if not outbound.try_send(self.raw, requester, payload, flags, msg_id):
             raise outbound.would_block()
 
     def close(self, error: MeshbusError | None = None) -> None:
@@ -299,3 +304,10 @@ class Services:
                 for link in self._links.all():
                     link.resume_reading()
                     link.dispatch()
+
+
+def _response(payload: BytesLike, headers: bytes) -> tuple[BytesLike, int]:
+    """A response's payload and flags: with an extension block when it has headers."""
+    if headers:
+        return wrap(Ext(headers=headers), payload), FLAG_RESPONSE | FLAG_EXT
+    return payload, FLAG_RESPONSE

@@ -7,12 +7,15 @@ a ``Replier``: what ``reply`` answers a request through.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar
 
 from meshbus.address import Address
+from meshbus.client import payloads
 from meshbus.errors import MeshbusError
 from meshbus.protocol.codec import BytesLike, DataFrame
 from meshbus.protocol.ext import Ext
+from meshbus.protocol.headers import decode_headers, encode_headers
 from meshbus.protocol.layout import FLAG_REQUEST
 
 
@@ -20,12 +23,17 @@ class Replier(Protocol):
     """Where a request's answer goes out from: the mailbox of the service that received it
     (meshbus.client.mailboxes.Mailbox)."""
 
-    async def respond(self, requester: bytes, msg_id: int, payload: BytesLike) -> None: ...
+    async def respond(
+        self, requester: bytes, msg_id: int, payload: BytesLike, headers: bytes
+    ) -> None: ...
 
-    def respond_nowait(self, requester: bytes, msg_id: int, payload: BytesLike) -> None: ...
+    def respond_nowait(
+        self, requester: bytes, msg_id: int, payload: BytesLike, headers: bytes
+    ) -> None: ...
 
 
 _NO_EXT = Ext()
+T = TypeVar("T")
 
 
 class Message:
@@ -94,6 +102,22 @@ class Message:
         """The last message of its group."""
         return self._ext.final
 
+    def json(self) -> Any:
+        """The payload as JSON (dicts, lists, str, numbers, bools, None);
+        ``meshbus.InvalidPayload`` if it is not JSON."""
+        return payloads.decode(self.payload)
+
+    def decode(self, type_: type[T]) -> T:
+        """The payload as JSON, validated into ``type_``: a msgspec Struct, a dataclass,
+        a TypedDict, ``list[int]``...; ``meshbus.InvalidPayload`` says what did not fit."""
+        return payloads.decode(self.payload, type_)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers the sender gave (``send(..., headers=...)``); empty when none.
+        ``meshbus.ProtocolError`` if the sender's header block is malformed."""
+        return decode_headers(self._ext.headers)
+
     @property
     def src(self) -> Address:
         """The sending service's unicast address."""
@@ -109,16 +133,34 @@ class Message:
         """True when the sender waits for ``reply``."""
         return bool(self.flags & FLAG_REQUEST)
 
-    async def reply(self, payload: BytesLike) -> None:
-        """Answer a request. The response comes from the service that received the request.
-        It suspends only while the link's write buffer is full or the connector fails over."""
-        await self._replier("reply").respond(self._src, self.msg_id, payload)
+    async def reply(
+        self,
+        payload: BytesLike | None = None,
+        *,
+        json: object = payloads.NO_JSON,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Answer a request with ``payload`` (or ``json=value``, and ``headers``, as
+        ``Service.send`` takes them). The response comes from the service that received
+        the request. It suspends only while the link's write buffer is full or the
+        connector fails over."""
+        replier = self._replier("reply")
+        content = payloads.body(payload, json)
+        await replier.respond(self._src, self.msg_id, content, encode_headers(headers))
 
-    def reply_nowait(self, payload: BytesLike) -> None:
+    def reply_nowait(
+        self,
+        payload: BytesLike | None = None,
+        *,
+        json: object = payloads.NO_JSON,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         """``reply`` without suspending, from a listener or for a batch: the responses
         written in one loop turn leave in one socket write. Raises ``meshbus.WouldBlock``
         (nothing sent) where ``reply`` would wait; ``await svc.flush()`` waits that out."""
-        self._replier("reply_nowait").respond_nowait(self._src, self.msg_id, payload)
+        replier = self._replier("reply_nowait")
+        content = payloads.body(payload, json)
+        replier.respond_nowait(self._src, self.msg_id, content, encode_headers(headers))
 
     def _replier(self, call: str) -> Replier:
         if not self.is_request:

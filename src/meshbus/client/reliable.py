@@ -359,6 +359,7 @@ class Reliable:
         timeout: float | None = None,
         command: str = "",
         batch: int = 0,
+        headers: bytes = b"",
     ) -> int:
         """Send reliably; with ``wait``, return once acknowledged. ``batch``: the payload
         is a batch of rows in that format (meshbus.protocol.batch); it waits while
@@ -433,15 +434,16 @@ class Reliable:
             state.final_sent = final
             ext = Ext(
                 origin=dst, group=group, seq=seq, floor=state.floor(), final=final,
-                priority=priority, publish_id=publish_id,
+                priority=priority, publish_id=publish_id, headers=headers,
             )  # fmt: skip
-        elif target != dst or priority or publish_id or command or batch:
+        elif target != dst or priority or publish_id or command or batch or headers:
             ext = Ext(
                 origin=dst if target != dst else b"",
                 priority=priority,
                 publish_id=publish_id,
                 command=command,
                 batch=batch,
+                headers=headers,
             )
         flags = _RELIABLE | (FLAG_ECHO if echo else 0) | (FLAG_EXT if ext is not None else 0)
         future = asyncio.get_running_loop().create_future() if wait else None

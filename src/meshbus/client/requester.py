@@ -52,9 +52,11 @@ from meshbus.protocol.codec import (
     encode_data,
 )
 from meshbus.protocol.control import Body, Error, encode_in_bounds
+from meshbus.protocol.ext import Ext, wrap
 from meshbus.protocol.layout import (
     DEFAULT_MAX_FRAME,
     FATAL_ERRORS,
+    FLAG_EXT,
     FLAG_REQUEST,
     ControlType,
     ErrorCode,
@@ -200,20 +202,24 @@ class Requester:
             ) from reason
 
     async def request(
-        self, src: bytes, dst: Address, payload: BytesLike, timeout_ms: int
+        self, src: bytes, dst: Address, payload: BytesLike, timeout_ms: int, headers: bytes = b""
     ) -> Message:
-        """Send a request from ``src`` and wait for its response."""
+        """Send a request from ``src`` and wait for its response; ``headers``: a header
+        block (meshbus.protocol.headers), carried in an extension block."""
         links = self._links
         link = links.current
         if link is None or links.closed or not links.connected.is_set():
             link = await links.usable()
         msg_id = self._outbound.new_msg_id()
+        flags = FLAG_REQUEST
+        if headers:
+            payload, flags = wrap(Ext(headers=headers), payload), FLAG_REQUEST | FLAG_EXT
         frame = encode_data(
             dst.to_bytes(),
             src,
             payload,
             msg_id=msg_id,
-            flags=FLAG_REQUEST,
+            flags=flags,
             timeout_ms=timeout_ms,
             max_frame=links.max_frame,
         )

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 from meshbus.address import BROADCAST_GROUP, Address, Anycast, Multicast, Unicast
 from meshbus.client.addressing import AddressLike, as_address
@@ -22,9 +22,10 @@ from meshbus.client.mailboxes import BROADCAST, Mailbox, Services
 from meshbus.client.memberships import Memberships
 from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound, TraceSampler
+from meshbus.client.payloads import NO_JSON, body
 from meshbus.client.reliable import Reliable
 from meshbus.client.requester import Requester
-from meshbus.client.streams import StreamClient
+from meshbus.client.streams import StreamClient, StreamMessage
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
@@ -35,6 +36,7 @@ from meshbus.protocol.batch import BATCH_ROWS, FRAME_OVERHEAD, RowTuple, pack_ro
 from meshbus.protocol.codec import BytesLike, payload_bytes
 from meshbus.protocol.control import AddressBody, Empty
 from meshbus.protocol.ext import Ext, wrap
+from meshbus.protocol.headers import encode_headers
 from meshbus.protocol.layout import (
     FLAG_ECHO,
     FLAG_EXT,
@@ -165,6 +167,11 @@ class Service:
             await self.unregister()
 
     @property
+    def closed(self) -> bool:
+        """Unregistered, or its connector closed: it sends and receives no more."""
+        return self._mailbox.closed
+
+    @property
     def groups(self) -> frozenset[Address]:
         """The multicast and anycast groups this service is a member of."""
         return frozenset(g for g in self._mailbox.groups if g.to_bytes() != BROADCAST)
@@ -180,8 +187,10 @@ class Service:
     async def send(
         self,
         dst: AddressLike,
-        payload: BytesLike,
+        payload: BytesLike | None = None,
         *,
+        json: object = NO_JSON,
+        headers: Mapping[str, str] | None = None,
         echo: bool = False,
         notify: bool = False,
         reliable: bool = False,
@@ -192,6 +201,12 @@ class Service:
         timeout: float | None = None,
     ) -> int:
         """Send ``payload`` to ``dst``; returns the message id.
+
+        The payload is any bytes-like object, or ``json=value`` instead: the value encoded
+        as JSON (dicts, lists, dataclasses, msgspec Structs...; ``Message.json()`` and
+        ``Message.decode(Type)`` read it back). ``headers``: names and values the receiver
+        reads as ``Message.headers`` (a name is an ASCII token, a value text without CR or
+        LF); they count toward the frame's size limit with the payload.
 
         A plain send is at most once. ``reliable=True``: exactly once to the application --
         kept until the receiving connector acknowledges it and resent on timeout (see
@@ -219,11 +234,14 @@ class Service:
         it, ``meshbus.Timeout`` says what it waited for and why. A permanent answer (no
         member, permission denied) raises at once."""
         raw = as_address(dst).to_bytes()
+        if payload is None or json is not NO_JSON:
+            payload = body(payload, json)
         if reliable or group is not None:
             return await self._parts.reliable.send(
                 self._raw,
                 raw,
                 payload_bytes(payload),  # kept for resends: a copy the caller cannot change
+                headers=encode_headers(headers),
                 echo=echo,
                 group=_group_key(group, final),
                 final=final,
@@ -238,7 +256,7 @@ class Service:
             raise InvalidArgument(
                 "timeout= bounds a reliable or group send; a plain one waits for nothing"
             )
-        payload, flags = self._plain(payload, echo, notify, priority, publish_id)
+        payload, flags = self._plain(payload, echo, notify, priority, publish_id, headers)
         outbound = self._outbound
         # Written at once when nothing stands in the way (no suspension); else it waits.
         return outbound.try_send(self._raw, raw, payload, flags) or await outbound.send_data(
@@ -248,8 +266,10 @@ class Service:
     def send_nowait(
         self,
         dst: AddressLike,
-        payload: BytesLike,
+        payload: BytesLike | None = None,
         *,
+        json: object = NO_JSON,
+        headers: Mapping[str, str] | None = None,
         echo: bool = False,
         notify: bool = False,
         priority: int = 0,
@@ -265,7 +285,9 @@ class Service:
         nats.py's choice too (a publish past its pending limit raises): a full buffer is
         the sender's to see, not a memory that grows without bound. The options are
         ``send``'s plain ones."""
-        payload, flags = self._plain(payload, echo, notify, priority, publish_id)
+        if payload is None or json is not NO_JSON:
+            payload = body(payload, json)
+        payload, flags = self._plain(payload, echo, notify, priority, publish_id, headers)
         outbound = self._outbound
         msg_id = outbound.try_send(self._raw, as_address(dst).to_bytes(), payload, flags)
         if not msg_id:
@@ -341,10 +363,16 @@ class Service:
         await self._outbound.writable()
 
     def _plain(
-        self, payload: BytesLike, echo: bool, notify: bool, priority: int, publish_id: bytes
+        self,
+        payload: BytesLike,
+        echo: bool,
+        notify: bool,
+        priority: int,
+        publish_id: bytes,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[BytesLike, int]:
         """A plain send's payload and flags: with an extension block when it carries a
-        priority or a publish id, or is one the broker asked to trace."""
+        priority, a publish id or headers, or is one the broker asked to trace."""
         flags = (FLAG_ECHO if echo else 0) | (FLAG_NOTIFY_DROP if notify else 0)
         sampler = self._sampler
         if sampler.every and sampler.this_one():
@@ -353,11 +381,14 @@ class Service:
                 priority=_checked_priority(priority),
                 publish_id=_checked_publish_id(publish_id),
                 sent_at=time.time(),
+                headers=encode_headers(headers),
             )
             return wrap(ext, payload), flags
-        if priority or publish_id:
+        if priority or publish_id or headers:
             ext = Ext(
-                priority=_checked_priority(priority), publish_id=_checked_publish_id(publish_id)
+                priority=_checked_priority(priority),
+                publish_id=_checked_publish_id(publish_id),
+                headers=encode_headers(headers),
             )
             return wrap(ext, payload), flags | FLAG_EXT
         return payload, flags
@@ -365,8 +396,10 @@ class Service:
     async def send_reliable(
         self,
         dst: AddressLike,
-        payload: BytesLike,
+        payload: BytesLike | None = None,
         *,
+        json: object = NO_JSON,
+        headers: Mapping[str, str] | None = None,
         group: str | None = None,
         final: bool = False,
         priority: int = 0,
@@ -380,7 +413,8 @@ class Service:
         return await self._parts.reliable.send(
             self._raw,
             as_address(dst).to_bytes(),
-            payload_bytes(payload),
+            payload_bytes(body(payload, json)),
+            headers=encode_headers(headers),
             echo=echo,
             group=_group_key(group, final),
             final=final,
@@ -432,11 +466,24 @@ class Service:
     # -- the Postina verbs (docs/architecture.md) ------------------------------------------
 
     async def publish(
-        self, topic: str, payload: BytesLike, *, priority: int = 0, reliable: bool = False
+        self,
+        topic: str,
+        payload: BytesLike | None = None,
+        *,
+        json: object = NO_JSON,
+        headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        reliable: bool = False,
     ) -> int:
-        """Send to every subscriber of ``topic`` (the multicast address of that name)."""
+        """Send to every subscriber of ``topic`` (the multicast address of that name);
+        ``json`` and ``headers`` as ``send`` takes them."""
         return await self.send(
-            _exact(Multicast(topic)), payload, priority=priority, reliable=reliable
+            _exact(Multicast(topic)),
+            payload,
+            json=json,
+            headers=headers,
+            priority=priority,
+            reliable=reliable,
         )
 
     async def subscribe(self, topics: str | Iterable[str]) -> None:
@@ -486,7 +533,9 @@ class Service:
         """Send to every service on the bus (at most once, like ``publish``)."""
         return await self.send(BROADCAST_GROUP, payload, priority=priority, echo=True)
 
-    async def fetch(self, stream: str, from_seq: int = 1, max_count: int = 100) -> list[Any]:
+    async def fetch(
+        self, stream: str, from_seq: int = 1, max_count: int = 100
+    ) -> list[StreamMessage]:
         """Read a durable stream (``Connector.streams.fetch``): ``StreamMessage`` objects
         with ``.seq``, ``.stored_at``, ``.src``, ``.dst`` and ``.payload``."""
         return await self._parts.streams.fetch(stream, from_seq, max_count)
@@ -512,9 +561,16 @@ class Service:
         return await self.recv(timeout)
 
     async def request(
-        self, dst: AddressLike, payload: BytesLike, *, timeout: float = 5.0
+        self,
+        dst: AddressLike,
+        payload: BytesLike | None = None,
+        *,
+        json: object = NO_JSON,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 5.0,
     ) -> Message:
-        """Send a request and wait for its response.
+        """Send a request and wait for its response (``json`` and ``headers`` as ``send``
+        takes them; the response's are ``Message.json()`` and ``Message.headers``).
 
         Raises ``meshbus.Timeout`` when no response comes within ``timeout`` seconds
         (the broker enforces the deadline), ``meshbus.NoRoute`` when nobody serves ``dst``.
@@ -522,7 +578,9 @@ class Service:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout}")
         timeout_ms = math.ceil(min(timeout, _MAX_TIMEOUT) * 1000)
-        return await self._parts.requester.request(self._raw, as_address(dst), payload, timeout_ms)
+        return await self._parts.requester.request(
+            self._raw, as_address(dst), body(payload, json), timeout_ms, encode_headers(headers)
+        )
 
     # -- receiving --------------------------------------------------------------
 

@@ -33,8 +33,9 @@ class StreamMessage(Message):
     __slots__ = ("delivery", "seq", "stored_at", "stream")
 
     def __init__(self, stream: str, row: StoredRow) -> None:
-        seq, stored_at, src, dst, group, priority, payload, delivery = row
-        super().__init__(src, dst, payload, 0, 0, None, Ext(group=group, priority=priority))
+        seq, stored_at, src, dst, group, priority, payload, delivery, headers = row
+        ext = Ext(group=group, priority=priority, headers=headers)
+        super().__init__(src, dst, payload, 0, 0, None, ext)
         self.stream = stream
         self.seq = seq
         self.stored_at = stored_at
@@ -149,7 +150,7 @@ class StreamClient:
         if reply.blocks or not reply.messages:
             return reply.blocks
         # A broker from before columnar fetches answers with rows: the same, encoded here.
-        return slices_of(row[:7] for row in reply.messages)
+        return slices_of((*row[:7], row[8]) for row in reply.messages)
 
     async def consumer(
         self,

@@ -11,6 +11,8 @@ per field, in the layout Arrow takes as is -- one msgpack array of
     priority_values, priority_index
     id_offsets, publish_ids             n+1 u32 offsets into one buffer; b"": no id
     offsets, payloads                   the same for payloads
+    header_offsets, headers             the same for header blocks; left out (the
+                                        array ends before them) when no message has any
 
 Indices and offsets are little-endian u32 (a block is far under 4 GiB).
 
@@ -46,6 +48,7 @@ class MessageColumns(NamedTuple):
     group: Sequence[bytes]
     priority: Sequence[int]
     publish_id: Sequence[bytes]
+    headers: Sequence[bytes]
 
 
 class Block(msgspec.Struct, array_like=True, frozen=True):
@@ -63,6 +66,8 @@ class Block(msgspec.Struct, array_like=True, frozen=True):
     publish_ids: memoryview
     offsets: memoryview
     payloads: memoryview
+    header_offsets: memoryview | None = None
+    headers: memoryview | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) // 4 - 1
@@ -84,7 +89,15 @@ class Block(msgspec.Struct, array_like=True, frozen=True):
             _take(self.group_values, self.group_index, start, stop),
             _take(self.priority_values, self.priority_index, start, stop),
             _cut(self.id_offsets, self.publish_ids, start, stop),
+            self.header_list(start, stop),
         )
+
+    def header_list(self, start: int = 0, stop: int | None = None) -> list[bytes]:
+        """Messages ``start``..``stop - 1``'s header blocks (b"": none)."""
+        stop = len(self) if stop is None else stop
+        if self.header_offsets is None or self.headers is None:
+            return [b""] * (stop - start)
+        return _cut(self.header_offsets, self.headers, start, stop)
 
 
 class BlockSlice(msgspec.Struct, array_like=True, frozen=True):
@@ -119,26 +132,29 @@ def encode_block(
     group: Sequence[bytes],
     priority: Sequence[int],
     publish_id: Sequence[bytes],
+    headers: Sequence[bytes] = (),
 ) -> bytes:
-    """A block of messages given a sequence per field (``MessageColumns``' order)."""
-    return _encode(
-        (
-            *_dictionary(src),
-            *_dictionary(dst),
-            *_dictionary(group),
-            *_dictionary(priority),
-            *_concat(publish_id),
-            *_concat(payload),
-        )
+    """A block of messages given a sequence per field (``MessageColumns``' order);
+    ``headers`` empty or all b"": no message has headers."""
+    columns: tuple[object, ...] = (
+        *_dictionary(src),
+        *_dictionary(dst),
+        *_dictionary(group),
+        *_dictionary(priority),
+        *_concat(publish_id),
+        *_concat(payload),
     )
+    if any(headers):
+        columns = (*columns, *_concat(headers))
+    return _encode(columns)
 
 
 def decode_block(data: bytes | memoryview) -> Block:
     return _decode(data)
 
 
-# seq, stored_at, src, dst, group, priority, payload
-Row = tuple[int, float, bytes, bytes, bytes, int, bytes]
+# seq, stored_at, src, dst, group, priority, payload, headers
+Row = tuple[int, float, bytes, bytes, bytes, int, bytes, bytes]
 
 
 def slices_of(rows: Iterable[Row]) -> list[BlockSlice]:
@@ -146,8 +162,8 @@ def slices_of(rows: Iterable[Row]) -> list[BlockSlice]:
     blocks are), for those that keep or get messages as rows."""
     out: list[BlockSlice] = []
     for at, run in groupby(rows, key=itemgetter(1)):
-        seq, _, src, dst, group, priority, payload = zip(*run, strict=True)
-        data = encode_block(src, dst, payload, group, priority, [b""] * len(seq))
+        seq, _, src, dst, group, priority, payload, headers = zip(*run, strict=True)
+        data = encode_block(src, dst, payload, group, priority, [b""] * len(seq), headers)
         out.append(BlockSlice(seq[0], at, 0, len(seq), data))
     return out
 

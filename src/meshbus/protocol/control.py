@@ -418,8 +418,8 @@ class StreamRequest(Body):
     any_consumer: bool = False
 
 
-# seq, stored_at, src, dst, group, priority, payload, delivery count
-StoredRow = tuple[int, float, bytes, bytes, bytes, int, bytes, int]
+# seq, stored_at, src, dst, group, priority, payload, delivery count, header block
+StoredRow = tuple[int, float, bytes, bytes, bytes, int, bytes, int, bytes]
 
 
 class StreamReply(Body):

@@ -29,7 +29,8 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     ``group``/``seq``/``floor``/``final``: message-group ordering (client/delivery.py).
     ``publish_id``: a stream stores a frame with a given id once per dedupe window.
     ``priority``: the sender's priority, carried to the receiver. ``batch``: the
-    payload is many rows (meshbus.protocol.batch)."""
+    payload is many rows (meshbus.protocol.batch). ``headers``: the message's header
+    block (meshbus.protocol.headers)."""
 
     origin: bytes = b""
     group: bytes = b""
@@ -45,6 +46,7 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     # Not 0: the payload is a batch of rows in this format (meshbus.protocol.batch), each
     # delivered and stored as a message of its own.
     batch: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
+    headers: bytes = b""
 
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -48,6 +48,7 @@ from pyspark.sql.types import (
     DataType,
     IntegerType,
     LongType,
+    MapType,
     StringType,
     StructField,
     StructType,
@@ -58,6 +59,7 @@ from meshbus.address import Address
 from meshbus.client.streams import StreamInfo
 from meshbus.errors import StreamError
 from meshbus.protocol.blocks import Block, BlockSlice
+from meshbus.protocol.headers import decode_headers
 from meshbus.spark import bus
 from meshbus.spark.options import PREFIX, ReadOptions, option_error
 
@@ -73,6 +75,8 @@ COLUMNS: dict[str, tuple[DataType, bool]] = {
     "group": (StringType(), True),
     "priority": (IntegerType(), False),
     "payload": (BinaryType(), False),
+    # The sender's headers (Message.headers); null for a message without any.
+    "headers": (MapType(StringType(), StringType()), True),
 }
 SCHEMA = StructType([StructField(name, kind, null) for name, (kind, null) in COLUMNS.items()])
 
@@ -181,6 +185,8 @@ def to_batch(part: SeqRange, pieces: list[BlockSlice], schema: pa.Schema) -> pa.
                     for v in views
                 ]
             )
+        elif name == "headers":
+            array = _headers_column(kind, views)
         else:
             array = _dictionary_column(kind, views, _DICTIONARY_COLUMNS[name])
         arrays.append(array)
@@ -203,6 +209,19 @@ def _dictionary_column(
             positions = [None, pa.py_buffer(index)]
             taken = pa.Array.from_buffers(pa.uint32(), v.count, positions, offset=v.lo)
             arrays.append(pa.array(values, kind).take(taken))
+    return _concat(arrays)
+
+
+def _headers_column(kind: pa.DataType, views: list[_View]) -> pa.Array:
+    """Nulls for the blocks without headers (the usual case: no work per message); the
+    decoded header blocks of the others."""
+    arrays = []
+    for v in views:
+        if v.block.header_offsets is None:
+            arrays.append(pa.nulls(v.count, kind))
+        else:
+            blocks = v.block.header_list(v.lo, v.lo + v.count)
+            arrays.append(pa.array([decode_headers(h) if h else None for h in blocks], kind))
     return _concat(arrays)
 
 

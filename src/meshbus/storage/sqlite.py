@@ -436,8 +436,8 @@ class SqliteStreamStore(MirroredStore):
         for block_first, at, block in self._blocks(st, first, last):
             start = max(first - block_first, 0)
             end = min(last - block_first + 1, len(block))
-            src, dst, payload, group, priority, _ = block.columns(start, end)
-            fields = zip(src, dst, group, priority, payload, strict=True)
+            src, dst, payload, group, priority, _, headers = block.columns(start, end)
+            fields = zip(src, dst, group, priority, payload, headers, strict=True)
             for seq, message in enumerate(fields, block_first + start):
                 yield StoredMessage(name, seq, at, *message)
 

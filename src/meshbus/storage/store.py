@@ -103,6 +103,7 @@ class NewMessage(NamedTuple):
     group: bytes = b""
     priority: int = 0
     publish_id: bytes = b""
+    headers: bytes = b""  # a header block (meshbus.protocol.headers); b"": none
 
 
 class StoredMessage(NamedTuple):
@@ -114,6 +115,7 @@ class StoredMessage(NamedTuple):
     group: bytes
     priority: int
     payload: bytes
+    headers: bytes = b""
 
 
 class Appended(NamedTuple):
@@ -552,7 +554,7 @@ class MemoryStreamStore(MirroredStore):
         bodies = self._bodies[name]
         for seq, m in enumerate(stored, first):
             bodies[seq] = StoredMessage(
-                name, seq, now, m.src, m.dst, m.group, m.priority, m.payload
+                name, seq, now, m.src, m.dst, m.group, m.priority, m.payload, m.headers
             )
         self._trim(st, now)
         return results

@@ -314,7 +314,7 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.GROUP_END: GroupEnd(group=b"\x03" + bytes(15), key=b"order-17"),
     ControlType.GROUPS: Groups(ops=[(b"\x03" + bytes(15), b"g", b"\x01" + bytes(15), 300.0)]),
     ControlType.STREAM: StreamRequest(op="fetch", stream="results", from_seq=5),
-    ControlType.STREAM_REPLY: StreamReply(messages=[(1, 2.5, b"s", b"d", b"", 0, b"p", 1)]),
+    ControlType.STREAM_REPLY: StreamReply(messages=[(1, 2.5, b"s", b"d", b"", 0, b"p", 1, b"")]),
     ControlType.RELAYED: Relayed(type=31, body=b"\x80"),
     ControlType.WATCH: Empty(),
     ControlType.LEFT: Left(addresses=[b"\x01" + bytes(15)]),

@@ -59,16 +59,16 @@ def seqs(s: StreamStore, from_seq: int = 0, name: str = "orders") -> list[int]:
     return [m.seq for m in s.read(name, from_seq, 1000)]
 
 
-Row = tuple[int, float, bytes, bytes, bytes, int, bytes]
+Row = tuple[int, float, bytes, bytes, bytes, int, bytes, bytes]
 
 
 def rows_of(pieces: list[BlockSlice]) -> list[Row]:
-    """What ``read`` gives, (seq, stored_at, src, dst, group, priority, payload) per
-    message, from what ``read_blocks`` gives."""
+    """What ``read`` gives, (seq, stored_at, src, dst, group, priority, payload, headers)
+    per message, from what ``read_blocks`` gives."""
     out: list[Row] = []
     for piece in pieces:
-        src, dst, payload, group, priority, _ = piece.columns()
-        fields = zip(piece.seqs, src, dst, group, priority, payload, strict=True)
+        src, dst, payload, group, priority, _, headers = piece.columns()
+        fields = zip(piece.seqs, src, dst, group, priority, payload, headers, strict=True)
         out += [(seq, piece.stored_at, *rest) for seq, *rest in fields]  # type: ignore[misc]
     return out
 
@@ -483,13 +483,16 @@ def test_sqlite_failed_batch_leaves_no_trace(tmp_path: Path) -> None:
 
 def test_read_blocks_holds_what_read_does(store: StreamStore) -> None:
     store.add_stream(cfg())
-    store.append_batch("orders", [msg(b"a" * 3), NewMessage(OTHER, DST, b"bb", b"g", 4)], 5.0)
+    headers = b"NATS/1.0\r\nTrace: 7\r\n\r\n"
+    with_headers = NewMessage(OTHER, DST, b"bb", b"g", 4, b"", headers)
+    store.append_batch("orders", [msg(b"a" * 3), with_headers], 5.0)
     fill(store, 3, 6.0, size=2)
     assert rows_of(store.read_blocks("orders", 2, 3)) == [
-        (2, 5.0, OTHER, DST, b"g", 4, b"bb"),
-        (3, 6.0, SRC, DST, b"", 0, b"\x00\x00"),
-        (4, 6.0, SRC, DST, b"", 0, b"\x01\x01"),
+        (2, 5.0, OTHER, DST, b"g", 4, b"bb", headers),
+        (3, 6.0, SRC, DST, b"", 0, b"\x00\x00", b""),
+        (4, 6.0, SRC, DST, b"", 0, b"\x01\x01", b""),
     ]
+    assert rows_of(store.read_blocks("orders", 1, 3)) == rows(store, 1, 3)
     assert rows_of(store.read_blocks("orders", 1, 10, max_bytes=1)) == rows(store, 1, 1)
     assert store.read_blocks("orders", 9, 10) == []
 
