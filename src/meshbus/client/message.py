@@ -145,8 +145,9 @@ class Message:
         the request. It suspends only while the link's write buffer is full or the
         connector fails over."""
         replier = self._replier("reply")
-        content = payloads.body(payload, json)
-        await replier.respond(self._src, self.msg_id, content, encode_headers(headers))
+        if payload is None or json is not payloads.NO_JSON:
+            payload = payloads.body(payload, json)
+        await replier.respond(self._src, self.msg_id, payload, encode_headers(headers))
 
     def reply_nowait(
         self,
@@ -159,8 +160,9 @@ class Message:
         written in one loop turn leave in one socket write. Raises ``meshbus.WouldBlock``
         (nothing sent) where ``reply`` would wait; ``await svc.flush()`` waits that out."""
         replier = self._replier("reply_nowait")
-        content = payloads.body(payload, json)
-        replier.respond_nowait(self._src, self.msg_id, content, encode_headers(headers))
+        if payload is None or json is not payloads.NO_JSON:
+            payload = payloads.body(payload, json)
+        replier.respond_nowait(self._src, self.msg_id, payload, encode_headers(headers))
 
     def _replier(self, call: str) -> Replier:
         if not self.is_request:
