@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench lint typecheck unit integration nats-server prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck unit integration nats-server prometheus tmux clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench docs/*.py
+	$(BIN)/ruff format --check src tests bench docs/*.py
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
@@ -60,6 +60,12 @@ integration: $(STAMP) prometheus tmux
 
 demo: $(STAMP)
 	$(BIN)/python -m meshbus.demo
+
+# The API reference of the public surface (meshbus.__all__), from the docstrings, in
+# build/docs/; it fails on a pdoc warning or an undocumented name (make test checks it).
+docs: $(STAMP)
+	$(BIN)/python docs/api_reference.py build/docs
+	@echo "API reference: build/docs/index.html"
 
 # The benchmark rig of this checkout (bench/, not part of the package), e.g.
 # make bench ARGS="unicast --vs-nats"; without ARGS, the list of benchmarks.

@@ -67,12 +67,15 @@ def _decode_name(raw: bytes, what: str) -> str:
 
 @functools.total_ordering
 class Address:
-    """Base class of the three address kinds. Compare, hash and sort by wire bytes."""
+    """Base class of the three address kinds. Compare, hash and sort by wire bytes.
+
+    ``cast_type`` is the first byte of the wire form: 1 unicast, 2 multicast, 3 anycast."""
 
     __slots__ = ()
     cast_type: ClassVar[int]
 
     def to_bytes(self) -> bytes:
+        """The 16-byte wire form (docs/protocol.md, "Addresses")."""
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
@@ -90,6 +93,7 @@ class Address:
 
     @property
     def is_group(self) -> bool:
+        """A multicast or anycast address, not one service's."""
         return self.cast_type != CAST_UNICAST
 
     @staticmethod
@@ -133,7 +137,9 @@ class Address:
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Unicast(Address):
-    """One service: ``Unicast("game01", 1)`` is ``game01:1``."""
+    """One service: ``Unicast("game01", 1)`` is ``game01:1``. ``server``: the server
+    name (at most 11 bytes of UTF-8); ``instance``: 1..65535 for a fixed address, above
+    for one the broker allocated (``is_fixed``)."""
 
     server: str
     instance: int
@@ -156,6 +162,7 @@ class Unicast(Address):
         return self.instance <= FIXED_INSTANCE_MAX
 
     def to_bytes(self) -> bytes:
+        """The 16-byte wire form."""
         return self._raw
 
     def __str__(self) -> str:
@@ -164,6 +171,8 @@ class Unicast(Address):
 
 @dataclass(frozen=True, eq=False, slots=True)
 class _Group(Address):
+    """A group address; ``name``: at most 15 bytes of UTF-8, matched exactly."""
+
     name: str
     _raw: bytes = field(init=False, repr=False)  # the wire form, made once (as Unicast's)
 
@@ -173,12 +182,14 @@ class _Group(Address):
         object.__setattr__(self, "_raw", raw)
 
     def to_bytes(self) -> bytes:
+        """The 16-byte wire form."""
         return self._raw
 
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Multicast(_Group):
-    """A topic: every member receives a copy. ``Multicast("chat.lobby")``."""
+    """A topic: every member receives a copy. ``Multicast("chat.lobby")``; ``name`` at
+    most 15 bytes."""
 
     cast_type: ClassVar[int] = CAST_MULTICAST
 
@@ -188,7 +199,8 @@ class Multicast(_Group):
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Anycast(_Group):
-    """A service pool: exactly one member receives each message. ``Anycast("login")``."""
+    """A service pool: exactly one member receives each message. ``Anycast("login")``;
+    ``name`` at most 15 bytes."""
 
     cast_type: ClassVar[int] = CAST_ANYCAST
 

@@ -92,7 +92,9 @@ class FrameTooLarge(ProtocolError):
             "send smaller payloads or raise --max-frame on both ends"
         )
         self.size = size
+        """The frame's size in bytes."""
         self.limit = limit
+        """The largest frame the link takes."""
 
 
 class RemoteProtocolError(ProtocolError):
@@ -101,6 +103,7 @@ class RemoteProtocolError(ProtocolError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+        """The broker's error code (docs/protocol.md, "Error codes")."""
 
 
 class AuthenticationFailed(MeshbusError):
@@ -143,6 +146,7 @@ class Timeout(RequestError, TimeoutError):
     def __init__(self, message: str, timeout: float | None = None) -> None:
         super().__init__(message)
         self.timeout = timeout
+        """The deadline that passed, in seconds (None when not known)."""
 
 
 class NoRoute(RequestError):
@@ -151,6 +155,7 @@ class NoRoute(RequestError):
     def __init__(self, message: str, address: str | None = None) -> None:
         super().__init__(message)
         self.address = address
+        """The address nobody serves, as text (None when not known)."""
 
 
 class TryAgain(RequestError):
@@ -166,6 +171,7 @@ class RegistrationError(MeshbusError):
     def __init__(self, message: str, code: int = 0) -> None:
         super().__init__(message)
         self.code = code
+        """The broker's error code (docs/protocol.md, "Error codes"); 0 if none."""
 
 
 class AddressInUse(RegistrationError):
@@ -174,6 +180,7 @@ class AddressInUse(RegistrationError):
     def __init__(self, message: str, address: str, code: int = 0) -> None:
         super().__init__(message, code)
         self.address = address
+        """The address that is taken, as text."""
 
 
 class AlreadyConnected(AddressInUse):
@@ -193,7 +200,9 @@ class DeliveryFailed(MeshbusError):
     def __init__(self, message: str, address: str, msg_id: int) -> None:
         super().__init__(message)
         self.address = address
+        """The destination, as text."""
         self.msg_id = msg_id
+        """The message id ``send`` returned."""
 
 
 class NoQueue(MeshbusError):
@@ -219,6 +228,8 @@ class StreamError(MeshbusError):
     def __init__(self, message: str, code: int = 0) -> None:
         super().__init__(message)
         self.code = code
+        """The broker's error code: NO_STREAM, STREAM_ERROR, UNAVAILABLE (its host is
+        unreachable), PERMISSION_DENIED, TRY_AGAIN (docs/protocol.md)."""
 
 
 class SparkSetupError(MeshbusError):

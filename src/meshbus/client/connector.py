@@ -257,10 +257,15 @@ class Connector:
         self._own_lock = asyncio.Lock()
         self._dropped_at_own = 0
         self.server = parts.server
+        """The server name of its services' addresses (``SERVER:INSTANCE``)."""
         self.name = parts.name
+        """Its name as the broker shows it (``meshbus stat``)."""
         self.operator = parts.operator
+        """It links as an operator (``meshbus.connect(..., operator=True)``)."""
         self.max_inbox = parts.max_inbox
+        """Messages a service's inbox holds before the link pauses."""
         self.session = parts.session
+        """Its session id: the same across failovers and moves."""
         self.streams = parts.streams
         """Durable streams: ``conn.streams.add``, ``.info``, ``.fetch``, ``.consumer``."""
 
@@ -275,6 +280,7 @@ class Connector:
 
     @property
     def services(self) -> list[Service]:
+        """Its registered services (with the one ``send`` goes out from, once used)."""
         # Each mailbox belongs to the Service that made it (meshbus.client.mailboxes).
         return [
             service

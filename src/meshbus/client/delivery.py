@@ -76,7 +76,9 @@ class SeenWindow(Generic[K]):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """When to resend an unacknowledged message, and when to give up on it."""
+    """When to resend an unacknowledged message, and when to give up on it: after
+    ``ack_timeout`` seconds without an ack, then each wait ``backoff`` times the last, at
+    most ``max_interval``; given up after ``max_attempts`` sends."""
 
     ack_timeout: float = 0.2
     backoff: float = 2.0

@@ -66,7 +66,9 @@ _NOT_PLAIN = FLAG_RESPONSE | FLAG_ACK | FLAG_EXT | FLAG_RELIABLE
 
 @dataclass(frozen=True)
 class Undeliverable:
-    """A ``send(..., notify=True)`` the broker could not deliver (see ``on_undeliverable``)."""
+    """A ``send(..., notify=True)`` the broker could not deliver (see ``on_undeliverable``):
+    ``src`` the sending service and ``dst`` the destination (as text), ``msg_id`` the id
+    ``send`` returned, ``reason`` the broker's words."""
 
     src: str
     dst: str
@@ -187,7 +189,7 @@ class Inbound:
                 released = receiving.in_order(member, frame, ext, bool(flags & FLAG_RELIABLE))
                 for (to, done, done_ext), reassigned in released:
                     if not done_ext.publish_id or receiving.first_publish(to, done_ext.publish_id):
-                        to.deliver(Message.of(done, to, done_ext, reassigned))
+                        to.deliver(_message(done, to, done_ext, reassigned))
                 continue
             if flags & FLAG_RELIABLE and not receiving.accept(member, frame):
                 continue
@@ -212,7 +214,7 @@ class Inbound:
             elif ext.command:
                 self._tasks.spawn(self._obey(member, ext.command, frame.payload), "subscribe-other")
             else:
-                member.deliver(Message.of(frame, member, ext, False))
+                member.deliver(_message(frame, member, ext, False))
 
     def _batch_rows(self, frame: DataFrame, ext: Ext) -> list[BatchRow] | None:
         """The rows of a batch frame; None (dropped, counted, not acknowledged) when it
@@ -327,3 +329,9 @@ class Inbound:
                 exc,
                 extra={"command": command, "error": str(exc)},
             )
+
+
+def _message(frame: DataFrame, mailbox: Mailbox, ext: Ext, reassigned: bool) -> Message:
+    return Message(
+        frame.src, frame.dst, frame.payload, frame.msg_id, frame.flags, mailbox, ext, reassigned
+    )

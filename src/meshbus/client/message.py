@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 from meshbus.address import Address
 from meshbus.client import payloads
 from meshbus.errors import MeshbusError
-from meshbus.protocol.codec import BytesLike, DataFrame
+from meshbus.protocol.codec import BytesLike
 from meshbus.protocol.ext import Ext
 from meshbus.protocol.headers import decode_headers, encode_headers
 from meshbus.protocol.layout import FLAG_REQUEST
@@ -37,7 +37,8 @@ T = TypeVar("T")
 
 
 class Message:
-    """A message as a service receives it.
+    """A message as a service receives it: ``payload`` (bytes), its sender's ``msg_id``
+    (what the sender's ``send`` returned), the frame's ``flags`` (docs/protocol.md).
 
     ``priority`` is the sender's; ``group`` and ``final`` are set on the messages of a
     message group, and ``group_reassigned`` on the first one a member receives of a group
@@ -74,19 +75,6 @@ class Message:
         self._mailbox = mailbox
         self._ext = ext
         self.group_reassigned = group_reassigned
-
-    @classmethod
-    def of(cls, frame: DataFrame, mailbox: Replier, ext: Ext, reassigned: bool) -> Message:
-        return cls(
-            frame.src,
-            frame.dst,
-            frame.payload,
-            frame.msg_id,
-            frame.flags,
-            mailbox,
-            ext,
-            reassigned,
-        )
 
     @property
     def priority(self) -> int:

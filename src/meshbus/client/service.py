@@ -140,6 +140,7 @@ class Service:
         """A service the broker just registered; it joins ``parts.services`` at once, so
         no message to it can arrive before it is there."""
         self.address = address
+        """Its unicast address: where sends to it go, the ``src`` of what it sends."""
         self._mailbox = mailbox = Mailbox(
             self,
             address,
@@ -492,6 +493,7 @@ class Service:
         await self._membership(self.join, topics)
 
     async def unsubscribe(self, topics: str | Iterable[str]) -> None:
+        """Receive no more of what is published to ``topics`` (one name or several)."""
         await self._membership(self.leave, topics)
 
     @staticmethod
@@ -512,6 +514,7 @@ class Service:
         await self._command("subscribe", topic, address)
 
     async def unsubscribe_other(self, topic: str, address: AddressLike) -> None:
+        """Make the service at ``address`` leave ``topic`` (``subscribe_other``'s undo)."""
         await self._command("unsubscribe", topic, address)
 
     async def _command(self, command: str, topic: str, address: AddressLike) -> None:

@@ -27,7 +27,7 @@ AskStream = Callable[[StreamRequest], Awaitable[StreamReply]]
 
 
 class StreamMessage(Message):
-    """A stored message: ``seq`` in its stream, ``stored_at`` (Unix time), and for a
+    """A stored message: ``seq`` in its ``stream``, ``stored_at`` (Unix time), and for a
     durable consumer ``delivery`` (1 the first time, more on redelivery)."""
 
     __slots__ = ("delivery", "seq", "stored_at", "stream")
@@ -49,6 +49,15 @@ class StreamMessage(Message):
 
 @dataclass(frozen=True)
 class StreamInfo:
+    """A durable stream as its host broker describes it (``conn.streams.info``):
+    ``name``, the ``broker`` that hosts it and what it ``captures``; its ``messages``
+    (seqs ``first_seq``..``last_seq``) and their payload ``bytes``; its durable
+    ``consumers``; its limits ``max_msgs``, ``max_bytes`` (0: none), ``max_age``
+    (seconds, 0: none) and ``dedupe_window`` (seconds a publish id is remembered);
+    ``store``, the host's SQLite file ("" in memory) on ``host``, the machine's name
+    (for the Spark source's local reads); and its ``owner``, the user that added it
+    ("" on a broker without users)."""
+
     name: str
     broker: str  # the broker that hosts it
     captures: list[str]
@@ -183,9 +192,13 @@ class Consumer:
     def __init__(self, ask: AskStream, stream: str, name: str) -> None:
         self._ask = ask
         self.stream = stream
+        """The stream it reads."""
         self.name = name
+        """Its name, unique in its stream."""
 
     async def next(self, max_count: int = 100) -> list[StreamMessage]:
+        """Up to ``max_count`` messages: those due again first (not acknowledged within
+        ``ack_wait``), then new ones; an empty list when there is nothing."""
         reply = await self._ask(
             StreamRequest(op="next", stream=self.stream, consumer=self.name, max_count=max_count)
         )
@@ -200,6 +213,7 @@ class Consumer:
         return reply.acked
 
     async def info(self) -> dict[str, Any]:
+        """Its state: ``next_seq``, ``ack_floor``, ``pending`` and its settings."""
         reply = await self._ask(
             StreamRequest(op="consumer_info", stream=self.stream, consumer=self.name)
         )

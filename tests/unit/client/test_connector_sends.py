@@ -37,7 +37,8 @@ async def test_send_publish_and_request_go_out_from_one_own_address(
     assert (seen[5].json(), seen[5].headers) == ({"headline": "patch 1.2"}, {"Lang": "en"})
     assert response.json() == [1, 2]
     (own,) = conn.services  # concurrent first sends registered one address
-    assert isinstance(own.address, Unicast) and own.address.server == "game"
+    assert isinstance(own.address, Unicast)
+    assert own.address.server == "game"
     assert {m.src for m in seen} == {own.address}
 
 
