@@ -15,8 +15,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench docs/*.py
-	$(BIN)/ruff format --check src tests bench docs/*.py
+	$(BIN)/ruff check src tests bench examples docs/*.py
+	$(BIN)/ruff format --check src tests bench examples docs/*.py
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
