@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 from meshbus.address import BROADCAST_GROUP, Address, Anycast, Multicast, Unicast
 from meshbus.client.addressing import AddressLike, as_address
@@ -24,7 +24,7 @@ from meshbus.client.message import Message
 from meshbus.client.outbound import Outbound, TraceSampler
 from meshbus.client.reliable import Reliable
 from meshbus.client.requester import Requester
-from meshbus.client.streams import StreamClient
+from meshbus.client.streams import StreamClient, StreamMessage
 from meshbus.errors import (
     InvalidArgument,
     JoinFailed,
@@ -486,7 +486,9 @@ class Service:
         """Send to every service on the bus (at most once, like ``publish``)."""
         return await self.send(BROADCAST_GROUP, payload, priority=priority, echo=True)
 
-    async def fetch(self, stream: str, from_seq: int = 1, max_count: int = 100) -> list[Any]:
+    async def fetch(
+        self, stream: str, from_seq: int = 1, max_count: int = 100
+    ) -> list[StreamMessage]:
         """Read a durable stream (``Connector.streams.fetch``): ``StreamMessage`` objects
         with ``.seq``, ``.stored_at``, ``.src``, ``.dst`` and ``.payload``."""
         return await self._parts.streams.fetch(stream, from_seq, max_count)
