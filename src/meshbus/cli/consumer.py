@@ -325,7 +325,8 @@ def ack(stream: str, name: str, seqs: tuple[int, ...], broker_address: str, acce
 
     acked = run(go())
     others = len(seqs) - (acked or 0)
-    note = f" ({others} {'was' if others == 1 else 'were'} not waiting for an ack)" if others else ""
+    were = "was" if others == 1 else "were"
+    note = f" ({others} {were} not waiting for an ack)" if others else ""
     click.echo(f"acked {acked} of {len(seqs)}{note}")
 
 

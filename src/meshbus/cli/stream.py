@@ -226,9 +226,8 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
         click.echo(json.dumps(dataclasses.asdict(info), indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
-
     from rich.markup import escape
+    from rich.table import Table
 
     table = Table(title=f"stream {escape(info.name)}", show_header=False, title_justify="left")
     table.add_column("field")
