@@ -50,10 +50,12 @@ def test_the_unit_runs_the_broker_with_flags_it_has() -> None:
     flags = {opt for param in broker.params for opt in param.opts}
     for key in ("ExecStartPre", "ExecStart"):
         argv = shlex.split(service[key])
-        assert Path(argv[0]).name == "meshbus" and Path(argv[0]).is_absolute(), argv
+        assert Path(argv[0]).name == "meshbus", argv
+        assert Path(argv[0]).is_absolute(), argv
         assert argv[1] == "broker", argv
         given = [arg for arg in argv[2:] if arg.startswith("--")]
-        assert given and set(given) <= flags, (key, given)
+        assert given, key
+        assert set(given) <= flags, (key, given)
         assert argv[argv.index(given[0]) + 1] == INSTALLED_CONFIG
     assert shlex.split(service["ExecStartPre"])[2] == "--check-config"
     assert shlex.split(service["ExecStart"])[2] == "--config"
