@@ -2,7 +2,9 @@
 
 Each prints, on stdout, exactly what goes into the broker's config file (so
 ``meshbus keygen >> broker.toml`` works), and everything meant for a person on
-stderr. docs/security.md tells the whole story.
+stderr; for a user, each also writes the client's credentials file (0600). The
+permissions ``--allow`` grants are checked by the broker's own reader of config
+files. docs/security.md tells the whole story.
 """
 
 from __future__ import annotations
