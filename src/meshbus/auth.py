@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,13 +359,20 @@ class Credentials:
 
 
 # The permissions of a new [[users]] entry: each one spelled out, so the operator sees
-# what there is to grant (docs/security.md, "Permissions").
-_PERMISSIONS = (
-    ("register", 'server names, e.g. ["game*"]'),
-    ("send", 'addresses, e.g. ["game*:*", "multicast:chat.*", "anycast:login"]'),
-    ("request", "addresses, as send"),
-    ("join", 'groups, e.g. ["multicast:chat.*"]'),
-)
+# what there is to grant (docs/security.md, "Permissions"); ``streams.*`` are the keys of
+# its inline table ``streams``.
+_PERMISSIONS = {
+    "register": 'server names, e.g. ["game*"]',
+    "send": 'addresses, e.g. ["game*:*", "multicast:chat.*", "anycast:login"]',
+    "request": "addresses, as send",
+    "join": 'groups, e.g. ["multicast:chat.*"]',
+    "streams.add": "",
+    "streams.delete": "",
+    "streams.read": "",
+    "streams.consume": "",
+    "operator": '"stat", "stat-detail", "drain", "telemetry", "consumers"',
+}
+PERMISSION_KEYS = tuple(_PERMISSIONS)
 
 
 def users_entry(
@@ -373,25 +381,39 @@ def users_entry(
     public_key: str | None = None,
     token_hash: str | None = None,
     allow_all: bool = False,
+    allow: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
     """The ``[[users]]`` table to paste into a broker's config file, with its permissions
-    table: nothing granted (every permission an empty list, to fill in), or with
-    ``allow_all`` everything (for development)."""
+    table: nothing granted (every permission an empty list, to fill in), with
+    ``allow_all`` everything (for development), or what ``allow`` grants: patterns by
+    permission (a key of PERMISSION_KEYS; ValueError for another)."""
+    allow = allow or {}
+    unknown = [key for key in allow if key not in _PERMISSIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown permission {unknown[0]!r}; the permissions are {', '.join(_PERMISSIONS)}"
+        )
+
+    def granted(key: str) -> str:
+        patterns = ["*"] if allow_all else allow.get(key, ())
+        return "[" + ", ".join(toml_string(pattern) for pattern in patterns) + "]"
+
     lines = ["[[users]]", f"name = {toml_string(user)}"]
     if public_key is not None:
         lines.append(f"public_key = {toml_string(public_key)}")
     if token_hash is not None:
         lines.append(f"token_hash = {toml_string(token_hash)}")
-    granted = '["*"]' if allow_all else "[]"
     lines.append("[users.permissions]  # what is not allowed here is denied")
-    lines.extend(f"{key} = {granted}  # {what}" for key, what in _PERMISSIONS)
-    lines.append(
-        f"streams = {{ add = {granted}, delete = {granted}, read = {granted}, "
-        f"consume = {granted} }}  # stream names"
-    )
-    lines.append(
-        f'operator = {granted}  # "stat", "stat-detail", "drain", "telemetry", "consumers"'
-    )
+    for key, what in _PERMISSIONS.items():
+        if not key.startswith("streams."):
+            lines.append(f"{key} = {granted(key)}  # {what}")
+        elif key == "streams.add":
+            operations = ", ".join(
+                f"{k.removeprefix('streams.')} = {granted(k)}"
+                for k in _PERMISSIONS
+                if k.startswith("streams.")
+            )
+            lines.append(f"streams = {{ {operations} }}  # stream names")
     return "\n".join(lines) + "\n"
 
 

@@ -465,7 +465,10 @@ async def test_keygen_output_works_end_to_end(tmp_path: Path) -> None:
 
 
 async def test_hash_token_output_works_end_to_end(tmp_path: Path) -> None:
-    code, entry, err = await run_cli("hash-token", "--user", "dan", stdin=b"dans-token\n")
+    creds = tmp_path / "dan.creds"
+    code, entry, err = await run_cli(
+        "hash-token", "--user", "dan", "--out", str(creds), stdin=b"dans-token\n"
+    )
     assert code == 0, err
     config = tmp_path / "broker.toml"
     write_private(config, (broker_key(tmp_path, "b1").settings + entry).encode())
@@ -474,9 +477,7 @@ async def test_hash_token_output_works_end_to_end(tmp_path: Path) -> None:
     assert line.startswith('token_hash = "scrypt:')
     assert err.startswith('token = "')
     broker = await start_broker("--config", str(config))
-    try:
-        creds = tmp_path / "dan.creds"
-        creds.write_text('user = "dan"\ntoken = "dans-token"\n')
+    try:  # with the credentials file hash-token wrote
         async with await meshbus.connect(broker.address, server="dan", credentials=creds) as conn:
             await conn.ping()
     finally:

@@ -25,8 +25,9 @@ import pytest
 import trustme
 
 import meshbus
-from tests.conftest import BrokerProcess, stop_all
-from tests.integration.helpers import free_port, start_secure_broker
+from meshbus.auth import Credentials
+from tests.conftest import BrokerProcess, start_broker, stop_all
+from tests.integration.helpers import free_port, start_secure_broker, user_with
 
 CLI_TIMEOUT = 30.0
 READY_TIMEOUT = 10.0
@@ -343,6 +344,40 @@ async def test_stat_json_and_table(broker: Broker) -> None:
         assert table.code == 0, table.err
         for text in (broker.name, "links", "groups", "counters", "multicast:chat.lobby"):
             assert text in table.out
+
+
+async def test_stat_with_only_the_stat_right_falls_back_to_the_brief_view(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "broker.toml"
+    creds: dict[str, Path] = {}
+    entries = []
+    for user, rights in (("viewer", '["stat"]'), ("ops", '["stat-detail"]')):
+        who = Credentials.generate(user)
+        creds[user] = tmp_path / f"{user}.creds"
+        who.write(creds[user])
+        entries.append(user_with(who, f"operator = {rights}"))
+    config.write_text("".join(entries))
+    broker = await start_broker("--config", str(config))
+    try:
+        at = ("--broker", broker.address)
+        brief = await run_cli("stat", *at, "--creds", str(creds["viewer"]))
+        assert brief.code == 0, brief.err
+        assert brief.err.startswith("permission denied: user 'viewer' may not use the operator")
+        assert brief.err.rstrip().endswith("showing the brief view (meshbus stat --brief)")
+        assert "this broker links to only its [[brokers]]" in brief.out
+        assert "counters" not in brief.out
+        as_json = await run_cli("stat", "--json", *at, "--creds", str(creds["viewer"]))
+        assert as_json.code == 0, as_json.err
+        assert "groups" not in json.loads(as_json.out)  # the brief answer
+        full = await run_cli("stat", *at, "--creds", str(creds["ops"]))
+        assert (full.code, full.err) == (0, "")
+        assert "this broker links to only its [[brokers]]" in full.out
+        words = " ".join(full.out.split())  # the headline wraps at 80 columns
+        assert "0 connectors (capacity 50) and 1 operator link" in words
+        assert "operator links: 1 (this command's among them" in words
+    finally:
+        assert await broker.stop() == 0
 
 
 # -- configuration from the environment -------------------------------------------------

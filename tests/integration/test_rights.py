@@ -15,7 +15,6 @@ import pytest
 
 import meshbus
 from meshbus.auth import Credentials
-from meshbus.client.streams import Consumer
 from meshbus.protocol.ext import Ext, wrap
 from meshbus.protocol.layout import FLAG_EXT, FLAG_NOTIFY_DROP, FLAG_RELIABLE
 from tests.conftest import BrokerProcess, start_broker
@@ -221,7 +220,7 @@ async def test_only_its_maker_or_an_operator_uses_a_durable_consumer(tmp_path: P
             await sender.send_reliable(jobs, payload)
         mine = await alice.streams.consumer("jobs", "worker")
         (first,) = await mine.next(max_count=1)
-        taken = Consumer(mal.streams._ask, "jobs", "worker")  # not made: mallory's handle
+        taken = mal.streams.bind_consumer("jobs", "worker")  # not made: mallory's handle
         denied = "user 'mallory' may not {} consumer 'worker' of stream 'jobs': user 'alice'"
         for op, call in [
             ("consumer_add", lambda: mal.streams.consumer("jobs", "worker")),
@@ -238,7 +237,7 @@ async def test_only_its_maker_or_an_operator_uses_a_durable_consumer(tmp_path: P
         theirs = await mal.streams.consumer("jobs", "mallory")
         assert [m.payload for m in await theirs.next()] == [b"a", b"b"]
         # The operator right "consumers" may use and delete anyone's.
-        as_ops = Consumer(ops.streams._ask, "jobs", "worker")
+        as_ops = ops.streams.bind_consumer("jobs", "worker")
         assert [m.payload for m in await as_ops.next()] == [b"b"]
         await as_ops.delete()
         with pytest.raises(meshbus.StreamError, match="consumer"):

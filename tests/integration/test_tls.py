@@ -455,3 +455,44 @@ async def test_a_client_certificate_names_its_user_under_mutual_tls(certs: Certs
             await meshbus.connect(broker.address, tls=context_for("bob.example"), failover=False)
     finally:
         assert await broker.stop() == 0
+
+
+# -- meshbus certs -----------------------------------------------------------------------
+
+
+async def test_a_broker_with_the_certificates_of_meshbus_certs_takes_tls_clients(
+    tmp_path: Path,
+) -> None:
+    """``meshbus certs`` (not trustme): its CA and broker certificate, for a loopback
+    name and addresses, and a client certificate that names a user under mutual TLS."""
+    out = tmp_path / "certs"
+    process = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "meshbus", "certs", "localhost", "127.0.0.1", "::1"],
+        *["--out", str(out), "--client", "alice"],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    printed, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    assert "not for production" in err.decode()
+    assert f"--tls-cert {out / 'broker.crt'} --tls-key {out / 'broker.key'}" in printed.decode()
+    for name in ("ca.pem", "broker.crt", "broker.key", "alice.crt", "alice.key"):
+        assert ((out / name).stat().st_mode & 0o777) == 0o600, name
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        '[[users]]\nname = "alice"\ncertificate = "alice"\n'
+        '[users.permissions]\nsend = ["*"]\njoin = ["*"]\nregister = ["*"]\n'
+    )
+    broker = await start_broker(
+        *["--tls-cert", str(out / "broker.crt"), "--tls-key", str(out / "broker.key")],
+        *["--tls-ca", str(out / "ca.pem"), "--tls-verify-clients", "--config", str(config)],
+    )
+    try:
+        context = ssl.create_default_context(cafile=str(out / "ca.pem"))
+        context.load_cert_chain(str(out / "alice.crt"), str(out / "alice.key"))
+        for host in _LOOPBACK:  # the certificate names both: either is checked and taken
+            await _roundtrip(f"{host}:{broker.port}", context)
+        with pytest.raises(meshbus.TLSError, match="requires a client certificate"):
+            await meshbus.connect(broker.address, tls=out / "ca.pem", failover=False)
+    finally:
+        assert await broker.stop() == 0

@@ -120,10 +120,11 @@ class StartSettings:
     # Loaded into BrokerConfig.broker_key, after its mode is checked (the next setting).
     broker_key: str = setting(
         "",
-        help="This broker's key pair, a credentials file of `meshbus keygen --user NAME` with "
-        "NAME its --name: it proves itself to the brokers of the mesh with it. Required when "
-        "the config has [[brokers]] or [[users]]: then the broker links only to the brokers "
-        "[[brokers]] lists, each proving itself.",
+        help="This broker's key pair, a credentials file of `meshbus keygen --broker --user "
+        "NAME` with NAME its --name: it proves itself to the brokers of the mesh with it. "
+        "Required when the config lists [[brokers]], the only brokers the mesh then links "
+        "to, each proving itself. A broker with [[users]] and no [[brokers]] needs none: it "
+        "links to no other broker.",
         path="file",
     )
     # The command's check of the secret files, before the broker exists.

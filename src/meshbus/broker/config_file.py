@@ -92,8 +92,17 @@ def read_config(path: str) -> ConfigFile:
         raise BadConfig(path, [(0, f"cannot read it: {exc.strerror or exc}")]) from None
     try:
         text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise BadConfig(path, [(1, f"is not valid TOML: {exc}")]) from None
+    return config_from_text(text, path)
+
+
+def config_from_text(text: str, path: str) -> ConfigFile:
+    """``read_config`` of a file's text (``path`` names it in the errors): what
+    ``meshbus keygen --allow`` checks the entry it prints with."""
+    try:
         data = tomllib.loads(text)
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except tomllib.TOMLDecodeError as exc:
         # Python 3.11's TOMLDecodeError has no line attribute; its message ends with one.
         at = re.search(r"at line (\d+)", str(exc))
         raise BadConfig(path, [(int(at[1]) if at else 1, f"is not valid TOML: {exc}")]) from None

@@ -641,6 +641,8 @@ def _consumer(info: Any) -> dict[str, Any]:
         "name": info.config.name,
         "ack_wait": info.config.ack_wait,
         "max_deliver": info.config.max_deliver,
+        "start_seq": info.config.start_seq,
+        "owner": info.config.owner,
         "next_seq": info.next_seq,
         "ack_floor": info.ack_floor,
         "pending": info.pending,

@@ -25,6 +25,7 @@ from meshbus.cli.common import (
     access_options,
     broker_option,
     connection_options,
+    plain_row,
     run,
 )
 from meshbus.cli.stat_view import stat_renderables
@@ -97,6 +98,7 @@ def up(
             f"ports {base_port}..{base_port + count - 1} do not fit", param_hint="'--base-port'"
         )
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from meshbus.broker.process import broker_argv, parse_ready_line
@@ -147,11 +149,13 @@ def up(
         table.add_column("address")
         table.add_column("pid", justify="right")
         for process, name, address in brokers:
-            table.add_row(name, address, str(process.pid))
+            plain_row(table, name, address, process.pid)
         console.print(table)
         addresses = ",".join(address for _, _, address in brokers)
         click.echo(addresses)  # stdout: the one line a script needs
-        console.print(f"connect with --broker {addresses}; Ctrl-C drains and stops the mesh")
+        console.print(
+            escape(f"connect with --broker {addresses}; Ctrl-C drains and stops the mesh")
+        )
         while not stop.set and brokers:
             for entry in brokers:
                 if entry[0].poll() is not None:
@@ -208,13 +212,15 @@ class _StopFlag:
 def _stop_in_order(brokers: list[tuple[subprocess.Popen[bytes], str, str]], console: Any) -> None:
     """Drain the brokers one at a time, the last first, so connectors always have a
     broker to move to; kill any that does not stop in time. No child is left behind."""
+    from rich.markup import escape
+
     from meshbus.broker.process import stop_process
 
     for process, name, _ in reversed(brokers):
         if process.poll() is None:
-            with console.status(f"draining {name}"):
+            with console.status(escape(f"draining {name}")):
                 stop_process(process, timeout=30)
-            console.print(f"{name} stopped (exit {process.returncode})")
+            console.print(escape(f"{name} stopped (exit {process.returncode})"))
 
 
 # -- drain -------------------------------------------------------------------------------
@@ -273,7 +279,9 @@ async def _drain(broker_address: str, grace: float, wait: bool, access: Access) 
 @click.option(
     "--brief",
     is_flag=True,
-    help="Leave out the per-service and per-group lists (for large routing tables).",
+    help="A few lines: this broker, the mesh and its totals, without the tables of links, "
+    "services, groups and counters (for large brokers; takes only the operator right "
+    "'stat').",
 )
 def stat(broker_address: str, server: str, access: Access, as_json: bool, brief: bool) -> None:
     """Show the broker's view: the mesh, its links, services, groups and counters.
@@ -284,20 +292,37 @@ def stat(broker_address: str, server: str, access: Access, as_json: bool, brief:
     The command's own link is an operator's link: listed among the links (role
     operator), but not counted as a connector, and never redirected -- a full or
     draining broker shows its own state.
+
+    The full view takes the operator right 'stat-detail'; a user with only
+    'stat' gets the brief view, with a note on stderr.
     """
-    data = run(_stat(broker_address, server, access, not brief))
-    assert data is not None
+    answer = run(_stat(broker_address, server, access, not brief))
+    assert answer is not None
+    data, refused = answer
+    if refused:
+        click.echo(f"{refused}; showing the brief view (meshbus stat --brief)", err=True)
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     from rich.console import Console
 
     console = Console()
-    for renderable in stat_renderables(data):
+    for renderable in stat_renderables(data, brief=brief or bool(refused)):
         console.print(renderable)
 
 
-async def _stat(broker_address: str, server: str, access: Access, detail: bool) -> dict[str, Any]:
+async def _stat(
+    broker_address: str, server: str, access: Access, detail: bool
+) -> tuple[dict[str, Any], str]:
+    """The broker's answer, and why it is the brief one when ``detail`` was asked for
+    ("": it is not): a user without the right 'stat-detail' may still have 'stat'."""
+    from meshbus.errors import PermissionDenied
 
     async with await access.connect(broker_address, server=server, operator=True) as conn:
-        return await conn.stat(detail=detail)
+        if not detail:
+            return await conn.stat(detail=False), ""
+        try:
+            return await conn.stat(), ""
+        except PermissionDenied as exc:
+            refused = str(exc)
+        return await conn.stat(detail=False), refused

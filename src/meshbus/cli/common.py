@@ -31,6 +31,8 @@ from meshbus.tls import cli_context
 from meshbus.util import hostport_text, parse_hostport
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from meshbus.client.connector import Connector
 
 DEFAULT_SERVER = "cli"
@@ -249,3 +251,11 @@ def run(coro: Coroutine[Any, Any, T], *, interruptible: bool = False) -> T | Non
         if not interruptible:
             raise
         return None
+
+
+def plain_row(table: Table, *cells: object) -> None:
+    """A row of data in a rich table, escaped: rich reads markup in a cell, and would
+    swallow a name such as ``[[brokers]]`` or ``[bold]`` that comes from a broker."""
+    from rich.markup import escape
+
+    table.add_row(*(escape(str(cell)) for cell in cells))

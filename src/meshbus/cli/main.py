@@ -80,6 +80,7 @@ _ELSEWHERE = {
     "report": "meshbus.report.cli:report",
     "keygen": "meshbus.cli.auth:keygen",
     "hash-token": "meshbus.cli.auth:hash_token",
+    "certs": "meshbus.cli.certs:certs",
 }
 
 

@@ -9,99 +9,198 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from meshbus.cli.common import plain_row
+
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
+# Every text of an answer is the broker's data, and rich reads markup in what it prints:
+# each one goes through escape (or plain_row), so a name like [[brokers]] stays as it is.
 
-def stat_renderables(data: dict[str, Any]) -> list[RenderableType]:
-    """Rich tables for a ``conn.stat()`` answer, in the order they are printed."""
+
+def stat_renderables(data: dict[str, Any], *, brief: bool = False) -> list[RenderableType]:
+    """What ``meshbus stat`` prints for a ``conn.stat()`` answer, in order: the full view
+    (a table per part), or ``brief``: the headline, the mesh and a few totals."""
+    from rich.markup import escape
+    from rich.text import Text
+
+    headline = Text(_headline(data))  # a Text is never read as markup
+    name = str(data.get("name", "?"))
+    headline.stylize("bold", len("broker "), len("broker ") + len(name))
+    renderables: list[RenderableType] = [headline, _mesh_table(data)]
+    if brief:
+        renderables.append(escape(_totals(data)))
+        return renderables
+    renderables += [
+        _peers_table(data),
+        _links_table(data, "connector"),
+        _links_table(data, "operator"),
+    ]
+    users: dict[str, dict[str, dict[str, Any]]] = data.get("users") or {}
+    if users:
+        renderables.append(_quotas_table(users))
+    if "groups" in data:
+        renderables.append(_groups_table(data["groups"]))
+    renderables.append(_counters_table(data))
+    return renderables
+
+
+def _state(entry: dict[str, Any]) -> str:
+    return "draining" if entry.get("draining") else "ready" if entry.get("ready") else "joining"
+
+
+def _operator_links(data: dict[str, Any]) -> int:
+    return sum(1 for link in data.get("links", []) if link.get("role") == "operator")
+
+
+def _headline(data: dict[str, Any]) -> str:
+    """This broker in one line. Its connector count leaves out the operators' links (this
+    command's among them): they take no connector's place, and the line says so."""
+    operators = _operator_links(data)
+    return (
+        f"broker {data.get('name', '?')!s} on {data.get('address', '?')}, {_state(data)}, "
+        f"up {data.get('uptime_s', 0)} s: {data.get('connectors', 0)} connectors "
+        f"(capacity {data.get('capacity', '?')}) and {operators} operator "
+        f"link{'' if operators == 1 else 's'} (this command's among them), "
+        f"{data.get('services', 0)} services, {data.get('routes', 0)} routes"
+    )
+
+
+def _trust(data: dict[str, Any]) -> str:
+    """Whether a process must prove it is one of the mesh's brokers to link
+    (docs/security.md)."""
+    return "only its [[brokers]]" if data.get("mesh_trust") else "any broker (no proof)"
+
+
+def _totals(data: dict[str, Any]) -> str:
+    """The brief view's last lines: the peers, and the traffic counters summed up."""
+    counters: dict[str, Any] = data.get("counters", {})
+    dropped = sum(v for k, v in counters.items() if k.startswith("dropped_") and isinstance(v, int))
+    peers = ", ".join(data.get("peers", [])) or "none"
+    return (
+        f"broker links: {peers}; this broker links to {_trust(data)}\n"
+        f"messages: {counters.get('msgs_in', '?')} in, {counters.get('msgs_out', '?')} out, "
+        f"{dropped} dropped; requests: {counters.get('requests', '?')}, "
+        f"{counters.get('timeouts', '?')} timed out, {counters.get('pending', '?')} pending"
+    )
+
+
+def _mesh_table(data: dict[str, Any]) -> RenderableType:
     from rich.table import Table
 
-    state = "draining" if data.get("draining") else "ready" if data.get("ready") else "joining"
-    title = (
-        f"broker [bold]{data.get('name', '?')}[/] on {data.get('address', '?')}, {state}, "
-        f"up {data.get('uptime_s', 0)} s: {data.get('connectors', 0)} connectors "
-        f"(capacity {data.get('capacity', '?')}), {data.get('services', 0)} services, "
-        f"{data.get('routes', 0)} routes"
-    )
     mesh = Table(title="mesh", title_justify="left")
     for column in ("broker", "address", "slot", "connectors", "capacity", "state"):
         mesh.add_column(column, justify="right" if column in ("connectors", "capacity") else "left")
     for b in data.get("mesh", []):
-        mesh.add_row(
+        plain_row(
+            mesh,
             b.get("name", "") + (" (this)" if b.get("name") == data.get("name") else ""),
             b.get("address", ""),
-            str(b.get("slot", "")),
-            str(b.get("connectors", "")),
-            str(b.get("capacity", "")),
-            "draining" if b.get("draining") else "ready" if b.get("ready") else "joining",
+            b.get("slot", ""),
+            b.get("connectors", ""),
+            b.get("capacity", ""),
+            _state(b),
         )
-    # Whether a process must prove it is one of the mesh's brokers to link (docs/security.md).
-    trust = "only its [[brokers]]" if data.get("mesh_trust") else "any broker (no proof)"
-    peers = Table(title=f"broker links: this broker links to {trust}", title_justify="left")
+    return mesh
+
+
+def _peers_table(data: dict[str, Any]) -> RenderableType:
+    from rich.markup import escape
+    from rich.table import Table
+
+    title = escape(f"broker links: this broker links to {_trust(data)}")
+    peers = Table(title=title, title_justify="left")
     for column in ("peer", "address", "our id for it", "its id for us", "dialled by"):
         peers.add_column(column)
     peers.add_column("msgs in/out", justify="right")
     for p in data.get("peer_links", []):
-        peers.add_row(
+        plain_row(
+            peers,
             p.get("name", ""),
             p.get("address", ""),
-            str(p.get("tag_in", "")),
-            str(p.get("tag_out", "")),
+            p.get("tag_in", ""),
+            p.get("tag_out", ""),
             data.get("name", "?") if p.get("dialled") else p.get("name", ""),
             f"{p.get('msgs_in', '?')}/{p.get('msgs_out', '?')}",
         )
-    links = Table(title="connector links", title_justify="left")
-    for column in ("id", "name", "user", "peer", "state"):
+    return peers
+
+
+def _links_table(data: dict[str, Any], role: str) -> RenderableType:
+    """The links of ``role``: "connector" (the headline's count) or "operator" (this
+    command's, and any other stat, drain or stream command's)."""
+    from rich.table import Table
+
+    shown = [link for link in data.get("links", []) if link.get("role", "connector") == role]
+    title = f"{role} links: {len(shown)}"
+    if role == "operator":
+        title += " (this command's among them; not counted as connectors)"
+    links = Table(title=title, title_justify="left")
+    for column in ("id", "name", "user"):
         links.add_column(column, overflow="fold")
+    links.add_column("peer", no_wrap=True)
+    links.add_column("state")
     links.add_column("services", no_wrap=True)
     links.add_column("msgs in/out", justify="right")
     links.add_column("bytes in/out", justify="right")
-    for link in data.get("links", []):
+    for link in shown:
         services = link.get("services", [])
-        links.add_row(
-            str(link.get("id", "")),
-            str(link.get("name", "")),
+        plain_row(
+            links,
+            link.get("id", ""),
+            link.get("name", ""),
             link.get("user") or "-",
-            str(link.get("peer", "")),
-            str(link.get("state", "")),
-            "\n".join(services) or "-" if isinstance(services, list) else str(services),
+            link.get("peer", ""),
+            link.get("state", ""),
+            "\n".join(services) or "-" if isinstance(services, list) else services,
             f"{link.get('msgs_in', '?')}/{link.get('msgs_out', '?')}",
             f"{link.get('bytes_in', '?')}/{link.get('bytes_out', '?')}",
         )
-    renderables: list[RenderableType] = [title, mesh, peers, links]
-    users: dict[str, dict[str, dict[str, Any]]] = data.get("users") or {}
-    if users:
-        # What each user holds on this broker, out of its quota ([users.quotas]).
-        quotas = Table(title="users: used / quota", title_justify="left")
-        keys = list(next(iter(users.values())))
-        quotas.add_column("user", overflow="fold")
-        for key in keys:
-            quotas.add_column(key, justify="right")
-        for user, figures in sorted(users.items()):
-            quotas.add_row(
-                user,
-                *(
-                    f"{figures[key]['used']} / "
-                    f"{'-' if figures[key]['quota'] is None else figures[key]['quota']}"
-                    for key in keys
-                ),
-            )
-        renderables.append(quotas)
-    if "groups" in data:
-        groups = Table(title="groups", title_justify="left")
-        groups.add_column("group")
-        groups.add_column("members", justify="right")
-        groups.add_column("member addresses")
-        for group, members in sorted(data["groups"].items()):
-            groups.add_row(group, str(len(members)), ", ".join(members))
-        renderables.append(groups)
+    return links
+
+
+def _quotas_table(users: dict[str, dict[str, dict[str, Any]]]) -> RenderableType:
+    """What each user holds on this broker, out of its quota ([users.quotas])."""
+    from rich.table import Table
+
+    quotas = Table(title="users: used / quota", title_justify="left")
+    keys = list(next(iter(users.values())))
+    quotas.add_column("user", overflow="fold")
+    for key in keys:
+        quotas.add_column(key, justify="right")
+    for user, figures in sorted(users.items()):
+        plain_row(
+            quotas,
+            user,
+            *(
+                f"{figures[key]['used']} / "
+                f"{'-' if figures[key]['quota'] is None else figures[key]['quota']}"
+                for key in keys
+            ),
+        )
+    return quotas
+
+
+def _groups_table(groups: dict[str, list[str]]) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title="groups", title_justify="left")
+    table.add_column("group")
+    table.add_column("members", justify="right")
+    table.add_column("member addresses")
+    for group, members in sorted(groups.items()):
+        plain_row(table, group, len(members), ", ".join(members))
+    return table
+
+
+def _counters_table(data: dict[str, Any]) -> RenderableType:
+    from rich.table import Table
+
     counters = Table(title="counters", title_justify="left")
     counters.add_column("counter")
     counters.add_column("value", justify="right")
     for name, value in {**data.get("counters", {}), **data.get("mesh_counters", {})}.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-        counters.add_row(name, str(value))
-    renderables.append(counters)
-    return renderables
+        plain_row(counters, name, value)
+    return counters

@@ -25,8 +25,10 @@ from meshbus.cli.common import (
     Parsed,
     access_options,
     broker_option,
+    plain_row,
     run,
 )
+from meshbus.cli.lazy import LazyGroup
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
@@ -60,7 +62,7 @@ STREAM_NAME = Parsed("NAME", _check_stream_name)
 CAPTURE = Parsed("multicast:NAME", _parse_capture)
 
 
-def _broker_option(command: F) -> F:
+def any_broker_option(command: F) -> F:
     """--broker and the access options (--creds, --tls-*) of every stream command but
     ``add``: any broker of the mesh will do."""
     return broker_option(
@@ -71,18 +73,18 @@ def _broker_option(command: F) -> F:
     )(access_options(command))
 
 
-def _json_option(command: F) -> F:
+def json_option(command: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(
         command
     )
 
 
-async def _connect(broker_address: str, access: Access) -> Connector:
+async def connect(broker_address: str, access: Access) -> Connector:
 
     return await access.connect(broker_address, server=DEFAULT_SERVER, operator=True)
 
 
-@click.group()
+@click.group(cls=LazyGroup, elsewhere={"consumer": "meshbus.cli.consumer:consumer"})
 def stream() -> None:
     """Durable streams: messages sent to a multicast address, stored and numbered.
 
@@ -90,7 +92,8 @@ def stream() -> None:
     and numbers them 1, 2, 3, ... on the broker that hosts it (kept in
     --data-dir/streams.db, or in memory without --data-dir). Publish to it with
     `meshbus send multicast:NAME ...` or, acknowledged once stored, with a
-    reliable send from the library; read it back with `meshbus stream fetch`.
+    reliable send from the library; read it back with `meshbus stream fetch`,
+    or take it with acks through a durable consumer (`meshbus stream consumer`).
     """
 
 
@@ -144,7 +147,7 @@ def stream() -> None:
     help_text="The broker that is to host the stream (stores its messages).",
 )
 @access_options
-@_json_option
+@json_option
 def add(
     name: str,
     captures: tuple[Address, ...],
@@ -163,7 +166,7 @@ def add(
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address, access) as conn:
+        async with await connect(broker_address, access) as conn:
             return await conn.streams.add(
                 name,
                 list(captures),
@@ -183,8 +186,8 @@ def add(
 
 @stream.command()
 @click.argument("name", type=STREAM_NAME)
-@_broker_option
-@_json_option
+@any_broker_option
+@json_option
 def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     """Show stream NAME: its host broker, first and last seq, messages, payload bytes,
     consumers and limits.
@@ -196,7 +199,7 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     """
 
     async def go() -> StreamInfo:
-        async with await _connect(broker_address, access) as conn:
+        async with await connect(broker_address, access) as conn:
             return await conn.streams.info(name)
 
     result = run(go())
@@ -223,9 +226,10 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
         click.echo(json.dumps(dataclasses.asdict(info), indent=2))
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"stream {info.name}", show_header=False, title_justify="left")
+    table = Table(title=f"stream {escape(info.name)}", show_header=False, title_justify="left")
     table.add_column("field")
     table.add_column("value")
 
@@ -251,18 +255,18 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
         ("dedupe window", limit(info.dedupe_window, " s")),
     ]
     for field, value in rows:
-        table.add_row(field, value)
+        plain_row(table, field, value)
     Console().print(table)
 
 
 @stream.command(name="list")
-@_broker_option
-@_json_option
+@any_broker_option
+@json_option
 def list_(broker_address: str, access: Access, as_json: bool) -> None:
     """List every stream of the mesh and the broker that hosts it."""
 
     async def go() -> list[dict[str, Any]]:
-        async with await _connect(broker_address, access) as conn:
+        async with await connect(broker_address, access) as conn:
             return await conn.streams.list()
 
     streams = run(go())
@@ -280,7 +284,7 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     table.add_column("stream")
     table.add_column("host broker")
     for entry in streams:
-        table.add_row(str(entry["name"]), str(entry["broker"]))
+        plain_row(table, entry["name"], entry["broker"])
     Console().print(table)
 
 
@@ -304,7 +308,7 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     show_default=True,
     help="Print at most this many messages.",
 )
-@_broker_option
+@any_broker_option
 @click.option(
     "--json",
     "as_json",
@@ -323,38 +327,42 @@ def fetch(
     """
 
     async def go() -> None:
-        async with await _connect(broker_address, access) as conn:
+        async with await connect(broker_address, access) as conn:
             seq, left = from_seq, count
             while left > 0:
                 page = await conn.streams.fetch(name, seq, min(left, _PAGE))
                 if not page:
                     return
                 for message in page:
-                    _print_message(message, as_json)
+                    print_message(message, as_json)
                 left -= len(page)
                 seq = page[-1].seq + 1
 
     run(go())
 
 
-def _print_message(msg: StreamMessage, as_json: bool) -> None:
+def print_message(msg: StreamMessage, as_json: bool, *, delivery: bool = False) -> None:
+    """One line for ``msg``: JSON, or ``#SEQ TIME [SRC -> DST] PAYLOAD``; with
+    ``delivery`` (a consumer's messages) also how many times it was delivered."""
     payload = msg.payload.decode("utf-8", errors="backslashreplace")
     if as_json:
-        line = json.dumps(
-            {
-                "seq": msg.seq,
-                "stored_at": msg.stored_at,
-                "src": str(msg.src),
-                "dst": str(msg.dst),
-                "payload": payload,
-                "group": msg.group,
-                "priority": msg.priority,
-            }
-        )
+        fields: dict[str, object] = {
+            "seq": msg.seq,
+            "stored_at": msg.stored_at,
+            "src": str(msg.src),
+            "dst": str(msg.dst),
+            "payload": payload,
+            "group": msg.group,
+            "priority": msg.priority,
+        }
+        if delivery:
+            fields["delivery"] = msg.delivery
+        line = json.dumps(fields)
     else:
         at = datetime.fromtimestamp(msg.stored_at, UTC).isoformat(timespec="milliseconds")
         text = payload.replace("\r", "\\r").replace("\n", "\\n")
-        line = f"#{msg.seq} {at.replace('+00:00', 'Z')} [{msg.src} -> {msg.dst}] {text}"
+        again = f" (delivery {msg.delivery})" if delivery and msg.delivery > 1 else ""
+        line = f"#{msg.seq} {at.replace('+00:00', 'Z')}{again} [{msg.src} -> {msg.dst}] {text}"
     click.echo(line)
 
 
@@ -363,7 +371,7 @@ def _print_message(msg: StreamMessage, as_json: bool) -> None:
 
 @stream.command()
 @click.argument("name", type=STREAM_NAME)
-@_broker_option
+@any_broker_option
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def delete(name: str, broker_address: str, access: Access, yes: bool) -> None:
     """Delete stream NAME with all its messages and consumers; it stops capturing.
@@ -374,7 +382,7 @@ def delete(name: str, broker_address: str, access: Access, yes: bool) -> None:
         click.confirm(f"Delete stream {name} and all its messages?", abort=True, err=True)
 
     async def go() -> None:
-        async with await _connect(broker_address, access) as conn:
+        async with await connect(broker_address, access) as conn:
             await conn.streams.delete(name)
 
     run(go())

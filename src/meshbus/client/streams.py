@@ -184,6 +184,11 @@ class StreamClient:
         )
         return Consumer(self._ask, stream, name)
 
+    def bind_consumer(self, stream: str, name: str) -> Consumer:
+        """The existing consumer ``name`` of ``stream``, neither created nor changed: no
+        request until a call, which raises StreamError when there is no such consumer."""
+        return Consumer(self._ask, stream, name)
+
 
 class Consumer:
     """Take messages with ``next``, acknowledge them with ``ack``; one not acknowledged

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import meshbus
@@ -50,24 +51,25 @@ async def run(play_seconds: float, report_path: str) -> int:
     try:
         m1 = await mesh.start("mesh-1")
         m2, m3 = await asyncio.gather(mesh.start("mesh-2", m1), mesh.start("mesh-3", m1))
-        say(started, f"3 brokers: {mesh.addresses}, telemetry every 1 s")
-        say(started, f"work dir {root}")
+        say(started, escape(f"3 brokers: {mesh.addresses}, telemetry every 1 s"))
+        say(started, escape(f"work dir {root}"))
         await refused_without_credentials(m1.address, security)
         say(started, f"TLS and sign-in on: every link TLS (a throwaway CA for {secure.HOST}), "
             f"clients sign in as users {' and '.join(secure.USERS)} (key pairs; one without "
             "was refused), brokers prove themselves with keys of their own")  # fmt: skip
         admin = await mmo_access.connect(m1.address, server="admin", failover=False)
         await admin.streams.add(mmo.RESULTS_STREAM, mmo.RESULTS)
-        say(started, f"durable stream [bold]results[/] on mesh-1 captures {mmo.RESULTS}")
+        captured = escape(str(mmo.RESULTS))
+        say(started, f"durable stream [bold]results[/] on mesh-1 captures {captured}")
         homes = {
             "login01": m1.address, "login02": m2.address, "game01": m1.address,
             "game02": m3.address, "master": m2.address, "matches": m3.address,
             "lobby": m1.address,
         }  # fmt: skip
         world = await mmo.build(mesh.addresses, homes, mmo_access)
-        say(started, "MMO back end up: " + ", ".join(
+        say(started, escape("MMO back end up: " + ", ".join(
             f"{name} on {conn.broker_name}" for name, conn in world.connectors.items()
-        ))  # fmt: skip
+        )))  # fmt: skip
         await mmo.log_in_everyone(world)
         await mmo.place_in_zones(world)
         say(started, f"{mmo.PLAYERS} players logged in (anycast requests), placed in zones")
@@ -78,7 +80,8 @@ async def run(play_seconds: float, report_path: str) -> int:
             spark_access.data_source_options(), mmo.RESULTS_STREAM,
             str(mmo.LEADERBOARD), os.path.join(root, "checkpoint"),
         )  # fmt: skip
-        say(started, f"Spark job: stream results -> wins per player -> {mmo.LEADERBOARD}")
+        board = escape(str(mmo.LEADERBOARD))
+        say(started, f"Spark job: stream results -> wins per player -> {board}")
         failover = await play(world, mesh, started, play_seconds)
         await settle(world, started)
         await stop_between_batches(query)
@@ -86,7 +89,7 @@ async def run(play_seconds: float, report_path: str) -> int:
         await summary(world, admin, failover)
         with console.status("writing the telemetry report (a Spark job over the brokers' streams)"):
             await write_report(spark, mesh.addresses, spark_access, report_path)
-        say(started, f"wrote [bold]{report_path}[/] (open it in a browser)")
+        say(started, f"wrote [bold]{escape(str(report_path))}[/] (open it in a browser)")
     except* (StepFailed, meshbus.MeshbusError, AssertionError) as group:
         failed = "; ".join(map(str, group.exceptions))
     finally:
@@ -102,12 +105,10 @@ async def run(play_seconds: float, report_path: str) -> int:
         codes = await mesh.stop()
         mesh.kill_all()
         shutil.rmtree(root, ignore_errors=True)
-    say(
-        started,
-        "brokers stopped: " + ", ".join(_exit(name, code) for name, code in sorted(codes.items())),
-    )
+    stopped = ", ".join(_exit(name, code) for name, code in sorted(codes.items()))
+    say(started, escape(f"brokers stopped: {stopped}"))
     if failed:
-        console.print(f"[bold red]demo FAILED[/]: {failed}")
+        console.print(f"[bold red]demo FAILED[/]: {escape(failed)}")
         return 1
     console.print(f"[bold green]demo passed[/] in {time.monotonic() - started:.1f} s")
     return 0
@@ -156,7 +157,7 @@ async def play(world: mmo.World, mesh: DemoMesh, started: float, seconds: float)
     failover = await events["kill"]
     await events["join"]
     on_mesh4 = [n for n, c in world.connectors.items() if c.broker_name == "mesh-4"]
-    say(started, f"mesh-4 took {', '.join(on_mesh4) or 'no connector yet'}")
+    say(started, escape(f"mesh-4 took {', '.join(on_mesh4) or 'no connector yet'}"))
     return float(failover)
 
 
@@ -235,9 +236,9 @@ async def summary(world: mmo.World, admin: meshbus.Connector, failover: float) -
     table.add_column("what")
     table.add_column("figure", justify="right")
     for cast, count in sorted(world.sent.items()):
-        table.add_row(f"sent: {cast}", f"{count:,}")
+        table.add_row(escape(f"sent: {cast}"), f"{count:,}")
     for kind, count in sorted(world.received.items()):
-        table.add_row(f"received: {kind}", f"{count:,}")
+        table.add_row(escape(f"received: {kind}"), f"{count:,}")
     table.add_row("reliable match results: lost / duplicated", f"{results_lost} / {results_dup}")
     table.add_row("reliable rewards: lost / duplicated", f"{rewards_lost} / {rewards_dup}")
     table.add_row("failover (kill -9 to answering again)", f"{failover * 1000:.0f} ms")
@@ -256,7 +257,7 @@ async def summary(world: mmo.World, admin: meshbus.Connector, failover: float) -
                 f"{q[49] * 1000:.0f} / {q[98] * 1000:.0f} ms",
             )
     top = world.boards[0].top()
-    table.add_row("leaderboard top 5", ", ".join(f"{p} {w}" for p, w in top))
+    table.add_row("leaderboard top 5", escape(", ".join(f"{p} {w}" for p, w in top)))
     console.print(table)
     check(results_lost == results_dup == rewards_lost == rewards_dup == 0,
           "reliable traffic was lost or duplicated")  # fmt: skip

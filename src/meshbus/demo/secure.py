@@ -7,18 +7,13 @@ brokers' config file listing them."""
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from meshbus.auth import Credentials, brokers_entry, users_entry
 from meshbus.cli.common import Access
+from meshbus.devcerts import DevelopmentCA
 from meshbus.private_files import write_private
 from meshbus.tls import cli_context
 
@@ -40,78 +35,13 @@ class Certificates:
 def write_certificates(directory: str, host: str) -> Certificates:
     """A new CA, and a certificate for ``host`` (an IP address) signed by it, good for
     both ends of a TLS link (a broker also shows it when it dials its peers)."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshbus demo CA")])
-    ca_cert = (
-        _builder(ca_name, ca_name, ca_key.public_key(), now)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(cert_sign=True), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    cert = (
-        _builder(name, ca_name, key.public_key(), now)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(cert_sign=False), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
     files = Certificates(
         *(os.path.join(directory, n) for n in ("ca.pem", "broker.crt", "broker.key"))
     )
-    write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
-    write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    write_private(
-        files.key,
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-    )
+    ca = DevelopmentCA("meshbus demo CA", VALIDITY)
+    ca.write_ca(files.ca)
+    ca.issue(host, [host], files.cert, files.key)
     return files
-
-
-def _builder(
-    subject: x509.Name,
-    issuer: x509.Name,
-    public_key: ec.EllipticCurvePublicKey,
-    now: datetime.datetime,
-) -> x509.CertificateBuilder:
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))  # clocks a little apart
-        .not_valid_after(now + VALIDITY)
-    )
-
-
-def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=cert_sign,
-        crl_sign=cert_sign,
-        encipher_only=False,
-        decipher_only=False,
-    )
 
 
 @dataclass(frozen=True)

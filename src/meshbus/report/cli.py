@@ -46,10 +46,12 @@ class _Progress:
         to the yielded list (``doing`` itself by default)."""
         done: list[str] = []
         began = time.monotonic()
-        with self.console.status(doing + " ..."):
+        from rich.markup import escape
+
+        with self.console.status(escape(doing) + " ..."):
             yield done
         took = time.monotonic() - began
-        line = done[0] if done else doing
+        line = escape(done[0] if done else doing)  # names of streams and brokers: data
         self.console.print(f"[green]✓[/green] {line} [dim]({took:.1f} s)[/dim]")
 
 
@@ -226,6 +228,9 @@ def _write(progress: _Progress, data: dict[str, Any], out: Path, json_out: Path 
             json_out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", "utf-8")
     except OSError as exc:
         raise click.ClickException(f"cannot write the report: {exc}") from exc
-    progress.console.print(f"[green]✓[/green] wrote {out} ({len(page) / 1024:,.0f} KiB)")
+    from rich.markup import escape
+
+    wrote = escape(f"wrote {out} ({len(page) / 1024:,.0f} KiB)")
+    progress.console.print(f"[green]✓[/green] {wrote}")
     if json_out is not None:
-        progress.console.print(f"[green]✓[/green] wrote {json_out}")
+        progress.console.print(f"[green]✓[/green] {escape(f'wrote {json_out}')}")

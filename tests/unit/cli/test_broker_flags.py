@@ -238,3 +238,30 @@ def test_the_docs_table_is_the_declarations() -> None:
     assert found is not None, "docs/operations.md has lost its table of settings"
     table = settings_table(StartSettings, BrokerConfig)
     assert found[1] == table, f"docs/operations.md's table of settings should be:\n{table}"
+
+
+def test_broker_key_help_says_when_it_is_required(
+    served: list[BrokerConfig], tmp_path: Path
+) -> None:
+    """--help says what the command does: a broker with [[users]] and no [[brokers]]
+    starts without a key; one with [[brokers]] is refused without one."""
+    helped = CliRunner().invoke(broker, ["--help"], terminal_width=1000)
+    said = re.search(r"--broker-key FILE\s+(.+)", helped.stdout)
+    assert said is not None, helped.stdout
+    assert "Required when the config lists [[brokers]]" in said[1]
+    assert "[[users]] and no [[brokers]] needs none" in said[1]
+    from meshbus.auth import Credentials, brokers_entry, users_entry
+
+    alice = Credentials.generate("alice")
+    users = tmp_path / "users.toml"
+    users.write_text(users_entry("alice", public_key=alice.public_key))
+    users.chmod(0o600)
+    assert run_broker(served, "--config", str(users)).broker_key is None
+    b1 = Credentials.generate("b1")
+    assert b1.public_key is not None
+    mesh = tmp_path / "mesh.toml"
+    mesh.write_text(users.read_text() + brokers_entry("b1", b1.public_key))
+    mesh.chmod(0o600)
+    refused = CliRunner().invoke(broker, ["--config", str(mesh), "--name", "b1"])
+    assert refused.exit_code == 2
+    assert "give it --name and --broker-key FILE" in refused.stderr

@@ -37,3 +37,12 @@ def test_a_key_of_a_newer_broker_is_left_out_not_an_error() -> None:
 def test_an_older_broker_without_owners_gives_nobody_s_stream() -> None:
     older = {key: value for key, value in INFO.items() if key != "owner"}
     assert StreamInfo.from_reply(older).owner == ""
+
+
+def test_service_fetch_is_typed_as_the_stream_messages_it_returns() -> None:
+    from typing import get_type_hints
+
+    from meshbus.client.service import Service
+    from meshbus.client.streams import StreamMessage
+
+    assert get_type_hints(Service.fetch)["return"] == list[StreamMessage]
