@@ -67,12 +67,12 @@ ACTIONS = [
     ("read", 2),
     ("heal", 2),
     ("restart", 3),
-    ("crash", 1),
+    ("crash", 2),
     ("partition", 1),
     ("compact", 1),
     ("change", 1),
     ("transfer", 0.5),
-    ("corrupt", 0.5),
+    ("corrupt", 2),
 ]
 
 
@@ -373,7 +373,7 @@ class Simulation:
         for node in self.cluster.nodes.values():
             if node.core is None:
                 self.restart_node(node)
-        final: int | None = None
+        final: tuple[int, int] | None = None  # (term, index) of the last proposal
         for _ in range(20_000):
             if any(node.up.has_ready() for node in self.up()):
                 node = self.rng.choice([n for n in self.up() if n.up.has_ready()])
@@ -384,20 +384,19 @@ class Simulation:
                 for core in self.cores():
                     core.tick()
             self.check()
-            if final in self.acked and self.acked[final][0].data != b"final":
-                final = None  # its leader was deposed before it committed: again
             leader = self.leader()
-            if final is None and leader is not None:
+            if leader is not None and (final is None or final[0] < leader.term):
+                # None yet, or its leader was deposed before it was acknowledged.
                 try:
-                    final = leader.propose(b"final")
+                    final = (leader.term, leader.propose(b"final"))
                 except RaftError:
                     continue
-            if final is not None and self.converged(final):
+            if final is not None and self.converged(final[1]):
                 return
         raise AssertionError(f"no convergence after the faults stopped (final={final})")
 
     def converged(self, final: int) -> bool:
-        if final not in self.acked:
+        if final not in self.acked or self.acked[final][0].data != b"final":
             return False
         membership = self.committed_membership()
         for member in membership.members:
