@@ -18,6 +18,8 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 # (contract id, the module that gets the import, the module it must not import)
 FORBIDDEN = [
     ("protocol", "protocol/codec.py", "meshbus.address"),
+    ("raft", "raft/core.py", "meshbus.protocol.codec"),
+    ("raft", "raft/log.py", "meshbus.storage.store"),
     ("storage", "storage/sqlite.py", "meshbus.broker.core.link"),
     ("client", "client/connector.py", "meshbus.broker.config"),
     ("broker-layers", "broker/core/forward.py", "meshbus.broker.mesh.relay"),

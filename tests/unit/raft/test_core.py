@@ -1,0 +1,183 @@
+"""Unit tests of the Raft core's rules that the interaction scripts and the simulation
+reach only by chance: each builds the exact situation by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshbus.errors import InvalidArgument
+from meshbus.raft import (
+    ChangeKind,
+    DriverError,
+    Entry,
+    HardState,
+    Membership,
+    MembershipChange,
+    Message,
+    MessageType,
+    NotLeader,
+    ProposalRefused,
+    RaftNode,
+    RaftSettings,
+    Role,
+    Snapshot,
+    Stored,
+)
+from tests.unit.raft.harness import Cluster
+from tests.unit.raft.test_interaction import Fixed
+
+T = MessageType
+MEMBERS = Membership.of([1, 2, 3])
+
+
+def node(entries: list[tuple[int, int]], term: int, commit: int = 0) -> RaftNode:
+    """Node 1 with the log of (term, index) entries, at ``term``."""
+    log = tuple(Entry(t, i, membership=MEMBERS if i == 1 else None) for t, i in entries)
+    stored = Stored(HardState(term, None, commit), Snapshot(0, 0, Membership()), log)
+    return RaftNode(1, RaftSettings(), stored, Fixed(0))
+
+
+def elect(core: RaftNode) -> None:
+    """Make node 1 leader by votes from 2 and 3, its Ready handled (no messages kept)."""
+    core.campaign()
+    for voter in (2, 3):
+        core.step(Message(T.PRE_VOTE_RESPONSE, voter, 1, core.term + 1))
+    for voter in (2, 3):
+        core.step(Message(T.VOTE_RESPONSE, voter, 1, core.term))
+    assert core.role is Role.LEADER
+    core.ready()
+    core.advance()
+
+
+def test_an_entry_of_an_older_term_is_not_committed_by_counting() -> None:
+    # Figure 8 of the Raft paper: the new leader of term 4 holds 2/2 on a majority,
+    # yet commits it only with an entry of its own term.
+    core = node([(1, 1), (2, 2)], term=3, commit=1)
+    elect(core)
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 4, index=2))
+    assert core.log.committed == 1
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 4, index=3))
+    assert core.log.committed == 3
+
+
+def test_answers_from_before_a_damaged_restart_are_void() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    elect(core)
+    core.propose(b"a")
+    core.ready()
+    core.advance()
+    # Node 2 restarted from a damaged log (epoch 1) and says so ...
+    core.step(Message(T.HEARTBEAT_RESPONSE, 2, 1, 2, epoch=1, repairing=True))
+    assert core.progress[2].match == 0
+    # ... then its answer from before the damage arrives: it must not count.
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=3))
+    assert core.progress[2].match == 0
+    assert core.log.committed == 1
+    # What the leader sends it from now on is for the new epoch.
+    sent = [m for m in core.ready().messages if m.to == 2 and m.kind is T.APPEND]
+    assert sent
+    assert all(m.epoch == 1 for m in sent)
+
+
+def repairing_follower() -> RaftNode:
+    stored = Stored(
+        HardState(2, 1, 1, epoch=1, repairing=True),
+        Snapshot(0, 0, Membership()),
+        (Entry(1, 1, membership=MEMBERS),),
+    )
+    return RaftNode(3, RaftSettings(), stored, Fixed(0))
+
+
+@pytest.mark.parametrize(
+    ("epoch", "commit", "repaired"),
+    [
+        (0, 3, False),  # sent before the leader knew of the damage
+        (1, 2, False),  # the leader's commit is not yet of its own term
+        (1, 3, True),
+    ],
+)
+def test_a_repairing_node_is_whole_only_with_the_leaders_commit_of_its_term(
+    epoch: int, commit: int, repaired: bool
+) -> None:
+    core = repairing_follower()
+    entries = (Entry(1, 2), Entry(2, 3))
+    core.step(
+        Message(T.APPEND, 1, 3, 2, index=1, log_term=1, entries=entries, commit=commit, epoch=epoch)
+    )
+    assert core.repairing is not repaired
+
+
+def test_a_repairing_node_neither_votes_nor_campaigns() -> None:
+    core = repairing_follower()
+    core.step(Message(T.VOTE, 2, 3, 3, index=5, log_term=2))
+    (answer,) = core.ready().messages
+    assert answer.reject
+    core.advance()
+    for _ in range(100):
+        core.tick()
+    assert core.role is Role.FOLLOWER
+    assert not core.ready().messages
+
+
+def test_the_driver_advances_each_ready_before_anything_else() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    core.campaign()
+    core.ready()
+    with pytest.raises(DriverError):
+        core.tick()
+    with pytest.raises(DriverError):
+        core.step(Message(T.VOTE_RESPONSE, 2, 1, 2))
+    core.advance()
+    with pytest.raises(DriverError):
+        core.advance()
+    with pytest.raises(DriverError):
+        core.compact(5, b"")  # not applied yet
+
+
+def test_only_the_leader_takes_proposals() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    with pytest.raises(NotLeader, match="no leader is known yet"):
+        core.propose(b"a")
+    core.step(Message(T.HEARTBEAT, 2, 1, 2))
+    with pytest.raises(NotLeader, match="node 2 is the one to ask") as caught:
+        core.propose(b"a")
+    assert caught.value.leader == 2
+
+
+def test_the_leader_counts_its_own_entry_once_it_is_durable() -> None:
+    cluster = Cluster([1], RaftSettings(), lambda n: Fixed(0))
+    core = cluster.nodes[1].up
+    core.campaign()
+    assert core.role is Role.LEADER
+    ready = core.ready()
+    assert ready.entries
+    assert [e.index for e in ready.committed] == [1]
+    assert core.log.committed == 1  # the leader's empty entry is not durable yet
+    cluster.nodes[1].disk.write(ready)
+    core.advance()
+    assert core.log.committed == 2
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(InvalidArgument, match="below election_ticks"):
+        RaftSettings(election_ticks=3, heartbeat_ticks=3)
+    with pytest.raises(InvalidArgument):
+        RaftSettings(max_append_entries=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (MembershipChange(ChangeKind.ADD_VOTER, 1), "a voter already"),
+        (MembershipChange(ChangeKind.REMOVE, 9), "not a member"),
+    ],
+)
+def test_a_membership_change_must_change_something(change: MembershipChange, error: str) -> None:
+    with pytest.raises(ProposalRefused, match=error):
+        MEMBERS.changed(change)
+    only = Membership.of([1])
+    with pytest.raises(ProposalRefused, match="last voter"):
+        only.changed(MembershipChange(ChangeKind.REMOVE, 1))
+    assert str(dataclasses.replace(only, learners=frozenset({3}))) == "voters=(1) learners=(3)"
