@@ -233,9 +233,9 @@ class NatsConnection(asyncio.Protocol):
         if options.pedantic and not (is_valid_subject(event.subject) and is_literal(event.subject)):
             # nats-server says so, and delivers it all the same.
             self.queue(encode_err("Invalid Publish Subject"))
-        self._router.publish(self, event)
         if options.verbose:
-            self.queue(OK)
+            self.queue(OK)  # before the message, as nats-server
+        self._router.publish(self, event)
 
     def _subscribe(self, event: Subscribe) -> None:
         if event.sid not in self.subs:
