@@ -29,7 +29,13 @@ from nats.errors import NoRespondersError
 from meshbus.auth import Credentials, users_entry
 from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
 from meshbus.private_files import write_private
-from tests.integration.helpers import IO_TIMEOUT, broker_key, free_port, start_broker_process
+from tests.integration.helpers import (
+    IO_TIMEOUT,
+    broker_key,
+    free_port,
+    start_broker_process,
+    wait_until,
+)
 
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 
@@ -494,9 +500,7 @@ async def test_past_the_connection_limit_a_client_is_refused(bounded: int) -> No
         await raw.close()
         return line == b"PONG"
 
-    async with asyncio.timeout(IO_TIMEOUT):
-        while not await admitted():
-            await asyncio.sleep(0.05)
+    await wait_until(admitted, "a client admitted once another left")
     for raw in held:
         await raw.close()
 

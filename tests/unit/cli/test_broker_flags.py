@@ -72,6 +72,11 @@ FLAGS = {
     "--broker-key",
     "--monitor",
     "--monitor-token-hash",
+    "--nats-listen",
+    "--nats-max-payload",
+    "--nats-max-control-line",
+    "--nats-ping-interval",
+    "--nats-max-pings-out",
 }
 
 
