@@ -180,6 +180,7 @@ class NatsConnection(asyncio.Protocol):
     def _process(self) -> None:
         """Handle what has been read, up to a slice of the loop's time."""
         parser = self._parser
+        publish = self._router.publish
         deadline = perf_counter() + SLICE
         handled = 0
         try:
@@ -191,7 +192,11 @@ class NatsConnection(asyncio.Protocol):
                         assert self.transport is not None
                         self.transport.resume_reading()
                     break
-                self._handle(event)
+                options = parser.options
+                if type(event) is Publish and not (options.verbose or options.pedantic):
+                    publish(self, event)  # the common case, without a call between
+                else:
+                    self._handle(event)
                 handled += 1
                 if handled % _CLOCK_EVERY == 0 and perf_counter() > deadline:
                     self._later()
@@ -209,7 +214,7 @@ class NatsConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self._process)
 
     def _handle(self, event: NatsEvent) -> None:
-        if isinstance(event, Publish):
+        if type(event) is Publish:
             self._publish(event)
         elif isinstance(event, Subscribe):
             self._subscribe(event)
@@ -230,11 +235,13 @@ class NatsConnection(asyncio.Protocol):
 
     def _publish(self, event: Publish) -> None:
         options = self._parser.options
-        if options.pedantic and not (is_valid_subject(event.subject) and is_literal(event.subject)):
-            # nats-server says so, and delivers it all the same.
-            self.queue(encode_err("Invalid Publish Subject"))
-        if options.verbose:
-            self.queue(OK)  # before the message, as nats-server
+        if options.pedantic or options.verbose:
+            subject = event.subject
+            if options.pedantic and not (is_valid_subject(subject) and is_literal(subject)):
+                # nats-server says so, and delivers it all the same.
+                self.queue(encode_err("Invalid Publish Subject"))
+            if options.verbose:
+                self.queue(OK)  # before the message, as nats-server
         self._router.publish(self, event)
 
     def _subscribe(self, event: Subscribe) -> None:

@@ -38,22 +38,22 @@ class NatsRouter:
         self.no_responders = 0
 
     def publish(self, publisher: NatsConnection, event: Publish) -> None:
-        self.msgs_in += 1
         interest = self._table.match(event.subject)
+        options = publisher.options
+        echo = options.echo
         delivered = 0
-        if interest:
-            echo = publisher.options.echo
-            for sub in interest.plain:
-                if echo or sub.conn is not publisher:
-                    sub.conn.deliver(sub, event)
-                    delivered += 1
-            for _, members in interest.queues:
-                member = self._pick(members, publisher, echo)
-                if member is not None:
-                    member.conn.deliver(member, event)
-                    delivered += 1
+        for sub in interest.plain:
+            if echo or sub.conn is not publisher:
+                sub.conn.deliver(sub, event)
+                delivered += 1
+        for _, members in interest.queues:
+            member = self._pick(members, publisher, echo)
+            if member is not None:
+                member.conn.deliver(member, event)
+                delivered += 1
+        self.msgs_in += 1
         self.msgs_out += delivered
-        if not delivered and event.reply and publisher.options.no_responders:
+        if not delivered and event.reply and options.no_responders:
             self._no_responders(publisher, event)
 
     def _pick(
