@@ -408,6 +408,8 @@ async def test_a_pedantic_client_hears_of_a_wildcard_publish(server: Server) -> 
             b"-ERR 'no responders requires headers support'",
         ),
         (b"PUB foo x\r\n", b""),  # no -ERR: nats-server just closes
+        (b"SUB foo\r\n", b""),
+        (b"-ERR 'from a client'\r\n", b""),
     ],
 )
 async def test_errors_that_close(server: Server, text: bytes, error: bytes) -> None:
@@ -415,6 +417,13 @@ async def test_errors_that_close(server: Server, text: bytes, error: bytes) -> N
     await raw.send(text)
     rest = await raw.closed()
     assert rest.split(b"\r\n")[0] == error
+    await raw.close()
+
+
+async def test_a_clients_info_and_ok_are_read_past(server: Server) -> None:
+    raw = await RawNats.open(server.port, QUIET)
+    await raw.send(b'INFO {"server_id": "client"}\r\n+OK\r\n')
+    await raw.pong()
     await raw.close()
 
 

@@ -18,7 +18,8 @@ Rules it keeps, each as nats-server does:
    is the few bytes of a verb stricter. A longer one, even before its end arrived, is
    ``-ERR 'maximum control line exceeded'`` and the connection closes.
 3. Bytes that cannot begin a client operation are ``-ERR 'Unknown Protocol
-   Operation'`` and close, as soon as they arrive -- a line is not waited for.
+   Operation'`` and close, as soon as they arrive -- a line is not waited for. A
+   client's ``INFO`` and ``+OK`` are read past; its ``-ERR`` closes without a word.
 4. Every number on the wire is at most 9 ASCII digits (nothing else: no sign, no
    blank, no ``_``). A PUB or HPUB whose size passes ``max_payload`` is ``-ERR
    'Maximum Payload Violation'`` and closes; an HPUB header size above its total is a
@@ -200,8 +201,15 @@ _PUB_LINE = re.compile(rb"PUB[ \t]+([^ \t\r\n]+)[ \t]+(?:([^ \t\r\n]+)[ \t]+)?(\
 
 # The verbs a client may send. An argument verb must be followed by a blank; PING and
 # PONG take whatever follows up to the line's end, CONNECT its JSON after any blanks.
-_ARGUMENT_VERBS = (b"PUB", b"HPUB", b"SUB", b"UNSUB")
-_BARE_VERBS = (b"PING", b"PONG", b"CONNECT")
+_ARGUMENT_VERBS = (b"PUB", b"HPUB", b"SUB", b"UNSUB", b"INFO", b"-ERR")
+_BARE_VERBS = (b"PING", b"PONG", b"CONNECT", b"+OK")
+
+
+class _Ignored:
+    """A line the server reads past: a client's INFO or +OK (nats-server ignores them)."""
+
+
+_IGNORED = _Ignored()
 
 
 def _could_begin(head: bytes) -> bool:
@@ -263,37 +271,40 @@ class NatsParser:
 
     def next_event(self) -> NatsEvent | None:
         """The next operation, or None until more bytes are fed."""
-        if self._waiting is not None:
-            return self._message()
-        buf, pos = self._buf, self._pos
-        pub = _PUB_LINE.match(buf, pos)
-        if pub is not None:
-            start = pub.end()
-            end = start + int(pub[3])
-            if (
-                start - pos <= self.max_control_line
-                and end - start <= self.max_payload
-                and buf.startswith(_CRLF, end)
-            ):
-                self._pos = end + 2
-                return Publish(pub[1], pub[2] or b"", 0, bytes(buf[start:end]))
-        end = buf.find(b"\n", pos)
-        if end < 0:
-            self._check_unfinished_line()
-            return None
-        stop = end - 1 if end > pos and buf[end - 1] == 13 else end  # 13: CR
-        line = bytes(buf[pos:stop])
-        if len(line) > self.max_control_line:
-            _check_head(line[:8].upper())
-            raise NatsProtocolViolation(
-                f"a control line of {len(line)} bytes, over the limit of {self.max_control_line}",
-                MAX_CONTROL_LINE,
-            )
-        self._pos = end + 1
-        event = self._operation(line)
-        if event is None:  # a PUB or HPUB line: its message follows
-            return self._message()
-        return event
+        while True:
+            if self._waiting is not None:
+                return self._message()
+            buf, pos = self._buf, self._pos
+            pub = _PUB_LINE.match(buf, pos)
+            if pub is not None:
+                start = pub.end()
+                end = start + int(pub[3])
+                if (
+                    start - pos <= self.max_control_line
+                    and end - start <= self.max_payload
+                    and buf.startswith(_CRLF, end)
+                ):
+                    self._pos = end + 2
+                    return Publish(pub[1], pub[2] or b"", 0, bytes(buf[start:end]))
+            end = buf.find(b"\n", pos)
+            if end < 0:
+                self._check_unfinished_line()
+                return None
+            stop = end - 1 if end > pos and buf[end - 1] == 13 else end  # 13: CR
+            line = bytes(buf[pos:stop])
+            if len(line) > self.max_control_line:
+                _check_head(line[:8].upper())
+                raise NatsProtocolViolation(
+                    f"a control line of {len(line)} bytes, over the limit of "
+                    f"{self.max_control_line}",
+                    MAX_CONTROL_LINE,
+                )
+            self._pos = end + 1
+            event = self._operation(line)
+            if event is None:  # a PUB or HPUB line: its message follows
+                return self._message()
+            if not isinstance(event, _Ignored):
+                return event
 
     def _check_unfinished_line(self) -> None:
         _check_head(bytes(self._buf[self._pos : self._pos + 8]).upper())
@@ -305,29 +316,40 @@ class NatsParser:
                 MAX_CONTROL_LINE,
             )
 
-    def _operation(self, line: bytes) -> NatsEvent | None:
+    def _operation(self, line: bytes) -> NatsEvent | _Ignored | None:
         """The event of a whole control line (None for a PUB or HPUB, which waits for
         its message)."""
         head = line[:8].upper()
         for verb in _ARGUMENT_VERBS:
             if head.startswith(verb) and len(line) > len(verb) and line[len(verb)] in _BLANKS:
-                args = line[len(verb) + 1 :].split()
-                if verb == b"PUB":
-                    self._pub(args, line)
-                    return None
-                if verb == b"HPUB":
-                    self._hpub(args, line)
-                    return None
-                if verb == b"SUB":
-                    return _sub(args, line)
-                return _unsub(args, line)
+                return self._with_arguments(verb, line[len(verb) + 1 :].split(), line)
         if head.startswith(b"PING"):
             return _PING
         if head.startswith(b"PONG"):
             return _PONG
         if head.startswith(b"CONNECT"):
             return self._connect(line[7:].strip(_BLANKS))
+        if head.startswith(b"+OK"):
+            return _IGNORED
         raise NatsProtocolViolation(f"unknown operation {line[:32]!r}", UNKNOWN_OPERATION)
+
+    def _with_arguments(
+        self, verb: bytes, args: list[bytes], line: bytes
+    ) -> NatsEvent | _Ignored | None:
+        if verb == b"PUB":
+            self._pub(args, line)
+            return None
+        if verb == b"HPUB":
+            self._hpub(args, line)
+            return None
+        if verb == b"SUB":
+            return _sub(args, line)
+        if verb == b"UNSUB":
+            return _unsub(args, line)
+        if verb == b"INFO":
+            return _IGNORED
+        # -ERR from a client: nats-server closes, saying nothing.
+        raise NatsProtocolViolation(f"the client sent {line[:64]!r}", None)
 
     def _pub(self, args: list[bytes], line: bytes) -> None:
         if len(args) == 2:

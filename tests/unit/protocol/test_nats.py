@@ -87,6 +87,7 @@ def test_basics() -> None:
         (b"ping\n", Ping()),  # a bare LF ends a line too
         (b"PING anything\r\n", Ping()),
         (b"pong\r\n", Pong()),
+        (b'INFO {"x": 1}\r\n+OK\r\n+ok\r\nPING\r\n', Ping()),  # read past, as nats-server
     ],
 )
 def test_each_operation_case_insensitive(text: bytes, event: NatsEvent) -> None:
@@ -157,6 +158,9 @@ def violation(data: bytes, **limits: int) -> NatsProtocolViolation:
         (b"\r\n", "Unknown Protocol Operation"),
         (b" PING\r\n", "Unknown Protocol Operation"),
         (b"MSG foo 1 1\r\n", "Unknown Protocol Operation"),  # a server's operation
+        (b"-ERR 'x'\r\n", None),
+        (b"-ERR\r\n", "Unknown Protocol Operation"),
+        (b"INFO\r\n", "Unknown Protocol Operation"),
         (b"PUB foo 3\r\nabcd\r\n", "Unknown Protocol Operation"),  # longer than its size
         (b"PUB foo 1048577\r\n", "Maximum Payload Violation"),
         (b"PUB foo", None),
