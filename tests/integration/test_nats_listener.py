@@ -420,6 +420,23 @@ async def test_errors_that_close(server: Server, text: bytes, error: bytes) -> N
     await raw.close()
 
 
+async def test_a_second_sub_of_a_sid_in_use_changes_nothing(server: Server) -> None:
+    raw = await RawNats.open(server.port, QUIET)
+    await raw.send(b"SUB dup.first 1\r\nSUB dup.second 1\r\n")
+    await raw.send(b"PUB dup.second 1\r\nb\r\nPUB dup.first 1\r\na\r\n")
+    words, data = await raw.message()
+    assert (words[1], data) == (b"dup.first", b"a")
+    await raw.pong()
+    await raw.close()
+
+
+async def test_hpub_without_headers_turned_on_closes_quietly(server: Server) -> None:
+    raw = await RawNats.open(server.port, {"verbose": False, "pedantic": False})
+    await raw.send(b"HPUB h 12 12\r\nNATS/1.0\r\n\r\n\r\n")
+    assert await raw.closed() == b""
+    await raw.close()
+
+
 async def test_a_clients_info_and_ok_are_read_past(server: Server) -> None:
     raw = await RawNats.open(server.port, QUIET)
     await raw.send(b'INFO {"server_id": "client"}\r\n+OK\r\n')
