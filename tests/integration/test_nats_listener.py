@@ -107,7 +107,13 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 @contextlib.asynccontextmanager
 async def client(server: Server, **options: object) -> AsyncIterator[Client]:
-    nc = await nats.connect(server.url, allow_reconnect=False, **options)  # type: ignore[arg-type]
+    # nats.py waits 2 s for a server by default: not enough on a loaded machine.
+    nc = await nats.connect(
+        server.url,
+        allow_reconnect=False,
+        connect_timeout=IO_TIMEOUT,
+        **options,  # type: ignore[arg-type]
+    )
     try:
         yield nc
     finally:
