@@ -60,6 +60,7 @@ class NatsListener:
         # Like nats-server's, an id of 56 characters of base32, new with each start.
         self.server_id = "N" + "".join(rng.choice(_ID_ALPHABET) for _ in range(55))
         self.address = ""
+        self._bound = ("", 0)
         self._connect_urls: list[str] = []
         self.refused = 0
 
@@ -78,6 +79,7 @@ class NatsListener:
                 f"{exc.strerror or exc}; choose another --nats-listen HOST:PORT"
             ) from None
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        self._bound = (bound_host, bound_port)
         self.address = hostport_text(bound_host, bound_port)
         # Where clients may reconnect: this broker, unless it listens on every address
         # (which one a client can reach is not known here). Other brokers' come with the
@@ -117,7 +119,7 @@ class NatsListener:
 
     def _info(self, conn: NatsConnection) -> bytes:
         config = self._config
-        host, port = parse_hostport(self.address)
+        host, port = self._bound
         info = ServerInfo(
             server_id=self.server_id,
             server_name=config.name,
