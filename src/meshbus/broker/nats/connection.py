@@ -160,6 +160,8 @@ class NatsConnection(asyncio.Protocol):
         self._on_open(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # bytes already in flight when it closed
         self._heard = True
         self._parser.feed(data)
         self._process()
