@@ -34,6 +34,7 @@ _ELSEWHERE = {
     "spark": "bench.spark:spark",
     "game": "bench.game:game",
     "client": "bench.client:client",
+    "nats-clients": "bench.nats_clients:nats_clients",
 }
 
 

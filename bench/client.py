@@ -413,7 +413,7 @@ def client(
             ("msgs/s",),
             one_way(fast=False),
         )
-        _figures(figures, "msgs", plain, 0)
+        ratio_figures(figures, "msgs", plain, 0)
         fast = alternate(
             _servers(vs_nats),
             runs,
@@ -422,7 +422,7 @@ def client(
             ("msgs/s",),
             one_way(fast=True),
         )
-        _figures(figures, "fast_msgs", fast, 0)
+        ratio_figures(figures, "fast_msgs", fast, 0)
         rps = alternate(
             _servers(vs_nats),
             runs,
@@ -430,7 +430,7 @@ def client(
             ("req/s", "p50 µs"),
             requests_at(concurrency),
         )
-        _figures(figures, "rps", rps, 0)
+        ratio_figures(figures, "rps", rps, 0)
         p50 = alternate(
             _servers(vs_nats),
             runs,
@@ -438,7 +438,7 @@ def client(
             ("req/s", "p50 µs"),
             requests_at(1),
         )
-        _figures(figures, "p50_us", p50, 1)
+        ratio_figures(figures, "p50_us", p50, 1)
     click.echo(key_values(**figures))
 
 
@@ -446,7 +446,7 @@ def _as(job: Job, role: str, *, concurrency: int = 1) -> Job:
     return Job(role, job.system, job.host, job.port, job.count, job.size, concurrency, job.fast)
 
 
-def _figures(into: dict[str, str], name: str, medians: dict[str, float], digits: int) -> None:
+def ratio_figures(into: dict[str, str], name: str, medians: dict[str, float], digits: int) -> None:
     """``meshbus_<name>`` and, when nats ran, ``nats_<name>`` and ``ratio_<name>``
     (``ratio_p50`` for the latency) into the last line."""
     into[f"meshbus_{name}"] = f"{medians['meshbus']:.{digits}f}"

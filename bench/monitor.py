@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
-from bench.servers import BenchSetupError, Server, meshbus_broker
+from bench.servers import BenchSetupError, Server, free_port, meshbus_broker
 
 MONITOR_KIND = "meshbus_monitor"  # the broker with --monitor, beside one without
 MONITOR_CHOICES = ("off", "on", "both")
@@ -72,19 +71,13 @@ def monitor_option(command: F) -> F:
     )(command)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def monitored_broker(
     *extra: str, kind: str = MONITOR_KIND, interval: float = SCRAPE_INTERVAL
 ) -> Iterator[Server]:
     """A `meshbus broker --monitor` subprocess and a scraper of its /metrics, both
     stopped on exit; the scrapes' count and answer times go to stderr."""
-    monitor = f"127.0.0.1:{_free_port()}"
+    monitor = f"127.0.0.1:{free_port()}"
     with meshbus_broker(*extra, "--monitor", monitor, kind=kind) as server:
         scraper = subprocess.Popen(
             [sys.executable, "-c", _SCRAPER, f"http://{monitor}/metrics", str(interval)],

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -33,6 +34,14 @@ class Server:
     port: int
     # The server's process id (0: not known), for what reads its CPU time (bench game).
     pid: int = 0
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released): for a listener whose
+    port a server does not report (--monitor, --nats-listen)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ FORBIDDEN = [
     ("broker-layers", "broker/core/forward.py", "meshbus.broker.mesh.relay"),
     ("broker-layers", "broker/mesh/sync.py", "meshbus.broker.handlers.guarantees"),
     ("broker-layers", "broker/handlers/guarantees.py", "meshbus.broker.observe.lag"),
+    ("broker-layers", "broker/core/subjects.py", "meshbus.broker.nats.router"),
     ("security-tables", "broker/security/permissions.py", "meshbus.broker.core.link"),
     ("core-security", "broker/core/registry.py", "meshbus.broker.security.signin"),
     ("on-the-client", "spark/reader.py", "meshbus.broker.core.routing"),

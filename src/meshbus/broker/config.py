@@ -46,6 +46,7 @@ __all__ = [
     "BrokerConfig",
     "Declared",
     "Fsync",
+    "NatsAuthUnsupported",
     "PartitionHandling",
     "StartSettings",
     "declared_settings",
@@ -57,6 +58,11 @@ __all__ = [
 class AnonymousExposure(InvalidArgument):
     """A broker told to listen beyond loopback with no users and no --allow-anonymous
     (docs/security.md, "Secure by default")."""
+
+
+class NatsAuthUnsupported(InvalidArgument):
+    """--nats-listen on a broker with [[users]]: NATS clients have no way to sign in yet
+    (docs/nats.md)."""
 
 
 class PartitionHandling(StrEnum):
@@ -384,6 +390,44 @@ class BrokerConfig:
         "TOKEN), as `meshbus hash-token --generate` prints it; /healthz needs none.",
         parse=TokenHash.parse,
     )
+    # -- NATS clients (broker/nats/, docs/nats.md): any language's NATS client library
+    # speaks to the broker over the NATS client protocol.
+    nats_listen: str = setting(
+        "",  # no NATS listener
+        help="Accept NATS clients (nats.go, nats.py, ... any NATS client library) on "
+        "HOST:PORT, speaking the NATS client protocol on the broker's own loop. Off by "
+        "default. Not yet with [[users]] (no auth for NATS clients yet); beyond loopback "
+        "it needs --allow-anonymous, as --listen does (docs/nats.md).",
+        parse=_hostport,
+        metavar="HOST:PORT",
+    )
+    nats_max_payload: int = setting(
+        1024 * 1024,  # nats-server's default
+        min=1,
+        max=64 * 1024 * 1024,  # nats-server's cap
+        help="NATS clients: the largest message (headers and payload) a client may "
+        "publish, told to clients in INFO; a larger one is -ERR 'Maximum Payload "
+        "Violation' and closes its connection.",
+    )
+    nats_max_control_line: int = setting(
+        4096,  # nats-server's default
+        min=256,
+        max=1024 * 1024,
+        help="NATS clients: the longest protocol line (a PUB, SUB, CONNECT, ...) in bytes; "
+        "a longer one is -ERR 'maximum control line exceeded' and closes its connection.",
+    )
+    nats_ping_interval: float = setting(
+        120.0,  # nats-server's default: 2 minutes
+        min=0,
+        min_open=True,
+        help="NATS clients: seconds between the broker's PINGs to a client it has not heard from.",
+    )
+    nats_max_pings_out: int = setting(
+        2,  # nats-server's default
+        min=1,
+        help="NATS clients: PINGs a client may leave unanswered; one more and it is closed "
+        "with -ERR 'Stale Connection'.",
+    )
 
     # -- Not settings of their own (the module's docstring says why).
     host: str = _DEFAULT_HOST
@@ -443,6 +487,28 @@ class BrokerConfig:
             "broker --config broker.toml; docs/security.md, Authentication), listen on "
             "127.0.0.1, or pass --allow-anonymous to take that risk"
         )
+
+    def check_nats(self) -> None:
+        """For ``--nats-listen``: NatsAuthUnsupported with [[users]] (a NATS client cannot
+        sign in yet, and a broker with users must not let anyone in unsigned);
+        AnonymousExposure beyond loopback without --allow-anonymous, as ``check_exposure``
+        for --listen."""
+        if not self.nats_listen:
+            return
+        if self.users:
+            raise NatsAuthUnsupported(
+                f"refusing to listen for NATS clients on {self.nats_listen}: this broker has "
+                "[[users]], and NATS clients cannot sign in yet (no user, token or nkey auth "
+                "for them so far; docs/nats.md); run the NATS listener on a broker without "
+                "[[users]], on loopback, or leave out --nats-listen"
+            )
+        host = parse_hostport(self.nats_listen)[0]
+        if not self.allow_anonymous and not is_loopback(host):
+            raise AnonymousExposure(
+                f"refusing to listen for NATS clients on {self.nats_listen} without users: "
+                "anyone who reaches it could publish and subscribe to any subject; listen "
+                "on 127.0.0.1, or pass --allow-anonymous to take that risk"
+            )
 
     @property
     def mesh_trust(self) -> bool:

@@ -32,6 +32,7 @@ from meshbus.broker.core.pending import PendingTable
 from meshbus.broker.core.registry import LinkRegistry, Peers
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.slices import Slices
+from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.core.watch import ServiceWatch
 from meshbus.broker.handlers.admission import Admission
@@ -43,6 +44,9 @@ from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.nats.connection import Subscription
+from meshbus.broker.nats.listener import NatsListener
+from meshbus.broker.nats.router import NatsRouter
 from meshbus.broker.observe.lag import LoopLag
 from meshbus.broker.observe.stat import StatView
 from meshbus.broker.observe.telemetry import Telemetry
@@ -281,6 +285,13 @@ class Broker:
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
         )
+        # NATS clients (--nats-listen; docs/nats.md): their subject-interest table, and
+        # the listener, built only when asked for.
+        self.subjects: SubjectTable[Subscription] = SubjectTable()
+        self.nats: NatsListener | None = None
+        if config.nats_listen:
+            router = NatsRouter(self.subjects, rng)
+            self.nats = NatsListener(config, self.subjects, router, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
@@ -341,11 +352,13 @@ class Broker:
 
     async def start(self) -> None:
         """Listen, then found a new mesh or join one through the seeds (MeshJoinError if
-        it cannot). Peers can link while it joins; connectors are taken once it is ready.
-        AnonymousExposure, before listening, beyond loopback without users."""
+        it cannot). Peers can link while it joins; connectors are taken once it is ready,
+        and NATS clients (--nats-listen) from then on. AnonymousExposure, before listening,
+        beyond loopback without users; NatsAuthUnsupported for --nats-listen with users."""
         loop = asyncio.get_running_loop()
         config = self.config
         config.check_exposure()
+        config.check_nats()
         if self.tls is not None:
             host, port = self.tls.listen(config.host, config.port)
         else:
@@ -356,6 +369,8 @@ class Broker:
         self.address = f"{host}:{port}"
         self.named(config.name or f"broker-{port}", config.advertise or self.address)
         await self.run_mesh()
+        if self.nats is not None:
+            await self.nats.start()
 
     def named(self, name: str, advertise: str) -> None:
         """The broker's name and the address it advertises, once it listens: every part
@@ -403,6 +418,8 @@ class Broker:
             self._server.close()
         if self.tls is not None:
             await self.tls.stop()
+        if self.nats is not None:
+            await self.nats.stop()
         await self.telemetry.stop()
         await self.operator.stop()
         await self.mesh.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshbus.auth import Credentials
-from meshbus.broker.config import AnonymousExposure, BrokerConfig
+from meshbus.broker.config import AnonymousExposure, BrokerConfig, NatsAuthUnsupported
 from meshbus.broker.security.users import UserTable
 from meshbus.errors import InvalidArgument
 
@@ -39,3 +39,25 @@ def test_allow_anonymous_or_users_open_it() -> None:
     alice = Credentials.generate("alice")
     users = UserTable.from_config([{"name": "alice", "public_key": alice.public_key}], "t")
     BrokerConfig(host="0.0.0.0", users=users).check_exposure()
+
+
+# -- the NATS listener (BrokerConfig.check_nats; docs/nats.md) ---------------------------------
+
+
+def test_nats_on_loopback_is_open_and_beyond_it_needs_allow_anonymous() -> None:
+    BrokerConfig().check_nats()  # no --nats-listen: nothing to check
+    BrokerConfig(nats_listen="127.0.0.1:4222").check_nats()
+    BrokerConfig(nats_listen="[::1]:4222").check_nats()
+    with pytest.raises(AnonymousExposure, match=r"NATS clients on 0\.0\.0\.0:4222 without users"):
+        BrokerConfig(nats_listen="0.0.0.0:4222").check_nats()
+    BrokerConfig(nats_listen="0.0.0.0:4222", allow_anonymous=True).check_nats()
+
+
+def test_nats_with_users_is_refused_until_nats_clients_can_sign_in() -> None:
+    alice = Credentials.generate("alice")
+    users = UserTable.from_config([{"name": "alice", "public_key": alice.public_key}], "t")
+    with pytest.raises(NatsAuthUnsupported) as caught:
+        BrokerConfig(nats_listen="127.0.0.1:4222", users=users).check_nats()
+    assert isinstance(caught.value, InvalidArgument)
+    assert "NATS clients cannot sign in yet" in str(caught.value)
+    assert "docs/nats.md" in str(caught.value)

@@ -72,6 +72,11 @@ FLAGS = {
     "--broker-key",
     "--monitor",
     "--monitor-token-hash",
+    "--nats-listen",
+    "--nats-max-payload",
+    "--nats-max-control-line",
+    "--nats-ping-interval",
+    "--nats-max-pings-out",
 }
 
 
@@ -138,6 +143,7 @@ def test_the_flags_and_a_config_file_build_the_config(
     path.write_text(
         'partition-handling = "pause-minority"\nmax-connectors = 7\nseed = "127.0.0.1:1"\n'
         'fsync = "always"\nmonitor = ":9100"\nallow-anonymous = true\nlisten = "[::1]:0"\n'
+        'nats-listen = "127.0.0.1:4222"\nnats-max-payload = 4096\n'
     )
     config = run_broker(served, "--config", str(path), "--max-connectors", "8", "--fsync", "normal")
     assert config.partition_handling is PartitionHandling.PAUSE_MINORITY
@@ -147,6 +153,7 @@ def test_the_flags_and_a_config_file_build_the_config(
     assert config.monitor == "127.0.0.1:9100"
     assert config.allow_anonymous
     assert (config.host, config.port) == ("::1", 0)
+    assert (config.nats_listen, config.nats_max_payload) == ("127.0.0.1:4222", 4096)
     flags = run_broker(
         served, "--seed", "a:1", "--seed", "b:2", "--name", "x", "--advertise", "c:3"
     )
@@ -170,6 +177,9 @@ BAD = [
     ("advertise", "[::1]"),
     ("monitor", "nohost"),
     ("monitor-token-hash", "nope"),
+    ("nats-listen", "nohost"),
+    ("nats-max-payload", str(64 * 1024 * 1024 + 1)),
+    ("nats-ping-interval", "0"),
     ("tls-cert", "{tmp}"),
     ("data-dir", "{tmp}/file"),
 ]

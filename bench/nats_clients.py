@@ -1,0 +1,127 @@
+"""`bench nats-clients`: nats.py on both sides, through a meshbus broker's NATS listener
+(``--nats-listen``) and through nats-server, in the same run.
+
+What a NATS client gets from the broker's listener against the server it stands in for:
+the same two nats.py worker processes as ``bench client`` (a receiver or responder, a
+sender or requester), the same code on both systems -- only the server differs:
+
+* one way: ``await nc.publish`` -> a subscription callback, messages per second at the
+  receiver from the end of a warm-up (a tenth of the messages) to the last;
+* request/response: ``await nc.request`` against a callback that ``msg.respond``s, with
+  ``--concurrency`` requests in flight (requests per second), and at concurrency 1 (p50).
+
+The systems alternate run by run (``runs.alternate``); the ratios are meshbus / nats
+between the medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import click
+
+from bench.client import Job, Workers, ratio_figures, workers
+from bench.report import key_values
+from bench.runs import alternate, runs_options, size_option
+from bench.servers import Server, free_port, meshbus_broker, nats_server
+
+
+@contextlib.contextmanager
+def meshbus_nats_listener() -> Iterator[Server]:
+    """A broker with --nats-listen on a free loopback port: the Server is its NATS side."""
+    port = free_port()
+    with meshbus_broker("--nats-listen", f"127.0.0.1:{port}") as broker:
+        yield Server("meshbus", "127.0.0.1", port, broker.pid)
+
+
+def _servers() -> list[contextlib.AbstractContextManager[Server]]:
+    return [meshbus_nats_listener(), nats_server()]
+
+
+def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1) -> Job:
+    # "nats": nats.py on both systems; the server is what differs.
+    return Job(role, "nats", server.host, server.port, count, size, concurrency)
+
+
+@click.command(name="nats-clients")
+@click.option(
+    "--count",
+    type=click.IntRange(100),
+    default=100_000,
+    show_default=True,
+    help="Messages per run of the one-way scenario.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(100),
+    default=10_000,
+    show_default=True,
+    help="Timed requests per run (a warm-up of 10% more is not timed).",
+)
+@size_option("Payload bytes per message, request and response.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 10_000),
+    default=16,
+    show_default=True,
+    help="Requests in flight in the requests/s scenario (the p50 one runs at 1).",
+)
+@runs_options
+def nats_clients(
+    count: int, requests: int, size: int, concurrency: int, runs: int, vs_nats: bool
+) -> None:
+    """nats.py through meshbus's NATS listener vs through nats-server (always both:
+    --vs-nats is implied).
+
+    Last line: `meshbus_msgs=<msgs/s> nats_msgs=<msgs/s> ratio_msgs=<r> meshbus_rps=<req/s>
+    nats_rps=<req/s> ratio_rps=<r> meshbus_p50_us=<us> nats_p50_us=<us> ratio_p50=<r>`:
+    the ratios are meshbus/nats (for p50 lower is better).
+    """
+    figures: dict[str, str] = {}
+    with workers() as pool:
+        one_way = alternate(
+            _servers(),
+            runs,
+            f"nats.py one way: {count:,} x {size} B, publish -> callback",
+            ("msgs/s",),
+            _one_way(pool, count, size),
+        )
+        ratio_figures(figures, "msgs", one_way, 0)
+        for name, at in (("rps", concurrency), ("p50_us", 1)):
+            medians = alternate(
+                _servers(),
+                runs,
+                f"nats.py request/response: {requests:,} x {size} B, concurrency {at}",
+                ("req/s", "p50 µs"),
+                _requests(pool, requests, size, at),
+            )
+            ratio_figures(figures, name, medians, 0 if at > 1 else 1)
+    click.echo(key_values(**figures))
+
+
+def _one_way(pool: Workers, count: int, size: int) -> Callable[[Server], tuple[float, tuple[str]]]:
+    def measure(server: Server) -> tuple[float, tuple[str]]:
+        done = pool.run(
+            _job("receive", server, count, size),
+            _job("send", server, count, size),
+            stop_serving=False,
+        )
+        return done["msgs_per_s"], (f"{done['msgs_per_s']:,.0f}",)
+
+    return measure
+
+
+def _requests(
+    pool: Workers, requests: int, size: int, concurrency: int
+) -> Callable[[Server], tuple[float, tuple[str, str]]]:
+    def measure(server: Server) -> tuple[float, tuple[str, str]]:
+        done = pool.run(
+            _job("respond", server, requests, size),
+            _job("request", server, requests, size, concurrency),
+            stop_serving=True,
+        )
+        rps, p50 = done["requests_per_s"], done["p50_us"]
+        return (rps if concurrency > 1 else p50), (f"{rps:,.0f}", f"{p50:.0f}")
+
+    return measure

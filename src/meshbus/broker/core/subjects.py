@@ -1,0 +1,266 @@
+"""The subject-interest table: which subscriptions want a message on a subject (NATS's
+"sublist"), with a bounded cache of what each published subject matched.
+
+A plain table with no I/O. ``S`` is whatever the caller subscribes with (anything
+hashable; the NATS listener uses its per-connection subscriptions); the table never
+looks inside it. A subscription is to a subject *pattern*: tokens separated by ``.``,
+where a token ``*`` matches any one token and a last token ``>`` matches one or more.
+A subscription is plain, or in a queue group (a name): a match returns every plain
+subscription and, per queue group, its members -- whoever delivers picks one member of
+each group per message (NATS's queue semantics; docs/nats.md).
+
+Designed for what comes next (docs/nats.md, "Not yet"): another broker's interest is
+an entry like a local one (``S`` then names the peer), so a message's one lookup gives
+its local subscribers, its queue groups' members wherever they are -- the member picked
+at the origin -- and the brokers to forward it to.
+
+Subjects are bytes, as they came off the wire: the table is byte-exact and never
+decodes them.
+
+The cache. A publisher tends to use few subjects many times, so what a subject matched
+is kept (at most ``cache_size`` subjects; the oldest goes first). A change that could
+alter a cached answer drops it: inserting or removing a literal subject drops that
+subject's entry; a pattern with wildcards drops every cached subject it matches. Nothing
+else changes what a subject matches, so the cache is never stale
+(tests/unit/broker/core/test_subjects.py holds it to a brute-force matcher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from meshbus.errors import InvalidArgument
+
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "Interest",
+    "InvalidSubject",
+    "SubjectTable",
+    "is_literal",
+    "is_valid_subject",
+    "pattern_matches",
+]
+
+S = TypeVar("S", bound=Hashable)
+
+DEFAULT_CACHE_SIZE = 1024
+_SEPARATOR = b"."
+_ONE = b"*"
+_REST = b">"
+# What no token may hold (nats-server's IsValidSubject).
+_WHITESPACE = frozenset(b" \t\r\n\f")
+
+
+class InvalidSubject(InvalidArgument):
+    """A subject or pattern the table cannot take: empty, an empty token, whitespace,
+    or a ``>`` that is not the last token."""
+
+
+def is_valid_subject(subject: bytes) -> bool:
+    """Whether ``subject`` is a valid subscription pattern (a literal subject is one):
+    non-empty tokens, no whitespace, ``>`` only as the last token."""
+    if not subject or not _WHITESPACE.isdisjoint(subject):
+        return False
+    tokens = subject.split(_SEPARATOR)
+    return all(tokens) and _REST not in tokens[:-1]
+
+
+def is_literal(subject: bytes) -> bool:
+    """Whether a valid ``subject`` has no wildcard token (a publish subject must not;
+    nats-server checks it only for a pedantic client)."""
+    return not any(token in (_ONE, _REST) for token in subject.split(_SEPARATOR))
+
+
+def pattern_matches(pattern: list[bytes], subject: list[bytes]) -> bool:
+    """Whether the tokens of a pattern match those of a published subject."""
+    for i, token in enumerate(pattern):
+        if token == _REST:
+            return len(subject) > i
+        if i >= len(subject) or (token != _ONE and token != subject[i]):
+            return False
+    return len(pattern) == len(subject)
+
+
+@dataclass(frozen=True, slots=True)
+class Interest(Generic[S]):
+    """What one subject matched: the plain subscriptions, and the members of each queue
+    group (name, members)."""
+
+    plain: tuple[S, ...]
+    queues: tuple[tuple[bytes, tuple[S, ...]], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.plain or self.queues)
+
+
+_NOTHING: Interest[object] = Interest((), ())
+
+
+class _Node(Generic[S]):
+    """One token of a path: the literal tokens after it, the ``*`` and ``>`` after it,
+    and the subscriptions whose pattern ends here."""
+
+    __slots__ = ("children", "one", "plain", "queues", "rest")
+
+    def __init__(self) -> None:
+        self.children: dict[bytes, _Node[S]] = {}
+        self.one: _Node[S] | None = None
+        self.rest: _Node[S] | None = None
+        self.plain: dict[S, None] = {}
+        self.queues: dict[bytes, dict[S, None]] = {}
+
+    def is_empty(self) -> bool:
+        return not (self.children or self.one or self.rest or self.plain or self.queues)
+
+    def child(self, token: bytes) -> _Node[S] | None:
+        if token == _ONE:
+            return self.one
+        if token == _REST:
+            return self.rest
+        return self.children.get(token)
+
+    def add_child(self, token: bytes) -> _Node[S]:
+        node: _Node[S] = _Node()
+        if token == _ONE:
+            self.one = node
+        elif token == _REST:
+            self.rest = node
+        else:
+            self.children[token] = node
+        return node
+
+    def drop_child(self, token: bytes) -> None:
+        if token == _ONE:
+            self.one = None
+        elif token == _REST:
+            self.rest = None
+        else:
+            del self.children[token]
+
+
+class SubjectTable(Generic[S]):
+    """Subscriptions by subject pattern (``insert``, ``remove``) and what a published
+    subject matches (``match``), cached."""
+
+    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._root: _Node[S] = _Node()
+        self._count = 0
+        self._cache: dict[bytes, Interest[S]] = {}
+        self._cache_size = cache_size
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    def __len__(self) -> int:
+        """Subscriptions in the table."""
+        return self._count
+
+    @property
+    def cached(self) -> int:
+        """Subjects whose match is cached."""
+        return len(self._cache)
+
+    def insert(self, subject: bytes, queue: bytes, sub: S) -> None:
+        """Add ``sub`` to ``subject`` (a pattern), in queue group ``queue`` (empty: a
+        plain subscription). InvalidSubject for a subject the table cannot take; adding
+        a subscription that is there already changes nothing."""
+        if not is_valid_subject(subject):
+            raise InvalidSubject(f"invalid subject {subject!r}")
+        node = self._root
+        for token in subject.split(_SEPARATOR):
+            node = node.child(token) or node.add_child(token)
+        subs = node.queues.setdefault(queue, {}) if queue else node.plain
+        if sub in subs:
+            return
+        subs[sub] = None
+        self._count += 1
+        self._invalidate(subject)
+
+    def remove(self, subject: bytes, queue: bytes, sub: S) -> bool:
+        """Take ``sub`` off ``subject`` (as it was inserted); whether it was there."""
+        if not is_valid_subject(subject):
+            return False
+        path: list[tuple[_Node[S], bytes]] = []
+        node = self._root
+        for token in subject.split(_SEPARATOR):
+            path.append((node, token))
+            found = node.child(token)
+            if found is None:
+                return False
+            node = found
+        subs = node.queues.get(queue) if queue else node.plain
+        if subs is None or sub not in subs:
+            return False
+        del subs[sub]
+        if queue and not subs:
+            del node.queues[queue]
+        self._count -= 1
+        # Prune the nodes left empty, from the end of the path back.
+        for parent, token in reversed(path):
+            if not node.is_empty():
+                break
+            parent.drop_child(token)
+            node = parent
+        self._invalidate(subject)
+        return True
+
+    def match(self, subject: bytes) -> Interest[S]:
+        """The subscriptions a message published on ``subject`` goes to. A subject with
+        an empty token matches nothing (nats-server delivers it nowhere)."""
+        found = self._cache.get(subject)
+        if found is not None:
+            self.cache_hits += 1
+            return found
+        self.cache_misses += 1
+        tokens = subject.split(_SEPARATOR)
+        if not all(tokens):
+            return _NOTHING  # type: ignore[return-value]
+        interest = self._collect(tokens)
+        cache = self._cache
+        if len(cache) >= self._cache_size:
+            del cache[next(iter(cache))]
+        cache[subject] = interest
+        return interest
+
+    def _collect(self, tokens: list[bytes]) -> Interest[S]:
+        plain: list[S] = []
+        queues: dict[bytes, list[S]] = {}
+        last = len(tokens)
+
+        def take(node: _Node[S]) -> None:
+            plain.extend(node.plain)
+            for name, members in node.queues.items():
+                queues.setdefault(name, []).extend(members)
+
+        # Iterative, not recursive: a subject of 2,000 tokens fits in a control line.
+        stack = [(self._root, 0)]
+        while stack:
+            node, i = stack.pop()
+            if i == last:
+                take(node)
+                continue
+            if node.rest is not None:
+                take(node.rest)
+            if node.one is not None:
+                stack.append((node.one, i + 1))
+            child = node.children.get(tokens[i])
+            if child is not None:
+                stack.append((child, i + 1))
+        if not plain and not queues:
+            return _NOTHING  # type: ignore[return-value]
+        return Interest(
+            tuple(plain), tuple((name, tuple(members)) for name, members in queues.items())
+        )
+
+    def _invalidate(self, pattern: bytes) -> None:
+        """Drop the cached answers a change to ``pattern`` may have made wrong."""
+        cache = self._cache
+        if not cache:
+            return
+        if is_literal(pattern):
+            cache.pop(pattern, None)
+            return
+        tokens = pattern.split(_SEPARATOR)
+        for subject in [s for s in cache if pattern_matches(tokens, s.split(_SEPARATOR))]:
+            del cache[subject]

@@ -1,0 +1,362 @@
+"""One NATS client's connection: its parser, its subscriptions, its output, its pings.
+
+Rules it keeps (nats-server's, docs/nats.md):
+
+1. Everything a read brings is handled at once, in order, without awaiting; what it
+   makes each connection send is queued and written once per connection at the end of
+   the read (``Flushes``), as the broker's links do. A read that takes more than a slice
+   (``slices.SLICE``) stops reading and goes on at the next loop turn, so one client's
+   flood never holds the loop.
+2. Output is bounded: past ``max_pending`` unsent bytes the client is a slow consumer
+   and its connection is aborted -- nats-server says nothing to it either (the bytes
+   it would read first are the ones it does not read).
+3. The errors that close: a broken protocol (meshbus.protocol.nats says which get an
+   ``-ERR`` first), ``Stale Connection`` (pings unanswered), a slow consumer. Those that
+   do not: ``Invalid Subject`` for a SUB, ``maximum subscriptions exceeded``, ``Invalid
+   Publish Subject`` for a pedantic client.
+4. A subscription ends when its UNSUB comes, when it got the ``max_msgs`` an UNSUB
+   gave it, or with its connection; it leaves the subject table then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from time import perf_counter
+from typing import TYPE_CHECKING, cast
+
+from meshbus.broker.core.slices import SLICE
+from meshbus.broker.core.subjects import InvalidSubject, SubjectTable, is_literal, is_valid_subject
+from meshbus.protocol.nats import (
+    OK,
+    PING,
+    PONG,
+    Connect,
+    ConnectOptions,
+    NatsEvent,
+    NatsParser,
+    NatsProtocolViolation,
+    Ping,
+    Pong,
+    Publish,
+    Subscribe,
+    Unsubscribe,
+    encode_err,
+    encode_hmsg,
+    encode_msg,
+)
+
+if TYPE_CHECKING:
+    from meshbus.broker.nats.router import NatsRouter
+
+log = logging.getLogger("meshbus.broker.nats")
+
+# Events handled between two looks at the clock.
+_CLOCK_EVERY = 64
+
+
+class NatsCloseReason(enum.Enum):
+    """Why a NATS client's connection closed; logged."""
+
+    CLIENT_CLOSED = "client-closed"
+    PROTOCOL_VIOLATION = "protocol-violation"
+    SLOW_CONSUMER = "slow-consumer"
+    STALE_CONNECTION = "stale-connection"
+    MAX_CONNECTIONS = "max-connections"
+    SERVER_SHUTDOWN = "server-shutdown"
+
+
+class Subscription:
+    """One SUB of one connection: what the subject table holds. Compared by identity."""
+
+    __slots__ = ("conn", "delivered", "max_msgs", "queue", "sid", "subject")
+
+    def __init__(self, conn: NatsConnection, subject: bytes, queue: bytes, sid: bytes) -> None:
+        self.conn = conn
+        self.subject = subject
+        self.queue = queue
+        self.sid = sid
+        # Messages delivered, and the number after which it ends (0: none).
+        self.delivered = 0
+        self.max_msgs = 0
+
+
+class Flushes:
+    """The connections with output queued since the last flush: each is written once, at
+    the end of the read that queued it (or of the timer's turn)."""
+
+    def __init__(self) -> None:
+        self._queued: list[NatsConnection] = []
+
+    def add(self, conn: NatsConnection) -> None:
+        self._queued.append(conn)
+
+    def flush(self) -> None:
+        queued, self._queued = self._queued, []
+        for conn in queued:
+            conn.flush()
+
+
+class NatsConnection(asyncio.Protocol):
+    """A NATS client's TCP connection, on the broker's loop."""
+
+    def __init__(
+        self,
+        client_id: int,
+        *,
+        parser: NatsParser,
+        table: SubjectTable[Subscription],
+        router: NatsRouter,
+        flushes: Flushes,
+        info: Callable[[NatsConnection], bytes],
+        max_pending: int,
+        max_subscriptions: int,
+        on_open: Callable[[NatsConnection], None],
+        on_close: Callable[[NatsConnection, NatsCloseReason], None],
+    ) -> None:
+        """``info`` makes the INFO line this client is greeted with; ``on_open`` hears
+        of the connection once it is greeted (and may close it: too many)."""
+        self.client_id = client_id
+        self.host = ""
+        self.remote = ""
+        self.subs: dict[bytes, Subscription] = {}
+        self.closed = False
+        self.transport: asyncio.Transport | None = None
+        self._parser = parser
+        self._table = table
+        self._router = router
+        self._flushes = flushes
+        self._info = info
+        self._max_pending = max_pending
+        self._max_subscriptions = max_subscriptions
+        self._on_open = on_open
+        self._on_close = on_close
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._paused = False
+        # Pings sent without their PONG; whether the client sent anything since the
+        # last ping tick.
+        self._pings_out = 0
+        self._heard = False
+
+    @property
+    def options(self) -> ConnectOptions:
+        """The options of the client's CONNECT (nats-server's defaults before one)."""
+        return self._parser.options
+
+    # -- asyncio callbacks -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        # Unsent output past this is a slow consumer (pause_writing).
+        self.transport.set_write_buffer_limits(high=self._max_pending, low=self._max_pending // 2)
+        remote = transport.get_extra_info("peername")
+        if remote:
+            self.host, self.remote = remote[0], f"{remote[0]}:{remote[1]}"
+        self.transport.write(self._info(self))
+        self._on_open(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # bytes already in flight when it closed
+        self._heard = True
+        self._parser.feed(data)
+        self._process()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed(NatsCloseReason.CLIENT_CLOSED, str(exc) if exc else "closed by the client")
+
+    def pause_writing(self) -> None:
+        """Unsent output passed ``max_pending``: closed on the next loop turn, not inside
+        ``write``."""
+        asyncio.get_running_loop().call_soon(self._slow_consumer)
+
+    def resume_writing(self) -> None:
+        pass  # a connection that paused is already being closed
+
+    # -- reading ------------------------------------------------------------------
+
+    def _process(self) -> None:
+        """Handle what has been read, up to a slice of the loop's time."""
+        parser = self._parser
+        publish = self._router.publish
+        deadline = perf_counter() + SLICE
+        handled = 0
+        try:
+            while not self.closed:
+                event = parser.next_event()
+                if event is None:
+                    if self._paused:
+                        self._paused = False
+                        assert self.transport is not None
+                        self.transport.resume_reading()
+                    break
+                options = parser.options
+                if type(event) is Publish and not (options.verbose or options.pedantic):
+                    publish(self, event)  # the common case, without a call between
+                else:
+                    self._handle(event)
+                handled += 1
+                if handled % _CLOCK_EVERY == 0 and perf_counter() > deadline:
+                    self._later()
+                    break
+        except NatsProtocolViolation as exc:
+            self.close(NatsCloseReason.PROTOCOL_VIOLATION, str(exc), exc.error_text)
+        self._flushes.flush()
+
+    def _later(self) -> None:
+        """The slice is used up: stop reading, go on at the next loop turn."""
+        if not self._paused:
+            self._paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._process)
+
+    def _handle(self, event: NatsEvent) -> None:
+        if type(event) is Publish:
+            self._publish(event)
+        elif isinstance(event, Subscribe):
+            self._subscribe(event)
+        elif isinstance(event, Unsubscribe):
+            self._unsubscribe(event)
+        elif isinstance(event, Ping):
+            self.queue(PONG)
+        elif isinstance(event, Pong):
+            self._pings_out = 0
+        elif isinstance(event, Connect):
+            log.debug(
+                "NATS client connected",
+                extra={"client": self.client_id, "name": event.options.name,
+                       "lang": event.options.lang, "remote": self.remote},
+            )  # fmt: skip
+            if event.options.verbose:
+                self.queue(OK)
+
+    def _publish(self, event: Publish) -> None:
+        options = self._parser.options
+        if options.pedantic or options.verbose:
+            subject = event.subject
+            if options.pedantic and not (is_valid_subject(subject) and is_literal(subject)):
+                # nats-server says so, and delivers it all the same.
+                self.queue(encode_err("Invalid Publish Subject"))
+            if options.verbose:
+                self.queue(OK)  # before the message, as nats-server
+        self._router.publish(self, event)
+
+    def _subscribe(self, event: Subscribe) -> None:
+        if event.sid not in self.subs:
+            if len(self.subs) >= self._max_subscriptions:
+                self.queue(encode_err("maximum subscriptions exceeded"))
+                return
+            sub = Subscription(self, event.subject, event.queue, event.sid)
+            try:
+                self._table.insert(event.subject, event.queue, sub)
+            except InvalidSubject:
+                self.queue(encode_err("Invalid Subject"))
+                return
+            self.subs[event.sid] = sub
+        # A second SUB of a sid in use changes nothing (nats-server).
+        if self._parser.options.verbose:
+            self.queue(OK)
+
+    def _unsubscribe(self, event: Unsubscribe) -> None:
+        sub = self.subs.get(event.sid)
+        if sub is not None:
+            if event.max_msgs > sub.delivered:
+                sub.max_msgs = event.max_msgs
+            else:
+                self.drop(sub)
+        if self._parser.options.verbose:
+            self.queue(OK)
+
+    def drop(self, sub: Subscription) -> None:
+        """End a subscription: out of the table and of this connection's."""
+        if self.subs.pop(sub.sid, None) is sub:
+            self._table.remove(sub.subject, sub.queue, sub)
+
+    # -- writing ------------------------------------------------------------------
+
+    def deliver(self, sub: Subscription, event: Publish) -> None:
+        """A published message for one of this connection's subscriptions: as HMSG with
+        its header block byte for byte when this client took headers, else as MSG with
+        the payload alone (nats-server strips the headers for such a client)."""
+        sub.delivered += 1
+        if event.header_size and self._parser.options.headers:
+            data = encode_hmsg(event.subject, sub.sid, event.reply, event.header_size, event.data)
+        else:
+            payload = event.data[event.header_size :] if event.header_size else event.data
+            data = encode_msg(event.subject, sub.sid, event.reply, payload)
+        self.queue(data)
+        if sub.max_msgs and sub.delivered >= sub.max_msgs:
+            self.drop(sub)
+
+    def queue(self, data: bytes) -> None:
+        """Queue ``data``; it is written at the next flush."""
+        if self.closed:
+            return
+        if not self._out:
+            self._flushes.add(self)
+        self._out.append(data)
+        self._out_bytes += len(data)
+        if self._out_bytes > self._max_pending:
+            self._slow_consumer()
+
+    def flush(self) -> None:
+        if self._out and not self.closed:
+            assert self.transport is not None
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+        self._out_bytes = 0
+
+    def ping(self, max_pings_out: int) -> None:
+        """The ping timer's tick: a client heard from since the last tick needs no ping
+        (nats-server); one that left ``max_pings_out`` pings unanswered is stale."""
+        if self._heard:
+            self._heard = False
+            return
+        if self._pings_out + 1 > max_pings_out:
+            self.close(NatsCloseReason.STALE_CONNECTION, "pings unanswered", "Stale Connection")
+            return
+        self._pings_out += 1
+        self.queue(PING)
+
+    # -- closing -------------------------------------------------------------------
+
+    def _slow_consumer(self) -> None:
+        if self.closed:
+            return
+        why = f"more than {self._max_pending} bytes waiting to be written"
+        transport = self.transport
+        self._closed(NatsCloseReason.SLOW_CONSUMER, why)
+        if transport is not None:
+            transport.abort()
+
+    def close(self, reason: NatsCloseReason, why: str, error_text: str | None = None) -> None:
+        """Write what is queued, then ``-ERR '<error_text>'`` if given, then close."""
+        if self.closed:
+            return
+        if error_text is not None:
+            self.queue(encode_err(error_text))
+        self.flush()
+        transport = self.transport
+        self._closed(reason, why)
+        if transport is not None:
+            transport.close()
+
+    def _closed(self, reason: NatsCloseReason, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._out.clear()
+        for sub in self.subs.values():
+            self._table.remove(sub.subject, sub.queue, sub)
+        self.subs.clear()
+        log.info(
+            "NATS client connection closed",
+            extra={"client": self.client_id, "remote": self.remote, "reason": reason.value,
+                   "error": why},
+        )  # fmt: skip
+        self._on_close(self, reason)

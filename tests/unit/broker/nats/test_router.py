@@ -1,0 +1,144 @@
+"""Where a NATS client's message goes (meshbus.broker.nats.router), with real
+connections that are not on a socket yet: what each would write is read from its
+queued output, parsed back as a client would."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshbus.broker.core.subjects import SubjectTable
+from meshbus.broker.nats.connection import Flushes, NatsConnection, Subscription
+from meshbus.broker.nats.router import NatsRouter
+from meshbus.protocol.nats import NatsParser, Publish, Subscribe, Unsubscribe
+
+
+class Clients:
+    """Connections on one table and router, driven by the operations a client sends."""
+
+    def __init__(self, seed: int = 1) -> None:
+        self.table: SubjectTable[Subscription] = SubjectTable()
+        self.router = NatsRouter(self.table, random.Random(seed))
+        self.flushes = Flushes()
+        self._ids = 0
+
+    def connect(
+        self, connect: bytes = b'{"verbose":false,"headers":true,"no_responders":true}'
+    ) -> NatsConnection:
+        self._ids += 1
+        parser = NatsParser()
+        parser.feed(b"CONNECT " + connect + b"\r\n")
+        assert parser.next_event() is not None
+        return NatsConnection(
+            self._ids,
+            parser=parser,
+            table=self.table,
+            router=self.router,
+            flushes=self.flushes,
+            info=lambda conn: b"",
+            max_pending=1 << 20,
+            max_subscriptions=100,
+            on_open=lambda conn: None,
+            on_close=lambda conn, reason: None,
+        )
+
+
+def subscribe(conn: NatsConnection, subject: bytes, sid: bytes, queue: bytes = b"") -> None:
+    conn._handle(Subscribe(subject, queue, sid))
+
+
+def taken(conn: NatsConnection) -> list[bytes]:
+    """The first line of each message queued for ``conn``, and forget them."""
+    lines = [data.split(b"\r\n", 1)[0] for data in conn._out]
+    conn._out.clear()
+    return lines
+
+
+def test_one_copy_per_matching_sid() -> None:
+    clients = Clients()
+    a = clients.connect()
+    subscribe(a, b"x.*", b"1")
+    subscribe(a, b"x.>", b"2")
+    subscribe(a, b"y", b"3")
+    clients.router.publish(a, Publish(b"x.y", b"", 0, b"hi"))
+    assert sorted(taken(a)) == [b"MSG x.y 1 2", b"MSG x.y 2 2"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_queue_group_gets_one_copy_and_every_member_gets_some(seed: int) -> None:
+    clients = Clients(seed)
+    members = [clients.connect() for _ in range(3)]
+    for member in members:
+        subscribe(member, b"work", b"1", b"g")
+    publisher = clients.connect()
+    for _ in range(60):
+        clients.router.publish(publisher, Publish(b"work", b"", 0, b""))
+    counts = [len(taken(member)) for member in members]
+    assert sum(counts) == 60
+    assert all(counts)
+
+
+def test_echo_off_skips_the_publishers_own_and_picks_another_member() -> None:
+    clients = Clients()
+    quiet = clients.connect(b'{"verbose":false,"echo":false}')
+    other = clients.connect()
+    subscribe(quiet, b"e", b"1")
+    subscribe(quiet, b"e", b"2", b"g")
+    subscribe(other, b"e", b"9", b"g")
+    for _ in range(10):
+        clients.router.publish(quiet, Publish(b"e", b"", 0, b""))
+    assert taken(quiet) == []
+    assert taken(other) == [b"MSG e 9 0"] * 10
+
+
+def test_no_responders_go_to_the_requesters_own_reply_subscription() -> None:
+    clients = Clients()
+    requester = clients.connect()
+    bystander = clients.connect()
+    subscribe(requester, b"_INBOX.r.*", b"5")
+    subscribe(bystander, b"_INBOX.>", b"6")  # matches the reply, but it is not the requester's
+    clients.router.publish(requester, Publish(b"nobody", b"_INBOX.r.1", 0, b""))
+    [line] = taken(requester)
+    assert line.startswith(b"HMSG _INBOX.r.1 5 ")
+    assert taken(bystander) == []
+    assert clients.router.no_responders == 1
+    # Without no_responders in its CONNECT, nothing.
+    old_style = clients.connect(b'{"verbose":false}')
+    subscribe(old_style, b"_INBOX.o.*", b"1")
+    clients.router.publish(old_style, Publish(b"nobody", b"_INBOX.o.1", 0, b""))
+    assert taken(old_style) == []
+
+
+def test_a_request_that_reached_someone_gets_no_503() -> None:
+    clients = Clients()
+    requester, responder = clients.connect(), clients.connect()
+    subscribe(requester, b"_INBOX.r.*", b"1")
+    subscribe(responder, b"svc", b"1")
+    clients.router.publish(requester, Publish(b"svc", b"_INBOX.r.1", 0, b"q"))
+    assert taken(requester) == []
+    assert taken(responder) == [b"MSG svc 1 _INBOX.r.1 1"]
+
+
+def test_unsub_max_ends_the_subscription_after_that_many() -> None:
+    clients = Clients()
+    a = clients.connect()
+    subscribe(a, b"m", b"1")
+    a._handle(Unsubscribe(b"1", 2))
+    for _ in range(4):
+        clients.router.publish(a, Publish(b"m", b"", 0, b""))
+    assert taken(a) == [b"MSG m 1 0"] * 2
+    assert a.subs == {}
+    assert len(clients.table) == 0
+
+
+def test_headers_are_stripped_for_a_client_without_them() -> None:
+    clients = Clients()
+    with_headers = clients.connect()
+    without = clients.connect(b'{"verbose":false}')
+    subscribe(with_headers, b"h", b"1")
+    subscribe(without, b"h", b"2")
+    header = b"NATS/1.0\r\nA: b\r\n\r\n"
+    clients.router.publish(with_headers, Publish(b"h", b"", len(header), header + b"body"))
+    assert with_headers._out == [b"HMSG h 1 %d %d\r\n%bbody\r\n" % (18, 22, header)]
+    assert without._out == [b"MSG h 2 4\r\nbody\r\n"]
