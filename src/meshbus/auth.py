@@ -244,6 +244,58 @@ class TokenKey:
         return TOKEN_KEY_PREFIX + _b64(self.stored)
 
 
+def password_matches(stored: TokenKey, user: str, token: str) -> bool:
+    """Whether ``token`` is the token of ``user`` whose stored key is ``stored``: a NATS
+    client's ``pass`` (or ``auth_token``) is the token itself, sent over the connection
+    (docs/nats.md, "Signing in"). Slow on purpose, one scrypt (about 10 ms): the broker
+    calls it in a worker thread, never on its event loop."""
+    computed = hashlib.sha256(client_key(user, token)).digest()
+    return hmac.compare_digest(computed, stored.stored)
+
+
+# NATS nkeys (docs/nats.md, "Signing in"): an Ed25519 key in NATS's text form -- a prefix
+# byte saying what the key is, the 32 raw bytes, a CRC-16/XMODEM of both (little
+# endian), in base32 without padding. A user's public key starts with U, its seed
+# (the private key) with SU. The same key pair signs a meshbus CHALLENGE and a NATS
+# server's nonce.
+_NKEY_USER = 20 << 3  # "U"
+_NKEY_SEED = 18 << 3  # "S"
+_NKEY_PUBLIC_SIZE = 1 + _KEY_SIZE + 2
+_NKEY_PUBLIC_TEXT = 56  # base32 of 35 bytes, no padding
+
+
+def _nkey_text(raw: bytes) -> str:
+    crc = binascii.crc_hqx(raw, 0).to_bytes(2, "little")
+    return base64.b32encode(raw + crc).decode("ascii").rstrip("=")
+
+
+def nkey_public(raw: bytes) -> str:
+    """The NATS user nkey (``U...``) of a 32-byte Ed25519 public key."""
+    return _nkey_text(bytes([_NKEY_USER]) + raw)
+
+
+def nkey_seed(raw: bytes) -> str:
+    """The NATS user seed (``SU...``) of a 32-byte Ed25519 private key: what a NATS
+    client signs with (nats.js ``nkeyAuthenticator``, nats.py ``nkeys_seed_str``)."""
+    prefix = bytes([_NKEY_SEED | _NKEY_USER >> 5, (_NKEY_USER & 31) << 3])
+    return _nkey_text(prefix + raw)
+
+
+def nkey_public_raw(text: str) -> bytes:
+    """The 32 raw bytes of a NATS user nkey (``U...``); ValueError saying what is wrong."""
+    if len(text) != _NKEY_PUBLIC_TEXT:
+        raise ValueError(f"a user nkey is {_NKEY_PUBLIC_TEXT} characters; got {len(text)}")
+    try:
+        raw = base64.b32decode(text + "=" * (-len(text) % 8))
+    except binascii.Error:
+        raise ValueError("a user nkey is base32") from None
+    if len(raw) != _NKEY_PUBLIC_SIZE or raw[0] != _NKEY_USER:
+        raise ValueError("this nkey is not a user's (it does not start with U)")
+    if binascii.crc_hqx(raw[:-2], 0).to_bytes(2, "little") != raw[-2:]:
+        raise ValueError("the nkey's checksum is wrong")
+    return raw[1:-2]
+
+
 def _scrypt(token: str, salt: bytes, n: int, r: int, p: int) -> bytes:
     return hashlib.scrypt(
         token.encode("utf-8"), salt=salt, n=n, r=r, p=p, maxmem=_SCRYPT_MAXMEM, dklen=_HASH_SIZE
@@ -331,6 +383,15 @@ class Credentials:
         if self._key is None:
             return None
         return encode_key(self._key.public_key().public_bytes_raw())
+
+    @property
+    def nkey_seed(self) -> str | None:
+        """The private key as a NATS user seed (``SU...``), for a NATS client signing in
+        to a broker's NATS listener with this user's key pair (docs/nats.md); None for a
+        token."""
+        if self._key is None:
+            return None
+        return nkey_seed(self._key.private_bytes_raw())
 
     def answer(self, to_sign: bytes) -> Auth:
         """The AUTH for a broker's CHALLENGE: ``to_sign`` signed, or the token's proof of

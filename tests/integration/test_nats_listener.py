@@ -5,7 +5,8 @@ Every test of what a client sees runs twice: against the broker's listener and a
 a real nats-server (on PATH, or /usr/sbin/nats-server), so the behaviour is held to the
 server it copies -- the -ERR words, which errors close, what a message looks like. The
 tests of the broker's own bounds (slow consumers, stale connections, the connection
-limit, no users) run against the broker alone."""
+limit) run against the broker alone; sign-in, permissions, TLS and lame duck mode are
+tests/integration/test_nats_security.py's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import nats
 import pytest
@@ -26,14 +26,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from meshbus.auth import Credentials, users_entry
 from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
-from meshbus.private_files import write_private
 from tests.integration.helpers import (
     IO_TIMEOUT,
-    broker_key,
     free_port,
-    start_broker_process,
     wait_until,
 )
 
@@ -535,18 +531,3 @@ async def test_past_the_connection_limit_a_client_is_refused(bounded: int) -> No
     await wait_until(admitted, "a client admitted once another left")
     for raw in held:
         await raw.close()
-
-
-async def test_a_broker_with_users_refuses_to_listen_for_nats(tmp_path: Path) -> None:
-    user = Credentials.generate("alice")
-    config = tmp_path / "broker.toml"
-    write_private(config, users_entry("alice", public_key=user.public_key).encode())
-    key = broker_key(tmp_path, "b1")
-    process = await start_broker_process(
-        "--listen", "127.0.0.1:0", "--config", str(config), *key.args,
-        "--nats-listen", f"127.0.0.1:{free_port()}",
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), 30)
-    assert process.returncode == 1
-    assert "NATS clients cannot sign in yet" in err.decode()
-    assert parse_ready_line(out.decode()) is None

@@ -46,7 +46,6 @@ __all__ = [
     "BrokerConfig",
     "Declared",
     "Fsync",
-    "NatsAuthUnsupported",
     "PartitionHandling",
     "StartSettings",
     "declared_settings",
@@ -58,11 +57,6 @@ __all__ = [
 class AnonymousExposure(InvalidArgument):
     """A broker told to listen beyond loopback with no users and no --allow-anonymous
     (docs/security.md, "Secure by default")."""
-
-
-class NatsAuthUnsupported(InvalidArgument):
-    """--nats-listen on a broker with [[users]]: NATS clients have no way to sign in yet
-    (docs/nats.md)."""
 
 
 class PartitionHandling(StrEnum):
@@ -396,8 +390,16 @@ class BrokerConfig:
         "",  # no NATS listener
         help="Accept NATS clients (nats.go, nats.py, ... any NATS client library) on "
         "HOST:PORT, speaking the NATS client protocol on the broker's own loop. Off by "
-        "default. Not yet with [[users]] (no auth for NATS clients yet); beyond loopback "
-        "it needs --allow-anonymous, as --listen does (docs/nats.md).",
+        "default. With [[users]] they sign in (user and pass, auth_token, nkey); with "
+        "--tls-cert they speak TLS; beyond loopback without users it needs "
+        "--allow-anonymous, as --listen does (docs/nats.md).",
+        parse=_hostport,
+        metavar="HOST:PORT",
+    )
+    nats_advertise: str = setting(
+        "",  # the address --nats-listen bound, unless that is every address
+        help="NATS clients: the HOST:PORT they are told to reconnect to (INFO "
+        "connect_urls), when it is not the address --nats-listen binds (0.0.0.0, NAT).",
         parse=_hostport,
         metavar="HOST:PORT",
     )
@@ -489,19 +491,11 @@ class BrokerConfig:
         )
 
     def check_nats(self) -> None:
-        """For ``--nats-listen``: NatsAuthUnsupported with [[users]] (a NATS client cannot
-        sign in yet, and a broker with users must not let anyone in unsigned);
-        AnonymousExposure beyond loopback without --allow-anonymous, as ``check_exposure``
-        for --listen."""
-        if not self.nats_listen:
+        """For ``--nats-listen``: AnonymousExposure beyond loopback without users or
+        --allow-anonymous, as ``check_exposure`` for --listen (with users, NATS clients
+        sign in)."""
+        if not self.nats_listen or self.users:
             return
-        if self.users:
-            raise NatsAuthUnsupported(
-                f"refusing to listen for NATS clients on {self.nats_listen}: this broker has "
-                "[[users]], and NATS clients cannot sign in yet (no user, token or nkey auth "
-                "for them so far; docs/nats.md); run the NATS listener on a broker without "
-                "[[users]], on loopback, or leave out --nats-listen"
-            )
         host = parse_hostport(self.nats_listen)[0]
         if not self.allow_anonymous and not is_loopback(host):
             raise AnonymousExposure(

@@ -19,6 +19,7 @@ import functools
 import gc
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable
 
@@ -44,6 +45,7 @@ from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.nats.auth import NatsSignIn
 from meshbus.broker.nats.connection import Subscription
 from meshbus.broker.nats.listener import NatsListener
 from meshbus.broker.nats.router import NatsRouter
@@ -160,10 +162,12 @@ class Broker:
         self.lag = LoopLag()
         self.links = LinkRegistry(config.max_handshaking_per_source)
         self.tls: TLSAcceptor | None = None
+        tls_context: ssl.SSLContext | None = None
         if config.tls_cert:
             cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
+            tls_context = server_context(cert, key, ca)
             self.tls = TLSAcceptor(
-                server_context(cert, key, ca),
+                tls_context,
                 timeout=config.handshake_timeout,
                 max_handshaking=config.max_handshaking,
                 require_cert=config.tls_verify_clients,
@@ -242,7 +246,7 @@ class Broker:
             config.users,
             self.links,
             reread=reread_users,
-            reloaded=self.streams.recheck_captures,
+            reloaded=self._reloaded,
         )
         self.stat = StatView(
             config=config,
@@ -291,7 +295,13 @@ class Broker:
         self.nats: NatsListener | None = None
         if config.nats_listen:
             router = NatsRouter(self.subjects, rng)
-            self.nats = NatsListener(config, self.subjects, router, rng)
+            nats_sign_in = NatsSignIn(
+                self.sign_in,
+                tls=tls_context,
+                tls_verify=config.tls_verify_clients,
+                timeout=config.handshake_timeout,
+            )
+            self.nats = NatsListener(config, self.subjects, router, nats_sign_in, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
@@ -354,7 +364,7 @@ class Broker:
         """Listen, then found a new mesh or join one through the seeds (MeshJoinError if
         it cannot). Peers can link while it joins; connectors are taken once it is ready,
         and NATS clients (--nats-listen) from then on. AnonymousExposure, before listening,
-        beyond loopback without users; NatsAuthUnsupported for --nats-listen with users."""
+        beyond loopback without users (for --nats-listen too)."""
         loop = asyncio.get_running_loop()
         config = self.config
         config.check_exposure()
@@ -404,9 +414,19 @@ class Broker:
         self.guarantees.send_groups(link)
 
     async def drain(self) -> None:
-        """Move every connector to another broker (up to the grace period), then stop."""
+        """Move every connector to another broker, and tell NATS clients to reconnect
+        elsewhere (lame duck mode), up to the grace period; then stop."""
         grace = self._drain_grace if self._drain_grace is not None else self.config.drain_grace
-        await self.mesh.drain(grace)
+        if self.nats is None:
+            await self.mesh.drain(grace)
+            return
+        await asyncio.gather(self.mesh.drain(grace), self.nats.lame_duck(grace))
+
+    def _reloaded(self) -> None:
+        """A SIGHUP applied new users: what holds rights beyond a link follows them."""
+        self.streams.recheck_captures()
+        if self.nats is not None:
+            self.nats.reauthorize()
 
     def request_drain(self, grace: float | None) -> None:
         self._drain_grace = grace

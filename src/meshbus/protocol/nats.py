@@ -57,6 +57,7 @@ __all__ = [
     "PING",
     "PONG",
     "Connect",
+    "ConnectCredentials",
     "ConnectOptions",
     "NatsEvent",
     "NatsParser",
@@ -106,10 +107,10 @@ class NatsProtocolViolation(ProtocolError):
 
 
 class ConnectOptions(msgspec.Struct, frozen=True):
-    """The options of a client's CONNECT that the server acts on (the others --
-    credentials, tls_required, ... -- are read past). The defaults are nats-server's
-    before any CONNECT: a client that never sends one (telnet) gets +OK for each
-    operation."""
+    """The options of a client's CONNECT that the server acts on (its credentials are
+    ``ConnectCredentials``; the others -- tls_required, ... -- are read past). The
+    defaults are nats-server's before any CONNECT: a client that never sends one
+    (telnet) gets +OK for each operation."""
 
     verbose: bool = True
     pedantic: bool = True
@@ -122,8 +123,23 @@ class ConnectOptions(msgspec.Struct, frozen=True):
     version: str = ""
 
 
+class ConnectCredentials(msgspec.Struct, frozen=True):
+    """The credentials one CONNECT carries (empty: not given): ``user`` and ``password``
+    (``pass`` on the wire), ``auth_token``, or an nkey (``nkey``, the user's public key)
+    with ``sig``, its signature of the INFO's nonce; ``jwt`` is read, never accepted.
+    Each is at most a control line long."""
+
+    user: str = ""
+    password: str = msgspec.field(default="", name="pass")
+    auth_token: str = ""
+    nkey: str = ""
+    sig: str = ""
+    jwt: str = ""
+
+
 class _ConnectFields(msgspec.Struct):
-    """What one CONNECT says: only the fields it names replace the options in force."""
+    """What one CONNECT says: only the fields it names replace the options in force;
+    the credentials are its own."""
 
     verbose: bool | msgspec.UnsetType = msgspec.UNSET
     pedantic: bool | msgspec.UnsetType = msgspec.UNSET
@@ -134,8 +150,15 @@ class _ConnectFields(msgspec.Struct):
     name: str | msgspec.UnsetType = msgspec.UNSET
     lang: str | msgspec.UnsetType = msgspec.UNSET
     version: str | msgspec.UnsetType = msgspec.UNSET
+    user: str = ""
+    password: str = msgspec.field(default="", name="pass")
+    auth_token: str = ""
+    nkey: str = ""
+    sig: str = ""
+    jwt: str = ""
 
 
+_OPTION_FIELDS = ConnectOptions.__struct_fields__
 _CONNECT_DECODER = msgspec.json.Decoder(_ConnectFields)
 
 
@@ -146,9 +169,11 @@ _CONNECT_DECODER = msgspec.json.Decoder(_ConnectFields)
 
 @dataclass(slots=True)
 class Connect:
-    """A CONNECT; ``options`` are those in force from now on (laid over the earlier)."""
+    """A CONNECT; ``options`` are those in force from now on (laid over the earlier),
+    ``credentials`` those of this CONNECT alone."""
 
     options: ConnectOptions
+    credentials: ConnectCredentials
 
 
 @dataclass(slots=True)
@@ -406,7 +431,7 @@ class NatsParser:
             raise NatsProtocolViolation(f"CONNECT that cannot be read: {exc}", None) from None
         changes = {
             name: value
-            for name in given.__struct_fields__
+            for name in _OPTION_FIELDS
             if (value := getattr(given, name)) is not msgspec.UNSET
         }
         options = msgspec.structs.replace(self.options, **changes)
@@ -419,7 +444,15 @@ class NatsParser:
                 "CONNECT with no_responders and without headers", NO_RESPONDERS_NEED_HEADERS
             )
         self.options = options
-        return Connect(options)
+        credentials = ConnectCredentials(
+            user=given.user,
+            password=given.password,
+            auth_token=given.auth_token,
+            nkey=given.nkey,
+            sig=given.sig,
+            jwt=given.jwt,
+        )
+        return Connect(options, credentials)
 
 
 def _sub(args: list[bytes], line: bytes) -> Subscribe:
@@ -442,10 +475,15 @@ def _unsub(args: list[bytes], line: bytes) -> Unsubscribe:
 
 
 class ServerInfo(msgspec.Struct):
-    """The INFO a server sends first: the fields clients read (nats.go, nats.py, ...).
-    ``version`` is the nats-server version whose client protocol the server speaks;
-    ``connect_urls`` (the other servers a client may reconnect to) is left out unset,
-    as nats-server leaves it out without a cluster."""
+    """The INFO a server sends first (and again, as an async INFO, when what it says
+    changes): the fields clients read (nats.go, nats.py, ...). ``version`` is the
+    nats-server version whose client protocol the server speaks. The optional fields
+    are left out when unset or false, as nats-server leaves them out:
+    ``connect_urls`` (the other servers a client may reconnect to), ``auth_required``
+    (CONNECT must carry credentials), ``tls_required`` (the client starts TLS right
+    after this INFO), ``tls_verify`` (and shows a certificate), ``nonce`` (what an
+    nkey signs), ``ldm`` (lame duck mode: the server is going away, reconnect
+    elsewhere)."""
 
     server_id: str
     server_name: str
@@ -458,6 +496,11 @@ class ServerInfo(msgspec.Struct):
     proto: int = MAX_CLIENT_PROTOCOL
     headers: bool = True
     connect_urls: list[str] | msgspec.UnsetType = msgspec.UNSET
+    auth_required: bool | msgspec.UnsetType = msgspec.UNSET
+    tls_required: bool | msgspec.UnsetType = msgspec.UNSET
+    tls_verify: bool | msgspec.UnsetType = msgspec.UNSET
+    nonce: str | msgspec.UnsetType = msgspec.UNSET
+    ldm: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 _INFO_ENCODER = msgspec.json.Encoder()

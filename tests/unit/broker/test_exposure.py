@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshbus.auth import Credentials
-from meshbus.broker.config import AnonymousExposure, BrokerConfig, NatsAuthUnsupported
+from meshbus.broker.config import AnonymousExposure, BrokerConfig
 from meshbus.broker.security.users import UserTable
 from meshbus.errors import InvalidArgument
 
@@ -53,11 +53,8 @@ def test_nats_on_loopback_is_open_and_beyond_it_needs_allow_anonymous() -> None:
     BrokerConfig(nats_listen="0.0.0.0:4222", allow_anonymous=True).check_nats()
 
 
-def test_nats_with_users_is_refused_until_nats_clients_can_sign_in() -> None:
+def test_nats_with_users_listens_anywhere_since_its_clients_sign_in() -> None:
     alice = Credentials.generate("alice")
     users = UserTable.from_config([{"name": "alice", "public_key": alice.public_key}], "t")
-    with pytest.raises(NatsAuthUnsupported) as caught:
-        BrokerConfig(nats_listen="127.0.0.1:4222", users=users).check_nats()
-    assert isinstance(caught.value, InvalidArgument)
-    assert "NATS clients cannot sign in yet" in str(caught.value)
-    assert "docs/nats.md" in str(caught.value)
+    BrokerConfig(nats_listen="127.0.0.1:4222", users=users).check_nats()
+    BrokerConfig(nats_listen="0.0.0.0:4222", users=users).check_nats()

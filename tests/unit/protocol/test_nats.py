@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from meshbus.protocol.nats import (
     Connect,
+    ConnectCredentials,
     ConnectOptions,
     NatsEvent,
     NatsParser,
@@ -111,10 +112,13 @@ def test_hpub_keeps_the_header_block_byte_for_byte() -> None:
 def test_connect_lays_its_fields_over_the_defaults() -> None:
     parser = NatsParser()
     assert parser.options == ConnectOptions(verbose=True, pedantic=True, echo=True)
-    first = {"verbose": False, "pedantic": False, "name": "svc", "lang": "go", "user": "ignored"}
+    first = {"verbose": False, "pedantic": False, "name": "svc", "lang": "go", "user": "al"}
     parser.feed(b"CONNECT " + json.dumps(first).encode() + b"\r\n")
     assert events_of(parser) == [
-        Connect(ConnectOptions(verbose=False, pedantic=False, name="svc", lang="go"))
+        Connect(
+            ConnectOptions(verbose=False, pedantic=False, name="svc", lang="go"),
+            ConnectCredentials(user="al"),
+        )
     ]
     parser.feed(b'connect\t{"echo":false,"headers":true,"no_responders":true,"protocol":1}\r\n')
     [event] = events_of(parser)
@@ -123,6 +127,26 @@ def test_connect_lays_its_fields_over_the_defaults() -> None:
         verbose=False, pedantic=False, echo=False, headers=True, no_responders=True,
         protocol=1, name="svc", lang="go",
     )  # fmt: skip
+    assert event.credentials == ConnectCredentials()  # a CONNECT's own, never laid over
+
+
+def test_connect_carries_its_credentials() -> None:
+    parser = NatsParser()
+    fields = {"user": "u", "pass": "p", "auth_token": "t", "nkey": "UA", "sig": "s", "jwt": "j"}
+    parser.feed(b"CONNECT " + json.dumps(fields).encode() + b"\r\n")
+    [event] = events_of(parser)
+    assert isinstance(event, Connect)
+    assert event.credentials == ConnectCredentials(
+        user="u", password="p", auth_token="t", nkey="UA", sig="s", jwt="j"
+    )
+
+
+def test_credentials_of_the_wrong_type_close_quietly() -> None:
+    parser = NatsParser()
+    parser.feed(b'CONNECT {"pass": 7}\r\n')
+    with pytest.raises(NatsProtocolViolation) as caught:
+        parser.next_event()
+    assert caught.value.error_text is None
 
 
 def test_trailing_bytes_stay_for_the_next_feed() -> None:
@@ -269,3 +293,19 @@ def test_info_carries_what_clients_read() -> None:
     assert fields["max_payload"] == 1024
     assert fields["client_id"] == 7
     assert "connect_urls" not in fields  # omitted when empty, as nats-server does
+    for optional in ("auth_required", "tls_required", "tls_verify", "nonce", "ldm"):
+        assert optional not in fields
+
+
+def test_info_of_a_server_with_auth_tls_in_lame_duck_mode() -> None:
+    info = ServerInfo(
+        server_id="ID", server_name="b1", version="2.10.0", host="127.0.0.1", port=4222,
+        max_payload=1024, client_id=7, client_ip="127.0.0.1", auth_required=True,
+        tls_required=True, nonce="abc", ldm=True, connect_urls=["127.0.0.1:4223"],
+    )  # fmt: skip
+    fields = json.loads(encode_info(info)[5:])
+    assert fields["auth_required"] is True
+    assert fields["tls_required"] is True
+    assert fields["nonce"] == "abc"
+    assert fields["ldm"] is True
+    assert fields["connect_urls"] == ["127.0.0.1:4223"]

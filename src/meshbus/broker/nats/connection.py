@@ -16,6 +16,17 @@ Rules it keeps (nats-server's, docs/nats.md):
    Publish Subject`` for a pedantic client.
 4. A subscription ends when its UNSUB comes, when it got the ``max_msgs`` an UNSUB
    gave it, or with its connection; it leaves the subject table then.
+5. With TLS (the broker's --tls-cert) the INFO goes out in the clear and the client then
+   starts TLS, as with nats-server; nothing else is written or read before the TLS
+   handshake is done.
+6. On a broker with users the first operation must be a CONNECT that signs in
+   (meshbus.broker.nats.auth): anything else, or wrong credentials, is ``-ERR
+   'Authorization Violation'`` and close; nothing is read after the CONNECT until its
+   password is checked (in a worker thread). TLS and the sign-in must be done within
+   ``--handshake-timeout`` of the accept: ``-ERR 'Authentication Timeout'`` and close.
+7. A signed-in client's PUB to a subject its user may not send to, or SUB to one it may
+   not join, is ``-ERR 'Permissions Violation for Publish to "S"'`` (``... for
+   Subscription to "S"``) and goes no further; the connection stays.
 """
 
 from __future__ import annotations
@@ -23,9 +34,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Coroutine
 from time import perf_counter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from meshbus.broker.core.slices import SLICE
 from meshbus.broker.core.subjects import InvalidSubject, SubjectTable, is_literal, is_valid_subject
@@ -47,9 +59,12 @@ from meshbus.protocol.nats import (
     encode_hmsg,
     encode_msg,
 )
+from meshbus.tls import failure_reason
 
 if TYPE_CHECKING:
+    from meshbus.broker.nats.auth import NatsSignIn, SubjectPermissions
     from meshbus.broker.nats.router import NatsRouter
+    from meshbus.broker.security.users import User
 
 log = logging.getLogger("meshbus.broker.nats")
 
@@ -66,6 +81,13 @@ class NatsCloseReason(enum.Enum):
     STALE_CONNECTION = "stale-connection"
     MAX_CONNECTIONS = "max-connections"
     SERVER_SHUTDOWN = "server-shutdown"
+    AUTHORIZATION_VIOLATION = "authorization-violation"
+    AUTHENTICATION_TIMEOUT = "authentication-timeout"
+    TLS_HANDSHAKE_FAILED = "tls-handshake-failed"
+    REVOKED = "revoked"
+
+
+AUTHORIZATION_VIOLATION = "Authorization Violation"
 
 
 class Subscription:
@@ -115,20 +137,32 @@ class NatsConnection(asyncio.Protocol):
         max_subscriptions: int,
         on_open: Callable[[NatsConnection], None],
         on_close: Callable[[NatsConnection, NatsCloseReason], None],
+        sign_in: NatsSignIn | None = None,
+        spawn: Callable[[Coroutine[Any, Any, None], str], object] | None = None,
     ) -> None:
         """``info`` makes the INFO line this client is greeted with; ``on_open`` hears
-        of the connection once it is greeted (and may close it: too many)."""
+        of the connection once it is greeted (and may close it: too many).
+        ``sign_in`` says whether the client must sign in and upgrade to TLS, and checks
+        its credentials (None: neither); ``spawn`` runs the connection's TLS handshake
+        and password check as tasks of the listener's."""
         self.client_id = client_id
         self.host = ""
         self.remote = ""
         self.subs: dict[bytes, Subscription] = {}
         self.closed = False
         self.transport: asyncio.Transport | None = None
+        # The user it signed in as, and what that user may do (None: anything).
+        self.user: User | None = None
+        self.permissions: SubjectPermissions | None = None
+        # What an nkey signs: sent in the INFO of a broker with users.
+        self.nonce = ""
         self._parser = parser
         self._table = table
         self._router = router
         self._flushes = flushes
         self._info = info
+        self._sign_in = sign_in
+        self._spawn = spawn
         self._max_pending = max_pending
         self._max_subscriptions = max_subscriptions
         self._on_open = on_open
@@ -136,6 +170,17 @@ class NatsConnection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_bytes = 0
         self._paused = False
+        # Before its TLS handshake is done nothing is written; before it signed in the
+        # first operation must be its CONNECT; while its password is checked nothing is
+        # read.
+        self._upgrading = False
+        self._awaiting_connect = False
+        self._signing_in = False
+        self._timer: asyncio.TimerHandle | None = None
+        # A PUB can go straight to the router: no +OK, no pedantic check, no permissions.
+        self._fast = False
+        # Its CONNECT came (and signed in): it takes async INFOs from then on.
+        self.connected = False
         # Pings sent without their PONG; whether the client sent anything since the
         # last ping tick.
         self._pings_out = 0
@@ -156,12 +201,84 @@ class NatsConnection(asyncio.Protocol):
         remote = transport.get_extra_info("peername")
         if remote:
             self.host, self.remote = remote[0], f"{remote[0]}:{remote[1]}"
+        sign_in = self._sign_in
+        if sign_in is not None and sign_in.required:
+            self._awaiting_connect = True
+            self.nonce = sign_in.new_nonce()
         self.transport.write(self._info(self))
         self._on_open(self)
+        if self.closed or sign_in is None:
+            return
+        if sign_in.required or sign_in.tls is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(sign_in.timeout, self._timed_out)
+        if sign_in.tls is not None:
+            self._upgrading = True
+            self._run(self._start_tls(sign_in.tls), "nats-tls")
+
+    def _run(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        assert self._spawn is not None, "a connection with a sign-in is given spawn"
+        self._spawn(work, name)
+
+    async def _start_tls(self, context: ssl.SSLContext) -> None:
+        """The client starts TLS once it has read the INFO: the handshake, then the
+        connection goes on over TLS. A failed one closes it, logged as one line."""
+        transport = self.transport
+        assert transport is not None
+        loop = asyncio.get_running_loop()
+        assert self._sign_in is not None
+        try:
+            upgraded = await loop.start_tls(
+                transport,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self._sign_in.timeout,
+            )
+        except OSError as exc:  # ssl.SSLError, a reset, the handshake timeout
+            if not self.closed:
+                transport.abort()
+                self._closed(NatsCloseReason.TLS_HANDSHAKE_FAILED, failure_reason(exc))
+            return
+        if upgraded is None or self.closed:
+            return
+        self.transport = upgraded
+        upgraded.set_write_buffer_limits(high=self._max_pending, low=self._max_pending // 2)
+        self._upgrading = False
+        if self._sign_in.tls_verify and not upgraded.get_extra_info("peercert"):
+            # nats-server fails such a handshake; the context here only asks for one.
+            self.close(
+                NatsCloseReason.TLS_HANDSHAKE_FAILED,
+                "no client certificate (--tls-verify-clients)",
+                "TLS Required",
+            )
+            return
+        self.flush()
+
+    def _certificate_name(self) -> str:
+        """The common name of the client certificate its TLS handshake verified ('')."""
+        cert = self.transport.get_extra_info("peercert") if self.transport else None
+        for rdn in (cert or {}).get("subject", ()):
+            for key, value in rdn:
+                if key == "commonName":
+                    return str(value)
+        return ""
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        assert self._sign_in is not None
+        if self._upgrading:
+            self.close(NatsCloseReason.TLS_HANDSHAKE_FAILED, "no TLS handshake in time")
+        elif self._awaiting_connect:
+            self.close(
+                NatsCloseReason.AUTHENTICATION_TIMEOUT,
+                f"not signed in within {self._sign_in.timeout:g} s (--handshake-timeout)",
+                "Authentication Timeout",
+            )
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return  # bytes already in flight when it closed
+        if self.closed or self._upgrading:
+            return  # bytes already in flight when it closed; none come before TLS
         self._heard = True
         self._parser.feed(data)
         self._process()
@@ -186,7 +303,7 @@ class NatsConnection(asyncio.Protocol):
         deadline = perf_counter() + SLICE
         handled = 0
         try:
-            while not self.closed:
+            while not (self.closed or self._signing_in):
                 event = parser.next_event()
                 if event is None:
                     if self._paused:
@@ -194,8 +311,7 @@ class NatsConnection(asyncio.Protocol):
                         assert self.transport is not None
                         self.transport.resume_reading()
                     break
-                options = parser.options
-                if type(event) is Publish and not (options.verbose or options.pedantic):
+                if type(event) is Publish and self._fast:
                     publish(self, event)  # the common case, without a call between
                 else:
                     self._handle(event)
@@ -209,13 +325,22 @@ class NatsConnection(asyncio.Protocol):
 
     def _later(self) -> None:
         """The slice is used up: stop reading, go on at the next loop turn."""
+        self._pause()
+        asyncio.get_running_loop().call_soon(self._process)
+
+    def _pause(self) -> None:
         if not self._paused:
             self._paused = True
             assert self.transport is not None
             self.transport.pause_reading()
-        asyncio.get_running_loop().call_soon(self._process)
 
     def _handle(self, event: NatsEvent) -> None:
+        if self._awaiting_connect:
+            if isinstance(event, Connect):
+                self._sign_in_with(event)
+            else:
+                self._refuse("an operation before the CONNECT that signs in")
+            return
         if type(event) is Publish:
             self._publish(event)
         elif isinstance(event, Subscribe):
@@ -227,26 +352,112 @@ class NatsConnection(asyncio.Protocol):
         elif isinstance(event, Pong):
             self._pings_out = 0
         elif isinstance(event, Connect):
-            log.debug(
-                "NATS client connected",
-                extra={"client": self.client_id, "name": event.options.name,
-                       "lang": event.options.lang, "remote": self.remote},
-            )  # fmt: skip
-            if event.options.verbose:
-                self.queue(OK)
+            self._connected(event)
+
+    def _connected(self, event: Connect) -> None:
+        log.debug(
+            "NATS client connected",
+            extra={"client": self.client_id, "name": event.options.name,
+                   "lang": event.options.lang, "remote": self.remote,
+                   "user": self.user.name if self.user else None},
+        )  # fmt: skip
+        self.connected = True
+        self.refresh()
+        if event.options.verbose:
+            self.queue(OK)
+
+    def refresh(self) -> None:
+        """Whether a PUB may take the fast way, after the options or permissions changed."""
+        options = self._parser.options
+        self._fast = not (
+            options.verbose or options.pedantic or self.permissions or self._awaiting_connect
+        )
+
+    # -- signing in ----------------------------------------------------------------
+
+    def _sign_in_with(self, event: Connect) -> None:
+        """The first CONNECT of a client that must sign in: an nkey or a certificate is
+        checked here, a password in the worker thread (reading waits for it)."""
+        sign_in = self._sign_in
+        assert sign_in is not None  # only a connection with a sign-in awaits its CONNECT
+        user = sign_in.user_of(event.credentials, self.nonce, self._certificate_name())
+        if user is not None:
+            self._signed_in(user, event)
+            return
+        password = sign_in.password(event.credentials)
+        if password is None:
+            self._refuse("no credentials that sign in (user and pass, auth_token, or nkey)")
+            return
+        self._signing_in = True
+        self._pause()
+        self._run(self._check_password(sign_in, *password, event), "nats-sign-in")
+
+    async def _check_password(
+        self, sign_in: NatsSignIn, name: str, token: str, event: Connect
+    ) -> None:
+        user = await sign_in.check_password(name, token)
+        if self.closed:
+            return
+        self._signing_in = False
+        if user is None:
+            self._refuse("a wrong user or password")
+            return
+        self._signed_in(user, event)
+        self._process()
+
+    def _signed_in(self, user: User, event: Connect) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._awaiting_connect = False
+        self.user = user
+        assert self._sign_in is not None
+        self.permissions = self._sign_in.permissions_of(user)
+        self._connected(event)
+
+    def _refuse(self, why: str) -> None:
+        self.close(NatsCloseReason.AUTHORIZATION_VIOLATION, why, AUTHORIZATION_VIOLATION)
+
+    def reauthorize(self, permissions: SubjectPermissions | None) -> None:
+        """The user's permissions after a SIGHUP; None: the user is gone, or its
+        credential changed, and the connection is closed."""
+        if permissions is None:
+            self._refuse("its user was removed from the broker's config, or changed")
+            self._flushes.flush()
+            return
+        self.permissions = permissions
+        self.refresh()
+
+    # -- operations ----------------------------------------------------------------
 
     def _publish(self, event: Publish) -> None:
         options = self._parser.options
-        if options.pedantic or options.verbose:
-            subject = event.subject
-            if options.pedantic and not (is_valid_subject(subject) and is_literal(subject)):
-                # nats-server says so, and delivers it all the same.
-                self.queue(encode_err("Invalid Publish Subject"))
-            if options.verbose:
-                self.queue(OK)  # before the message, as nats-server
+        subject = event.subject
+        if options.pedantic and not (is_valid_subject(subject) and is_literal(subject)):
+            # nats-server says so, and delivers it all the same.
+            self.queue(encode_err("Invalid Publish Subject"))
+        permissions = self.permissions
+        if permissions is not None and not permissions.may_publish(subject):
+            self._violation(f"Publish to {_quoted(subject)}")
+            return
+        if options.verbose:
+            self.queue(OK)  # before the message, as nats-server
         self._router.publish(self, event)
 
+    def _violation(self, what: str) -> None:
+        log.info(
+            "NATS client refused",
+            extra={"client": self.client_id, "remote": self.remote,
+                   "user": self.user.name if self.user else None, "refused": what},
+        )  # fmt: skip
+        self.queue(encode_err(f"Permissions Violation for {what}"))
+
     def _subscribe(self, event: Subscribe) -> None:
+        permissions = self.permissions
+        if permissions is not None and not permissions.may_subscribe(event.subject):
+            queue = f" using queue {_quoted(event.queue)}" if event.queue else ""
+            self._violation(f"Subscription to {_quoted(event.subject)}{queue}")
+            return
         if event.sid not in self.subs:
             if len(self.subs) >= self._max_subscriptions:
                 self.queue(encode_err("maximum subscriptions exceeded"))
@@ -282,7 +493,11 @@ class NatsConnection(asyncio.Protocol):
     def deliver(self, sub: Subscription, event: Publish) -> None:
         """A published message for one of this connection's subscriptions: as HMSG with
         its header block byte for byte when this client took headers, else as MSG with
-        the payload alone (nats-server strips the headers for such a client)."""
+        the payload alone (nats-server strips the headers for such a client). A message
+        whose subject the user's ``join`` denies is dropped: a wildcard let it match."""
+        permissions = self.permissions
+        if permissions is not None and not permissions.may_deliver(event.subject):
+            return
         sub.delivered += 1
         if event.header_size and self._parser.options.headers:
             data = encode_hmsg(event.subject, sub.sid, event.reply, event.header_size, event.data)
@@ -305,6 +520,8 @@ class NatsConnection(asyncio.Protocol):
             self._slow_consumer()
 
     def flush(self) -> None:
+        if self._upgrading:
+            return  # written once the TLS handshake is done
         if self._out and not self.closed:
             assert self.transport is not None
             self.transport.write(b"".join(self._out))
@@ -350,6 +567,9 @@ class NatsConnection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._out.clear()
         for sub in self.subs.values():
             self._table.remove(sub.subject, sub.queue, sub)
@@ -357,6 +577,12 @@ class NatsConnection(asyncio.Protocol):
         log.info(
             "NATS client connection closed",
             extra={"client": self.client_id, "remote": self.remote, "reason": reason.value,
-                   "error": why},
+                   "error": why, "user": self.user.name if self.user else None},
         )  # fmt: skip
         self._on_close(self, reason)
+
+
+def _quoted(subject: bytes) -> str:
+    """A subject in double quotes, as nats-server's errors write it (Go's %q)."""
+    text = subject.decode("utf-8", "backslashreplace")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -7,17 +7,27 @@ close, as nats-server does past its max_connections), and pings them every
 ``--nats-ping-interval``: a client silent through ``--nats-max-pings-out`` pings in a row
 is closed with ``-ERR 'Stale Connection'``. The connections (meshbus.broker.nats.connection)
 do the rest; the subject table is the broker's (meshbus.broker.core.subjects).
+
+Its INFO says what the client must do first: ``tls_required`` (start TLS now, the
+broker's --tls-cert), ``auth_required`` and a ``nonce`` (sign in; meshbus.broker.nats.auth).
+``connect_urls`` lists where a client may reconnect: this listener's advertised address
+(``--nats-advertise``, or the address bound unless that is every address) and the peers'
+(``set_peer_urls``); a change goes out to the clients as an async INFO, as does lame duck
+mode (``lame_duck``: ``ldm: true``, the listener stops taking clients, and those that stay
+are closed once the drain's grace is over).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import random
 
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core.subjects import SubjectTable
+from meshbus.broker.nats.auth import NatsSignIn
 from meshbus.broker.nats.connection import (
     Flushes,
     NatsCloseReason,
@@ -47,11 +57,13 @@ class NatsListener:
         config: BrokerConfig,
         table: SubjectTable[Subscription],
         router: NatsRouter,
+        sign_in: NatsSignIn,
         rng: random.Random,
     ) -> None:
         self._config = config
         self._table = table
         self._router = router
+        self._sign_in = sign_in
         self._flushes = Flushes()
         self.connections: dict[int, NatsConnection] = {}
         self._next_id = 0
@@ -61,7 +73,10 @@ class NatsListener:
         self.server_id = "N" + "".join(rng.choice(_ID_ALPHABET) for _ in range(55))
         self.address = ""
         self._bound = ("", 0)
-        self._connect_urls: list[str] = []
+        self._own_urls: list[str] = []
+        self._peer_urls: list[str] = []
+        self.lame_duck_mode = False
+        self._left = asyncio.Event()
         self.refused = 0
 
     async def start(self) -> None:
@@ -81,11 +96,12 @@ class NatsListener:
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self._bound = (bound_host, bound_port)
         self.address = hostport_text(bound_host, bound_port)
-        # Where clients may reconnect: this broker, unless it listens on every address
-        # (which one a client can reach is not known here). Other brokers' come with the
-        # mesh (docs/nats.md, "Not yet").
-        if not ipaddress.ip_address(bound_host).is_unspecified:
-            self._connect_urls = [self.address]
+        # Where clients may reconnect: this broker as advertised, or as bound unless it
+        # listens on every address (which one a client can reach is not known here).
+        if config.nats_advertise:
+            self._own_urls = [config.nats_advertise]
+        elif not ipaddress.ip_address(bound_host).is_unspecified:
+            self._own_urls = [self.address]
         self._tasks.spawn(self._ping_timer(), "nats-pings")
         log.info("NATS listener ready", extra={"broker": config.name, "address": self.address})
 
@@ -95,8 +111,54 @@ class NatsListener:
         await self._tasks.cancel()
         for conn in list(self.connections.values()):
             conn.close(NatsCloseReason.SERVER_SHUTDOWN, "broker shutting down")
+        self._sign_in.stop()
         if self._server is not None:
             await self._server.wait_closed()
+
+    @property
+    def connect_urls(self) -> list[str]:
+        """Where a client may reconnect: this broker first, then its peers."""
+        return self._own_urls + [url for url in self._peer_urls if url not in self._own_urls]
+
+    def set_peer_urls(self, urls: list[str]) -> None:
+        """The other brokers' NATS listeners (the mesh's): a change is told to every
+        client as an async INFO, as nats-server tells its clients of its cluster."""
+        if urls != self._peer_urls:
+            self._peer_urls = list(urls)
+            self._tell_clients()
+
+    async def lame_duck(self, grace: float) -> None:
+        """Lame duck mode, on drain: stop taking clients, tell those connected
+        (``ldm: true``) to reconnect elsewhere, and wait up to ``grace`` seconds for them
+        to go; ``stop`` closes those still here."""
+        if self.lame_duck_mode:
+            return
+        self.lame_duck_mode = True
+        if self._server is not None:
+            self._server.close()  # new clients find no listener: they try the next URL
+        self._tell_clients()
+        log.info(
+            "NATS listener in lame duck mode",
+            extra={"broker": self._config.name, "clients": len(self.connections)},
+        )
+        if self.connections:
+            self._left.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._left.wait(), grace)
+
+    def reauthorize(self) -> None:
+        """After a SIGHUP reloaded the users: each signed-in client gets its user's new
+        permissions, or is closed when its user is gone or its credential changed."""
+        for conn in list(self.connections.values()):
+            if conn.user is not None:
+                conn.reauthorize(self._sign_in.recheck(conn.user))
+
+    def _tell_clients(self) -> None:
+        """An async INFO to every client that can take one (CONNECT protocol 1)."""
+        for conn in self.connections.values():
+            if conn.options.protocol >= 1 and conn.connected:
+                conn.queue(self._info(conn))
+        self._flushes.flush()
 
     def _new_connection(self) -> NatsConnection:
         config = self._config
@@ -111,6 +173,8 @@ class NatsListener:
             router=self._router,
             flushes=self._flushes,
             info=self._info,
+            sign_in=self._sign_in,
+            spawn=self._tasks.spawn,
             max_pending=config.max_pending_bytes,
             max_subscriptions=config.max_services,
             on_open=self._opened,
@@ -130,8 +194,18 @@ class NatsListener:
             client_id=conn.client_id,
             client_ip=conn.host,
         )
-        if self._connect_urls:
-            info.connect_urls = self._connect_urls
+        connect_urls = self.connect_urls
+        if connect_urls:
+            info.connect_urls = connect_urls
+        if self._sign_in.required:
+            info.auth_required = True
+            info.nonce = conn.nonce
+        if self._sign_in.tls is not None:
+            info.tls_required = True
+            if self._sign_in.tls_verify:
+                info.tls_verify = True
+        if self.lame_duck_mode:
+            info.ldm = True
         return encode_info(info)
 
     def _opened(self, conn: NatsConnection) -> None:
@@ -148,6 +222,8 @@ class NatsListener:
 
     def _closed(self, conn: NatsConnection, reason: NatsCloseReason) -> None:
         self.connections.pop(conn.client_id, None)
+        if not self.connections:
+            self._left.set()
 
     async def _ping_timer(self) -> None:
         interval = self._config.nats_ping_interval

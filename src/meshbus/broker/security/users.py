@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from meshbus.auth import TokenKey, check_user_name, public_key_from_text
+from meshbus.auth import TokenKey, check_user_name, password_matches, public_key_from_text
 from meshbus.broker.security.permissions import BadPermissions, Permissions
 from meshbus.broker.security.quotas import BadQuotas, Quotas
 from meshbus.errors import InvalidArgument
@@ -107,6 +107,39 @@ class UserTable:
     @cached_property
     def _by_certificate(self) -> dict[str, User]:
         return {u.certificate: u for u in self._users.values() if u.certificate is not None}
+
+    def by_public_key(self, raw: bytes) -> User | None:
+        """The user whose key pair has the 32-byte public key ``raw`` (a NATS client
+        names itself by its nkey, not by a user name)."""
+        return self._by_public_key.get(raw)
+
+    @cached_property
+    def _by_public_key(self) -> dict[bytes, User]:
+        return {
+            u.public_key.public_bytes_raw(): u
+            for u in self._users.values()
+            if u.public_key is not None
+        }
+
+    def check_password(self, name: str, token: str) -> User | None:
+        """The token user ``name`` if ``token`` is its token (a NATS client sends the
+        token itself), else None. Slow on purpose, one scrypt (about 10 ms), whether the
+        user exists or not: call it in a worker thread."""
+        user = self._users.get(name)
+        stored = user.token_hash if user is not None else None
+        proved = password_matches(stored or self._decoy_token, name, token)
+        return user if proved and stored is not None else None
+
+    def check_key_signature(self, raw: bytes, signed: bytes, signature: bytes) -> User | None:
+        """The user whose public key is ``raw`` if ``signature`` is its signature of
+        ``signed``, else None (about 0.1 ms; a decoy key stands in for a missing user)."""
+        user = self.by_public_key(raw)
+        key = user.public_key if user is not None else None
+        try:
+            (key or self._decoy_key).verify(signature, signed)
+        except InvalidSignature:
+            return None
+        return user
 
     def check_signature(self, name: str, signed: bytes, signature: bytes) -> bool:
         """Whether ``signature`` is ``name``'s signature of ``signed`` (about 0.1 ms: fine
