@@ -209,7 +209,7 @@ async def test_permissions_violations_are_told_and_the_connection_stays(
         assert [await raw.line() for _ in range(3)] == [
             b"-ERR 'Permissions Violation for Publish to \"no.a\"'",
             b"-ERR 'Permissions Violation for Subscription to \"no.b\"'",
-            b"-ERR 'Permissions Violation for Subscription to \"no.c\" using queue \"q\"'",
+            b'-ERR \'Permissions Violation for Subscription to "no.c" using queue "q"\'',
         ], port
         # Still open, and allowed what it is allowed; a wildcard subscription does not
         # get what a deny pattern names.
