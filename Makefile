@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench docs lint typecheck unit integration nats-server prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js prometheus tmux clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ nats-server:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null \
 	  || { echo "could not install nats-server: run 'apt-get install nats-server' as root"; exit 1; }; }
 
+# The nats.js tests (tests/integration/test_nats_js.py) run the NATS project's Node.js
+# client, pinned in tests/nats_js/package-lock.json, on Node.js (Debian's nodejs and npm).
+nats-js:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+	  echo "installing the nodejs and npm Debian packages (the nats.js tests' runtime)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null \
+	  || { echo "could not install nodejs: run 'apt-get install nodejs npm' as root"; exit 1; }; }
+	@[ tests/nats_js/node_modules/.package-lock.json -nt tests/nats_js/package-lock.json ] || \
+	  npm ci --prefix tests/nats_js --no-audit --no-fund --silent
+
 # The monitoring tests scrape a mesh with a real Prometheus server, a Debian package.
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
@@ -49,13 +59,13 @@ tmux:
 # one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 
-test: lint typecheck nats-server prometheus tmux
+test: lint typecheck nats-server nats-js prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
 
 unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
-integration: $(STAMP) prometheus tmux
+integration: $(STAMP) nats-server nats-js prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
 demo: $(STAMP)

@@ -38,18 +38,24 @@ START_ERRORS: tuple[type[Exception], ...] = (
 log = logging.getLogger("meshbus.broker")
 
 
-async def serve(config: BrokerConfig, reread_users: Callable[[], UserTable] | None = None) -> None:
+async def serve(
+    config: BrokerConfig,
+    reread_users: Callable[[], UserTable] | None = None,
+    *,
+    announce: Callable[[str, str], None] | None = None,
+) -> None:
     """Run a broker until SIGINT, SIGTERM or a DRAIN request; print the ready line once it
-    takes connectors. SIGTERM and DRAIN drain first (connectors move to other brokers);
-    a second signal stops at once. SIGHUP reloads the users with ``reread_users``
-    (``SignIn.reload``)."""
+    takes connectors (or, given ``announce``, call it with the broker's address and its
+    NATS listener's, '' without one: ``meshbus nats-server`` writes nats-server's lines).
+    SIGTERM and DRAIN drain first (connectors move to other brokers); a second signal
+    stops at once. SIGHUP reloads the users with ``reread_users`` (``SignIn.reload``)."""
     raise_open_files_limit(config)
     broker = Broker(config, reread_users=reread_users)
     # Before the join, so /healthz answers 503 "joining" while it lasts; and before the
     # freeze below, so the monitor's modules are frozen with the rest.
     monitor = await start_monitor(broker)
     try:
-        await _run(broker, config)
+        await _run(broker, config, announce)
     finally:
         if monitor is not None:
             await monitor.stop()
@@ -90,7 +96,9 @@ def raise_open_files_limit(config: BrokerConfig) -> None:
         )
 
 
-async def _run(broker: Broker, config: BrokerConfig) -> None:
+async def _run(
+    broker: Broker, config: BrokerConfig, announce: Callable[[str, str], None] | None
+) -> None:
     import signal
     import sys
 
@@ -130,8 +138,11 @@ async def _run(broker: Broker, config: BrokerConfig) -> None:
     finally:
         signalled.cancel()
     # The one line scripts and tests wait for; it carries the real port when --listen used 0.
-    sys.stdout.write(ready_line(config.name, broker.address) + "\n")
-    sys.stdout.flush()
+    if announce is not None:
+        announce(broker.address, broker.nats.address if broker.nats is not None else "")
+    else:
+        sys.stdout.write(ready_line(config.name, broker.address) + "\n")
+        sys.stdout.flush()
     await broker.drain_requested.wait()
     log.info("draining", extra={"broker": config.name})
     drain = asyncio.create_task(broker.drain())

@@ -81,6 +81,7 @@ _ELSEWHERE = {
     "keygen": "meshbus.cli.auth:keygen",
     "hash-token": "meshbus.cli.auth:hash_token",
     "certs": "meshbus.cli.certs:certs",
+    "nats-server": "meshbus.cli.nats_server:nats_server",
 }
 
 
