@@ -106,10 +106,10 @@ def nats_server(args: tuple[str, ...]) -> None:
         _log(f"Listening for client connections on {nats_address}")
         if config.monitor:
             _log(f"Starting http monitor on {config.monitor}")
-        _log("Server is ready")
         ports_dir = parsed.values.get("ports_file_dir")
-        if ports_dir:
+        if ports_dir:  # before the ready line, as nats-server writes it
             _write_ports(Path(ports_dir), nats_address, config.monitor, bool(config.tls_cert))
+        _log("Server is ready")
 
     try:
         uvloop.run(serve(config, announce=announce))
