@@ -313,3 +313,40 @@ def test_a_malformed_private_key_is_never_printed(tmp_path: Path, key: str) -> N
     message = str(raised.value).replace(str(path), "")
     secret = key.split(":")[-1]
     assert not any(secret[i : i + 5] in message for i in range(len(secret) - 4)), message
+
+
+# -- NATS nkeys (docs/nats.md, "Signing in") --------------------------------------------------
+
+# A seed of the bytes 0..31 and its public key, as the nkeys package writes them.
+_NKEY_SEED = "SUAAAAICAMCAKBQHBAEQUCYMBUHA6EARCIJRIFIWC4MBSGQ3DQOR4H776Y"
+_NKEY_PUBLIC = "UAB2CB576PHBBPQ5ODORRZ2LYCMWPZGWGCN2KDK7DXOIMZASKUY3RLKK"
+
+
+def test_nkeys_are_the_nats_text_of_the_same_key_pair() -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshbus.auth import nkey_public, nkey_public_raw, nkey_seed
+
+    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    public = key.public_key().public_bytes_raw()
+    assert nkey_seed(bytes(range(32))) == _NKEY_SEED
+    assert nkey_public(public) == _NKEY_PUBLIC
+    assert nkey_public_raw(_NKEY_PUBLIC) == public
+    assert Credentials("a", private_key=key).nkey_seed == _NKEY_SEED
+    assert Credentials("a", token="t").nkey_seed is None
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (_NKEY_PUBLIC[:-1], "56 characters"),
+        ("S" + _NKEY_PUBLIC[1:], "not a user's"),
+        (_NKEY_PUBLIC[:-2] + "A" + _NKEY_PUBLIC[-1], "checksum"),
+        ("1" * 56, "base32"),
+    ],
+)
+def test_an_nkey_that_is_not_a_users_is_refused(text: str, why: str) -> None:
+    from meshbus.auth import nkey_public_raw
+
+    with pytest.raises(ValueError, match=why):
+        nkey_public_raw(text)

@@ -73,6 +73,7 @@ FLAGS = {
     "--monitor",
     "--monitor-token-hash",
     "--nats-listen",
+    "--nats-advertise",
     "--nats-max-payload",
     "--nats-max-control-line",
     "--nats-ping-interval",
