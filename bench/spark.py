@@ -130,6 +130,7 @@ def _page(size: int) -> pa.RecordBatch:
         "group": None,
         "priority": 0,
         "payload": b"x" * size,
+        "headers": None,
     }
     schema = to_arrow_schema(SCHEMA, timezone="UTC")
     arrays = [pa.repeat(pa.scalar(values[f.name], f.type), _PAGE) for f in schema]
