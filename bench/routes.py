@@ -29,6 +29,7 @@ from bench.harness import (
     now,
     poll_until,
     pollers_on,
+    register_many,
     run_on_brokers,
     wait_balanced,
 )
@@ -72,24 +73,6 @@ class RoutesResult:
 async def _route_services(pollers: Iterable[meshbus.Connector]) -> list[int]:
     stats = await asyncio.gather(*(p.stat(detail=False) for p in pollers))
     return [int(s["route_services"]) for s in stats]
-
-
-async def _register_many(conns: Sequence[meshbus.Connector], count: int, batch: int) -> float:
-    """Register ``count`` dynamic services round-robin over ``conns``, ``batch`` at a time
-    (asyncio.gather); the seconds it took.
-
-    The services registered so far are frozen out of the cyclic GC after each batch
-    (``gc.freeze``): this one process stands in for the 30 that would hold them, and
-    full collections over all of them would otherwise halve the rate by 100k (the
-    caller unfreezes)."""
-    began = now()
-    done = 0
-    while done < count:
-        size = min(batch, count - done)
-        await asyncio.gather(*(conns[(done + i) % len(conns)].register() for i in range(size)))
-        gc.freeze()
-        done += size
-    return now() - began
 
 
 async def _rtt_us(call: Callable[[], Awaitable[object]], times: int = 20) -> float:
@@ -166,7 +149,7 @@ async def _routes_run(
                 for i in range(per_broker)
                 for b, broker in enumerate(mesh)
             ]
-            register_s = await _register_many(conns, services, batch)
+            _, register_s = await register_many(conns, services, batch)
             registered = now()
 
             async def full(expected: int, among: Sequence[meshbus.Connector]) -> bool:
@@ -227,7 +210,7 @@ async def _routes_run(
                 changes=runs,
             )
         finally:
-            gc.unfreeze()  # _register_many froze the registered services
+            gc.unfreeze()  # register_many froze the registered services
 
 
 @click.command()
