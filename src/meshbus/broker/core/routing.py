@@ -146,6 +146,7 @@ class _Group(Generic[L]):
         "local_links",
         "local_member_links",
         "members",
+        "members_stale",
         "peer_weights",
         "peers",
         "per_link",
@@ -161,7 +162,9 @@ class _Group(Generic[L]):
         # Caches rebuilt on change: the hot path reads these, never the dicts above.
         self.links: tuple[L, ...] = ()
         self.local_links: tuple[L, ...] = ()
-        # The local members, and at the same index the link of each.
+        # The local members, and at the same index the link of each: for anycast alone,
+        # and built apart (``rebuild_members``), so that a multicast group of 100,000
+        # never pays a pass over its members (60 ms at 100,000) nor 16 bytes a member.
         self.local_addresses: tuple[bytes, ...] = ()
         self.local_member_links: tuple[L, ...] = ()
         self.peers: tuple[L, ...] = ()
@@ -170,28 +173,34 @@ class _Group(Generic[L]):
         # each change, so N members joining one group cost O(N), not O(N^2) (a connector
         # bringing thousands of members back after failover, or a peer's snapshot).
         self.stale = False
+        self.members_stale = False
 
     def rebuild(self, link_of: dict[int, L], is_remote: Callable[[L], bool]) -> None:
+        """The caches of links: O(links), whatever the number of members."""
         self.stale = False
         links = tuple(link_of[number] for number in self.per_link)
         peers = tuple(link for link in links if is_remote(link))
-        local = [
-            (member, link_of[number])
-            for member, number in self.members.items()
-            if not is_remote(link_of[number])
-        ]
-        member_links = tuple(link for _, link in local)
         # Equal tuples share one object: fewer objects for the collector to walk.
         self.links = links
         self.local_links = links if not peers else tuple(x for x in links if not is_remote(x))
-        self.local_addresses = tuple(member for member, _ in local)
-        self.local_member_links = links if member_links == links else member_links
         self.peers = peers
         self.peer_weights = tuple(
             itertools.accumulate(
                 count for number, count in self.per_link.items() if is_remote(link_of[number])
             )
         )
+
+    def rebuild_members(self, link_of: dict[int, L], is_remote: Callable[[L], bool]) -> None:
+        """The caches of local members (anycast's pick), after ``rebuild``."""
+        self.members_stale = False
+        local = {n for n in self.per_link if not is_remote(link_of[n])}
+        if len(local) == len(self.per_link):
+            pairs = list(self.members.items())
+        else:
+            pairs = [(member, n) for member, n in self.members.items() if n in local]
+        self.local_addresses = tuple(member for member, _ in pairs)
+        member_links = tuple(link_of[n] for _, n in pairs)
+        self.local_member_links = self.links if member_links == self.links else member_links
 
 
 class RoutingTable(Generic[L]):
@@ -349,7 +358,7 @@ class RoutingTable(Generic[L]):
             self._link_of[number] = link
         g.members[member] = number
         g.per_link[number] = g.per_link.get(number, 0) + 1
-        g.stale = True
+        g.stale = g.members_stale = True
         joined = self._joined.get(member)
         if joined is None:
             self._joined[member] = g.address
@@ -387,7 +396,7 @@ class RoutingTable(Generic[L]):
             del g.per_link[number]
         link = self._link_of[number]
         if g.members:
-            g.stale = True
+            g.stale = g.members_stale = True
         else:
             del self._groups[group]
         self._memberships -= 1
@@ -517,6 +526,13 @@ class RoutingTable(Generic[L]):
             g.rebuild(self._link_of, self._is_remote)
         return g
 
+    def _fresh_members(self, group: bytes) -> _Group[L] | None:
+        """The group, its caches and those of its local members up to date."""
+        g = self._fresh(group)
+        if g is not None and g.members_stale:
+            g.rebuild_members(self._link_of, self._is_remote)
+        return g
+
     def route_multicast(self, group: bytes, src: bytes, src_link: L, echo: bool) -> tuple[L, ...]:
         """Links that get one copy of a multicast from ``src`` (on ``src_link``):
         local links with members, and each peer broker with members once."""
@@ -536,7 +552,7 @@ class RoutingTable(Generic[L]):
         """The link of one member: a local one chosen uniformly at random when there is
         one (the sender only if ``echo``), otherwise a peer broker chosen at random
         weighted by its member count."""
-        g = self._fresh(group)
+        g = self._fresh_members(group)
         if g is None:
             return None
         local = self._pick_local(g, src, echo)
@@ -547,7 +563,7 @@ class RoutingTable(Generic[L]):
 
     def route_anycast_local(self, group: bytes, src: bytes, echo: bool) -> L | None:
         """One local member's link: where an anycast that came from a peer broker goes."""
-        g = self._fresh(group)
+        g = self._fresh_members(group)
         return None if g is None else self._pick_local(g, src, echo)
 
     def _pick_local(self, g: _Group[L], src: bytes, echo: bool) -> L | None:

@@ -722,3 +722,26 @@ def test_bytes_per_route_and_per_membership() -> None:
     per_membership = (joined - routes) / count
     assert per_route <= 120, per_route
     assert per_membership <= 160, per_membership
+
+
+def test_a_multicast_builds_no_caches_of_members_an_anycast_does() -> None:
+    """A multicast goes to links: routing one over a group of 100,000 must not pass over
+    its members (that pass took 60 ms, a stall of the loop, at the first send after the
+    joins). Only an anycast's pick needs the local members."""
+    rt = table(is_remote=lambda link: link.startswith("peer"))
+    members = [Unicast("svc", i).to_bytes() for i in range(1, 101)]
+    for i, member in enumerate(members):
+        rt.add_service(member, ("a", "b", "peer1")[i % 3])
+        rt.join(member, TOPIC)
+    assert set(rt.route_multicast(TOPIC, A1, "x", echo=False)) == {"a", "b", "peer1"}
+    group = rt._groups[TOPIC]
+    assert group.local_addresses == ()
+    assert group.members_stale
+    assert rt.route_anycast(TOPIC, A1, echo=False) in {"a", "b"}
+    assert len(group.local_addresses) == 67
+    assert not group.members_stale
+    rt.leave(members[0], TOPIC)  # on "a"
+    assert rt.route_multicast_local(TOPIC) == ("a", "b")
+    assert group.members_stale
+    assert rt.route_anycast_local(TOPIC, A1, echo=False) in {"a", "b"}
+    assert len(group.local_addresses) == 66
