@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -184,6 +185,21 @@ async def register_many(
         )
         gc.freeze()
     return services, now() - began
+
+
+def rss_of(mesh: Sequence[MeshbusProcess]) -> list[float]:
+    """Each broker's resident memory in MiB; a CheckFailed where it cannot be read."""
+    sizes = [broker.rss_mib() for broker in mesh]
+    if any(size is None for size in sizes):
+        raise CheckFailed("the brokers' resident memory cannot be read here (Linux /proc)")
+    return [size for size in sizes if size is not None]
+
+
+def bytes_per_entry(before: Sequence[float], after: Sequence[float], entries: int) -> float:
+    """The median over the brokers of the RSS (MiB) grown from ``before`` to ``after``, in
+    bytes per entry added."""
+    grown = [(a - b) * 1024 * 1024 / entries for b, a in zip(before, after, strict=True)]
+    return statistics.median(grown)
 
 
 # -- probes ---------------------------------------------------------------------------------

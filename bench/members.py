@@ -23,15 +23,17 @@ from dataclasses import dataclass
 import click
 
 import meshbus
-from bench.brokers import MeshbusProcess, MeshbusProcesses
+from bench.brokers import MeshbusProcesses
 from bench.harness import (
     SETTLE_LIMIT,
     CheckFailed,
+    bytes_per_entry,
     fresh_mesh,
     ms,
     now,
     pollers_on,
     register_many,
+    rss_of,
     run_on_brokers,
 )
 from bench.report import key_values, new_table, print_tables
@@ -52,16 +54,7 @@ class MembersResult:
     def bytes_per_entry(self, step: int) -> float:
         """Median over the brokers of the RSS grown from step ``step - 1`` to ``step``,
         per member."""
-        before, after = self.rss_mib[step - 1], self.rss_mib[step]
-        grown = [(a - b) * 1024 * 1024 / self.members for b, a in zip(before, after, strict=True)]
-        return statistics.median(grown)
-
-
-def _rss(mesh: Sequence[MeshbusProcess]) -> list[float]:
-    sizes = [broker.rss_mib() for broker in mesh]
-    if any(size is None for size in sizes):
-        raise CheckFailed("the brokers' resident memory cannot be read here (Linux /proc)")
-    return [size for size in sizes if size is not None]
+        return bytes_per_entry(self.rss_mib[step - 1], self.rss_mib[step], self.members)
 
 
 async def _join_all(services: Sequence[meshbus.Service], batch: int) -> float:
@@ -117,11 +110,11 @@ async def _members_run(
                 for i in range(per_broker)
                 for b, broker in enumerate(mesh)
             ]
-            rss = [_rss(mesh)]
+            rss = [rss_of(mesh)]
             services, register_s = await register_many(conns, members, batch)
-            rss.append(_rss(mesh))
+            rss.append(rss_of(mesh))
             join_s = await _join_all(services, batch)
-            rss.append(_rss(mesh))
+            rss.append(rss_of(mesh))
             stats = await asyncio.gather(*(p.stat(detail=False) for p in pollers))
             for broker, stat in zip(mesh, stats, strict=True):
                 memberships = stat["routes"] - stat["route_services"]
