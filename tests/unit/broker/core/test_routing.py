@@ -745,3 +745,15 @@ def test_a_multicast_builds_no_caches_of_members_an_anycast_does() -> None:
     assert group.members_stale
     assert rt.route_anycast_local(TOPIC, A1, echo=False) in {"a", "b"}
     assert len(group.local_addresses) == 66
+
+
+def test_local_addresses_are_the_local_links_live_ones_each_once() -> None:
+    rt = table(is_remote=lambda link: link.startswith("peer"))
+    rt.add_service(A1, "a")
+    rt.add_service(A2, "a")
+    rt.add_service(B1, "peer1")
+    rt.add_service(B2, "b")
+    rt.remove_service(A1, "a")
+    rt.add_service(A1, "a")  # twice in a's list now
+    rt.take_over(A2, "peer1")
+    assert sorted(rt.local_addresses()) == sorted([A1, B2])
