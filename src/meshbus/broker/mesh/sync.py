@@ -66,6 +66,8 @@ log = logging.getLogger("meshbus.broker")
 # peer applies a frame in one go, at 2-5 us an operation (more on a busy host): frames of
 # 2,000 operations took 10-30 ms, which a read's 5 ms slice could not cut.
 ROUTES_CHUNK = 500
+# Owners (session and epoch) of ADDs remembered split; past it the memory starts over.
+_OWNERS_KEPT = 1024
 
 
 @dataclass
@@ -120,6 +122,9 @@ class RouteSync:
         self._snapshot_pending: set[Link] = set()
         self._snapshots_done = asyncio.Event()
         self._release_scheduled = False  # a slice of ``_release`` waits for its turn
+        # An ADD's owner bytes -> (session, epoch): one connector's thousands of ADDs share
+        # one, and the routing table one holder per (link, session, epoch).
+        self._owners: dict[bytes, tuple[bytes, int]] = {}
 
     def start(self) -> None:
         """The broker has its name (it listens): claims are made in it from now on."""
@@ -264,8 +269,14 @@ class RouteSync:
         if op == OP_ADD:
             if len(address) != 16 or address[0] != CAST_UNICAST:
                 raise RoutingError("ADD of an address that is not unicast")
-            self.claims.release(address, link.name)
-            session, epoch = split_owner(extra)
+            if self.claims:  # most often empty: a snapshot's ADDs skip the call
+                self.claims.release(address, link.name)
+            owner_parts = self._owners.get(extra)
+            if owner_parts is None:
+                if len(self._owners) >= _OWNERS_KEPT:
+                    self._owners.clear()
+                owner_parts = self._owners[extra] = split_owner(extra)
+            session, epoch = owner_parts
             if owner is None:
                 routing.add_service(address, link, session, epoch)
             elif owner is link:
