@@ -26,6 +26,7 @@ _ELSEWHERE = {
     "failover": "bench.membership:failover",
     "join": "bench.membership:join",
     "routes": "bench.routes:routes",
+    "members": "bench.members:members",
     "reliable": "bench.reliable:reliable",
     "chaos": "bench.chaos:chaos",
     "bursts": "bench.bursts:bursts",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -162,6 +164,42 @@ async def pollers_on(mesh: Iterable[MeshbusProcess], server: str) -> list[meshbu
 async def close_all(conns: Iterable[meshbus.Connector]) -> None:
     for conn in conns:
         await conn.close()
+
+
+async def register_many(
+    conns: Sequence[meshbus.Connector], count: int, batch: int
+) -> tuple[list[meshbus.Service], float]:
+    """Register ``count`` dynamic services round-robin over ``conns``, ``batch`` at a time
+    (asyncio.gather): the services, and the seconds it took.
+
+    The services registered so far are frozen out of the cyclic GC after each batch
+    (``gc.freeze``): this one process stands in for the 30 that would hold them, and
+    full collections over all of them would otherwise halve the rate by 100k (the
+    caller unfreezes)."""
+    began = now()
+    services: list[meshbus.Service] = []
+    while len(services) < count:
+        done, size = len(services), min(batch, count - len(services))
+        services += await asyncio.gather(
+            *(conns[(done + i) % len(conns)].register() for i in range(size))
+        )
+        gc.freeze()
+    return services, now() - began
+
+
+def rss_of(mesh: Sequence[MeshbusProcess]) -> list[float]:
+    """Each broker's resident memory in MiB; a CheckFailed where it cannot be read."""
+    sizes = [broker.rss_mib() for broker in mesh]
+    if any(size is None for size in sizes):
+        raise CheckFailed("the brokers' resident memory cannot be read here (Linux /proc)")
+    return [size for size in sizes if size is not None]
+
+
+def bytes_per_entry(before: Sequence[float], after: Sequence[float], entries: int) -> float:
+    """The median over the brokers of the RSS (MiB) grown from ``before`` to ``after``, in
+    bytes per entry added."""
+    grown = [(a - b) * 1024 * 1024 / entries for b, a in zip(before, after, strict=True)]
+    return statistics.median(grown)
 
 
 # -- probes ---------------------------------------------------------------------------------

@@ -24,11 +24,15 @@ from bench.harness import (
     SETTLE_LIMIT,
     CheckFailed,
     Fleet,
+    bytes_per_entry,
+    connector_counts,
     fresh_mesh,
     ms,
     now,
     poll_until,
     pollers_on,
+    register_many,
+    rss_of,
     run_on_brokers,
     wait_balanced,
 )
@@ -61,9 +65,12 @@ class RoutesResult:
     founder_ms: float
     join_table_ms: float
     newcomer_routes: int
-    rebalance_ms: float
+    rebalance_ms: float | None  # None: not measured (--no-rebalance)
     counts: list[int]
     rss_mib: list[float | None]
+    bytes_per_route: float  # the RSS the routes grew A, B and C by, per route: the median
+    lag_max_ms: list[float]  # per broker A, B, C, D: its loop's largest lag since it started
+    lag_own_ms: list[float]
     no_route_rtt_us: float
     stat_rtt_us: float
     changes: list[ChangeRun] = field(default_factory=list)
@@ -72,24 +79,6 @@ class RoutesResult:
 async def _route_services(pollers: Iterable[meshbus.Connector]) -> list[int]:
     stats = await asyncio.gather(*(p.stat(detail=False) for p in pollers))
     return [int(s["route_services"]) for s in stats]
-
-
-async def _register_many(conns: Sequence[meshbus.Connector], count: int, batch: int) -> float:
-    """Register ``count`` dynamic services round-robin over ``conns``, ``batch`` at a time
-    (asyncio.gather); the seconds it took.
-
-    The services registered so far are frozen out of the cyclic GC after each batch
-    (``gc.freeze``): this one process stands in for the 30 that would hold them, and
-    full collections over all of them would otherwise halve the rate by 100k (the
-    caller unfreezes)."""
-    began = now()
-    done = 0
-    while done < count:
-        size = min(batch, count - done)
-        await asyncio.gather(*(conns[(done + i) % len(conns)].register() for i in range(size)))
-        gc.freeze()
-        done += size
-    return now() - began
 
 
 async def _rtt_us(call: Callable[[], Awaitable[object]], times: int = 20) -> float:
@@ -155,7 +144,12 @@ async def _change(
 
 
 async def _routes_run(
-    brokers: MeshbusProcesses, services: int, per_broker: int, batch: int, changes: int
+    brokers: MeshbusProcesses,
+    services: int,
+    per_broker: int,
+    batch: int,
+    changes: int,
+    rebalance: bool,
 ) -> RoutesResult:
     async with fresh_mesh(brokers, 3) as mesh_run:
         mesh, fleet, pollers = mesh_run.mesh, mesh_run.fleet, mesh_run.pollers
@@ -166,7 +160,8 @@ async def _routes_run(
                 for i in range(per_broker)
                 for b, broker in enumerate(mesh)
             ]
-            register_s = await _register_many(conns, services, batch)
+            empty = rss_of(mesh)
+            _, register_s = await register_many(conns, services, batch)
             registered = now()
 
             async def full(expected: int, among: Sequence[meshbus.Connector]) -> bool:
@@ -178,7 +173,8 @@ async def _routes_run(
                 SETTLE_LIMIT,
                 0.01,
             )
-            rss = [b.rss_mib() for b in mesh]
+            rss: list[float | None] = [*rss_of(mesh)]
+            per_route = bytes_per_entry(empty, rss_of(mesh), services)
 
             # (a) A 4th broker copies the table: its ready line comes after the copy.
             newcomer = await brokers.start("--seed", mesh[0].address)
@@ -187,14 +183,18 @@ async def _routes_run(
             newcomer_routes = (await pollers[-1].stat(detail=False))["route_services"]
             if newcomer_routes != services:
                 raise CheckFailed(f"the new broker holds {newcomer_routes} routes, not {services}")
-            # It takes its share of the connectors, each with all of its services.
-            _, counts = await wait_balanced(pollers, len(conns), _REBALANCE_LIMIT, 0.05)
-            rebalanced = await poll_until(
-                lambda: full(services, pollers),
-                f"{services} routes on every broker after the rebalance",
-                _REBALANCE_LIMIT,
-                0.05,
-            )
+            rebalance_ms = None
+            counts = await connector_counts(pollers)
+            if rebalance:
+                # It takes its share of the connectors, each with all of its services.
+                _, counts = await wait_balanced(pollers, len(conns), _REBALANCE_LIMIT, 0.05)
+                rebalanced = await poll_until(
+                    lambda: full(services, pollers),
+                    f"{services} routes on every broker after the rebalance",
+                    _REBALANCE_LIMIT,
+                    0.05,
+                )
+                rebalance_ms = ms(rebalanced - ready)
             rss.append(newcomer.rss_mib())
 
             # (b) One change on A, seen from B, C and D.
@@ -212,6 +212,10 @@ async def _routes_run(
                 dynamic = Unicast("chg", dynamic_instance(slot, i))
                 runs.append(await _change(fleet, changer, probes, dynamic, None))
                 runs.append(await _change(fleet, changer, probes, Unicast("chg", i + 1), i + 1))
+            lags = [
+                s["loop_lag_ms"]
+                for s in await asyncio.gather(*(p.stat(detail=False) for p in pollers))
+            ]
             return RoutesResult(
                 services=services,
                 register_s=register_s,
@@ -219,15 +223,18 @@ async def _routes_run(
                 founder_ms=mesh[0].start_ms,
                 join_table_ms=newcomer.start_ms,
                 newcomer_routes=newcomer_routes,
-                rebalance_ms=ms(rebalanced - ready),
+                rebalance_ms=rebalance_ms,
                 counts=counts,
                 rss_mib=rss,
+                bytes_per_route=per_route,
+                lag_max_ms=[lag["max"] for lag in lags],
+                lag_own_ms=[lag["max_own"] for lag in lags],
                 no_route_rtt_us=no_route_us,
                 stat_rtt_us=stat_us,
                 changes=runs,
             )
         finally:
-            gc.unfreeze()  # _register_many froze the registered services
+            gc.unfreeze()  # register_many froze the registered services
 
 
 @click.command()
@@ -259,7 +266,16 @@ async def _routes_run(
     show_default=True,
     help="Single changes timed, of each kind (dynamic id, fixed id).",
 )
-def routes(services: int, connectors_per_broker: int, batch: int, changes: int) -> None:
+@click.option(
+    "--rebalance/--no-rebalance",
+    default=True,
+    show_default=True,
+    help="Time the connectors spreading over the 4 brokers after the join (its 600 s "
+    "bound is past at 500,000 services on a busy host).",
+)
+def routes(
+    services: int, connectors_per_broker: int, batch: int, changes: int, rebalance: bool
+) -> None:
     """Route convergence at SERVICES routes: registration rate, a 4th broker copying the
     table, and how fast one change reaches every broker.
 
@@ -278,8 +294,12 @@ def routes(services: int, connectors_per_broker: int, batch: int, changes: int) 
     change: a dynamic id (no mesh round trip before the route is announced) and a
     fixed id (a claim to every peer first).
 
+    The brokers' RSS before and after the registrations gives the memory per route
+    (the median of A, B and C); each broker's largest loop lag since it started (`stat`)
+    covers all of it.
+
     Last line: `join_table_ms=<ms> change_ms=<median, dynamic, slowest broker>
-    register_per_s=<n>`.
+    register_per_s=<n> bytes_per_route=<B> max_lag_ms=<ms, the worst broker>`.
     """
 
     per_connector = -(-services // (3 * connectors_per_broker))
@@ -291,7 +311,9 @@ def routes(services: int, connectors_per_broker: int, batch: int, changes: int) 
         )
 
     async def main(brokers: MeshbusProcesses) -> RoutesResult:
-        return await _routes_run(brokers, services, connectors_per_broker, batch, changes)
+        return await _routes_run(
+            brokers, services, connectors_per_broker, batch, changes, rebalance
+        )
 
     r = run_on_brokers(main)
     per_s = r.services / r.register_s
@@ -307,9 +329,15 @@ def routes(services: int, connectors_per_broker: int, batch: int, changes: int) 
         ("founder start (baseline)", f"{r.founder_ms:.1f} ms"),
         ("4th broker start to ready", f"{r.join_table_ms:.1f} ms"),
         ("4th broker route_services", f"{r.newcomer_routes:,}"),
-        ("rebalance after the join", f"{r.rebalance_ms:.1f} ms"),
+        (
+            "rebalance after the join",
+            "not measured" if r.rebalance_ms is None else f"{r.rebalance_ms:.1f} ms",
+        ),
         ("connectors A/B/C/D after", counts),
         ("RSS MiB A/B/C/D", rss),
+        ("bytes per route (RSS of A/B/C)", f"{r.bytes_per_route:.0f}"),
+        ("max loop lag A/B/C/D", "/".join(f"{x:.1f}" for x in r.lag_max_ms) + " ms"),
+        ("  of it own work", "/".join(f"{x:.1f}" for x in r.lag_own_ms) + " ms"),
         ("NO_ROUTE rtt (resolution)", f"{r.no_route_rtt_us:.0f} µs"),
         ("stat(detail=False) rtt", f"{r.stat_rtt_us:.0f} µs"),
     ):
@@ -338,5 +366,7 @@ def routes(services: int, connectors_per_broker: int, batch: int, changes: int) 
             join_table_ms=f"{r.join_table_ms:.1f}",
             change_ms=f"{medians['dynamic']:.2f}",
             register_per_s=f"{per_s:.0f}",
+            bytes_per_route=f"{r.bytes_per_route:.0f}",
+            max_lag_ms=f"{max(r.lag_max_ms):.1f}",
         )
     )

@@ -21,6 +21,7 @@ COMMANDS = (
     "failover",
     "join",
     "routes",
+    "members",
     "reliable",
     "chaos",
     "bursts",

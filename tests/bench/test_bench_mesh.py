@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench.bursts import bursts
+from bench.members import members
 from bench.membership import failover, join
 from bench.routes import routes
 from tests.bench.helpers import last_line, run_bench
@@ -55,13 +56,54 @@ def test_join_last_line(run: Run) -> None:
 def test_routes_last_line(run: Run) -> None:
     line = run(routes, "--services", "600", "--connectors-per-broker", "2", "--changes", "2")
     match = re.fullmatch(
-        r"join_table_ms=(\d+\.\d) change_ms=(\d+\.\d\d) register_per_s=(\d+)", line
+        r"join_table_ms=(\d+\.\d) change_ms=(\d+\.\d\d) register_per_s=(\d+) "
+        r"bytes_per_route=(-?\d+) max_lag_ms=(\d+\.\d)",
+        line,
     )
     assert match, line
     join_table_ms, change_ms, per_s = float(match[1]), float(match[2]), int(match[3])
     assert 0 < join_table_ms < 30_000
     assert 0 <= change_ms < 5_000
     assert per_s > 0
+    # 600 routes move a broker's RSS by a page or two, either way: only the form is sure.
+    assert abs(int(match[4])) < 100_000
+    assert 0 < float(match[5]) < 30_000
+
+
+def test_routes_without_the_rebalance() -> None:
+    line = last_line(
+        routes,
+        "--services",
+        "300",
+        "--connectors-per-broker",
+        "1",
+        "--changes",
+        "1",
+        "--no-rebalance",
+    )
+    assert line.startswith("join_table_ms="), line
+
+
+@both_ways
+def test_members_last_line(run: Run) -> None:
+    line = run(members, "--members", "600", "--connectors-per-broker", "2", "--messages", "2")
+    match = re.fullmatch(
+        r"join_s=(\d+\.\d\d) deliver_ms=(\d+\.\d) max_lag_ms=(\d+\.\d) "
+        r"bytes_per_route=(-?\d+) bytes_per_membership=(-?\d+)",
+        line,
+    )
+    assert match, line
+    assert 0 < float(match[1]) < 60
+    assert 0 < float(match[2]) < 30_000
+    assert 0 < float(match[3]) < 30_000
+    assert abs(int(match[4])) < 100_000
+    assert abs(int(match[5])) < 100_000
+
+
+def test_members_refuses_more_services_per_connector_than_a_broker_takes() -> None:
+    result = CliRunner().invoke(members, ["--members", "100000", "--connectors-per-broker", "3"])
+    assert result.exit_code == 2
+    assert "--connectors-per-broker" in result.output
 
 
 def test_bad_argument_exits_2() -> None:

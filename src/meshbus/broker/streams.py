@@ -441,7 +441,6 @@ class StreamHost:
             # Like a JOIN's SYNCED: a send through any broker after this reaches the stream.
             if link.state is LinkState.OPEN:
                 answer(link, ControlType.STREAM_REPLY, reply, correlation)
-                self._outbox.flush()
 
         self._sync.after_confirmed(captured_mesh_wide)
 

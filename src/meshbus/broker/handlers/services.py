@@ -98,7 +98,6 @@ class ServiceCommands:
         def synced() -> None:
             if link.state is LinkState.OPEN:
                 outbox.reply(link, ControlType.SYNCED, Empty(), correlation)
-                outbox.flush()
 
         self._sync.after_confirmed(synced)
 

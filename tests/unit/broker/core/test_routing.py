@@ -22,6 +22,7 @@ from meshbus.broker.core.routing import (
     RoutingError,
     RoutingTable,
 )
+from meshbus.protocol.control import OP_JOIN
 
 A1 = Unicast("game01", 1).to_bytes()
 A2 = Unicast("game01", 2).to_bytes()
@@ -537,7 +538,7 @@ def test_the_dicts_shrink_back_after_a_big_link_leaves() -> None:
 
     t: RoutingTable[str] = RoutingTable(slot=1)
     t.allocate_dynamic(b"keep".ljust(11, b"\x00"), "small")
-    names = ("_owner", "_session", "_groups", "_joined")
+    names = ("_owner", "_groups", "_joined")
     for i in range(40_000):
         address = t.allocate_dynamic(b"s%d".ljust(11, b"\x00") % (i % 7), "big", b"session")
         if i < 20_000:
@@ -598,3 +599,161 @@ def test_a_client_using_ever_new_server_names_does_not_grow_the_table() -> None:
     remembered = len(rt._next_seq) + len(rt._freed_seq)
     assert remembered <= routing.FREED_NAMES, remembered
     assert rt.allocate_dynamic(kept, "link") == first, "forgotten: it starts over"
+
+
+# -- what an entry costs (the module docstring, "What an entry costs") ----------------
+
+
+def test_one_holder_per_link_session_and_epoch_not_per_address() -> None:
+    rt = table()
+    addresses = [Unicast("svc", i).to_bytes() for i in range(1, 101)]
+    for i, address in enumerate(addresses):
+        # As a peer's ADDs arrive: each session a new bytes object.
+        rt.add_service(address, "peer", bytes(b"session%d" % (i % 2)), 3 + i % 2)
+    assert len(rt._holders) == 2
+    assert rt.session_of(addresses[1]) == b"session1"
+    assert rt.epoch_of(addresses[1]) == 4
+    assert rt.session_of(addresses[2]) == b"session0"
+    assert rt.epoch_of(addresses[2]) == 3
+    for address in addresses[1::2]:
+        rt.remove_service(address, "peer")
+    assert len(rt._holders) == 1, "a holder goes with its last address"
+    rt.take_over(addresses[0], "other", b"session0", 5)
+    assert rt.owner(addresses[0]) == "other"
+    assert rt.epoch_of(addresses[0]) == 5
+    assert rt.session_of(addresses[2]) == b"session0"
+    assert rt.epoch_of(addresses[2]) == 3
+    assert len(rt._holders) == 2
+
+
+def test_a_links_list_of_addresses_is_rebuilt_once_mostly_removed() -> None:
+    rt = table()
+    addresses = [Unicast("svc", i).to_bytes() for i in range(1, 1001)]
+    for address in addresses:
+        rt.add_service(address, "a")
+    for address in addresses[100:]:
+        rt.remove_service(address, "a")
+    assert rt.owned_count("a") == 100
+    assert rt.owned_by("a") == frozenset(addresses[:100])
+    assert len(rt._by_link["a"].addresses) <= 2 * 100 + 64
+
+
+def test_an_address_registered_again_on_its_link_is_owned_and_withdrawn_once() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.add_service(A2, "a")
+    rt.remove_service(A1, "a")
+    rt.add_service(A1, "a")  # now twice in the link's list
+    assert rt.owned_count("a") == 2
+    assert rt.owned_by("a") == frozenset({A1, A2})
+    assert rt.remove_link("a") == sorted([A1, A2])
+    assert rt.owned_count("a") == 0
+    assert rt.service_count == 0
+
+
+def test_a_link_withdrawn_in_steps_gives_each_live_address_once() -> None:
+    rt = table()
+    addresses = [Unicast("svc", i).to_bytes() for i in range(1, 301)]
+    for address in addresses:
+        rt.add_service(address, "a")
+    for address in addresses[::3]:  # removed, some registered again, some moved away
+        rt.remove_service(address, "a")
+    for address in addresses[::6]:
+        rt.add_service(address, "a")
+    rt.take_over(addresses[1], "b")
+    live = rt.owned_by("a")
+    gone: list[bytes] = []
+    while rt.owned_count("a"):
+        step = rt.remove_link("a", 7)
+        assert 0 < len(step) <= 7
+        gone += step
+    assert len(gone) == len(set(gone)) == len(live)
+    assert set(gone) == live
+    assert rt.owner(addresses[1]) == "b"
+
+
+def test_a_member_of_one_group_refers_to_the_groups_own_address() -> None:
+    rt = table()
+    rt.add_service(A1, "a")
+    rt.join(A1, bytes(TOPIC))
+    assert rt._joined[A1] is rt._groups[TOPIC].address
+    rt.join(A1, bytes(POOL))
+    assert rt._joined[A1] == {TOPIC: None, POOL: None}
+    assert rt.is_member(A1, TOPIC)
+    assert rt.is_member(A1, POOL)
+    assert rt.group_count_of(A1) == 2
+    rt.leave(A1, TOPIC)
+    assert rt._joined[A1] is rt._groups[POOL].address
+    assert not rt.is_member(A1, TOPIC)
+    assert rt.is_member(A1, POOL)
+    assert rt.groups_of(A1) == frozenset({POOL})
+    assert rt.group_count_of(A1) == 1
+    assert rt.local_ops(A1)[1:] == [(OP_JOIN, A1, POOL)]
+    rt.leave(A1, POOL)
+    assert A1 not in rt._joined
+    assert rt.group_count_of(A1) == 0
+    assert not rt.is_member(A1, POOL)
+
+
+def test_bytes_per_route_and_per_membership() -> None:
+    """What the table allocates per entry, counted by tracemalloc (the size asked for,
+    before the allocator rounds it up): a peer's routes, each with its address object
+    and a session as decoded per ADD, then each of them joined to one group, each join
+    with a member address of its own as decoded from the JOIN. Here 87 and 108 bytes; 278
+    and 332 before the holders, the links' lists and the members in one group alone."""
+    import tracemalloc
+
+    count = 20_000
+    rt = table(is_remote=lambda link: True)
+    raw = [Unicast(f"svc{i % 20}", 65536 + i).to_bytes() for i in range(count)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, address in enumerate(raw):
+            rt.add_service(bytes(bytearray(address)), "peer", bytes(b"s%d" % (i % 20)), 1)
+        routes = tracemalloc.get_traced_memory()[0]
+        for address in raw:
+            rt.join(bytes(bytearray(address)), bytes(TOPIC))
+        rt.route_multicast_local(TOPIC)
+        joined = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    per_route = (routes - before) / count
+    per_membership = (joined - routes) / count
+    assert per_route <= 120, per_route
+    assert per_membership <= 160, per_membership
+
+
+def test_a_multicast_builds_no_caches_of_members_an_anycast_does() -> None:
+    """A multicast goes to links: routing one over a group of 100,000 must not pass over
+    its members (that pass took 60 ms, a stall of the loop, at the first send after the
+    joins). Only an anycast's pick needs the local members."""
+    rt = table(is_remote=lambda link: link.startswith("peer"))
+    members = [Unicast("svc", i).to_bytes() for i in range(1, 101)]
+    for i, member in enumerate(members):
+        rt.add_service(member, ("a", "b", "peer1")[i % 3])
+        rt.join(member, TOPIC)
+    assert set(rt.route_multicast(TOPIC, A1, "x", echo=False)) == {"a", "b", "peer1"}
+    group = rt._groups[TOPIC]
+    assert group.local_addresses == ()
+    assert group.members_stale
+    assert rt.route_anycast(TOPIC, A1, echo=False) in {"a", "b"}
+    assert len(group.local_addresses) == 67
+    assert not group.members_stale
+    rt.leave(members[0], TOPIC)  # on "a"
+    assert rt.route_multicast_local(TOPIC) == ("a", "b")
+    assert group.members_stale
+    assert rt.route_anycast_local(TOPIC, A1, echo=False) in {"a", "b"}
+    assert len(group.local_addresses) == 66
+
+
+def test_local_addresses_are_the_local_links_live_ones_each_once() -> None:
+    rt = table(is_remote=lambda link: link.startswith("peer"))
+    rt.add_service(A1, "a")
+    rt.add_service(A2, "a")
+    rt.add_service(B1, "peer1")
+    rt.add_service(B2, "b")
+    rt.remove_service(A1, "a")
+    rt.add_service(A1, "a")  # twice in a's list now
+    rt.take_over(A2, "peer1")
+    assert sorted(rt.local_addresses()) == sorted([A1, B2])
