@@ -380,10 +380,12 @@ class Link(Endpoint, asyncio.BufferedProtocol):
         return self.transport is not None and self.state is not LinkState.CLOSED and not self._eof
 
     def send(self, data: bytes | bytearray) -> None:
-        """Write now (outside a read: timers, other links' control changes)."""
-        if self.writable:
-            assert self.transport is not None
-            self.transport.write(data)
+        """Write now (outside a read: timers, other links' control changes). Not to a
+        transport that is closing: its socket may be gone before ``connection_lost``
+        reaches the link, and uvloop's transport raises on a write then."""
+        transport = self.transport
+        if self.writable and transport is not None and not transport.is_closing():
+            transport.write(data)
             self.bytes_out += len(data)
 
     def pause_writing(self) -> None:

@@ -13,6 +13,7 @@ from meshbus.protocol.control import (
     ROLE_BROKER,
     ROLE_CONNECTOR,
     ROLE_OPERATOR,
+    Bye,
     Empty,
     Error,
     Hello,
@@ -220,3 +221,23 @@ async def test_a_closed_link_cannot_open() -> None:
     with pytest.raises(RuntimeError):
         link.open_as_connector("late", b"", 4096, False)
     assert (link.role, link.state) == (LinkRole.HANDSHAKING, LinkState.CLOSED)
+
+
+async def test_a_transport_closed_under_an_open_link_is_not_written_to(
+    broker: Broker, network: FakeNetwork
+) -> None:
+    """The socket can close before its link hears ``connection_lost`` (a loop turn later).
+    uvloop's transport raises on a write then; ``stop`` sent its BYE into one and the
+    broker died on SIGTERM with a RuntimeError."""
+    client = connect_client(network, broker)
+    await client.hello()
+    link = broker_side(client)
+    assert link.transport is not None
+
+    def closed_handle(data: object) -> None:
+        raise RuntimeError("unable to perform operation: the handler is closed")
+
+    link.transport.write = closed_handle  # type: ignore[method-assign]
+    link.transport.closing = True  # type: ignore[attr-defined]
+    link.send(encode_control(ControlType.BYE, Bye(reason="late")))  # nothing is written
+    await broker.stop()
