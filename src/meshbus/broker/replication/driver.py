@@ -118,7 +118,7 @@ class RaftDriver:
     def __init__(
         self,
         *,
-        name: str,
+        name: Callable[[], str],
         wal: RaftWal,
         transport: Transport,
         machine: StateMachine,
@@ -126,9 +126,9 @@ class RaftDriver:
         randomness: Randomness,
         run_blocking: RunBlocking[None],
     ) -> None:
-        """``name``: this broker's; ``run_blocking(fn)`` runs ``fn`` (the disk's work)
-        off the loop and awaits it (the broker's ``loop.run_in_executor``)."""
-        self.name = name
+        """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
+        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``)."""
+        self._name = name
         self._wal = wal
         self._transport = transport
         self._machine = machine
@@ -177,7 +177,7 @@ class RaftDriver:
         self._wake.set()
 
     def _add(self, group: str, meta: GroupMeta, stored: Stored) -> None:
-        node_id = meta.replicas.index(self.name) + 1
+        node_id = meta.replicas.index(self._name()) + 1
         node = RaftNode(node_id, self._settings, stored, self._randomness)
         self.groups[group] = _Group(group, meta, node)
 
@@ -237,6 +237,7 @@ class RaftDriver:
             await self._wake.wait()
             self._wake.clear()
             await self.turn()
+            await asyncio.sleep(0)  # a turn with nothing to write awaited nothing
 
     async def turn(self) -> None:
         if self.failed:
@@ -353,9 +354,10 @@ class RaftDriver:
         leader = state.broker_of(node.leader) if node.leader is not None else None
         if leader == state.leader and node.term == state.term:
             return
-        was_leading = state.leader == self.name
+        me = self._name()
+        was_leading = state.leader == me
         state.leader, state.term = leader, node.term
-        if was_leading and leader != self.name:
+        if was_leading and leader != me:
             # Proposals of the old term may yet be committed by the next leader (a
             # resend is then stored once: publish ids); this broker cannot tell.
             for _, future in state.proposals.values():

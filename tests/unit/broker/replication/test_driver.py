@@ -52,7 +52,7 @@ class Cluster:
         self.wals[name] = wal
         self.machines[name] = Machine()
         driver = RaftDriver(
-            name=name,
+            name=lambda: name,
             wal=wal,
             transport=self.transport(name),
             machine=self.machines[name],
