@@ -137,11 +137,9 @@ class PeerTransport:
         if batch:
             self._send(link, group, batch)
 
-    @staticmethod
-    def _send(link: Link, group: str, batch: list[Message]) -> None:
-        link.send(
-            encode_control(ControlType.RAFT, RaftFrame(group=group, messages=to_bodies(batch)))
-        )
+    def _send(self, link: Link, group: str, batch: list[Message]) -> None:
+        body = RaftFrame(group=group, messages=to_bodies(batch))
+        link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
 
     def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> bool:
         link = self._peers.get(broker)
