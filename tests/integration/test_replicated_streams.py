@@ -23,12 +23,17 @@ RESUME_WITHIN = 10.0
 
 
 async def replicated_mesh(tmp_path: Path) -> list[BrokerProcess]:
-    first = await start_broker("--data-dir", str(tmp_path / "b0"))
-    rest = [
-        await start_broker("--data-dir", str(tmp_path / f"b{i}"), "--seed", first.address)
-        for i in (1, 2)
-    ]
+    """Three brokers, r0..r2, each with its data dir (tmp_path/r0...): a replica is known
+    to its group by its name, so one that restarts keeps it (``restart``)."""
+    first = await start_broker("--name", "r0", "--data-dir", str(tmp_path / "r0"))
+    rest = [await restart(tmp_path, f"r{i}", first) for i in (1, 2)]
     return [first, *rest]
+
+
+async def restart(tmp_path: Path, name: str, seed: BrokerProcess) -> BrokerProcess:
+    return await start_broker(
+        "--name", name, "--data-dir", str(tmp_path / name), "--seed", seed.address
+    )
 
 
 async def led(conn: meshbus.Connector, stream: str, not_by: str = "") -> StreamInfo:
@@ -61,6 +66,15 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
         failed: list[int] = []
         async with await meshbus.connect(survivor.address, server="pub") as conn:
             publisher = await conn.register()
+            # Plain sends first: no publish id, so only the applied index keeps a replica
+            # that restarts from applying them twice.
+            for i in range(20):
+                await publisher.send("multicast:ledger", b"plain-%d" % i)
+
+            async def plain_stored() -> bool:
+                return len(await fetch_all(conn, "ledger")) == 20
+
+            await wait_until(plain_stored, "the plain sends stored")
             killed_at = 0.0
             resumed_at = 0.0
             for value in range(300):
@@ -83,7 +97,8 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
         # Read through the new leader: its committed prefix has every acknowledged value.
         async with await meshbus.connect(by_name[new.leader].address, server="reader") as conn:
             stored = await fetch_all(conn, "ledger")
-        values = [int(m.payload[1:]) for m in stored]
+        assert [m.payload for m in stored[:20]] == [b"plain-%d" % i for i in range(20)]
+        values = [int(m.payload[1:]) for m in stored[20:]]
         assert len(values) == len(set(values)), "a value stored twice"
         assert [v for v in values if v in set(acked)] == acked  # all there, in order
         assert [m.seq for m in stored] == list(range(1, len(stored) + 1))
@@ -95,6 +110,18 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
                 return len(await fetch_all(conn, "ledger")) == len(stored)
 
             await wait_until(caught_up, "the other survivor's copy")
+            copy = await fetch_all(conn, "ledger")
+        assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
+        # The old leader back from its data dir: what it applied before is not applied
+        # twice (its store records the last entry applied), and it catches up.
+        brokers[brokers.index(leader)] = back = await restart(tmp_path, leader.name, survivor)
+        async with await meshbus.connect(back.address, server="reader") as conn:
+
+            async def back_in_step() -> bool:
+                info = await conn.streams.info("ledger")
+                return info.last_seq == len(stored) and info.leader == new.leader
+
+            await wait_until(back_in_step, "the restarted broker's copy", timeout=20)
             copy = await fetch_all(conn, "ledger")
         assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
     finally:

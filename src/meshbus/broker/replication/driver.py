@@ -149,8 +149,16 @@ class RaftDriver:
     def recover(self) -> list[tuple[str, GroupMeta]]:
         """The groups the log holds, rebuilt as nodes; each with its meta."""
         found = []
+        me = self._name()
         for group, state in self._wal.groups.items():
             meta = msgspec.msgpack.decode(state.meta, type=GroupMeta)
+            if me not in meta.replicas:
+                log.error(
+                    "the Raft log names this broker's replicated stream under another broker "
+                    "name; restart it with --name set to its name among the replicas",
+                    extra={"stream": group, "replicas": meta.replicas, "name": me},
+                )
+                continue
             self._add(group, meta, _stored(state))
             found.append((group, meta))
         return found
