@@ -4,6 +4,8 @@ stream that lost a majority of its replicas refusing to acknowledge."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 
@@ -12,9 +14,10 @@ import pytest
 import meshbus
 from meshbus import Multicast, ReliableConfig, RetryPolicy
 from meshbus.client.streams import StreamInfo
-from meshbus.errors import DeliveryFailed
+from meshbus.errors import DeliveryFailed, StreamError
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import wait_members, wait_until
+from tests.integration.test_cli import run_cli
 from tests.integration.test_streams import fetch_all
 
 # Election timeouts are 1-2 s (meshbus.broker.streams.RAFT_TICK, RAFT_SETTINGS); a
@@ -54,11 +57,19 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
     brokers = await replicated_mesh(tmp_path)
     by_name = {b.name: b for b in brokers}
     try:
+        added = await run_cli(
+            "stream", "add", "ledger", "--capture", "multicast:ledger", "--replicas", "3",
+            "--broker", brokers[0].address, "--json",
+        )  # fmt: skip
+        assert added.code == 0, added.err
+        assert sorted(json.loads(added.out)["replicas"]) == sorted(by_name)
         async with await meshbus.connect(brokers[0].address, server="op", operator=True) as op:
-            created = await op.streams.add("ledger", "multicast:ledger", replicas=3)
-            assert sorted(created.replicas) == sorted(by_name)
             info = await led(op, "ledger")
         assert sorted(info.replicas) == sorted(by_name)
+        shown = await run_cli("stream", "info", "ledger", "--broker", brokers[1].address)
+        assert shown.code == 0, shown.err
+        assert re.search(rf"leader\s+│?\s*{info.leader}", shown.out), shown.out
+        assert all(name in shown.out for name in by_name)
         await wait_members(brokers, Multicast("ledger"), 1)
         leader = by_name[info.leader]
         survivor = next(b for b in brokers if b is not leader)
@@ -123,7 +134,22 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
 
             await wait_until(back_in_step, "the restarted broker's copy", timeout=20)
             copy = await fetch_all(conn, "ledger")
-        assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
+            assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
+            # A delete asked of a follower goes to the leader; every replica deletes the
+            # stream once the deletion is committed.
+            await conn.streams.delete("ledger")
+
+            async def gone_everywhere() -> bool:
+                for broker in brokers:
+                    async with await meshbus.connect(broker.address, server="check") as c:
+                        try:
+                            await c.streams.info("ledger")
+                        except StreamError:
+                            continue
+                        return False
+                return True
+
+            await wait_until(gone_everywhere, "the stream deleted on every replica")
     finally:
         await stop_all([b for b in brokers if b.process.returncode is None])
 

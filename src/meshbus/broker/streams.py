@@ -770,7 +770,9 @@ class StreamHost:
         replicas = placement(name, ready, count)
         replicated.add(config, replicas)
         info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
-        info.update(store="", replicas=replicas, leader="")
+        info.update(replicas=replicas, leader="")
+        if self._config.name not in replicas:
+            info["store"] = ""  # this broker placed it and holds no copy
         return StreamReply(info=info)
 
     def _info(self, info: StreamStatus) -> dict[str, Any]:

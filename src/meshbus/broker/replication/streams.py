@@ -22,6 +22,7 @@ prefix to a fetch made on it; any other broker relays a request to the leader.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -141,16 +142,12 @@ class PeerTransport:
         body = RaftFrame(group=group, messages=to_bodies(batch))
         link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
 
-    def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> bool:
+    def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> None:
+        """Send ``broker`` the frame that founds ``group`` there (if it is linked)."""
         link = self._peers.get(broker)
-        if link is None:
-            return False
-        link.send(
-            encode_control(
-                ControlType.RAFT, RaftFrame(group=group, replicas=replicas, create=config)
-            )
-        )
-        return True
+        if link is not None:
+            body = RaftFrame(group=group, replicas=replicas, create=config)
+            link.send(encode_control(ControlType.RAFT, body))
 
 
 class ReplicatedStreams:
@@ -188,6 +185,7 @@ class ReplicatedStreams:
         self.configs: dict[str, StreamConfig] = {}
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
         self.refused = 0  # captured messages never proposed (too large, no leader)
+        self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
 
     def __contains__(self, name: object) -> bool:
         return name in self.configs
@@ -210,16 +208,15 @@ class ReplicatedStreams:
         frame on each other. ValueError if one is not linked."""
         app = _encode(ConfigBody.of(config))
         me = self._name()
-        missing = [
-            b
-            for b in replicas
-            if b != me and self._transport.found(b, config.name, replicas, app) is False
-        ]
-        if missing:
+        missing = [b for b in replicas if b != me and not self._linked(b)]
+        if missing:  # checked before any is founded: no group is left on some of them
             raise ValueError(
                 f"stream {config.name!r}: brokers {', '.join(missing)} are not linked to "
                 f"{me} now; add it again once the mesh is whole"
             )
+        for broker in replicas:
+            if broker != me:
+                self._transport.found(broker, config.name, replicas, app)
         if me in replicas:
             self.found(config.name, replicas, app)
 
@@ -284,10 +281,25 @@ class ReplicatedStreams:
             failures = [f for f in futures if not f.done() or f.cancelled() or f.exception()]
             if failures:
                 self.refused += len(messages)
+                self._not_stored(name, failures[0])
             elif acks:
                 self._acknowledge(member, acks)
 
         futures[-1].add_done_callback(committed)
+
+    def _not_stored(self, name: str, failed: asyncio.Future[int]) -> None:
+        """Say once per term why captures of ``name`` are not acknowledged here."""
+        state = self.driver.groups.get(name)
+        term = state.term if state is not None else 0
+        if self._warned.get(name) == term:
+            return
+        self._warned[name] = term
+        error = "cancelled" if failed.cancelled() else str(failed.exception())
+        log.warning(
+            "appends to a replicated stream are not acknowledged: no leader that a majority "
+            "of its replicas elected takes them here (reliable senders resend, then give up)",
+            extra={"stream": name, "term": term, "error": error},
+        )
 
     # -- the state machine -------------------------------------------------------------------
 
