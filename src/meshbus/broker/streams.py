@@ -154,6 +154,7 @@ class StreamHost:
         self.store: MirroredStore
         self._lock: IO[bytes] | None = None
         self._ready_brokers = ready_brokers
+        self._peers = peers
         self.replicated: ReplicatedStreams | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
@@ -535,9 +536,10 @@ class StreamHost:
         replicated = self.replicated
         if replicated is not None and name in replicated and body.op not in ("add", "list"):
             refusal = self._replica_refusal(body)
+            leader = replicated.leader(name)
             if refusal is None:
                 pass  # this replica answers: its committed prefix
-            elif (peer := self.elsewhere.get(name)) is not None and not link.is_peer:
+            elif (peer := self._peers.get(leader or "")) is not None and not link.is_peer:
                 self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
                 return
             else:
@@ -583,7 +585,8 @@ class StreamHost:
 
     def _replica_refusal(self, body: StreamRequest) -> str | None:
         """Why this replica of a replicated stream does not answer ``body`` itself (None:
-        it does -- a read of its committed prefix); the leader may."""
+        it does -- a read of its committed prefix); the leader may (a delete, a current
+        read)."""
         replicated = self.replicated
         assert replicated is not None
         name = body.stream
@@ -592,7 +595,8 @@ class StreamHost:
                 f"stream {name!r} is replicated: durable consumers of replicated streams "
                 "are not supported yet; fetch by sequence number instead"
             )
-        if body.op != "delete" or replicated.leads(name):
+        leader_only = body.op == "delete" or (body.current and body.op in ("fetch", "info"))
+        if not leader_only or replicated.leads(name):
             return None
         leader = replicated.leader(name)
         if leader is None:

@@ -327,6 +327,12 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     show_default=True,
     help="Print at most this many messages.",
 )
+@click.option(
+    "--current",
+    is_flag=True,
+    help="A replicated stream: read through its leader, which has every acknowledged "
+    "message (a replica answers from what it has applied, which may be a moment behind).",
+)
 @any_broker_option
 @click.option(
     "--json",
@@ -336,7 +342,13 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     "priority.",
 )
 def fetch(
-    name: str, from_seq: int, count: int, broker_address: str, access: Access, as_json: bool
+    name: str,
+    from_seq: int,
+    count: int,
+    current: bool,
+    broker_address: str,
+    access: Access,
+    as_json: bool,
 ) -> None:
     """Print up to --count messages of stream NAME from seq --from on, in order.
 
@@ -349,7 +361,7 @@ def fetch(
         async with await connect(broker_address, access) as conn:
             seq, left = from_seq, count
             while left > 0:
-                page = await conn.streams.fetch(name, seq, min(left, _PAGE))
+                page = await conn.streams.fetch(name, seq, min(left, _PAGE), current=current)
                 if not page:
                     return
                 for message in page:

@@ -147,12 +147,19 @@ class StreamClient:
         await self._ask(StreamRequest(op="delete", stream=name))
 
     async def fetch(
-        self, name: str, from_seq: int = 1, max_count: int = 100
+        self, name: str, from_seq: int = 1, max_count: int = 100, *, current: bool = False
     ) -> builtins.list[StreamMessage]:
         """Up to ``max_count`` messages from ``from_seq`` on, in order (fewer when they
-        would not fit in one frame); an empty list past the end."""
+        would not fit in one frame); an empty list past the end.
+
+        A replicated stream is read from the replica asked, if it is one: its committed
+        prefix, which may miss the last acknowledged messages for a moment. ``current``:
+        read through its leader, which has applied every acknowledged message
+        (docs/guarantees.md, "Replicated streams")."""
         reply = await self._ask(
-            StreamRequest(op="fetch", stream=name, from_seq=from_seq, max_count=max_count)
+            StreamRequest(
+                op="fetch", stream=name, from_seq=from_seq, max_count=max_count, current=current
+            )
         )
         return [StreamMessage(name, row) for row in reply.messages]
 

@@ -423,6 +423,9 @@ class StreamRequest(Body):
     # add: how many brokers hold the stream (1, 3 or 5; docs/guarantees.md); more than
     # one makes it a Raft group (RAFT frames between them).
     replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] = 1
+    # fetch, info of a replicated stream: answered by its leader (a replica answers from
+    # its committed prefix, which may be a little behind).
+    current: bool = False
 
 
 # Replicated streams (RAFT): a group's replicas, its node ids (1..MAX_REPLICAS), the
