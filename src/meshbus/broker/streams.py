@@ -559,6 +559,9 @@ class StreamHost:
         if not_theirs:
             self._refuse(link, ErrorCode.PERMISSION_DENIED, not_theirs, correlation)
             return
+        if body.op == "delete" and replicated is not None and name in replicated:
+            self._delete_replicated(link, correlation, replicated.delete(name))
+            return
         try:
             reply = self._handle(link, body)
         except StoreError as exc:
@@ -582,6 +585,26 @@ class StreamHost:
                 self._outbox.flush()
 
         self._sync.after_confirmed(captured_mesh_wide)
+
+    def _delete_replicated(
+        self, link: Link, correlation: int, committed: asyncio.Future[int]
+    ) -> None:
+        """Answer a replicated stream's delete once it is committed (every replica then
+        deletes it), or with why it was not."""
+
+        def done(future: asyncio.Future[int]) -> None:
+            if link.state is not LinkState.OPEN:
+                future.exception()  # read: nobody waits for it now
+                return
+            error = future.exception()
+            if error is None:
+                self._relay.answer(link, ControlType.STREAM_REPLY, StreamReply(), correlation)
+            else:
+                message = f"the delete was not committed: {error}; ask again"
+                self._refuse(link, ErrorCode.UNAVAILABLE, message, correlation)
+            self._outbox.flush()
+
+        committed.add_done_callback(done)
 
     def _replica_refusal(self, body: StreamRequest) -> str | None:
         """Why this replica of a replicated stream does not answer ``body`` itself (None:
@@ -693,9 +716,6 @@ class StreamHost:
             return StreamReply(streams=listed)
         if op == "info":
             return StreamReply(info=self._info(store.info(name)))
-        if op == "delete" and self.replicated is not None and name in self.replicated:
-            self.replicated.delete(name)  # every replica deletes it once that commits
-            return StreamReply()
         if op == "delete":
             self._unhost(name)
             store.delete_stream(name)

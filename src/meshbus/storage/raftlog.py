@@ -172,6 +172,7 @@ class RaftWal:
         self._fd = fd
         self.size = size
         self.failed: str = ""
+        self._measured_at = 0  # the file's size when its live size was last measured
 
     @classmethod
     def open(cls, path: str) -> tuple[RaftWal, Recovery]:
@@ -247,7 +248,13 @@ class RaftWal:
         )
 
     def should_rewrite(self, slack: int = REWRITE_SLACK) -> bool:
-        return self.size > slack and self.size > 2 * self.live_size()
+        """Whether the file holds twice what is live (and ``slack`` bytes more). The live
+        size is measured again only once the file doubled since the last time: it costs
+        an encoding of every group's state."""
+        if self.size <= slack or self.size < 2 * self._measured_at:
+            return False
+        self._measured_at = self.size
+        return self.size > 2 * self.live_size()
 
     def rewrite(self) -> None:
         """Replace the file by one record per group: its live state."""
@@ -276,7 +283,7 @@ class RaftWal:
         os.close(self._fd)
         self._fd = fd = os.open(self.path, os.O_RDWR)
         os.lseek(fd, 0, os.SEEK_END)
-        self.size = len(data)
+        self.size = self._measured_at = len(data)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -225,10 +225,10 @@ class ReplicatedStreams:
         self._hold(group, meta)
         self.driver.create(group, replicas, app)
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str) -> asyncio.Future[int]:
         """Propose the stream's deletion (the leader only): every replica deletes it when
-        it applies the entry."""
-        self.driver.propose(name, _encode((_DELETE, 0.0, [])))
+        it applies the entry; the future is done once it is committed and applied here."""
+        return self.driver.propose(name, _encode((_DELETE, 0.0, [])))
 
     def on_frame(self, link: Link, correlation: int, body: RaftFrame) -> None:
         group = body.group
@@ -317,7 +317,9 @@ class ReplicatedStreams:
                 self.configs.pop(group, None)
                 if self.capturing.pop(group, 0):
                     self._release(group)
-                self.driver.drop(group)
+                # Dropped after this turn of the driver, which settles the delete's own
+                # proposal first (a drop fails the proposals still waiting).
+                asyncio.get_running_loop().call_soon(self.driver.drop, group)
                 self._deleted(group)
                 return
             try:
