@@ -848,6 +848,8 @@ class StreamHost:
             }
             if self.replicated is not None
             else {},
+            # Why this broker acknowledges no append to a replicated stream ("" if it does).
+            "raft_log_failed": self.replicated.driver.failed if self.replicated else "",
             "paused": {
                 n: [describe_address(group) for group in groups]
                 for n, groups in sorted(self.paused.items())

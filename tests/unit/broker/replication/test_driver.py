@@ -224,3 +224,30 @@ async def test_a_failed_log_stops_the_driver(cluster: Cluster) -> None:
         future.result()
     with pytest.raises(RaftLogFailed):
         await driver.propose("orders", b"y")
+
+
+async def test_a_follower_with_a_damaged_log_repairs_before_it_votes(cluster: Cluster) -> None:
+    for driver in cluster.drivers.values():
+        driver.create("orders", NAMES, b"")
+    leader = await cluster.elect("orders")
+    follower = next(n for n in NAMES if n != leader)
+    for i in range(3):
+        cluster.drivers[leader].propose("orders", f"a{i}".encode())
+        await cluster.turns()
+    await cluster.tick()
+    cluster.down.add(follower)
+    cluster.drivers[follower].close()
+    # A flipped bit in the middle of its log: damage, not a torn tail.
+    path = cluster.tmp / f"{follower}.wal"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    restarted = cluster.start(follower)
+    node = restarted.groups["orders"].node
+    assert node.repairing
+    assert node.epoch == 1
+    assert not node.promotable  # it neither votes nor campaigns
+    cluster.down.discard(follower)
+    await cluster.tick(3)
+    assert not node.repairing  # the leader brought it up to date
+    assert cluster.machines[follower].applied["orders"] == [b"a0", b"a1", b"a2"]
