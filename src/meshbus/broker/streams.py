@@ -274,8 +274,11 @@ class StreamHost:
         owner = routing.owner(member)
         if owner is self.sink:
             return
-        if owner is not None and routing.epoch_of(member) > epoch:
-            return  # a leader of a later term has it: the peers keep that one too
+        if owner is not None and routing.epoch_of(member) >= epoch:
+            # A leader of a later term has it (the peers keep that one too), or another
+            # replica without a leader, as much entitled: taking it back and forth would
+            # only churn the routes.
+            return
         if config.name in self.members:
             # Taken over by a peer since (another replica without a leader, with the same
             # epoch), which may be gone now: start again.

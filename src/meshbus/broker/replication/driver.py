@@ -166,8 +166,8 @@ class RaftDriver:
     def create(self, group: str, replicas: Sequence[str], app: bytes) -> None:
         """Found ``group`` on this broker, one of ``replicas`` (the same list, in the same
         order, on every founding member: it is the group's first membership)."""
-        if group in self.groups:
-            return
+        if group in self.groups or group in self._wal.groups:
+            return  # founded already (its log is read back at start: ``recover``)
         meta = GroupMeta(list(replicas), app)
         stored = bootstrap(Membership.of(range(1, len(replicas) + 1)))
         record = _record(group, stored.hard_state, None, stored.entries)
