@@ -794,6 +794,13 @@ class StreamHost:
                 raise ValueError(
                     f"a stream captures multicast addresses, not {describe_address(group)}"
                 )
+        hosted = len(self.store.streams())
+        if hosted >= self._config.max_streams:
+            raise StoreFull(
+                f"this broker hosts {hosted} streams, its limit (meshbus broker "
+                "--max-streams); delete one first or add the stream on another broker"
+            )
+        self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
         replicas = placement(name, ready, count)
         replicated.add(config, replicas)
         info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
