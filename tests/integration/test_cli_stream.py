@@ -89,6 +89,8 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "store": "",  # this broker keeps its streams in memory
         "host": socket.gethostname(),
         "owner": "",  # a broker without users: nobody's
+        "replicas": [],  # --replicas 1: no Raft group
+        "leader": "",
     }
     table = await stream_cli("info", "orders", *at)
     assert table.code == 0

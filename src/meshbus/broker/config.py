@@ -213,8 +213,9 @@ class BrokerConfig:
     # -- Streams (docs/guarantees.md).
     data_dir: str = setting(
         "",
-        help="Directory for the broker's durable data, its streams (created if missing); "
-        "without it, streams live in memory and end with the broker.",
+        help="Directory for the broker's durable data, its streams (created if missing), and "
+        "the Raft log of its replicated streams; without it, streams live in memory and end "
+        "with the broker, and it holds no replicated stream.",
         path="directory",
     )
     fsync: Fsync = setting(

@@ -57,7 +57,7 @@ from meshbus.broker.security.handshakes import evicted_why, source_of
 from meshbus.broker.security.signin import SignIn
 from meshbus.broker.security.trust import MeshTrust
 from meshbus.broker.security.users import UserTable
-from meshbus.broker.streams import StreamHost
+from meshbus.broker.streams import RAFT_TICK, StreamHost
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     OP_REMOVE,
@@ -76,6 +76,7 @@ from meshbus.protocol.control import (
     Load,
     Membership,
     MembersRequest,
+    RaftFrame,
     Ready,
     Register,
     Relayed,
@@ -205,6 +206,11 @@ class Broker:
             usage=self.usage,
             hosted_changed=lambda: self.mesh.gossip.load_changed(),
             may_capture=lambda owner, group: self.sign_in.may_capture(owner, group),
+            peers=self.peers,
+            ready_brokers=lambda: [
+                b.name for b in self.mesh.brokers() if b.ready and not b.draining
+            ],
+            randomness=rng,
         )
         self.telemetry = Telemetry(
             config=config,
@@ -357,6 +363,7 @@ class Broker:
         on(_PEER, _C.GROUPS, Groups, guarantees.on_groups)
         on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
         on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
+        on(_PEER, _C.RAFT, RaftFrame, streams.on_raft)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -399,6 +406,10 @@ class Broker:
             self._tasks.spawn(self._sweep_pending(), "pending-sweeper")
             self._tasks.spawn(self._housekeeping(), "housekeeping")
             self._tasks.spawn(self._measure_lag(), "loop-lag")
+            if self.streams.replicated is not None:
+                self._tasks.spawn(self._raft_ticks(), "raft-ticks")
+        if self.streams.replicated is not None:
+            self._tasks.spawn(self.streams.replicated.driver.run(), "raft-driver")
         if self.config.seeds:
             await self.mesh.join(self.config.seeds)
         else:
@@ -610,6 +621,13 @@ class Broker:
             self.lag.record(late, time.thread_time() - cpu)
             if late > self.mesh.fence.budget and self.peers:
                 self.mesh.fence.stalled()
+
+    async def _raft_ticks(self) -> None:
+        assert self.streams.replicated is not None
+        driver = self.streams.replicated.driver
+        while True:
+            await asyncio.sleep(RAFT_TICK)
+            driver.tick()
 
     async def _housekeeping(self) -> None:
         interval = self.config.heartbeat_interval

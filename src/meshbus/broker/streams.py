@@ -36,10 +36,13 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core.endpoint import Endpoint, LinkRole, LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
+from meshbus.broker.core.registry import Peers
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.replication.driver import RaftDriver
+from meshbus.broker.replication.streams import PeerTransport, ReplicatedStreams, placement
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
@@ -49,9 +52,11 @@ from meshbus.protocol.control import (
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
+    RaftFrame,
     StoredRow,
     StreamReply,
     StreamRequest,
+    owner_of,
 )
 from meshbus.protocol.ext import Ext, ack_frames, split
 from meshbus.protocol.headers import decode_headers
@@ -63,8 +68,10 @@ from meshbus.protocol.layout import (
     ControlType,
     ErrorCode,
 )
+from meshbus.raft import RaftSettings, Randomness
 from meshbus.storage.data_dir import lock_data_dir
 from meshbus.storage.errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
+from meshbus.storage.raftlog import RaftWal
 from meshbus.storage.sqlite import SqliteStreamStore
 from meshbus.storage.store import (
     ConsumerConfig,
@@ -86,6 +93,11 @@ _payload_of = itemgetter(2)  # NewMessage.payload
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
+# Replicated streams (meshbus.broker.replication): a tick every RAFT_TICK seconds; an
+# election after 10-20 silent ticks, a heartbeat every tick; 4 entries per APPEND of at
+# most an eighth of a frame each, so an APPEND fits in a peer frame.
+RAFT_TICK = 0.1
+RAFT_SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1, max_append_entries=4)
 # The same in a block (four indices, two offsets), with room for every message to
 # have a source, destination, group and priority of its own.
 _COLUMN_OVERHEAD = 128
@@ -120,11 +132,16 @@ class StreamHost:
         usage: UsageTable,
         hosted_changed: Callable[[], None],
         may_capture: Callable[[str, bytes], bool],
+        peers: Peers,
+        ready_brokers: Callable[[], list[str]],
+        randomness: Randomness,
     ) -> None:
         """``usage`` counts the bytes of the streams each user adds (its quota);
         ``hosted_changed`` tells the peers at once that the streams hosted here changed.
         ``may_capture(owner, group)``: a stream added by user ``owner`` may capture
-        ``group`` now (asked at start and after every reload)."""
+        ``group`` now (asked at start and after every reload). ``peers``, the mesh's
+        ``ready_brokers`` (this one included) and ``randomness`` (election timeouts) are
+        for replicated streams."""
         self._config = config
         self._routing = routing
         self._sync = sync
@@ -136,11 +153,15 @@ class StreamHost:
         data_dir = config.data_dir
         self.store: MirroredStore
         self._lock: IO[bytes] | None = None
+        self._ready_brokers = ready_brokers
+        self._peers = peers
+        self.replicated: ReplicatedStreams | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
             self._lock = lock_data_dir(data_dir)
             path = os.path.join(data_dir, "streams.db")
             self.store = SqliteStreamStore(path, fsync=config.fsync)
+            self.replicated = self._replication(data_dir, peers, randomness)
         else:
             self.store = MemoryStreamStore()
         self.sink = StreamSink(self._captured)
@@ -159,6 +180,50 @@ class StreamHost:
         self.dropped = 0
         self._purging: asyncio.Handle | None = None
 
+    def _replication(
+        self, data_dir: str, peers: Peers, randomness: Randomness
+    ) -> ReplicatedStreams:
+        wal, recovery = RaftWal.open(os.path.join(data_dir, "raft.wal"))
+        if recovery.damage:
+            log.error(
+                "the Raft log was damaged: its replicated streams repair from their leaders",
+                extra={"path": wal.path, "damage": recovery.damage},
+            )
+        elif recovery.torn_bytes:
+            log.warning(
+                "the Raft log ended in a write cut short by a crash; it was dropped",
+                extra={"path": wal.path, "bytes": recovery.torn_bytes},
+            )
+        config = self._config
+        transport = PeerTransport(peers, config.max_frame)
+
+        async def run_blocking(work: Callable[[], None]) -> None:
+            await asyncio.get_running_loop().run_in_executor(None, work)
+
+        def driver(machine: ReplicatedStreams) -> RaftDriver:
+            return RaftDriver(
+                name=lambda: config.name,
+                wal=wal,
+                transport=transport,
+                machine=machine,
+                settings=RAFT_SETTINGS,
+                randomness=randomness,
+                run_blocking=run_blocking,
+            )
+
+        return ReplicatedStreams(
+            name=lambda: config.name,
+            store=self.store,
+            transport=transport,
+            driver=driver,
+            capture=self._lead,
+            release=self._unhost,
+            deleted=self._replica_deleted,
+            acknowledge=self._acknowledge,
+            entry_limit=config.max_frame // 8,
+            linked=lambda broker: peers.get(broker) is not None,
+        )
+
     def names(self) -> list[str]:
         return list(self.members)
 
@@ -166,10 +231,14 @@ class StreamHost:
 
     def restore(self) -> None:
         """The streams in the store start capturing again (the broker is ready: it has
-        a slot for their member addresses)."""
+        a slot for their member addresses); a replicated stream only where it leads."""
+        replicated = self.replicated
+        if replicated is not None:
+            replicated.restore()
         for config in self.store.streams():
             self._usage.stream_added(config.owner, config.name, config.max_bytes)
-            self._host(config)
+            if replicated is None or config.name not in replicated:
+                self._host(config)
         self._purge_later()  # a delete that a restart cut short
 
     def _purge_later(self) -> None:
@@ -193,9 +262,35 @@ class StreamHost:
     def _host(self, config: StreamConfig) -> None:
         if config.name in self.members:
             return
-        routing = self._routing
-        member = routing.allocate_dynamic(_STREAM_SERVER, self.sink)
+        member = self._routing.allocate_dynamic(_STREAM_SERVER, self.sink)
         self._sync.announce(OP_ADD, member)
+        self._capture_as(config, member)
+
+    def _lead(self, config: StreamConfig, member: bytes, session: bytes, epoch: int) -> None:
+        """Replicated stream ``config`` captures here, as the stream's fixed member, taken
+        over from whoever had it with a lower ``epoch`` (meshbus.broker.replication)."""
+        routing = self._routing
+        epoch = min(epoch, 0xFFFF_FFFF)
+        owner = routing.owner(member)
+        if owner is self.sink:
+            return
+        if owner is not None and routing.epoch_of(member) >= epoch:
+            # A leader of a later term has it (the peers keep that one too), or another
+            # replica without a leader, as much entitled: taking it back and forth would
+            # only churn the routes.
+            return
+        if config.name in self.members:
+            # Taken over by a peer since (another replica without a leader, with the same
+            # epoch), which may be gone now: start again.
+            self._unhost(config.name)
+        if owner is None:
+            routing.add_service(member, self.sink, session, epoch)
+        else:
+            routing.take_over(member, self.sink, session, epoch)
+        self._sync.announce(OP_ADD, member, owner_of(session, epoch))
+        self._capture_as(config, member)
+
+    def _capture_as(self, config: StreamConfig, member: bytes) -> None:
         self.members[config.name] = member
         self._by_member[member] = config.name
         self._capture(config)
@@ -256,11 +351,24 @@ class StreamHost:
         for streams in self._by_group.values():
             if name in streams:
                 streams.remove(name)
-        self._routing.remove_service(member, self.sink)
-        self._sync.announce(OP_REMOVE, member)
+        if self._routing.owner(member) is self.sink:  # else a new leader took it over
+            self._routing.remove_service(member, self.sink)
+            self._sync.announce(OP_REMOVE, member)
         self._hosted_changed()
 
+    def on_raft(self, link: Link, correlation: int, body: RaftFrame) -> None:
+        """RAFT from a peer: its replicated streams' messages (meshbus.broker.replication)."""
+        if self.replicated is not None:
+            self.replicated.on_frame(link, correlation, body)
+        else:
+            log.warning(
+                "a RAFT frame for a replicated stream, and this broker has no --data-dir",
+                extra={"stream": body.group, "from": link.name},
+            )
+
     def peer_streams(self, peer: Link, names: list[str]) -> None:
+        if self.replicated is not None:
+            self.replicated.links_changed()  # a leader linked again
         for name, link in list(self.elsewhere.items()):
             if link is peer and name not in names:
                 del self.elsewhere[name]
@@ -271,6 +379,8 @@ class StreamHost:
             self.elsewhere[name] = peer
 
     def peer_lost(self, peer: Link) -> None:
+        if self.replicated is not None:
+            self.replicated.links_changed()
         now = time.time()
         for name, link in list(self.elsewhere.items()):
             if link is peer:
@@ -376,6 +486,12 @@ class StreamHost:
                         f"{size} more would pass its limit of {limit} bytes per data dir "
                         "(meshbus broker --max-store-bytes): delete or trim a stream"
                     )
+                replicated = self.replicated
+                if replicated is not None and name in replicated:
+                    member = self.members.get(name)
+                    if member is not None:  # else: no longer the leader
+                        replicated.append(name, member, messages, acks)
+                    continue
                 store.append_batch(name, messages, now)
             except StoreError as exc:
                 # Not acknowledged, so reliable senders try again; plain sends are lost.
@@ -387,6 +503,17 @@ class StreamHost:
             if member is not None and acks:
                 self._send_acks(member, acks)
         self._outbox.flush()
+
+    def _acknowledge(self, member: bytes, acks: dict[bytes, list[int]]) -> None:
+        """A replicated stream's commit: its reliable frames are acknowledged now."""
+        self._send_acks(member, acks)
+        self._outbox.flush()
+
+    def _replica_deleted(self, name: str) -> None:
+        if name in self.store:
+            self.store.delete_stream(name)
+            self._usage.stream_deleted(name)
+            self._purge_later()
 
     def _send_acks(self, member: bytes, acks: dict[bytes, list[int]]) -> None:
         """One ACK frame per sender for what this commit stored (meshbus.protocol.ext)."""
@@ -409,7 +536,19 @@ class StreamHost:
             )
         answer = self._relay.answer
         name = body.stream
-        if body.op not in ("add", "list") and name not in self.members:
+        replicated = self.replicated
+        if replicated is not None and name in replicated and body.op not in ("add", "list"):
+            refusal = self._replica_refusal(body)
+            leader = replicated.leader(name)
+            if refusal is None:
+                pass  # this replica answers: its committed prefix
+            elif (peer := self._peers.get(leader or "")) is not None and not link.is_peer:
+                self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
+                return
+            else:
+                self._refuse(link, ErrorCode.UNAVAILABLE, refusal, correlation)
+                return
+        elif body.op not in ("add", "list") and name not in self.members:
             peer = self.elsewhere.get(name)
             if peer is not None and not link.is_peer:
                 self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
@@ -423,6 +562,9 @@ class StreamHost:
         if not_theirs:
             self._refuse(link, ErrorCode.PERMISSION_DENIED, not_theirs, correlation)
             return
+        if body.op == "delete" and replicated is not None and name in replicated:
+            self._delete_replicated(link, correlation, replicated.delete(name))
+            return
         try:
             reply = self._handle(link, body)
         except StoreError as exc:
@@ -433,7 +575,9 @@ class StreamHost:
         except (ValueError, TypeError, OverflowError) as exc:
             self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
             return
-        if body.op != "add":
+        if body.op != "add" or body.replicas > 1:
+            # A replicated stream captures once its leader is elected (``info`` shows it),
+            # so there is no capture to wait for here.
             answer(link, ControlType.STREAM_REPLY, reply, correlation)
             return
 
@@ -443,6 +587,49 @@ class StreamHost:
                 answer(link, ControlType.STREAM_REPLY, reply, correlation)
 
         self._sync.after_confirmed(captured_mesh_wide)
+
+    def _delete_replicated(
+        self, link: Link, correlation: int, committed: asyncio.Future[int]
+    ) -> None:
+        """Answer a replicated stream's delete once it is committed (every replica then
+        deletes it), or with why it was not."""
+
+        def done(future: asyncio.Future[int]) -> None:
+            if link.state is not LinkState.OPEN:
+                future.exception()  # read: nobody waits for it now
+                return
+            error = future.exception()
+            if error is None:
+                self._relay.answer(link, ControlType.STREAM_REPLY, StreamReply(), correlation)
+            else:
+                message = f"the delete was not committed: {error}; ask again"
+                self._refuse(link, ErrorCode.UNAVAILABLE, message, correlation)
+            self._outbox.flush()
+
+        committed.add_done_callback(done)
+
+    def _replica_refusal(self, body: StreamRequest) -> str | None:
+        """Why this replica of a replicated stream does not answer ``body`` itself (None:
+        it does -- a read of its committed prefix); the leader may (a delete, a current
+        read)."""
+        replicated = self.replicated
+        assert replicated is not None
+        name = body.stream
+        if stream_operation(body.op) == "consume" or body.op.startswith("consumer"):
+            return (
+                f"stream {name!r} is replicated: durable consumers of replicated streams "
+                "are not supported yet; fetch by sequence number instead"
+            )
+        leader_only = body.op == "delete" or (body.current and body.op in ("fetch", "info"))
+        if not leader_only or replicated.leads(name):
+            return None
+        leader = replicated.leader(name)
+        if leader is None:
+            return (
+                f"stream {name!r} has no leader now (an election is under way, or fewer "
+                "than a majority of its replicas are up); ask again in a moment"
+            )
+        return f"stream {name!r} is led by broker {leader}; ask it"
 
     def _not_theirs(self, body: StreamRequest) -> str:
         """Why ``body`` may not use the consumer it names: another user made it ("" when
@@ -475,6 +662,8 @@ class StreamHost:
         store = self.store
         name = body.stream
         op = body.op
+        if op == "add" and body.replicas > 1:
+            return self._add_replicated(body)
         if op == "add":
             if name in self.elsewhere:
                 raise ValueError(f"stream {name!r} is hosted by broker {self.elsewhere[name].name}")
@@ -514,6 +703,13 @@ class StreamHost:
             return StreamReply(info=self._info(info))
         if op == "list":
             here = [{"name": n, "broker": self._config.name} for n in self.members]
+            replicated = self.replicated
+            if replicated is not None:
+                here += [
+                    {"name": n, "broker": replicated.leader(n) or ""}
+                    for n in replicated.configs
+                    if n not in self.members and n not in self.elsewhere
+                ]
             there = [{"name": n, "broker": peer.name} for n, peer in self.elsewhere.items()]
             listed = sorted(here + there, key=lambda s: s["name"])
             permissions = link.permissions
@@ -562,6 +758,56 @@ class StreamHost:
             return StreamReply(acked=store.consumer_ack(name, body.consumer, body.seqs))
         raise ValueError(f"unknown stream request {op!r}")
 
+    def _add_replicated(self, body: StreamRequest) -> StreamReply:
+        """Place the stream on ``body.replicas`` ready brokers and found its group there
+        (meshbus.broker.replication.streams)."""
+        name, count = body.stream, body.replicas
+        replicated = self.replicated
+        if replicated is None:
+            raise ValueError(
+                f"stream {name!r}: --replicas {count} needs a broker with --data-dir (the "
+                "Raft log and the replicas' stores are files); this one keeps streams in memory"
+            )
+        if count not in (3, 5):
+            raise ValueError(f"stream {name!r}: --replicas is 1, 3 or 5, not {count}")
+        if name in replicated or name in self.members or name in self.elsewhere:
+            raise ValueError(f"stream {name!r} exists already; delete it first")
+        ready = self._ready_brokers()
+        if len(ready) < count:
+            raise ValueError(
+                f"stream {name!r}: --replicas {count} needs {count} ready brokers in the mesh, "
+                f"and it has {len(ready)} ({', '.join(sorted(ready))})"
+            )
+        cap = self._config.max_stream_bytes
+        config = StreamConfig(
+            name=name,
+            captures=tuple(body.captures),
+            max_msgs=body.max_msgs,
+            max_bytes=min(body.max_bytes or cap, cap),
+            max_age=body.max_age,
+            dedupe_window=body.dedupe_window,
+            owner=body.user,
+        )
+        for group in config.captures:
+            if group[0] != CAST_MULTICAST:
+                raise ValueError(
+                    f"a stream captures multicast addresses, not {describe_address(group)}"
+                )
+        hosted = len(self.store.streams())
+        if hosted >= self._config.max_streams:
+            raise StoreFull(
+                f"this broker hosts {hosted} streams, its limit (meshbus broker "
+                "--max-streams); delete one first or add the stream on another broker"
+            )
+        self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
+        replicas = placement(name, ready, count)
+        replicated.add(config, replicas)
+        info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
+        info.update(replicas=replicas, leader="")
+        if self._config.name not in replicas:
+            info["store"] = ""  # this broker placed it and holds no copy
+        return StreamReply(info=info)
+
     def _info(self, info: StreamStatus) -> dict[str, Any]:
         config = info.config
         return {
@@ -582,6 +828,7 @@ class StreamHost:
             if isinstance(self.store, SqliteStreamStore)
             else "",
             "host": socket.gethostname(),
+            **(self.replicated.describe(config.name) if self.replicated is not None else {}),
         }
 
     def expire(self) -> None:
@@ -593,6 +840,8 @@ class StreamHost:
     def close(self) -> None:
         if self._purging is not None:
             self._purging.cancel()  # the rest goes after the next start
+        if self.replicated is not None:
+            self.replicated.driver.close()
         self.store.close()
         if self._lock is not None:
             self._lock.close()
@@ -603,6 +852,13 @@ class StreamHost:
             "elsewhere": {n: link.name for n, link in sorted(self.elsewhere.items())},
             "stored": self.stored,
             "dropped": self.dropped,
+            "replicated": {
+                n: self.replicated.leader(n) or "" for n in sorted(self.replicated.configs)
+            }
+            if self.replicated is not None
+            else {},
+            # Why this broker acknowledges no append to a replicated stream ("" if it does).
+            "raft_log_failed": self.replicated.driver.failed if self.replicated else "",
             "paused": {
                 n: [describe_address(group) for group in groups]
                 for n, groups in sorted(self.paused.items())

@@ -140,11 +140,21 @@ def stream() -> None:
     help="Seconds during which a publish with the same publish id is stored only once "
     "(0: no deduplication).",
 )
+@click.option(
+    "--replicas",
+    type=click.Choice(["1", "3", "5"]),
+    default="1",
+    show_default=True,
+    help="How many brokers hold the stream. 3 or 5: a Raft group on brokers the --broker "
+    "picks among the ready ones (each needs --data-dir); a reliable send is acknowledged "
+    "once a majority has it on disk, and the stream survives the loss of a minority.",
+)
 @broker_option(
     "--broker",
     "broker_address",
     one=True,
-    help_text="The broker that is to host the stream (stores its messages).",
+    help_text="The broker that is to host the stream (stores its messages); with "
+    "--replicas 3 or 5, the one that places it.",
 )
 @access_options
 @json_option
@@ -155,6 +165,7 @@ def add(
     max_bytes: int,
     max_age: float,
     dedupe_window: float,
+    replicas: str,
     broker_address: str,
     access: Access,
     as_json: bool,
@@ -174,6 +185,7 @@ def add(
                 max_bytes=max_bytes,
                 max_age=max_age,
                 dedupe_window=dedupe_window,
+                replicas=int(replicas),
             )
 
     info = run(go())
@@ -195,7 +207,8 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     --json prints one object with the keys name, broker, captures, first_seq,
     last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age,
     dedupe_window, store, host and owner (the user that added it; "" on a broker
-    without users). An empty stream has last_seq = first_seq - 1.
+    without users), and replicas and leader (a replicated stream's brokers and the one
+    leading it; [] and "" otherwise). An empty stream has last_seq = first_seq - 1.
     """
 
     async def go() -> StreamInfo:
@@ -254,6 +267,12 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
         ("max age", limit(info.max_age, " s")),
         ("dedupe window", limit(info.dedupe_window, " s")),
     ]
+    if info.replicas:
+        rows[:1] = [
+            ("answered by", info.broker),
+            ("replicas", ", ".join(info.replicas)),
+            ("leader", info.leader or "none (an election is under way, or a majority is down)"),
+        ]
     for field, value in rows:
         plain_row(table, field, value)
     Console().print(table)
@@ -308,6 +327,12 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     show_default=True,
     help="Print at most this many messages.",
 )
+@click.option(
+    "--current",
+    is_flag=True,
+    help="A replicated stream: read through its leader, which has every acknowledged "
+    "message (a replica answers from what it has applied, which may be a moment behind).",
+)
 @any_broker_option
 @click.option(
     "--json",
@@ -317,7 +342,13 @@ def list_(broker_address: str, access: Access, as_json: bool) -> None:
     "priority.",
 )
 def fetch(
-    name: str, from_seq: int, count: int, broker_address: str, access: Access, as_json: bool
+    name: str,
+    from_seq: int,
+    count: int,
+    current: bool,
+    broker_address: str,
+    access: Access,
+    as_json: bool,
 ) -> None:
     """Print up to --count messages of stream NAME from seq --from on, in order.
 
@@ -330,7 +361,7 @@ def fetch(
         async with await connect(broker_address, access) as conn:
             seq, left = from_seq, count
             while left > 0:
-                page = await conn.streams.fetch(name, seq, min(left, _PAGE))
+                page = await conn.streams.fetch(name, seq, min(left, _PAGE), current=current)
                 if not page:
                     return
                 for message in page:

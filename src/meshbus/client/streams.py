@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from meshbus.address import Address
@@ -55,8 +55,9 @@ class StreamInfo:
     ``consumers``; its limits ``max_msgs``, ``max_bytes`` (0: none), ``max_age``
     (seconds, 0: none) and ``dedupe_window`` (seconds a publish id is remembered);
     ``store``, the host's SQLite file ("" in memory) on ``host``, the machine's name
-    (for the Spark source's local reads); and its ``owner``, the user that added it
-    ("" on a broker without users)."""
+    (for the Spark source's local reads); its ``owner``, the user that added it
+    ("" on a broker without users); and for a replicated stream its ``replicas`` and
+    their ``leader`` (docs/guarantees.md)."""
 
     name: str
     broker: str  # the broker that hosts it
@@ -77,6 +78,10 @@ class StreamInfo:
     # The user that added it, whose rights its captures follow (docs/security.md,
     # "Streams and consumers have owners"); "" for nobody's: a broker without users.
     owner: str = ""
+    # A replicated stream (added with replicas=3 or 5): the brokers that hold it and the
+    # one that leads it now ("" while none does); ``broker`` is the one that answered.
+    replicas: list[str] = field(default_factory=list)
+    leader: str = ""
 
     @classmethod
     def from_reply(cls, info: dict[str, Any]) -> StreamInfo:
@@ -106,10 +111,16 @@ class StreamClient:
         max_bytes: int = 0,
         max_age: float = 0.0,
         dedupe_window: float = 120.0,
+        replicas: int = 1,
     ) -> StreamInfo:
         """Create stream ``name`` on this connector's broker, capturing every message sent to
         the multicast address(es) ``capture``; adding it again with the same settings is a
-        no-op. Limits of 0 mean none; the oldest messages go first."""
+        no-op. Limits of 0 mean none; the oldest messages go first.
+
+        ``replicas=3`` or ``5``: the stream is held by that many brokers of the mesh (each
+        with --data-dir), chosen by the broker asked; a reliable send to it is acknowledged
+        once a majority has it on disk (docs/guarantees.md). Its leader is elected just
+        after: ``info`` shows it."""
         captures = [capture] if isinstance(capture, (Address, str)) else list(capture)
         reply = await self._ask(
             StreamRequest(
@@ -120,6 +131,7 @@ class StreamClient:
                 max_bytes=max_bytes,
                 max_age=max_age,
                 dedupe_window=dedupe_window,
+                replicas=replicas,
             )
         )
         return StreamInfo.from_reply(reply.info)
@@ -135,12 +147,19 @@ class StreamClient:
         await self._ask(StreamRequest(op="delete", stream=name))
 
     async def fetch(
-        self, name: str, from_seq: int = 1, max_count: int = 100
+        self, name: str, from_seq: int = 1, max_count: int = 100, *, current: bool = False
     ) -> builtins.list[StreamMessage]:
         """Up to ``max_count`` messages from ``from_seq`` on, in order (fewer when they
-        would not fit in one frame); an empty list past the end."""
+        would not fit in one frame); an empty list past the end.
+
+        A replicated stream is read from the replica asked, if it is one: its committed
+        prefix, which may miss the last acknowledged messages for a moment. ``current``:
+        read through its leader, which has applied every acknowledged message
+        (docs/guarantees.md, "Replicated streams")."""
         reply = await self._ask(
-            StreamRequest(op="fetch", stream=name, from_seq=from_seq, max_count=max_count)
+            StreamRequest(
+                op="fetch", stream=name, from_seq=from_seq, max_count=max_count, current=current
+            )
         )
         return [StreamMessage(name, row) for row in reply.messages]
 

@@ -391,6 +391,10 @@ class TraceReport(Body):
     received_at: float = 0.0
 
 
+# Replicated streams: at most this many replicas (node ids 1..MAX_REPLICAS).
+MAX_REPLICAS = 5
+
+
 class StreamRequest(Body):
     """STREAM: ``op`` is one of add, delete, info, list, fetch, consumer_add,
     consumer_delete, consumer_info, next, ack; each uses the fields it needs."""
@@ -416,6 +420,81 @@ class StreamRequest(Body):
     # it may use and delete every consumer (the operator right "consumers").
     user: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)] = ""
     any_consumer: bool = False
+    # add: how many brokers hold the stream (1, 3 or 5; docs/guarantees.md); more than
+    # one makes it a Raft group (RAFT frames between them).
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] = 1
+    # fetch, info of a replicated stream: answered by its leader (a replica answers from
+    # its committed prefix, which may be a little behind).
+    current: bool = False
+
+
+# Replicated streams (RAFT): a group's replicas, its node ids (1..MAX_REPLICAS), the
+# entries one message carries (the driver's max_append_entries), the messages of one frame.
+MAX_RAFT_ENTRIES = 64
+MAX_RAFT_MESSAGES = 256
+MAX_GROUP_NAME = 255
+NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]  # 0: none
+NodeIds = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]], msgspec.Meta(max_length=MAX_REPLICAS)
+]
+
+
+class RaftEntryBody(msgspec.Struct, array_like=True, frozen=True):
+    """A log entry; ``voters`` set (learners with it) on a membership change."""
+
+    term: Counter
+    index: Counter
+    data: bytes = b""
+    voters: NodeIds | None = None
+    learners: NodeIds = msgspec.field(default_factory=list)
+
+
+class RaftSnapshotBody(msgspec.Struct, array_like=True, frozen=True):
+    index: Counter
+    term: Counter
+    voters: NodeIds = msgspec.field(default_factory=list)
+    learners: NodeIds = msgspec.field(default_factory=list)
+    data: bytes = b""
+
+
+class RaftMessageBody(msgspec.Struct, array_like=True, frozen=True):
+    """One Raft message (meshbus.raft.Message; ``kind`` numbered in
+    meshbus.broker.replication.wire)."""
+
+    kind: U8
+    sender: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
+    to: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
+    term: Counter
+    index: Counter = 0
+    log_term: Counter = 0
+    entries: Annotated[list[RaftEntryBody], msgspec.Meta(max_length=MAX_RAFT_ENTRIES)] = (
+        msgspec.field(default_factory=list)
+    )
+    commit: Counter = 0
+    reject: bool = False
+    hint_index: Counter = 0
+    hint_term: Counter = 0
+    snapshot: RaftSnapshotBody | None = None
+    context: Counter = 0
+    transfer: bool = False
+    epoch: U32 = 0
+    repairing: bool = False
+
+
+class RaftFrame(Body):
+    """RAFT: messages of the Raft group of replicated stream ``group`` (docs/protocol.md).
+    With ``replicas`` (and ``create``, the stream's configuration) it founds the group on
+    the receiving broker: the broker that added the stream sends it to every replica."""
+
+    group: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GROUP_NAME)]
+    messages: Annotated[list[RaftMessageBody], msgspec.Meta(max_length=MAX_RAFT_MESSAGES)] = (
+        msgspec.field(default_factory=list)
+    )
+    replicas: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)]],
+        msgspec.Meta(max_length=MAX_REPLICAS),
+    ] = msgspec.field(default_factory=list)
+    create: bytes = b""
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count, header block
@@ -475,6 +554,7 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.REVOKED: Revoked,
     ControlType.CHALLENGE: Challenge,
     ControlType.AUTH: Auth,
+    ControlType.RAFT: RaftFrame,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

@@ -129,6 +129,7 @@ class ControlType(IntEnum):
     # you are (docs/security.md, "Authentication")
     CHALLENGE = 41
     AUTH = 42  # connector or operator -> broker: the answer to CHALLENGE
+    RAFT = 43  # broker <-> broker: Raft messages of one replicated stream (no answer)
 
 
 class ErrorCode(IntEnum):

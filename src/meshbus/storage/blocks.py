@@ -65,7 +65,12 @@ CREATE TABLE IF NOT EXISTS consumers (
 CREATE TABLE IF NOT EXISTS pending (
     consumer_id INTEGER NOT NULL, seq INTEGER NOT NULL, delivery INTEGER NOT NULL,
     deadline REAL NOT NULL, PRIMARY KEY (consumer_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS raft_applied (
+    stream_id INTEGER PRIMARY KEY, raft_index INTEGER NOT NULL);
 """
+# raft_applied: a replicated stream's last Raft entry applied, written in the transaction
+# that applies it, so a restart applies each entry once (meshbus.broker.replication).
+# Created where missing at every open: a store without it has no replicated stream.
 
 
 def schema_statements() -> Iterator[str]:

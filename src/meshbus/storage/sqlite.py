@@ -232,6 +232,9 @@ class SqliteStreamStore(MirroredStore):
             cs = by_cid[cid]
             cs.pending[seq] = (count, deadline)
             cs.earliest = min(cs.earliest, deadline)
+        for sid, index in db.execute("SELECT stream_id, raft_index FROM raft_applied"):
+            if sid in by_id:
+                by_id[sid].applied = index
 
     def _load_publish_ids(self, st: StreamState) -> None:
         """The publish ids of the blocks within the dedupe window of the newest one (the
@@ -343,6 +346,7 @@ class SqliteStreamStore(MirroredStore):
             )
             db.execute("DELETE FROM consumers WHERE stream_id = ?", (sid,))
             db.execute("DELETE FROM streams WHERE id = ?", (sid,))
+            db.execute("DELETE FROM raft_applied WHERE stream_id = ?", (sid,))
             del self._streams[name]
         self._purge.append(sid)
 
@@ -378,20 +382,37 @@ class SqliteStreamStore(MirroredStore):
 
     def append_batch(self, name: str, messages: Sequence[NewMessage], now: float) -> list[Appended]:
         st = self._stream(name)
-        sid = st.key
         with self._tx() as db:
-            first = st.last_seq + 1
-            results, stored = self._append(st, messages, now)
-            if stored:
-                rows = []
-                for seq, block in split_batch(first, stored):
-                    data = encode_messages(block)
-                    rows.append(
-                        (block_key(sid, seq), seq + len(block) - 1, now, block_crc(data), data)
-                    )
-                db.executemany(INSERT_BLOCK, rows)
-                self._trim(db, st, now)
-                db.execute(UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, sid))
+            return self._write(db, st, messages, now)
+
+    def append_entry(
+        self, name: str, messages: Sequence[NewMessage], now: float, index: int
+    ) -> list[Appended]:
+        st = self._stream(name)
+        with self._tx() as db:
+            results = self._write(db, st, messages, now)
+            db.execute(
+                "INSERT OR REPLACE INTO raft_applied (stream_id, raft_index) VALUES (?, ?)",
+                (st.key, index),
+            )
+        st.applied = index
+        return results
+
+    def _write(
+        self, db: sqlite3.Connection, st: StreamState, messages: Sequence[NewMessage], now: float
+    ) -> list[Appended]:
+        """Append inside the caller's transaction."""
+        sid = st.key
+        first = st.last_seq + 1
+        results, stored = self._append(st, messages, now)
+        if stored:
+            rows = []
+            for seq, block in split_batch(first, stored):
+                data = encode_messages(block)
+                rows.append((block_key(sid, seq), seq + len(block) - 1, now, block_crc(data), data))
+            db.executemany(INSERT_BLOCK, rows)
+            self._trim(db, st, now)
+            db.execute(UPDATE_COUNTERS, (st.first_seq, st.last_seq, st.bytes, sid))
         return results
 
     def _trim(self, db: sqlite3.Connection, st: StreamState, now: float) -> int:

@@ -203,6 +203,17 @@ class StreamStore(abc.ABC):
         self, name: str, messages: Sequence[NewMessage], now: float
     ) -> list[Appended]: ...
     @abc.abstractmethod
+    def append_entry(
+        self, name: str, messages: Sequence[NewMessage], now: float, index: int
+    ) -> list[Appended]:
+        """``append_batch`` of a replicated stream's Raft entry ``index``, recorded with
+        it in one transaction (``applied``): a restart applies each entry once."""
+
+    @abc.abstractmethod
+    def applied(self, name: str) -> int:
+        """The last Raft entry ``append_entry`` applied to ``name`` (0: none)."""
+
+    @abc.abstractmethod
     def read(
         self, name: str, from_seq: int, max_count: int, max_bytes: int = 0
     ) -> list[StoredMessage]: ...
@@ -293,6 +304,7 @@ class StreamState:
     ids: PublishIds = field(init=False)
     consumers: dict[str, ConsumerState] = field(default_factory=dict)
     key: int = 0
+    applied: int = 0  # a replicated stream's last Raft entry applied (append_entry)
 
     def __post_init__(self) -> None:
         self.ids = PublishIds(self.config.dedupe_window)
@@ -321,6 +333,9 @@ class MirroredStore(StreamStore):
             return self._streams[name]
         except KeyError:
             raise StreamNotFound(name) from None
+
+    def applied(self, name: str) -> int:
+        return self._stream(name).applied
 
     def _consumer(self, stream: str, name: str) -> tuple[StreamState, ConsumerState]:
         st = self._stream(stream)
@@ -546,6 +561,13 @@ class MemoryStreamStore(MirroredStore):
     def delete_stream(self, name: str) -> None:
         self._stream(name)
         del self._streams[name], self._bodies[name]
+
+    def append_entry(
+        self, name: str, messages: Sequence[NewMessage], now: float, index: int
+    ) -> list[Appended]:
+        results = self.append_batch(name, messages, now)
+        self._stream(name).applied = index
+        return results
 
     def append_batch(self, name: str, messages: Sequence[NewMessage], now: float) -> list[Appended]:
         st = self._stream(name)

@@ -36,6 +36,7 @@ from meshbus.protocol.control import (
     Membership,
     MembersRequest,
     Move,
+    RaftFrame,
     Register,
     Relayed,
     Revoked,
@@ -217,6 +218,7 @@ _SAMPLES: dict[ControlType, Body] = {
     ControlType.REVOKED: Revoked(address=_SAMPLE_ADDRESS),
     ControlType.CHALLENGE: Challenge(nonce=bytes(NONCE_SIZE)),
     ControlType.AUTH: Auth(user="sample", token_proof=bytes(TOKEN_PROOF_SIZE)),
+    ControlType.RAFT: RaftFrame(group="sample"),
 }
 
 

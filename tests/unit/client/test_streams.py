@@ -31,7 +31,7 @@ def test_the_info_of_a_reply_keeps_every_field_the_broker_sent() -> None:
 
 
 def test_a_key_of_a_newer_broker_is_left_out_not_an_error() -> None:
-    assert StreamInfo.from_reply({**INFO, "replicas": 3}) == StreamInfo.from_reply(INFO)
+    assert StreamInfo.from_reply({**INFO, "shards": 3}) == StreamInfo.from_reply(INFO)
 
 
 def test_an_older_broker_without_owners_gives_nobody_s_stream() -> None:

@@ -60,6 +60,10 @@ from meshbus.protocol.control import (
     Membership,
     MembersRequest,
     Move,
+    RaftEntryBody,
+    RaftFrame,
+    RaftMessageBody,
+    RaftSnapshotBody,
     Ready,
     Register,
     Relayed,
@@ -322,6 +326,22 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ControlType.REVOKED: Revoked(address=SRC, reason="split"),
     ControlType.CHALLENGE: Challenge(nonce=bytes(range(32))),
     ControlType.AUTH: Auth(user="alice", signature=bytes(64)),
+    ControlType.RAFT: RaftFrame(
+        group="orders",
+        messages=[
+            RaftMessageBody(
+                kind=4,
+                sender=1,
+                to=2,
+                term=3,
+                index=7,
+                log_term=3,
+                entries=[RaftEntryBody(3, 8, b"data"), RaftEntryBody(3, 9, voters=[1, 2, 3])],
+                commit=7,
+                snapshot=RaftSnapshotBody(5, 2, [1, 2, 3]),
+            )
+        ],
+    ),
 }
 
 
@@ -360,7 +380,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 43, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 44, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

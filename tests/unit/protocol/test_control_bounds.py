@@ -19,7 +19,7 @@ from tests.unit.protocol.test_codec import SAMPLE_BODIES
 MUST_BE_BOUNDED = {
     "StreamRequest": {
         "max_msgs", "max_bytes", "max_age", "dedupe_window", "from_seq", "max_count",
-        "ack_wait", "max_deliver", "start_seq", "seqs[]",
+        "ack_wait", "max_deliver", "start_seq", "seqs[]", "replicas",
     },
     "Register": {"instance"},
     "Drain": {"grace"},
@@ -122,3 +122,65 @@ def test_a_sender_may_check_the_bounds_first() -> None:
         "a number out of range in the STREAM request: "
         "Expected `int` <= 1099511627776 - at `$.max_msgs`"
     )
+
+
+# A RAFT frame's numbers sit in structs inside lists (one Raft message, its entries, its
+# snapshot): each, at its place in the sample, with a value past its bounds.
+RAFT_OUTSIDE = [
+    (("messages", 0, 0), 10**3),  # kind: a U8
+    (("messages", 0, 1), 0),  # sender: a node id, 1..5
+    (("messages", 0, 1), 6),
+    (("messages", 0, 2), 6),  # to
+    (("messages", 0, 3), -1),  # term
+    (("messages", 0, 3), 2**63),
+    (("messages", 0, 4), -1),  # index
+    (("messages", 0, 7), 2**63),  # commit
+    (("messages", 0, 15), 2**32),  # epoch: a U32
+    (("messages", 0, 6, 0, 0), -1),  # an entry's term
+    (("messages", 0, 6, 0, 1), 2**63),  # an entry's index
+    (("messages", 0, 6, 1, 3), [1, 2, 9]),  # a voter past the node ids
+    (("messages", 0, 6, 1, 3), [1, 2, 3, 4, 5, 1]),  # more voters than replicas
+    (("messages", 0, 11, 0), -1),  # the snapshot's index
+]
+
+
+def _sample_at(path: tuple[str | int, ...]) -> Any:
+    target: Any = msgspec.msgpack.decode(msgspec.msgpack.encode(SAMPLE_BODIES[ControlType.RAFT]))
+    for step in path:
+        target = target[step]
+    return target
+
+
+def raft_with(path: tuple[str | int, ...], value: Any) -> bytes:
+    body = msgspec.msgpack.decode(msgspec.msgpack.encode(SAMPLE_BODIES[ControlType.RAFT]))
+    target = body
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    return msgspec.msgpack.encode(body)
+
+
+@pytest.mark.parametrize(("path", "value"), RAFT_OUTSIDE, ids=[str(p) for p, _ in RAFT_OUTSIDE])
+def test_a_raft_frame_out_of_range_is_a_protocol_error(
+    path: tuple[str | int, ...], value: Any
+) -> None:
+    assert decode_body(ControlType.RAFT, raft_with(path, _sample_at(path))) is not None
+    with pytest.raises(FrameError) as error:
+        decode_body(ControlType.RAFT, raft_with(path, value))
+    assert error.value.code == ErrorCode.PROTOCOL_ERROR
+
+
+def test_a_raft_frame_has_bounded_lists() -> None:
+    sample = msgspec.msgpack.decode(msgspec.msgpack.encode(SAMPLE_BODIES[ControlType.RAFT]))
+    message = sample["messages"][0]
+    for field, copies in (("messages", 257), ("replicas", 6)):
+        body = dict(sample, **{field: [message if field == "messages" else "b"] * copies})
+        with pytest.raises(FrameError):
+            decode_body(ControlType.RAFT, msgspec.msgpack.encode(body))
+    too_many_entries = list(message)
+    too_many_entries[6] = [message[6][0]] * 65
+    body = dict(sample, messages=[too_many_entries])
+    with pytest.raises(FrameError):
+        decode_body(ControlType.RAFT, msgspec.msgpack.encode(body))
+    with pytest.raises(FrameError):
+        decode_body(ControlType.RAFT, msgspec.msgpack.encode(dict(sample, group="")))

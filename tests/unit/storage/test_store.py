@@ -605,3 +605,28 @@ def test_a_batch_of_new_publish_ids_and_one_with_a_repeat_number_alike(store: St
     assert [m.payload for m in store.read("orders", 1, 10)] == [
         b"r0", b"r1", b"r2", b"r3", b"r4", b"a", b"c",
     ]  # fmt: skip
+
+
+# -- a replicated stream's applied index --------------------------------------------------------
+
+
+def test_append_entry_records_the_raft_index_with_the_messages(
+    store: StreamStore, tmp_path: Path
+) -> None:
+    store.add_stream(cfg())
+    assert store.applied("orders") == 0
+    store.append_entry("orders", [msg(b"a", b"p1"), msg(b"b")], 5.0, 7)
+    store.append_entry("orders", [msg(b"a", b"p1")], 6.0, 9)  # a resend: deduped at apply
+    assert store.applied("orders") == 9
+    assert [(m.seq, m.payload, m.stored_at) for m in store.read("orders", 1, 10)] == [
+        (1, b"a", 5.0),
+        (2, b"b", 5.0),
+    ]
+    if isinstance(store, SqliteStreamStore):
+        store.close()
+        again = SqliteStreamStore(tmp_path / "s.db")
+        assert again.applied("orders") == 9  # a restart applies each entry once
+        again.delete_stream("orders")
+        again.add_stream(cfg())
+        assert again.applied("orders") == 0  # a new stream of the name starts over
+        again.close()

@@ -1,0 +1,391 @@
+"""Replicated streams: a stream held by 3 or 5 brokers, one Raft group each.
+
+Placement (no meta group yet): the broker that adds the stream picks its replicas by
+rendezvous hashing of the stream's name over the mesh's ready brokers (``placement``),
+and sends each a RAFT frame that founds the group with that list as its first
+membership -- the same on every founding member, so no election is needed to agree on
+it. Membership never changes after that (no moves, no replacement of a lost broker).
+
+The leader alone captures: it holds the stream's member address -- a fixed one per
+stream (``member_address``), taken over by each new leader with the Raft term as its
+epoch, so a reliable sender's resends reach whichever broker leads now and its acks
+come from the address it expects. A turn's captures become one entry (or a few, each at
+most ``entry_limit`` bytes); the reliable frames among them are acknowledged once the
+entry is committed -- fsynced on a majority of the voters, the leader's own disk
+included -- and applied here. Sequence numbers and publish-id dedupe are the store's,
+applied in log order on every replica: a resend across a leader change is stored once.
+
+Every replica applies the committed entries to its own store (``append_entry`` records
+the entry's index with it, so a restart applies each once) and serves its committed
+prefix to a fetch made on it; any other broker relays a request to the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
+from meshbus.broker.core.link import Link
+from meshbus.broker.core.registry import Peers
+from meshbus.broker.replication.driver import GroupMeta, RaftDriver
+from meshbus.broker.replication.wire import from_body, to_bodies
+from meshbus.errors import ProtocolError
+from meshbus.protocol.codec import encode_control
+from meshbus.protocol.control import MAX_RAFT_MESSAGES, RaftFrame
+from meshbus.protocol.layout import ControlType
+from meshbus.raft import Entry, Message
+from meshbus.storage.errors import StoreError
+from meshbus.storage.store import MirroredStore, NewMessage, StreamConfig
+
+log = logging.getLogger("meshbus.broker")
+
+_SERVER = b"rstream".ljust(11, b"\x00")  # the server name of replicated streams' members
+_APPEND = 0
+_DELETE = 1
+
+
+def member_address(stream: str) -> bytes:
+    """The stream's member address, the same on every broker: a dynamic-range instance
+    of server ``rstream`` drawn from the name (no broker allocates from that server)."""
+    digest = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=4).digest(), "big")
+    instance = DYNAMIC_INSTANCE_MIN + digest % (2**32 - DYNAMIC_INSTANCE_MIN)
+    return bytes([CAST_UNICAST]) + _SERVER + instance.to_bytes(4, "big")
+
+
+def member_session(stream: str) -> bytes:
+    """The session its member address is registered with: every leader's is the same,
+    so a new leader's ADD (with a higher epoch, its term) takes the address over."""
+    return b"rstream:" + hashlib.blake2b(stream.encode(), digest_size=16).digest()
+
+
+def placement(stream: str, brokers: Sequence[str], replicas: int) -> list[str]:
+    """Rendezvous hashing: the ``replicas`` brokers with the highest hash of (broker,
+    stream). Every broker computes the same from the same list; adding a broker moves
+    only the streams it now wins."""
+
+    def weight(broker: str) -> bytes:
+        return hashlib.blake2b(f"{broker}\x00{stream}".encode(), digest_size=8).digest()
+
+    return sorted(sorted(brokers, key=weight, reverse=True)[:replicas])
+
+
+class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
+    """A stream's configuration in its group's meta (and in the founding RAFT frame)."""
+
+    name: str
+    captures: list[bytes]
+    max_msgs: int
+    max_bytes: int
+    max_age: float
+    dedupe_window: float
+    owner: str
+
+    @classmethod
+    def of(cls, c: StreamConfig) -> ConfigBody:
+        captures = list(c.captures)
+        return cls(c.name, captures, c.max_msgs, c.max_bytes, c.max_age, c.dedupe_window, c.owner)
+
+    def config(self) -> StreamConfig:
+        return StreamConfig(
+            self.name,
+            tuple(self.captures),
+            self.max_msgs,
+            self.max_bytes,
+            self.max_age,
+            self.dedupe_window,
+            self.owner,
+        )
+
+
+# An entry's data: (kind, the leader's clock when it captured them, the messages).
+_EntryData = tuple[int, float, list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]]
+_encode = msgspec.msgpack.Encoder().encode
+_decode_entry = msgspec.msgpack.Decoder(_EntryData).decode
+_decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
+
+
+class PeerTransport:
+    """The driver's messages as RAFT frames on the peer links."""
+
+    def __init__(self, peers: Peers, frame_limit: int) -> None:
+        self._peers = peers
+        self._frame_limit = frame_limit
+
+    def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
+        link = self._peers.get(broker)
+        if link is None:
+            return  # not linked now: Raft sends again
+        # Each frame well under the frame limit: entries are at most an eighth of it, and
+        # an APPEND carries at most 4 (RaftSettings.max_append_entries).
+        batch: list[Message] = []
+        size = 0
+        for message in messages:
+            weight = sum(len(e.data) for e in message.entries) + 64
+            if batch and (
+                size + weight > self._frame_limit // 2 or len(batch) == MAX_RAFT_MESSAGES
+            ):
+                self._send(link, group, batch)
+                batch, size = [], 0
+            batch.append(message)
+            size += weight
+        if batch:
+            self._send(link, group, batch)
+
+    def _send(self, link: Link, group: str, batch: list[Message]) -> None:
+        body = RaftFrame(group=group, messages=to_bodies(batch))
+        link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
+
+    def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> None:
+        """Send ``broker`` the frame that founds ``group`` there (if it is linked)."""
+        link = self._peers.get(broker)
+        if link is not None:
+            body = RaftFrame(group=group, replicas=replicas, create=config)
+            link.send(encode_control(ControlType.RAFT, body))
+
+
+class ReplicatedStreams:
+    """The replicated streams this broker holds: the state machine of their groups."""
+
+    def __init__(
+        self,
+        *,
+        name: Callable[[], str],
+        store: MirroredStore,
+        transport: PeerTransport,
+        driver: Callable[[ReplicatedStreams], RaftDriver],
+        capture: Callable[[StreamConfig, bytes, bytes, int], None],
+        release: Callable[[str], None],
+        deleted: Callable[[str], None],
+        acknowledge: Callable[[bytes, dict[bytes, list[int]]], None],
+        entry_limit: int,
+        linked: Callable[[str], bool],
+    ) -> None:
+        """``capture(config, member, session, epoch)`` makes this broker capture the
+        stream (it leads it); ``release(name)`` stops that; ``deleted(name)`` deletes it
+        from the store (its deletion is committed); ``acknowledge(member, acks)``
+        sends the ACKs of what a commit stored. ``driver(self)`` builds the driver with
+        this as its state machine. ``linked(broker)``: a peer link to it is open now."""
+        self._name = name
+        self._store = store
+        self._transport = transport
+        self._capture = capture
+        self._release = release
+        self._deleted = deleted
+        self._acknowledge = acknowledge
+        self._entry_limit = entry_limit
+        self._linked = linked
+        self.driver = driver(self)
+        self.configs: dict[str, StreamConfig] = {}
+        self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
+        self.refused = 0  # captured messages never proposed (too large, no leader)
+        self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.configs
+
+    def restore(self) -> None:
+        """The groups of the log, back with their streams (at start)."""
+        for group, meta in self.driver.recover():
+            self._hold(group, meta)
+
+    def _hold(self, group: str, meta: GroupMeta) -> None:
+        config = _decode_config(meta.app).config()
+        if config.name not in self._store:
+            self._store.add_stream(config)
+        self.configs[group] = config
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def add(self, config: StreamConfig, replicas: list[str]) -> None:
+        """Found the stream's group on ``replicas``: here if this broker is one, by a RAFT
+        frame on each other. ValueError if one is not linked."""
+        app = _encode(ConfigBody.of(config))
+        me = self._name()
+        missing = [b for b in replicas if b != me and not self._linked(b)]
+        if missing:  # checked before any is founded: no group is left on some of them
+            raise ValueError(
+                f"stream {config.name!r}: brokers {', '.join(missing)} are not linked to "
+                f"{me} now; add it again once the mesh is whole"
+            )
+        for broker in replicas:
+            if broker != me:
+                self._transport.found(broker, config.name, replicas, app)
+        if me in replicas:
+            self.found(config.name, replicas, app)
+
+    def found(self, group: str, replicas: list[str], app: bytes) -> None:
+        meta = GroupMeta(list(replicas), app)
+        self._hold(group, meta)
+        self.driver.create(group, replicas, app)
+
+    def delete(self, name: str) -> asyncio.Future[int]:
+        """Propose the stream's deletion (the leader only): every replica deletes it when
+        it applies the entry; the future is done once it is committed and applied here."""
+        return self.driver.propose(name, _encode((_DELETE, 0.0, [])))
+
+    def on_frame(self, link: Link, correlation: int, body: RaftFrame) -> None:
+        group = body.group
+        if body.replicas:
+            if self._name() in body.replicas and group not in self.configs:
+                try:
+                    self.found(group, body.replicas, body.create)
+                except (msgspec.DecodeError, ValueError, StoreError) as exc:
+                    log.error(
+                        "could not found a replicated stream",
+                        extra={"stream": group, "from": link.name, "error": str(exc)},
+                    )
+            return
+        try:
+            messages = [from_body(m) for m in body.messages]
+        except ProtocolError as exc:
+            log.warning("dropped a RAFT frame", extra={"from": link.name, "error": str(exc)})
+            return
+        self.driver.receive(link.name, group, messages)
+
+    # -- appends --------------------------------------------------------------------------
+
+    def append(
+        self, name: str, member: bytes, messages: list[NewMessage], acks: dict[bytes, list[int]]
+    ) -> None:
+        """A turn's captures of ``name``: proposed as entries of at most the entry limit;
+        the reliable frames are acknowledged once every entry is committed and applied."""
+        now = time.time()
+        entries: list[list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]] = [[]]
+        size = 0
+        for message in messages:
+            weight = len(message.payload) + len(message.headers) + 128
+            if weight > self._entry_limit:
+                # Not acknowledged: a reliable sender gives up with DeliveryFailed.
+                log.error(
+                    "a message too large for a replicated stream was not stored",
+                    extra={"stream": name, "bytes": weight, "limit": self._entry_limit},
+                )
+                self.refused += 1
+                return
+            if size + weight > self._entry_limit:
+                entries.append([])
+                size = 0
+            entries[-1].append(tuple(message))  # type: ignore[arg-type]
+            size += weight
+        futures = [self.driver.propose(name, _encode((_APPEND, now, batch))) for batch in entries]
+
+        def committed(_: object) -> None:
+            # Every future's outcome is read (an unread exception would be logged).
+            failures = [f for f in futures if not f.done() or f.cancelled() or f.exception()]
+            if failures:
+                self.refused += len(messages)
+                self._not_stored(name, failures[0])
+            elif acks:
+                self._acknowledge(member, acks)
+
+        futures[-1].add_done_callback(committed)
+
+    def _not_stored(self, name: str, failed: asyncio.Future[int]) -> None:
+        """Say once per term why captures of ``name`` are not acknowledged here."""
+        state = self.driver.groups.get(name)
+        term = state.term if state is not None else 0
+        if self._warned.get(name) == term:
+            return
+        self._warned[name] = term
+        error = "cancelled" if failed.cancelled() else str(failed.exception())
+        log.warning(
+            "appends to a replicated stream are not acknowledged: no leader that a majority "
+            "of its replicas elected takes them here (reliable senders resend, then give up)",
+            extra={"stream": name, "term": term, "error": error},
+        )
+
+    # -- the state machine -------------------------------------------------------------------
+
+    def apply(self, group: str, entries: Sequence[Entry]) -> None:
+        config = self.configs.get(group)
+        if config is None:
+            return
+        store = self._store
+        applied = store.applied(group) if group in store else 0
+        for entry in entries:
+            if not entry.data or entry.index <= applied:
+                continue  # a no-op, a membership, or applied before a restart
+            kind, at, rows = _decode_entry(entry.data)
+            if kind == _DELETE:
+                self.configs.pop(group, None)
+                if self.capturing.pop(group, 0):
+                    self._release(group)
+                # Dropped after this turn of the driver, which settles the delete's own
+                # proposal first (a drop fails the proposals still waiting).
+                asyncio.get_running_loop().call_soon(self.driver.drop, group)
+                self._deleted(group)
+                return
+            try:
+                store.append_entry(group, [NewMessage(*row) for row in rows], at, entry.index)
+            except StoreError as exc:
+                # The replica cannot hold what the others do: it stops taking part (it
+                # would answer with a log it does not apply).
+                log.error(
+                    "a replicated stream's entry could not be stored here; it stops here",
+                    extra={"stream": group, "index": entry.index, "error": str(exc)},
+                )
+                self.driver.drop(group)
+                return
+
+    def leader_changed(self, group: str, leader: str | None, term: int) -> None:
+        """Who captures: the leader, as the stream's member with epoch 2 * term + 1; while
+        no leader is known, each replica that knows none, with epoch 2 * term -- below
+        any leader of its term, so it never takes the address from one. A replica without
+        a leader takes what is sent to the stream and acknowledges none of it (it cannot
+        commit), so a reliable sender gets no acknowledgement rather than the "no member,
+        nothing lost" a multicast to nobody would be."""
+        config = self.configs.get(group)
+        if config is None:
+            return
+        if leader == self._name():
+            epoch = 2 * term + 1
+        elif leader is None or not self._linked(leader):
+            # A leader this broker lost the link to has lost its routes here too: until
+            # the group hears of one again, the stream still has a member.
+            epoch = 2 * term
+        else:
+            epoch = 0
+        if self.capturing.get(group, 0) == epoch:
+            return
+        if group in self.capturing:
+            del self.capturing[group]
+            self._release(group)
+        if epoch:
+            self.capturing[group] = epoch
+            self._capture(config, member_address(group), member_session(group), epoch)
+
+    def links_changed(self) -> None:
+        """A peer link opened or closed: the captures follow (``leader_changed``)."""
+        for group, state in self.driver.groups.items():
+            self.leader_changed(group, state.leader, state.term)
+            epoch = self.capturing.get(group)
+            if epoch:  # taken over by a peer that may be gone: take it back
+                config = self.configs[group]
+                self._capture(config, member_address(group), member_session(group), epoch)
+
+    # -- what stream info shows -------------------------------------------------------------
+
+    def describe(self, name: str) -> dict[str, Any]:
+        state = self.driver.groups.get(name)
+        if state is None:
+            return {}
+        return {
+            "replicas": list(state.meta.replicas),
+            "leader": state.leader or "",
+            "term": state.node.term,
+            "committed": state.node.log.committed,
+            "applied": self._store.applied(name) if name in self._store else 0,
+        }
+
+    def leader(self, name: str) -> str | None:
+        return self.driver.leader_of(name)
+
+    def leads(self, name: str) -> bool:
+        return self.driver.is_leader(name)

@@ -1,0 +1,359 @@
+"""The Raft log on disk: one append-only write-ahead file per broker for every group.
+
+Why one file: the driver (meshbus.broker.replication) makes the writes of every group
+of a loop turn durable with one fsync; with a file per group it would take one each.
+
+The file: an 8-byte magic, then records ``<u32 length><u32 crc32 of the payload>
+<payload>``; a payload is one ``WalRecord`` (msgpack): what one Ready of one group
+asks to make durable -- its hard state, a snapshot, entries -- as one atomic record.
+Reading it back (``RaftWal.open``):
+
+- a record cut short or failing its checksum *at the end of the file* is a write that
+  never finished (a crash before its fsync): it is dropped, as if never written, and
+  the file cut back to the record before it. Nothing was sent that depended on it
+  (docs/raft.md, "The driver's contract"), so this is no damage;
+- a record failing its checksum *with more of the file after it* is damage: what
+  follows it cannot be trusted. The intact prefix is kept and every group is
+  restarted *repairing* with its epoch raised (docs/raft.md, "Corruption"): it may
+  have lost entries it acknowledged, so it votes again only once the leader has
+  brought it up to date.
+
+It knows nothing of the Raft core's classes (storage imports no broker or raft code):
+the driver converts its entries and states into this module's records.
+
+A write or fsync that fails (a full disk, an I/O error) leaves the log *failed*: every
+later append raises ``RaftLogFailed`` -- the broker stops acknowledging rather than
+acknowledge what may not be on disk -- until the broker restarts and reads back what
+is intact.
+
+``rewrite()`` compacts the file: the live state of every group (hard state, snapshot,
+entries after it) written to a new file, fsynced, renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import msgspec
+
+from meshbus.storage.errors import StoreError
+
+MAGIC = b"MBRAFT1\n"
+_HEADER = struct.Struct("<II")
+# No record is larger: a length past this is damage, not an allocation to attempt.
+MAX_RECORD = 64 << 20
+# Rewrite once the file holds this many bytes more than the live state needs.
+REWRITE_SLACK = 64 << 20
+
+
+class RaftLogFailed(StoreError):
+    """A write or fsync of the Raft log failed: the broker stops acknowledging appends
+    to replicated streams (what it would acknowledge may not be on its disk)."""
+
+
+class WalEntry(msgspec.Struct, array_like=True, frozen=True):
+    term: int
+    index: int
+    data: bytes = b""
+    # A membership change: its voters and learners (None: an entry of data).
+    voters: list[int] | None = None
+    learners: list[int] = msgspec.field(default_factory=list)
+
+
+class WalHardState(msgspec.Struct, array_like=True, frozen=True):
+    term: int = 0
+    vote: int = 0  # 0: none
+    commit: int = 0
+    epoch: int = 0
+    repairing: bool = False
+
+
+class WalSnapshot(msgspec.Struct, array_like=True, frozen=True):
+    index: int = 0
+    term: int = 0
+    voters: list[int] = msgspec.field(default_factory=list)
+    learners: list[int] = msgspec.field(default_factory=list)
+    data: bytes = b""
+
+
+class WalRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One group's write: applied in the order snapshot, entries, hard state.
+
+    ``snapshot`` with ``compacted`` is the node's own compaction (entries after it
+    stay); without it, one installed from the leader (it replaces the whole log).
+    ``entries`` replace the log from ``entries[0].index`` on. ``dropped``: the group
+    is gone from this broker (its stream deleted)."""
+
+    group: str
+    hard: WalHardState | None = None
+    snapshot: WalSnapshot | None = None
+    compacted: bool = False
+    entries: list[WalEntry] = msgspec.field(default_factory=list)
+    dropped: bool = False
+    # What the group is (the driver's: a stream's configuration), kept with its log.
+    meta: bytes | None = None
+
+
+@dataclass
+class GroupLog:
+    """What the file holds for one group, as of its last record."""
+
+    hard: WalHardState = field(default_factory=WalHardState)
+    snapshot: WalSnapshot = field(default_factory=WalSnapshot)
+    entries: list[WalEntry] = field(default_factory=list)
+    meta: bytes = b""
+
+    def apply(self, record: WalRecord) -> None:
+        if record.meta is not None:
+            self.meta = record.meta
+        snapshot = record.snapshot
+        if snapshot is not None:
+            if record.compacted:
+                self.entries = [e for e in self.entries if e.index > snapshot.index]
+            else:
+                self.entries = []
+            self.snapshot = snapshot
+        if record.entries:
+            first = record.entries[0].index
+            expected = self.snapshot.index + 1 + len(self.entries)
+            if first > expected:
+                raise ValueError(f"entries from {first} after a log that ends at {expected - 1}")
+            keep = first - self.snapshot.index - 1
+            del self.entries[max(keep, 0) :]
+            self.entries.extend(e for e in record.entries if e.index > self.snapshot.index)
+        if record.hard is not None:
+            self.hard = record.hard
+
+    def as_record(self, group: str) -> WalRecord:
+        return WalRecord(
+            group=group,
+            hard=self.hard,
+            snapshot=self.snapshot,
+            entries=list(self.entries),
+            meta=self.meta,
+        )
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What ``open`` found: the bytes dropped at the end and whether the file was
+    damaged (then ``damage`` says where and how)."""
+
+    torn_bytes: int = 0
+    damage: str = ""
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(WalRecord).decode
+
+
+def frame(record: WalRecord) -> bytes:
+    """``record`` as it goes into the file: length, checksum, payload."""
+    payload = _encode(record)
+    if len(payload) > MAX_RECORD:
+        raise RaftLogFailed(
+            f"a Raft log record of {len(payload)} bytes is past the limit of {MAX_RECORD}"
+        )
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class RaftWal:
+    """The write-ahead file and the state of every group it holds.
+
+    Not thread-safe: the driver calls ``append``/``sync``/``rewrite`` from one worker
+    thread at a time, and nothing else touches the file meanwhile."""
+
+    def __init__(self, path: str, groups: dict[str, GroupLog], fd: int, size: int) -> None:
+        self.path = path
+        self.groups = groups
+        self._fd = fd
+        self.size = size
+        self.failed: str = ""
+        self._measured_at = 0  # the file's size when its live size was last measured
+
+    @classmethod
+    def open(cls, path: str) -> tuple[RaftWal, Recovery]:
+        """Read ``path`` back (created if missing), dropping a torn tail; the log opened
+        for appending after the intact prefix."""
+        groups: dict[str, GroupLog] = {}
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        recovery = Recovery()
+        if not data:
+            good = 0
+        elif not data.startswith(MAGIC):
+            if MAGIC.startswith(data):  # the magic itself was cut short
+                good = 0
+            else:
+                raise RaftLogFailed(
+                    f"{path} is not a meshbus Raft log (its first bytes are {data[:8]!r}); "
+                    "move it away if it is not one, and restart the broker"
+                )
+        else:
+            good, recovery = _read_records(data, groups)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if good == 0:
+                os.ftruncate(fd, 0)
+                os.write(fd, MAGIC)
+                good = len(MAGIC)
+            elif good < len(data):
+                os.ftruncate(fd, good)
+            os.fsync(fd)
+            os.lseek(fd, good, os.SEEK_SET)
+        except OSError:
+            os.close(fd)
+            raise
+        _fsync_dir(path)
+        if recovery.damage:
+            for state in groups.values():
+                # docs/raft.md, "Corruption": it may have lost what it acknowledged.
+                state.hard = msgspec.structs.replace(
+                    state.hard, epoch=state.hard.epoch + 1, repairing=True
+                )
+        return cls(path, groups, fd, good), recovery
+
+    def append(self, records: list[WalRecord]) -> None:
+        """Write ``records`` after the others (not durable until ``sync``)."""
+        self._check()
+        data = b"".join(map(frame, records))
+        try:
+            _write_all(self._fd, data)
+        except OSError as exc:
+            self._fail("writing", exc)
+        self.size += len(data)
+        for record in records:
+            if record.dropped:
+                self.groups.pop(record.group, None)
+            else:
+                self.groups.setdefault(record.group, GroupLog()).apply(record)
+
+    def sync(self) -> None:
+        """Make every record appended so far durable."""
+        self._check()
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._fail("syncing", exc)
+
+    def live_size(self) -> int:
+        return len(MAGIC) + sum(
+            len(frame(state.as_record(group))) for group, state in self.groups.items()
+        )
+
+    def should_rewrite(self, slack: int = REWRITE_SLACK) -> bool:
+        """Whether the file holds twice what is live (and ``slack`` bytes more). The live
+        size is measured again only once the file doubled since the last time: it costs
+        an encoding of every group's state."""
+        if self.size <= slack or self.size < 2 * self._measured_at:
+            return False
+        self._measured_at = self.size
+        return self.size > 2 * self.live_size()
+
+    def rewrite(self) -> None:
+        """Replace the file by one record per group: its live state."""
+        self._check()
+        new_path = self.path + ".new"
+        try:
+            fd = os.open(new_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                data = MAGIC + b"".join(
+                    frame(state.as_record(group)) for group, state in self.groups.items()
+                )
+                _write_all(fd, data)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.replace(new_path, self.path)
+            _fsync_dir(self.path)
+        except OSError as exc:
+            # The old file is whole and still open: keep appending to it.
+            try:
+                os.unlink(new_path)
+            except OSError:
+                pass
+            raise RaftLogFailed(f"rewriting the Raft log {self.path} failed: {exc}") from exc
+        os.close(self._fd)
+        self._fd = fd = os.open(self.path, os.O_RDWR)
+        os.lseek(fd, 0, os.SEEK_END)
+        self.size = self._measured_at = len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _check(self) -> None:
+        if self.failed:
+            raise RaftLogFailed(self.failed)
+
+    def _fail(self, doing: str, exc: OSError) -> None:
+        self.failed = (
+            f"{doing} the Raft log {self.path} failed ({exc.strerror or exc}): this broker "
+            "acknowledges no append to a replicated stream until it restarts; free space "
+            "or fix the disk, then restart it (it reads back what is intact)"
+        )
+        raise RaftLogFailed(self.failed) from exc
+
+
+def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recovery]:
+    """Apply the intact records of ``data`` to ``groups``; the end of the intact prefix."""
+    pos = len(MAGIC)
+    end = len(data)
+    header = _HEADER.size
+    while pos < end:
+        if end - pos < header:
+            return pos, Recovery(torn_bytes=end - pos)
+        length, crc = _HEADER.unpack_from(data, pos)
+        stop = pos + header + length
+        if length > MAX_RECORD or stop > end:
+            if stop >= end and length <= MAX_RECORD:
+                return pos, Recovery(torn_bytes=end - pos)
+            return pos, _damage(pos, end, f"a record length of {length} bytes")
+        payload = data[pos + header : stop]
+        if zlib.crc32(payload) != crc:
+            if stop == end:
+                return pos, Recovery(torn_bytes=end - pos)
+            return pos, _damage(pos, end, "a record failing its checksum")
+        try:
+            record = _decode(payload)
+            state = groups.get(record.group)
+            if record.dropped:
+                groups.pop(record.group, None)
+            else:
+                if state is None:
+                    state = groups[record.group] = GroupLog()
+                state.apply(record)
+        except (msgspec.DecodeError, ValueError) as exc:
+            return pos, _damage(pos, end, f"a record that does not decode ({exc})")
+        pos = stop
+    return pos, Recovery()
+
+
+def _damage(pos: int, end: int, what: str) -> Recovery:
+    return Recovery(
+        torn_bytes=end - pos,
+        damage=f"{what} at byte {pos}, with {end - pos} bytes from there on dropped",
+    )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

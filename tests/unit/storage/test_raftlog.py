@@ -1,0 +1,291 @@
+"""The Raft write-ahead log on real files: read back whole, a torn tail dropped, damage
+found, a full disk refused, and the file rewritten."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from meshbus.storage.raftlog import (
+    MAGIC,
+    RaftLogFailed,
+    RaftWal,
+    WalEntry,
+    WalHardState,
+    WalRecord,
+    WalSnapshot,
+    frame,
+)
+
+
+def entries(term: int, first: int, last: int) -> list[WalEntry]:
+    return [WalEntry(term, i, f"{term}/{i}".encode()) for i in range(first, last + 1)]
+
+
+def write(path: Path, records: list[WalRecord]) -> None:
+    wal, _ = RaftWal.open(str(path))
+    wal.append(records)
+    wal.sync()
+    wal.close()
+
+
+def summary(wal: RaftWal) -> dict[str, tuple[WalHardState, int, list[tuple[int, int]]]]:
+    return {
+        group: (state.hard, state.snapshot.index, [(e.term, e.index) for e in state.entries])
+        for group, state in sorted(wal.groups.items())
+    }
+
+
+FOUNDING = WalEntry(1, 1, voters=[1, 2, 3])
+
+
+def test_records_read_back_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(
+        path,
+        [
+            WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING], meta=b"config-a"),
+            WalRecord("b", hard=WalHardState(1, 0, 1), entries=[FOUNDING]),
+        ],
+    )
+    write(
+        path,
+        [
+            WalRecord("a", hard=WalHardState(2, 1, 3), entries=entries(2, 2, 3)),
+            WalRecord("b", entries=entries(1, 2, 2)),
+        ],
+    )
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery.torn_bytes == 0
+    assert not recovery.damage
+    assert summary(wal) == {
+        "a": (WalHardState(2, 1, 3), 0, [(1, 1), (2, 2), (2, 3)]),
+        "b": (WalHardState(1, 0, 1), 0, [(1, 1), (1, 2)]),
+    }
+    assert wal.groups["a"].meta == b"config-a"
+    assert wal.groups["a"].entries[0].voters == [1, 2, 3]
+    assert wal.groups["a"].entries[2].data == b"2/3"
+    wal.close()
+
+
+def test_entries_replace_the_log_from_their_first_index(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", entries=[FOUNDING, *entries(1, 2, 5)])])
+    write(path, [WalRecord("a", entries=entries(3, 3, 4))])  # a new leader's log wins
+    wal, _ = RaftWal.open(str(path))
+    assert [(e.term, e.index) for e in wal.groups["a"].entries] == [(1, 1), (1, 2), (3, 3), (3, 4)]
+    wal.close()
+
+
+def test_a_gap_in_the_log_is_damage(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    wal, _ = RaftWal.open(str(path))
+    wal.append([WalRecord("a", entries=[FOUNDING])])
+    with pytest.raises(ValueError, match="entries from 5"):
+        wal.append([WalRecord("a", entries=entries(1, 5, 5))])
+    wal.close()
+
+
+def test_snapshots_installed_and_compacted(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    snap = WalSnapshot(3, 1, [1, 2, 3], [], b"state")
+    write(path, [WalRecord("a", entries=[FOUNDING, *entries(1, 2, 6)])])
+    write(path, [WalRecord("a", snapshot=snap, compacted=True)])
+    wal, _ = RaftWal.open(str(path))
+    assert [e.index for e in wal.groups["a"].entries] == [4, 5, 6]
+    assert wal.groups["a"].snapshot == snap
+    wal.append([WalRecord("a", snapshot=WalSnapshot(9, 2, [1, 2, 3]))])  # from the leader
+    assert wal.groups["a"].entries == []
+    wal.append([WalRecord("a", entries=entries(2, 10, 10))])
+    wal.close()
+    wal, _ = RaftWal.open(str(path))
+    assert (wal.groups["a"].snapshot.index, [e.index for e in wal.groups["a"].entries]) == (9, [10])
+    wal.close()
+
+
+def test_a_dropped_group_is_gone(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", entries=[FOUNDING]), WalRecord("b", entries=[FOUNDING])])
+    write(path, [WalRecord("a", dropped=True)])
+    wal, _ = RaftWal.open(str(path))
+    assert list(wal.groups) == ["b"]
+    wal.close()
+
+
+def last_record_bounds(path: Path) -> tuple[int, int]:
+    wal, _ = RaftWal.open(str(path))
+    end = wal.size
+    wal.close()
+    last = len(frame(WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))))
+    return end - last, end
+
+
+@pytest.mark.parametrize("cut", [1, 4, 8, 9, 20, -1])
+def test_a_torn_tail_is_dropped_as_if_never_written(tmp_path: Path, cut: int) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING, *entries(1, 2, 3)])])
+    write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))])
+    start, end = last_record_bounds(path)
+    keep = start + 1 if cut == -1 else end - cut
+    os.truncate(path, keep)
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery.torn_bytes == keep - start
+    assert not recovery.damage
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1), (1, 2), (1, 3)])}
+    assert path.stat().st_size == start  # cut back, so what is appended next follows it
+    wal.append([WalRecord("a", hard=WalHardState(6, 0, 3), entries=entries(6, 4, 4))])
+    wal.sync()
+    wal.close()
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery.torn_bytes == 0
+    assert summary(wal)["a"] == (WalHardState(6, 0, 3), 0, [(1, 1), (1, 2), (1, 3), (6, 4)])
+    wal.close()
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_in_the_last_record_drops_it(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 2, 2))])
+    start, end = last_record_bounds(path)
+    flip(path, end - 2)
+    wal, recovery = RaftWal.open(str(path))
+    assert (recovery.torn_bytes, recovery.damage) == (end - start, "")
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1)])}
+    wal.close()
+
+
+def test_a_flipped_bit_before_the_end_is_damage_and_every_group_repairs(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(
+        path,
+        [
+            WalRecord("a", hard=WalHardState(1, 0, 1, epoch=2), entries=[FOUNDING]),
+            WalRecord("b", hard=WalHardState(1, 0, 1), entries=[FOUNDING]),
+        ],
+    )
+    good = path.stat().st_size
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1), entries=entries(2, 2, 3))])
+    write(path, [WalRecord("b", hard=WalHardState(2, 2, 1), entries=entries(2, 2, 2))])
+    flip(path, good + 12)  # in the payload of the first record after `good`
+    wal, recovery = RaftWal.open(str(path))
+    assert "failing its checksum" in recovery.damage
+    assert f"at byte {good}" in recovery.damage
+    assert summary(wal) == {
+        "a": (WalHardState(1, 0, 1, epoch=3, repairing=True), 0, [(1, 1)]),
+        "b": (WalHardState(1, 0, 1, epoch=1, repairing=True), 0, [(1, 1)]),
+    }
+    assert path.stat().st_size == good
+    wal.close()
+
+
+def test_a_length_past_the_limit_in_the_middle_is_damage(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", entries=[FOUNDING])])
+    good = path.stat().st_size
+    write(path, [WalRecord("a", entries=entries(1, 2, 2))])
+    write(path, [WalRecord("a", entries=entries(1, 3, 3))])
+    with open(path, "r+b") as f:
+        f.seek(good)
+        f.write(b"\xff\xff\xff\x7f")
+    wal, recovery = RaftWal.open(str(path))
+    assert "record length" in recovery.damage
+    assert [e.index for e in wal.groups["a"].entries] == [1]
+    wal.close()
+
+
+def test_a_file_that_is_no_raft_log_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    path.write_bytes(b"SQLite format 3\x00")
+    with pytest.raises(RaftLogFailed, match="is not a meshbus Raft log"):
+        RaftWal.open(str(path))
+    path.write_bytes(MAGIC[:3])  # the magic cut short: a log created just before a crash
+    wal, _ = RaftWal.open(str(path))
+    assert wal.groups == {}
+    wal.close()
+
+
+def test_rewrite_keeps_the_live_state_only(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    wal, _ = RaftWal.open(str(path))
+    wal.append([WalRecord("a", entries=[FOUNDING])])
+    for i in range(2, 200):
+        wal.append([WalRecord("a", hard=WalHardState(1, 0, i), entries=entries(1, i, i))])
+    wal.append([WalRecord("a", snapshot=WalSnapshot(190, 1, [1, 2, 3]), compacted=True)])
+    wal.sync()
+    before = summary(wal)
+    size = wal.size
+    assert wal.should_rewrite(slack=0)
+    wal.rewrite()
+    assert wal.size < size / 10
+    assert not wal.should_rewrite(slack=0)
+    for _ in range(3):
+        wal.append([WalRecord("a", hard=before["a"][0])])
+    # Grown, but not doubled since it was last measured: not measured (nor rewritten).
+    assert not wal.should_rewrite(slack=0)
+    wal.append([WalRecord("a", entries=entries(1, 200, 200))])
+    wal.sync()
+    wal.close()
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery == type(recovery)()
+    assert summary(wal) == {"a": (before["a"][0], 190, [*before["a"][2], (1, 200)])}
+    wal.close()
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from meshbus.storage.raftlog import RaftLogFailed, RaftWal, WalEntry, WalRecord
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+    wal, _ = RaftWal.open(sys.argv[1])
+    wal.append([WalRecord("a", entries=[WalEntry(1, 1, voters=[1])])])
+    wal.sync()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (wal.size + 3000, wal.size + 3000))
+    index = 2
+    try:
+        while True:
+            wal.append([WalRecord("a", entries=[WalEntry(1, index, b"x" * 1000)])])
+            wal.sync()
+            index += 1
+    except RaftLogFailed as exc:
+        print(index - 1)
+        print(exc)
+    try:
+        wal.append([WalRecord("a", entries=[WalEntry(1, index, b"y")])])
+    except RaftLogFailed as exc:
+        print("still failed:", exc)
+    """
+)
+
+
+def test_a_full_disk_fails_the_log_and_what_was_synced_survives(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    run = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    last, message, again = run.stdout.splitlines()
+    assert int(last) == 3  # entries 2 and 3 (1,025 bytes a record) fit in 3,000 bytes, 4 does not
+    assert "writing the Raft log" in message
+    assert "acknowledges no append to a replicated stream until it restarts" in message
+    assert "File too large" in message
+    assert again.startswith("still failed: writing the Raft log")
+    wal, recovery = RaftWal.open(str(path))
+    assert [e.index for e in wal.groups["a"].entries] == [1, 2, 3]
+    assert recovery.torn_bytes > 0  # entry 4's record, cut short by the limit
+    wal.close()
