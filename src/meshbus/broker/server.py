@@ -26,6 +26,7 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.core.forward import Forwarder
+from meshbus.broker.core.interest import LocalInterest, PeerInterest, PeerSubscription
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox, TrafficStats
 from meshbus.broker.core.pending import PendingTable
@@ -44,8 +45,11 @@ from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.nats.bridge import MeshbusBridge
 from meshbus.broker.nats.connection import Subscription
+from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.listener import NatsListener
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.broker.observe.lag import LoopLag
 from meshbus.broker.observe.stat import StatView
@@ -74,6 +78,7 @@ from meshbus.protocol.control import (
     Load,
     Membership,
     MembersRequest,
+    NatsMessages,
     Ready,
     Register,
     Relayed,
@@ -180,7 +185,33 @@ class Broker:
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
-        self.sync = RouteSync(config, self.peers, self.routing, self.outbox, self.watch, rng)
+        # NATS clients (docs/nats.md): their subject-interest table -- this broker's
+        # clients' subscriptions and its peers' interest -- and their delivery, on every
+        # broker (a meshbus multicast reaches the mesh's NATS clients from wherever it is
+        # sent); the listener only with --nats-listen.
+        self.subjects: SubjectTable[Subscription | PeerSubscription[Link]] = SubjectTable()
+        nats_entries = config.max_connectors * config.max_services
+        self.local_interest = LocalInterest()
+        self.peer_interest: PeerInterest[Link] = PeerInterest(
+            self.subjects,
+            max_per_peer=nats_entries,
+            max_weight=nats_entries,
+            changed=lambda pattern: self.nats_bridge.interest_changed(pattern),
+        )
+        self.sync = RouteSync(
+            config, self.peers, self.routing, self.outbox, self.watch, rng,
+            self.local_interest, self.peer_interest,
+        )  # fmt: skip
+        self.nats_router = NatsRouter(
+            self.subjects, PeerMessages(self.sync.flush_ops), rng,
+            to_meshbus=lambda event: self.nats_bridge.from_nats(event),
+        )  # fmt: skip
+        self.nats_bridge = MeshbusBridge(
+            routing=self.routing, pending=self.pending, outbox=self.outbox,
+            match=self.subjects.match, deliver=self.nats_router.route,
+            flush=self.nats_router.flushes.flush, deadline=self._deadline,
+            announce=self.sync.announce,
+        )  # fmt: skip
         self.guarantees = Guarantees(
             name=lambda: config.name,
             groups=GroupTable(config.group_expiry, config.group_grace, rng),
@@ -219,6 +250,7 @@ class Broker:
             self._deadline,
             self.telemetry.hop,
             self.usage,
+            multicast_tap=self.nats_bridge.tap_for,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
@@ -285,13 +317,13 @@ class Broker:
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
         )
-        # NATS clients (--nats-listen; docs/nats.md): their subject-interest table, and
-        # the listener, built only when asked for.
-        self.subjects: SubjectTable[Subscription] = SubjectTable()
         self.nats: NatsListener | None = None
         if config.nats_listen:
-            router = NatsRouter(self.subjects, rng)
-            self.nats = NatsListener(config, self.subjects, router, rng)
+            interest = NatsInterest(
+                self.subjects, self.local_interest, self.sync.announce,
+                self.sync.after_confirmed, self.nats_bridge.interest_changed,
+            )  # fmt: skip
+            self.nats = NatsListener(config, interest, self.nats_router, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
@@ -347,6 +379,7 @@ class Broker:
         on(_PEER, _C.GROUPS, Groups, guarantees.on_groups)
         on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
         on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
+        on(_PEER, _C.NATS_MSGS, NatsMessages, self.nats_router.from_peer)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -518,6 +551,7 @@ class Broker:
             # peer's link: both scan their tables, which a connector's close need not pay.)
             self.relay.peer_lost(link)
             self.streams.peer_lost(link)
+            self.peer_interest.drop(link)
         if self.routing.owned_count(link):
             self._tasks.spawn(self._withdraw_rest(link, was_connector, held), "withdraw")
         elif held >= _RELEASE_AFTER:

@@ -129,6 +129,9 @@ class ControlType(IntEnum):
     # you are (docs/security.md, "Authentication")
     CHALLENGE = 41
     AUTH = 42  # connector or operator -> broker: the answer to CHALLENGE
+    # broker <-> broker: NATS messages for the receiver's NATS clients, delivered there and
+    # never forwarded again (docs/nats.md, "Across the mesh")
+    NATS_MSGS = 43
 
 
 class ErrorCode(IntEnum):

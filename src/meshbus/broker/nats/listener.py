@@ -17,13 +17,8 @@ import logging
 import random
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.core.subjects import SubjectTable
-from meshbus.broker.nats.connection import (
-    Flushes,
-    NatsCloseReason,
-    NatsConnection,
-    Subscription,
-)
+from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection
+from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.nats import NatsParser, ServerInfo, encode_info
@@ -45,14 +40,14 @@ class NatsListener:
     def __init__(
         self,
         config: BrokerConfig,
-        table: SubjectTable[Subscription],
+        table: NatsInterest,
         router: NatsRouter,
         rng: random.Random,
     ) -> None:
         self._config = config
         self._table = table
         self._router = router
-        self._flushes = Flushes()
+        self._flushes = router.flushes
         self.connections: dict[int, NatsConnection] = {}
         self._next_id = 0
         self._server: asyncio.Server | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from meshbus.broker.core.interest import LocalInterest
 from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.nats.connection import (
     Flushes,
@@ -14,6 +15,8 @@ from meshbus.broker.nats.connection import (
     NatsConnection,
     Subscription,
 )
+from meshbus.broker.nats.interest import NatsInterest
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.protocol.nats import NatsParser
 from meshbus.testing.network import FakeTransport, attach, feed
@@ -26,7 +29,12 @@ class Server:
 
     def __init__(self, max_pending: int = 1 << 20) -> None:
         self.table: SubjectTable[Subscription] = SubjectTable()
-        self.router = NatsRouter(self.table, random.Random(3))
+        self.router = NatsRouter(self.table, PeerMessages(lambda: None), random.Random(3))
+        # A broker with no peer: every change is known mesh-wide at once.
+        self.interest = NatsInterest(
+            self.table, LocalInterest(), lambda op, subject, extra: None,
+            lambda then: then(), lambda subject: None,
+        )  # fmt: skip
         self.flushes = Flushes()
         self.max_pending = max_pending
         self.closed: list[tuple[int, NatsCloseReason]] = []
@@ -37,7 +45,7 @@ class Server:
         conn = NatsConnection(
             self._ids,
             parser=NatsParser(),
-            table=self.table,
+            table=self.interest,
             router=self.router,
             flushes=self.flushes,
             info=lambda conn: b"INFO {}\r\n",

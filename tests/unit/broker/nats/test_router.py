@@ -8,8 +8,11 @@ import random
 
 import pytest
 
+from meshbus.broker.core.interest import LocalInterest
 from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.nats.connection import Flushes, NatsConnection, Subscription
+from meshbus.broker.nats.interest import NatsInterest
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.protocol.nats import NatsParser, Publish, Subscribe, Unsubscribe
 
@@ -19,7 +22,12 @@ class Clients:
 
     def __init__(self, seed: int = 1) -> None:
         self.table: SubjectTable[Subscription] = SubjectTable()
-        self.router = NatsRouter(self.table, random.Random(seed))
+        self.router = NatsRouter(self.table, PeerMessages(lambda: None), random.Random(seed))
+        # A broker with no peer: every change is known mesh-wide at once.
+        self.interest = NatsInterest(
+            self.table, LocalInterest(), lambda op, subject, extra: None,
+            lambda then: then(), lambda subject: None,
+        )  # fmt: skip
         self.flushes = Flushes()
         self._ids = 0
 
@@ -33,7 +41,7 @@ class Clients:
         return NatsConnection(
             self._ids,
             parser=parser,
-            table=self.table,
+            table=self.interest,
             router=self.router,
             flushes=self.flushes,
             info=lambda conn: b"",
