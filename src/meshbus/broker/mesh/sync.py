@@ -178,6 +178,9 @@ class RouteSync:
             then()
             return
         self._waiting.append((self._announced, peers, then))
+        # Every peer may have confirmed it already (a NATS client's PING that came a read
+        # after its SUB): no ROUTED is on its way to release it then.
+        self._release()
 
     def on_routed(self, link: Link, correlation: int, body: Routed) -> None:
         self._confirmed[link] = max(body.seq, self._confirmed.get(link, 0))
