@@ -46,9 +46,14 @@ async def _start(*args: str) -> NatsBroker:
 async def mesh() -> AsyncIterator[list[NatsBroker]]:
     """Three brokers in one mesh, each taking NATS clients."""
     first = await _start()
-    rest = await asyncio.gather(*(_start("--seed", first.process.address) for _ in range(2)))
-    brokers = [first, *rest]
+    brokers = [first]
     try:
+        joining = [_start("--seed", first.process.address) for _ in range(2)]
+        started = await asyncio.gather(*joining, return_exceptions=True)
+        brokers += [b for b in started if isinstance(b, NatsBroker)]
+        for result in started:
+            if isinstance(result, BaseException):
+                raise result
         yield brokers
     finally:
         codes = await stop_all([b.process for b in brokers])

@@ -76,6 +76,7 @@ _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
 _CONTROL_TYPE = struct.Struct(">H")
 _FRAMES_BIGGER_THAN_ANY = 1 << 40
+_GROUPS_CACHED = 1024
 
 
 def group_subject(group: bytes) -> bytes:
@@ -151,6 +152,8 @@ class MeshbusBridge:
         self.address = b""
         self._replies: dict[int, bytes] = {}  # request msg_id -> the NATS reply subject
         self._next_id = 0
+        # subject -> its group's address, None for no group: a publisher uses few subjects.
+        self._groups: dict[bytes, bytes | None] = {}
         self._flush_scheduled = False
         self.stats = BridgeStats()
 
@@ -188,12 +191,20 @@ class MeshbusBridge:
         subject = event.subject
         if len(subject) > GROUP_NAME_MAX + len(ANYCAST_PREFIX):
             return 0
-        if subject.startswith(ANYCAST_PREFIX):
-            group = _group_address(CAST_ANYCAST, subject[len(ANYCAST_PREFIX) :])
-            return 0 if group is None else self._to_anycast(group, event)
-        group = _group_address(CAST_MULTICAST, subject)
+        groups = self._groups
+        group = groups.get(subject, b"")
+        if group == b"":
+            if len(groups) >= _GROUPS_CACHED:
+                groups.clear()
+            if subject.startswith(ANYCAST_PREFIX):
+                group = _group_address(CAST_ANYCAST, subject[len(ANYCAST_PREFIX) :])
+            else:
+                group = _group_address(CAST_MULTICAST, subject)
+            groups[subject] = group
         if group is None:
             return 0
+        if group[0] == CAST_ANYCAST:
+            return self._to_anycast(group, event)
         targets = self._routing.route_multicast(group, b"", self.endpoint, False)
         if not targets or not self._source():
             return 0

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshbus.broker.core.interest import PeerSubscription
 from meshbus.broker.core.link import Link
-from meshbus.broker.core.subjects import SubjectTable, is_valid_queue, is_valid_subject
+from meshbus.broker.core.subjects import SubjectTable, is_valid_queue
 from meshbus.broker.nats.connection import Flushes
 from meshbus.broker.nats.peers import PeerMessages
 from meshbus.protocol.control import NatsMessages
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["NatsRouter"]
 
 log = logging.getLogger("meshbus.broker.nats")
+
+_BLANK = re.compile(rb"[ \t\r\n\f]").search
 
 
 class NatsRouter:
@@ -89,24 +92,24 @@ class NatsRouter:
         if not interest:
             return 0
         delivered = 0
-        plain_peers: list[Link] = []
+        plain_peers: dict[Link, None] = {}
         for sub in interest.plain:
             if isinstance(sub, PeerSubscription):
-                if sub.peer not in plain_peers:
-                    plain_peers.append(sub.peer)
+                plain_peers[sub.peer] = None
             elif echo or sub.conn is not publisher:
                 sub.conn.deliver(sub, event)
                 delivered += 1
         queues: dict[Link, list[bytes]] = {}
-        for name, members in interest.queues:
-            member = self._pick(members, publisher, echo)
-            if member is None:
-                continue
-            if isinstance(member, PeerSubscription):
-                queues.setdefault(member.peer, []).append(name)
-            else:
-                member.conn.deliver(member, event)
-                delivered += 1
+        if interest.queues:
+            for name, members in interest.queues:
+                member = self._pick(members, publisher, echo)
+                if member is None:
+                    continue
+                if isinstance(member, PeerSubscription):
+                    queues.setdefault(member.peer, []).append(name)
+                else:
+                    member.conn.deliver(member, event)
+                    delivered += 1
         self.msgs_out += delivered
         if plain_peers or queues:
             send = self._peers.send
@@ -157,11 +160,14 @@ class NatsRouter:
     def from_peer(self, link: Link, correlation: int, body: NatsMessages) -> None:
         """NATS_MSGS: messages a peer's clients published, for the clients here only."""
         for subject, reply, header_size, data, plain, queues in body.msgs:
-            if not (
-                is_valid_subject(subject)
-                and (not reply or is_valid_subject(reply))
-                and header_size <= len(data)
-                and all(is_valid_queue(q) for q in queues)
+            # What would break a client's MSG line: a blank, an empty subject. A subject
+            # with an empty token only matches nothing.
+            if (
+                not subject
+                or _BLANK(subject)
+                or (reply and _BLANK(reply))
+                or header_size > len(data)
+                or (queues and not all(is_valid_queue(q) for q in queues))
             ):
                 self.dropped_from_peers += 1
                 if self.dropped_from_peers == 1:
