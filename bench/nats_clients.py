@@ -32,7 +32,9 @@ from bench.client import Job, Workers, ratio_figures, workers
 from bench.cluster import meshbus_mesh, nats_cluster
 from bench.report import key_values
 from bench.runs import alternate, runs_options, size_option
-from bench.servers import Server, free_port, meshbus_broker, nats_server
+from bench.servers import BenchSetupError, Server, free_port, meshbus_broker, nats_server
+
+_MESH_ATTEMPTS = 3
 
 
 @dataclass
@@ -62,9 +64,19 @@ def single_nats_server() -> Iterator[Ends]:
 
 @contextlib.contextmanager
 def meshbus_nats_mesh(size: int) -> Iterator[Ends]:
-    """``size`` brokers in one mesh, each with --nats-listen on a free loopback port."""
-    ports = [free_port() for _ in range(size)]
-    with meshbus_mesh(size, each=lambda i: ("--nats-listen", f"127.0.0.1:{ports[i]}")) as mesh:
+    """``size`` brokers in one mesh, each with --nats-listen on a free loopback port. A
+    port free a moment ago may be taken by then (by a broker's --listen 127.0.0.1:0): the
+    broker that cannot bind it exits, and the mesh is started again on other ports."""
+    with contextlib.ExitStack() as stack:
+        for attempt in range(_MESH_ATTEMPTS):
+            ports = [free_port() for _ in range(size)]
+            listen = [("--nats-listen", f"127.0.0.1:{port}") for port in ports]
+            try:
+                mesh = stack.enter_context(meshbus_mesh(size, each=listen.__getitem__))
+                break
+            except BenchSetupError:
+                if attempt == _MESH_ATTEMPTS - 1:
+                    raise
         entry, exit_ = (Server("meshbus", "127.0.0.1", ports[i], mesh.nodes[i].pid) for i in (0, 1))
         yield Ends("meshbus", entry, exit_)
 

@@ -77,6 +77,26 @@ log = logging.getLogger("meshbus.broker")
 # peer applies a frame in one go, at 2-5 us an operation (more on a busy host): frames of
 # 2,000 operations took 10-30 ms, which a read's 5 ms slice could not cut.
 ROUTES_CHUNK = 500
+# And at most this many bytes of addresses and extras: a NATS interest's subject may be
+# as long as a NATS control line (4 KiB by default), where an address is 16 bytes.
+ROUTES_CHUNK_BYTES = 256 * 1024
+_OP_BYTES = 8  # what msgpack adds to an operation, at most
+
+
+def _chunks(ops: list[RouteOp]) -> Iterator[list[RouteOp]]:
+    """``ops`` in order, in chunks of at most ROUTES_CHUNK operations and about
+    ROUTES_CHUNK_BYTES bytes (a single larger operation is a chunk of its own)."""
+    chunk: list[RouteOp] = []
+    size = 0
+    for op in ops:
+        grows = len(op[1]) + len(op[2]) + _OP_BYTES
+        if chunk and (len(chunk) >= ROUTES_CHUNK or size + grows > ROUTES_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(op)
+        size += grows
+    if chunk:
+        yield chunk
 
 
 @dataclass
@@ -161,12 +181,10 @@ class RouteSync:
             return
         peers = self._peers.links()
         self.stats.route_ops_out += len(ops) * len(peers)
-        first = self._announced - len(ops) + 1  # the sequence number of ops[0]
-        for start in range(0, len(ops), ROUTES_CHUNK):
-            chunk = ops[start : start + ROUTES_CHUNK]
-            frame = encode_control(
-                ControlType.ROUTES, Routes(ops=chunk, seq=first + start + len(chunk) - 1)
-            )
+        last = self._announced - len(ops)  # the sequence number before ops[0]
+        for chunk in _chunks(ops):
+            last += len(chunk)
+            frame = encode_control(ControlType.ROUTES, Routes(ops=chunk, seq=last))
             for link in peers:
                 link.send(frame)
 
@@ -243,8 +261,10 @@ class RouteSync:
         self._send_snapshot_ops(link, ops, complete=True)
 
     def _send_snapshot_ops(self, link: Link, ops: list[RouteOp], *, complete: bool) -> None:
-        body = Routes(ops=ops, snapshot=True, complete=complete)
-        link.send(encode_control(ControlType.ROUTES, body))
+        chunks = list(_chunks(ops)) or [[]]
+        for i, chunk in enumerate(chunks, 1):
+            body = Routes(ops=chunk, snapshot=True, complete=complete and i == len(chunks))
+            link.send(encode_control(ControlType.ROUTES, body))
         self.stats.route_ops_out += len(ops)
 
     # -- route operations in -------------------------------------------------------------------

@@ -17,13 +17,18 @@ from typing import TYPE_CHECKING
 
 from meshbus.broker.core.interest import LocalInterest, PeerSubscription
 from meshbus.broker.core.link import Link
-from meshbus.broker.core.subjects import SubjectTable
+from meshbus.broker.core.subjects import InvalidSubject, SubjectTable
 from meshbus.protocol.control import OP_INTEREST, interest_extra
 
 if TYPE_CHECKING:
     from meshbus.broker.nats.connection import Subscription
 
-__all__ = ["NatsInterest"]
+__all__ = ["MAX_SHARED_SUBJECT", "NatsInterest"]
+
+# The longest subject (with its queue group) a client may subscribe to: its interest goes
+# to the peers in one route operation, which must fit a frame whatever the control line
+# allows (--nats-max-control-line goes to 1 MiB, as --max-frame's default).
+MAX_SHARED_SUBJECT = 64 * 1024
 
 
 class NatsInterest:
@@ -49,7 +54,12 @@ class NatsInterest:
 
     def insert(self, subject: bytes, queue: bytes, sub: Subscription) -> None:
         """Subscribe ``sub``; InvalidSubject (nothing changed) for a subject the table
-        cannot take."""
+        cannot take, or longer than MAX_SHARED_SUBJECT."""
+        if len(subject) + len(queue) > MAX_SHARED_SUBJECT:
+            raise InvalidSubject(
+                f"a subject and queue group of {len(subject) + len(queue)} bytes; the peers "
+                f"take at most {MAX_SHARED_SUBJECT}"
+            )
         self._table.insert(subject, queue, sub)
         self._changed(subject)
         count = self._local.add(subject, queue)
