@@ -551,7 +551,9 @@ class Broker:
             # peer's link: both scan their tables, which a connector's close need not pay.)
             self.relay.peer_lost(link)
             self.streams.peer_lost(link)
-            self.peer_interest.drop(link)
+            self.peer_interest.drop(link, _WITHDRAW_STEP)
+            if self.peer_interest.count(link):
+                self._tasks.spawn(self._drop_interest_rest(link), "drop-interest")
         if self.routing.owned_count(link):
             self._tasks.spawn(self._withdraw_rest(link, was_connector, held), "withdraw")
         elif held >= _RELEASE_AFTER:
@@ -579,6 +581,14 @@ class Broker:
             await slices.turn()
         if held >= _RELEASE_AFTER:
             _release_memory()
+
+    async def _drop_interest_rest(self, link: Link) -> None:
+        """A peer that held more NATS interest than one step: the rest leaves in slices,
+        as a closed link's services do. Meanwhile a message for it goes to the closed
+        link and is dropped, as one in flight a moment earlier would have been."""
+        slices = Slices()
+        while self.peer_interest.drop(link, _WITHDRAW_STEP):
+            await slices.turn()
 
     def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)

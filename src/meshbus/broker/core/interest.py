@@ -20,6 +20,7 @@ changes made while it was written need no order between them: the later one is r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
@@ -158,10 +159,18 @@ class PeerInterest(Generic[P]):
         self._table.insert(subject, queue, row)
         self._changed(subject)
 
-    def drop(self, peer: P) -> int:
-        """A peer is gone: its entries leave the table. How many there were."""
-        entries = self._by_peer.pop(peer, {})
-        for (subject, queue), row in entries.items():
-            self._table.remove(subject, queue, row)
+    def drop(self, peer: P, limit: int | None = None) -> int:
+        """A peer is gone: its entries leave the table, at most ``limit`` of them (the
+        caller takes the rest later, ``count`` says how many are left). How many left
+        now."""
+        entries = self._by_peer.get(peer)
+        if entries is None:
+            return 0
+        keys = list(entries) if limit is None else list(itertools.islice(entries, limit))
+        for key in keys:
+            subject, queue = key
+            self._table.remove(subject, queue, entries.pop(key))
             self._changed(subject)
-        return len(entries)
+        if not entries:
+            del self._by_peer[peer]
+        return len(keys)

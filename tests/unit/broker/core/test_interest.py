@@ -134,3 +134,16 @@ def test_a_lost_peer_takes_its_interest_with_it() -> None:
     assert match.queues == ()
     assert sorted(changes) == [b"x.*", b"x.y"]
     assert interest.drop("b") == 0
+
+
+def test_a_lost_peers_interest_can_leave_a_step_at_a_time() -> None:
+    table, interest, _ = tables(max_per_peer=100)
+    for i in range(25):
+        interest.apply("b", b"s.%d" % i, b"", 1)
+    assert interest.drop("b", 10) == 10
+    assert interest.count("b") == 15
+    assert len(table) == 15
+    assert interest.drop("b", 10) == 10
+    assert interest.drop("b", 10) == 5
+    assert interest.drop("b", 10) == 0
+    assert len(table) == 0
