@@ -94,6 +94,15 @@ async def _connect_nats(job: Job) -> NatsClient:
     return await nats.connect(f"nats://{job.host}:{job.port}")
 
 
+async def _subscribed(nc: NatsClient) -> None:
+    """The SUBs sent so far are known to the whole cluster: the PONG of a PING after a
+    SUB says so. nats.py writes a flush's PING straight to its socket, ahead of a SUB its
+    flusher task may not have written yet; after a first PONG it has, so the second
+    flush's PING follows the SUB."""
+    await nc.flush()
+    await nc.flush()
+
+
 class _Arrivals:
     """Counts arrivals; times the run from the end of the warm-up to the last one."""
 
@@ -141,7 +150,7 @@ async def _receive(job: Job, pipe: Connection) -> dict[str, float]:
             arrivals.arrived()
 
         await nc.subscribe(_SUBJECT, cb=counted)
-        await nc.flush()
+        await _subscribed(nc)
         _ready(pipe)
         return await arrivals.rate()
     finally:
@@ -193,7 +202,7 @@ async def _respond(job: Job, pipe: Connection) -> dict[str, float]:
             await msg.respond(msg.data)
 
         await nc.subscribe(_SUBJECT, cb=answer)
-        await nc.flush()
+        await _subscribed(nc)
         _ready(pipe)
         await _until_told(pipe, asyncio.get_running_loop().create_future())
     finally:

@@ -10,6 +10,12 @@ sender or requester), the same code on both systems -- only the server differs:
 * request/response: ``await nc.request`` against a callback that ``msg.respond``s, with
   ``--concurrency`` requests in flight (requests per second), and at concurrency 1 (p50).
 
+With ``--brokers 3`` both systems are three servers linked as one -- a meshbus mesh of
+three brokers, each with its NATS listener, and a nats-server cluster of three nodes
+routed to each other -- and the two sides of each scenario connect to different ones:
+the publisher (requester) to the first, the subscriber (responder) to the second, so
+every message crosses one broker-to-broker link (docs/nats.md, "Across the mesh").
+
 The systems alternate run by run (``runs.alternate``); the ratios are meshbus / nats
 between the medians.
 """
@@ -18,25 +24,73 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import click
 
 from bench.client import Job, Workers, ratio_figures, workers
+from bench.cluster import meshbus_mesh, nats_cluster
 from bench.report import key_values
 from bench.runs import alternate, runs_options, size_option
-from bench.servers import Server, free_port, meshbus_broker, nats_server
+from bench.servers import BenchSetupError, Server, free_port, meshbus_broker, nats_server
+
+_MESH_ATTEMPTS = 3
+
+
+@dataclass
+class Ends:
+    """Where a scenario's two sides connect: the publisher or requester to ``entry``, the
+    subscriber or responder to ``exit`` -- one server, or two nodes of a cluster."""
+
+    kind: str
+    entry: Server
+    exit: Server
 
 
 @contextlib.contextmanager
-def meshbus_nats_listener() -> Iterator[Server]:
+def meshbus_nats_listener() -> Iterator[Ends]:
     """A broker with --nats-listen on a free loopback port: the Server is its NATS side."""
     port = free_port()
     with meshbus_broker("--nats-listen", f"127.0.0.1:{port}") as broker:
-        yield Server("meshbus", "127.0.0.1", port, broker.pid)
+        server = Server("meshbus", "127.0.0.1", port, broker.pid)
+        yield Ends("meshbus", server, server)
 
 
-def _servers() -> list[contextlib.AbstractContextManager[Server]]:
-    return [meshbus_nats_listener(), nats_server()]
+@contextlib.contextmanager
+def single_nats_server() -> Iterator[Ends]:
+    with nats_server() as server:
+        yield Ends("nats", server, server)
+
+
+@contextlib.contextmanager
+def meshbus_nats_mesh(size: int) -> Iterator[Ends]:
+    """``size`` brokers in one mesh, each with --nats-listen on a free loopback port. A
+    port free a moment ago may be taken by then (by a broker's --listen 127.0.0.1:0): the
+    broker that cannot bind it exits, and the mesh is started again on other ports."""
+    with contextlib.ExitStack() as stack:
+        for attempt in range(_MESH_ATTEMPTS):
+            ports = [free_port() for _ in range(size)]
+            listen = [("--nats-listen", f"127.0.0.1:{port}") for port in ports]
+            try:
+                mesh = stack.enter_context(meshbus_mesh(size, each=listen.__getitem__))
+                break
+            except BenchSetupError:
+                if attempt == _MESH_ATTEMPTS - 1:
+                    raise
+        entry, exit_ = (Server("meshbus", "127.0.0.1", ports[i], mesh.nodes[i].pid) for i in (0, 1))
+        yield Ends("meshbus", entry, exit_)
+
+
+@contextlib.contextmanager
+def nats_server_cluster(size: int) -> Iterator[Ends]:
+    with nats_cluster(size) as cluster:
+        yield Ends("nats", cluster.nodes[0], cluster.nodes[1])
+
+
+def _systems(brokers: int) -> list[contextlib.AbstractContextManager[Ends]]:
+    if brokers == 1:
+        return [meshbus_nats_listener(), single_nats_server()]
+    return [meshbus_nats_mesh(brokers), nats_server_cluster(brokers)]
 
 
 def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1) -> Job:
@@ -67,32 +121,48 @@ def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1)
     show_default=True,
     help="Requests in flight in the requests/s scenario (the p50 one runs at 1).",
 )
+@click.option(
+    "--brokers",
+    type=click.Choice(["1", "3"]),
+    default="1",
+    show_default=True,
+    help="1: one broker against one nats-server; 3: a mesh of three against a cluster of "
+    "three, the two sides on different ones.",
+)
 @runs_options
 def nats_clients(
-    count: int, requests: int, size: int, concurrency: int, runs: int, vs_nats: bool
+    count: int,
+    requests: int,
+    size: int,
+    concurrency: int,
+    brokers: str,
+    runs: int,
+    vs_nats: bool,
 ) -> None:
     """nats.py through meshbus's NATS listener vs through nats-server (always both:
-    --vs-nats is implied).
+    --vs-nats is implied), on one server each or (--brokers 3) across three.
 
     Last line: `meshbus_msgs=<msgs/s> nats_msgs=<msgs/s> ratio_msgs=<r> meshbus_rps=<req/s>
     nats_rps=<req/s> ratio_rps=<r> meshbus_p50_us=<us> nats_p50_us=<us> ratio_p50=<r>`:
     the ratios are meshbus/nats (for p50 lower is better).
     """
     figures: dict[str, str] = {}
+    size_of = int(brokers)
+    across = " across 3 servers" if size_of > 1 else ""
     with workers() as pool:
         one_way = alternate(
-            _servers(),
+            _systems(size_of),
             runs,
-            f"nats.py one way: {count:,} x {size} B, publish -> callback",
+            f"nats.py one way{across}: {count:,} x {size} B, publish -> callback",
             ("msgs/s",),
             _one_way(pool, count, size),
         )
         ratio_figures(figures, "msgs", one_way, 0)
         for name, at in (("rps", concurrency), ("p50_us", 1)):
             medians = alternate(
-                _servers(),
+                _systems(size_of),
                 runs,
-                f"nats.py request/response: {requests:,} x {size} B, concurrency {at}",
+                f"nats.py request/response{across}: {requests:,} x {size} B, concurrency {at}",
                 ("req/s", "p50 µs"),
                 _requests(pool, requests, size, at),
             )
@@ -100,11 +170,11 @@ def nats_clients(
     click.echo(key_values(**figures))
 
 
-def _one_way(pool: Workers, count: int, size: int) -> Callable[[Server], tuple[float, tuple[str]]]:
-    def measure(server: Server) -> tuple[float, tuple[str]]:
+def _one_way(pool: Workers, count: int, size: int) -> Callable[[Ends], tuple[float, tuple[str]]]:
+    def measure(ends: Ends) -> tuple[float, tuple[str]]:
         done = pool.run(
-            _job("receive", server, count, size),
-            _job("send", server, count, size),
+            _job("receive", ends.exit, count, size),
+            _job("send", ends.entry, count, size),
             stop_serving=False,
         )
         return done["msgs_per_s"], (f"{done['msgs_per_s']:,.0f}",)
@@ -114,11 +184,11 @@ def _one_way(pool: Workers, count: int, size: int) -> Callable[[Server], tuple[f
 
 def _requests(
     pool: Workers, requests: int, size: int, concurrency: int
-) -> Callable[[Server], tuple[float, tuple[str, str]]]:
-    def measure(server: Server) -> tuple[float, tuple[str, str]]:
+) -> Callable[[Ends], tuple[float, tuple[str, str]]]:
+    def measure(ends: Ends) -> tuple[float, tuple[str, str]]:
         done = pool.run(
-            _job("respond", server, requests, size),
-            _job("request", server, requests, size, concurrency),
+            _job("respond", ends.exit, requests, size),
+            _job("request", ends.entry, requests, size, concurrency),
             stop_serving=True,
         )
         rps, p50 = done["requests_per_s"], done["p50_us"]

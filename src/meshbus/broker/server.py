@@ -27,6 +27,7 @@ from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.core.forward import Forwarder
+from meshbus.broker.core.interest import LocalInterest, PeerInterest, PeerSubscription
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox, TrafficStats
 from meshbus.broker.core.pending import PendingTable
@@ -46,8 +47,11 @@ from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.nats.auth import NatsSignIn
+from meshbus.broker.nats.bridge import MeshbusBridge
 from meshbus.broker.nats.connection import Subscription
+from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.listener import NatsListener
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.broker.observe.lag import LoopLag
 from meshbus.broker.observe.stat import StatView
@@ -76,6 +80,7 @@ from meshbus.protocol.control import (
     Load,
     Membership,
     MembersRequest,
+    NatsMessages,
     RaftFrame,
     Ready,
     Register,
@@ -185,7 +190,33 @@ class Broker:
         self.outbox = Outbox(self.stats)
         self.relay = Relay(self.outbox)
         self.watch = ServiceWatch(self.outbox)
-        self.sync = RouteSync(config, self.peers, self.routing, self.outbox, self.watch, rng)
+        # NATS clients (docs/nats.md): their subject-interest table -- this broker's
+        # clients' subscriptions and its peers' interest -- and their delivery, on every
+        # broker (a meshbus multicast reaches the mesh's NATS clients from wherever it is
+        # sent); the listener only with --nats-listen.
+        self.subjects: SubjectTable[Subscription | PeerSubscription[Link]] = SubjectTable()
+        nats_entries = config.max_connectors * config.max_services
+        self.local_interest = LocalInterest()
+        self.peer_interest: PeerInterest[Link] = PeerInterest(
+            self.subjects,
+            max_per_peer=nats_entries,
+            max_weight=nats_entries,
+            changed=lambda pattern: self.nats_bridge.interest_changed(pattern),
+        )
+        self.sync = RouteSync(
+            config, self.peers, self.routing, self.outbox, self.watch, rng,
+            self.local_interest, self.peer_interest,
+        )  # fmt: skip
+        self.nats_router = NatsRouter(
+            self.subjects, PeerMessages(self.sync.flush_ops), rng,
+            to_meshbus=lambda event: self.nats_bridge.from_nats(event),
+        )  # fmt: skip
+        self.nats_bridge = MeshbusBridge(
+            routing=self.routing, pending=self.pending, outbox=self.outbox,
+            match=self.subjects.match, deliver=self.nats_router.route,
+            flush=self.nats_router.flushes.flush, deadline=self._deadline,
+            announce=self.sync.announce,
+        )  # fmt: skip
         self.guarantees = Guarantees(
             name=lambda: config.name,
             groups=GroupTable(config.group_expiry, config.group_grace, rng),
@@ -229,6 +260,7 @@ class Broker:
             self._deadline,
             self.telemetry.hop,
             self.usage,
+            multicast_tap=self.nats_bridge.tap_for,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
@@ -295,19 +327,19 @@ class Broker:
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
         )
-        # NATS clients (--nats-listen; docs/nats.md): their subject-interest table, and
-        # the listener, built only when asked for.
-        self.subjects: SubjectTable[Subscription] = SubjectTable()
         self.nats: NatsListener | None = None
         if config.nats_listen:
-            router = NatsRouter(self.subjects, rng)
+            interest = NatsInterest(
+                self.subjects, self.local_interest, self.sync.announce,
+                self.sync.after_confirmed, self.nats_bridge.interest_changed,
+            )  # fmt: skip
             nats_sign_in = NatsSignIn(
                 self.sign_in,
                 tls=tls_context,
                 tls_verify=config.tls_verify_clients,
                 timeout=config.handshake_timeout,
             )
-            self.nats = NatsListener(config, self.subjects, router, nats_sign_in, rng)
+            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
@@ -364,6 +396,7 @@ class Broker:
         on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
         on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
         on(_PEER, _C.RAFT, RaftFrame, streams.on_raft)
+        on(_PEER, _C.NATS_MSGS, NatsMessages, self.nats_router.from_peer)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -549,6 +582,9 @@ class Broker:
             # peer's link: both scan their tables, which a connector's close need not pay.)
             self.relay.peer_lost(link)
             self.streams.peer_lost(link)
+            self.peer_interest.drop(link, _WITHDRAW_STEP)
+            if self.peer_interest.count(link):
+                self._tasks.spawn(self._drop_interest_rest(link), "drop-interest")
         if self.routing.owned_count(link):
             self._tasks.spawn(self._withdraw_rest(link, was_connector, held), "withdraw")
         elif held >= _RELEASE_AFTER:
@@ -576,6 +612,14 @@ class Broker:
             await slices.turn()
         if held >= _RELEASE_AFTER:
             _release_memory()
+
+    async def _drop_interest_rest(self, link: Link) -> None:
+        """A peer that held more NATS interest than one step: the rest leaves in slices,
+        as a closed link's services do. Meanwhile a message for it goes to the closed
+        link and is dropped, as one in flight a moment earlier would have been."""
+        slices = Slices()
+        while self.peer_interest.drop(link, _WITHDRAW_STEP):
+            await slices.turn()
 
     def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)

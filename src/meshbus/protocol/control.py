@@ -228,6 +228,12 @@ OP_ADD = 1
 OP_REMOVE = 2
 OP_JOIN = 3
 OP_LEAVE = 4
+# A NATS interest of the sender's clients (docs/nats.md, "Across the mesh"): (OP_INTEREST,
+# subject pattern, ``interest_extra(count, queue)``). ``count`` is the number of the
+# sender's subscriptions to the pattern in that queue group (for no queue group: 1 for
+# any, 0 for none); 0 ends the entry. Each operation states the whole count, so a
+# snapshot and the changes after it need no order between them.
+OP_INTEREST = 5
 _EPOCH = 4  # bytes of the epoch at the end of an ADD's owner
 
 
@@ -241,6 +247,21 @@ def split_owner(extra: bytes) -> tuple[bytes, int]:
     if len(extra) <= _EPOCH:
         return b"", 0
     return extra[:-_EPOCH], int.from_bytes(extra[-_EPOCH:], "big")
+
+
+_COUNT = 4  # bytes of the count at the head of an interest's extra
+
+
+def interest_extra(count: int, queue: bytes) -> bytes:
+    """An OP_INTEREST's extra: the count (u32), then the queue group (empty for none)."""
+    return count.to_bytes(_COUNT, "big") + queue
+
+
+def split_interest(extra: bytes) -> tuple[int, bytes]:
+    """(count, queue) from an OP_INTEREST's extra; ValueError when it is too short."""
+    if len(extra) < _COUNT:
+        raise ValueError(f"an interest of {len(extra)} bytes has no count")
+    return int.from_bytes(extra[:_COUNT], "big"), extra[_COUNT:]
 
 
 RouteOp = tuple[U8, bytes, bytes]
@@ -511,6 +532,33 @@ class StreamReply(Body):
     blocks: list[BlockSlice] = msgspec.field(default_factory=list)
 
 
+# A NATS subject or queue group on the wire between brokers: a subject is at most a
+# control line (--nats-max-control-line caps that at 1 MiB), and a queue group a token of it.
+MAX_NATS_SUBJECT = 1024 * 1024
+NatsSubject = Annotated[bytes, msgspec.Meta(max_length=MAX_NATS_SUBJECT)]
+# The queue groups one message may be handed to on one broker: every group matching its
+# subject there gets one copy, so as many as the receiver's subscriptions could be.
+MAX_NATS_QUEUES = 100_000
+# (subject, reply subject -- b"" for none --, header size, header block and payload,
+# whether the receiver's plain subscriptions get it, the queue groups whose member it is
+# for). The receiver checks the subjects and that the header size fits the data.
+NatsRow = tuple[
+    NatsSubject,
+    NatsSubject,
+    U32,
+    bytes,
+    bool,
+    Annotated[list[NatsSubject], msgspec.Meta(max_length=MAX_NATS_QUEUES)],
+]
+
+
+class NatsMessages(Body):
+    """NATS_MSGS: messages NATS clients of the sender published, for the receiver's NATS
+    clients: delivered there, never forwarded again (one hop, as every frame)."""
+
+    msgs: list[NatsRow] = msgspec.field(default_factory=list)
+
+
 BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.HELLO: Hello,
     ControlType.WELCOME: Welcome,
@@ -555,6 +603,7 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.CHALLENGE: Challenge,
     ControlType.AUTH: Auth,
     ControlType.RAFT: RaftFrame,
+    ControlType.NATS_MSGS: NatsMessages,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

@@ -130,6 +130,9 @@ class ControlType(IntEnum):
     CHALLENGE = 41
     AUTH = 42  # connector or operator -> broker: the answer to CHALLENGE
     RAFT = 43  # broker <-> broker: Raft messages of one replicated stream (no answer)
+    # broker <-> broker: NATS messages for the receiver's NATS clients, delivered there and
+    # never forwarded again (docs/nats.md, "Across the mesh")
+    NATS_MSGS = 44
 
 
 class ErrorCode(IntEnum):

@@ -64,6 +64,7 @@ from meshbus.protocol.control import (
     RaftFrame,
     RaftMessageBody,
     RaftSnapshotBody,
+    NatsMessages,
     Ready,
     Register,
     Relayed,
@@ -341,6 +342,8 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
                 snapshot=RaftSnapshotBody(5, 2, [1, 2, 3]),
             )
         ],
+    ControlType.NATS_MSGS: NatsMessages(
+        msgs=[(b"orders.new", b"_INBOX.x.1", 12, b"NATS/1.0\r\n\r\nhi", False, [b"workers"])]
     ),
 }
 
@@ -380,7 +383,7 @@ def test_control_bodies_ignore_unknown_fields() -> None:
     assert frame == ControlFrame(ControlType.HELLO, Hello(name="x", max_frame=999), 5)
 
 
-@pytest.mark.parametrize("ctype", [0, 44, 200, 0xFFFF])
+@pytest.mark.parametrize("ctype", [0, 99, 200, 0xFFFF])
 def test_unknown_control_type_decodes_with_body_none(ctype: int) -> None:
     frame = decode_one(control_bytes(ctype, b"\xff\x00not msgpack", 3))
     assert frame == ControlFrame(ctype, None, 3)

@@ -30,6 +30,7 @@ MUST_BE_BOUNDED = {
     "Hello": {"protocol", "max_frame", "slot", "tag"},
     "Ready": {"counts{}"},
     "Groups": {"ops[][3]"},
+    "NatsMessages": {"msgs[][2]"},
 }  # fmt: skip
 
 

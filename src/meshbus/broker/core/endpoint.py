@@ -43,6 +43,7 @@ class LinkRole(enum.Enum):
     OPERATOR = "operator"
     PEER = "peer"
     STREAM = "stream"  # a stream's sink: never a TCP link
+    NATS = "nats"  # the NATS bridge (meshbus.broker.nats.bridge): never a TCP link
 
 
 class CloseReason(enum.Enum):

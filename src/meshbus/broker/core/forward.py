@@ -29,6 +29,11 @@ never delivered as a message).
 
 A decision is cached per routing key by the caller when it can be reused, until
 the routing table's version moves (docs/architecture.md, "the routing caches").
+
+A connector's plain multicast also goes to the ``multicast_tap`` of its group, when it
+names one: the NATS bridge, for the NATS clients of the whole mesh that want the group's
+name as a subject (meshbus.broker.nats.bridge). Only at the entry broker, so they get it
+once; the bridge touches the routing table whenever that answer may change.
 """
 
 from __future__ import annotations
@@ -152,12 +157,15 @@ class Forwarder:
         deadline: Callable[[int], float],
         trace: TraceHop,
         usage: UsageTable,
+        multicast_tap: Callable[[bytes], Endpoint | None] = lambda group: None,
     ) -> None:
         """``deadline`` turns a request's timeout_ms (0: the default) into a deadline on
         the broker's clock; ``trace`` records a traced frame's hop (telemetry). A request
         past the pending table's ``max_per_link`` (``--max-requests``), or past its user's
-        quota (``usage``), is answered NO_ROUTE at once."""
+        quota (``usage``), is answered NO_ROUTE at once. ``multicast_tap(group)``: where a
+        connector's multicast to ``group`` also goes, if anywhere (module docstring)."""
         self.routing = routing
+        self._tap = multicast_tap
         self._pending = pending
         self._outbox = outbox
         self._stats = stats
@@ -256,6 +264,9 @@ class Forwarder:
                 cacheable: tuple[Endpoint, ...] = (owner,) if owner is not None else ()
             else:
                 cacheable = routing.route_multicast(dst, src, link, bool(flags & FLAG_ECHO))
+                tap = self._tap(dst)
+                if tap is not None:
+                    cacheable += (tap,)
             # A link's frame limit is fixed at HELLO, before it owns any address, so a
             # decision that passes this check stays valid for every frame of this key.
             if all(total <= target.max_frame for target in cacheable):
@@ -270,6 +281,9 @@ class Forwarder:
             found: tuple[Endpoint, ...] = (owner,) if owner is not None else ()
         elif cast_type == CAST_MULTICAST:
             found = routing.route_multicast(dst, src, link, bool(flags & FLAG_ECHO))
+            tap = None if flags & FLAG_REQUEST else self._tap(dst)
+            if tap is not None:
+                found += (tap,)
         elif cast_type == CAST_ANYCAST:
             one = routing.route_anycast(dst, src, bool(flags & FLAG_ECHO))
             found = (one,) if one is not None else ()

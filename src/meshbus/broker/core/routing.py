@@ -240,6 +240,11 @@ class RoutingTable(Generic[L]):
 
     # -- changes ---------------------------------------------------------
 
+    def touch(self) -> None:
+        """Something the routing decisions depend on changed outside this table (the NATS
+        interest in a group's name: meshbus.broker.nats.bridge): the cached ones go."""
+        self.version += 1
+
     def add_service(self, address: bytes, link: L, session: bytes = b"", epoch: int = 0) -> None:
         """Register ``address`` (16-byte unicast) on ``link``; AddressTaken if owned already.
         ``epoch``: of the connector link it was registered through (``epoch_of``)."""

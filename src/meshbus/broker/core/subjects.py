@@ -39,6 +39,7 @@ __all__ = [
     "InvalidSubject",
     "SubjectTable",
     "is_literal",
+    "is_valid_queue",
     "is_valid_subject",
     "pattern_matches",
 ]
@@ -65,6 +66,12 @@ def is_valid_subject(subject: bytes) -> bool:
         return False
     tokens = subject.split(_SEPARATOR)
     return all(tokens) and _REST not in tokens[:-1]
+
+
+def is_valid_queue(queue: bytes) -> bool:
+    """Whether ``queue`` is a queue group's name as a SUB carries one: not empty, no
+    whitespace."""
+    return bool(queue) and _WHITESPACE.isdisjoint(queue)
 
 
 def is_literal(subject: bytes) -> bool:

@@ -21,11 +21,18 @@
   (``after_confirmed``), and the connector's call returns then. So when ``join``
   returns, a message sent through any broker reaches the new member. A peer that
   is lost stops counting; one that links later gets the change in its snapshot.
+* **NATS interest rides along** (docs/nats.md, "Across the mesh"): the subjects this
+  broker's NATS clients subscribe to are route operations too (OP_INTEREST, counted by
+  ``LocalInterest``), in the snapshot and in order with the rest, and confirmed alike --
+  so a NATS client's PING after a SUB is answered once every peer applied it
+  (``after_confirmed``). A peer's interest goes into ``PeerInterest``; its link's close
+  takes it out (Broker._link_closed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -37,6 +44,7 @@ from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core import slices
 from meshbus.broker.core.endpoint import Endpoint
+from meshbus.broker.core.interest import InterestError, LocalInterest, PeerInterest
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.registry import Peers
@@ -46,6 +54,7 @@ from meshbus.broker.mesh.claims import ClaimTable, is_slot_key, slot_key
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     OP_ADD,
+    OP_INTEREST,
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
@@ -56,6 +65,8 @@ from meshbus.protocol.control import (
     Routed,
     RouteOp,
     Routes,
+    interest_extra,
+    split_interest,
     split_owner,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -68,6 +79,26 @@ log = logging.getLogger("meshbus.broker")
 ROUTES_CHUNK = 500
 # Owners (session and epoch) of ADDs remembered split; past it the memory starts over.
 _OWNERS_KEPT = 1024
+# And at most this many bytes of addresses and extras: a NATS interest's subject may be
+# as long as a NATS control line (4 KiB by default), where an address is 16 bytes.
+ROUTES_CHUNK_BYTES = 256 * 1024
+_OP_BYTES = 8  # what msgpack adds to an operation, at most
+
+
+def _chunks(ops: list[RouteOp]) -> Iterator[list[RouteOp]]:
+    """``ops`` in order, in chunks of at most ROUTES_CHUNK operations and about
+    ROUTES_CHUNK_BYTES bytes (a single larger operation is a chunk of its own)."""
+    chunk: list[RouteOp] = []
+    size = 0
+    for op in ops:
+        grows = len(op[1]) + len(op[2]) + _OP_BYTES
+        if chunk and (len(chunk) >= ROUTES_CHUNK or size + grows > ROUTES_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(op)
+        size += grows
+    if chunk:
+        yield chunk
 
 
 @dataclass
@@ -101,8 +132,14 @@ class RouteSync:
         outbox: Outbox,
         watch: ServiceWatch,
         rng: random.Random,
+        local_interest: LocalInterest,
+        peer_interest: PeerInterest[Link],
     ) -> None:
+        """``local_interest``: this broker's NATS interest, sent in each snapshot;
+        ``peer_interest``: where the peers' goes."""
         self._config = config
+        self._local_interest = local_interest
+        self._peer_interest = peer_interest
         self._rng = rng
         self._peers = peers
         self._routing = routing
@@ -149,12 +186,10 @@ class RouteSync:
             return
         peers = self._peers.links()
         self.stats.route_ops_out += len(ops) * len(peers)
-        first = self._announced - len(ops) + 1  # the sequence number of ops[0]
-        for start in range(0, len(ops), ROUTES_CHUNK):
-            chunk = ops[start : start + ROUTES_CHUNK]
-            frame = encode_control(
-                ControlType.ROUTES, Routes(ops=chunk, seq=first + start + len(chunk) - 1)
-            )
+        last = self._announced - len(ops)  # the sequence number before ops[0]
+        for chunk in _chunks(ops):
+            last += len(chunk)
+            frame = encode_control(ControlType.ROUTES, Routes(ops=chunk, seq=last))
             for link in peers:
                 link.send(frame)
 
@@ -168,6 +203,9 @@ class RouteSync:
             then()
             return
         self._waiting.append((self._announced, peers, then))
+        # Every peer may have confirmed it already (a NATS client's PING that came a read
+        # after its SUB): no ROUTED is on its way to release it then.
+        self._release()
 
     def on_routed(self, link: Link, correlation: int, body: Routed) -> None:
         self._confirmed[link] = max(body.seq, self._confirmed.get(link, 0))
@@ -207,27 +245,35 @@ class RouteSync:
         operations apply conditionally (module docstring): a JOIN or REMOVE before the
         address's ADD is ignored, and the ADD then carries its state of that moment."""
         self.flush_ops()
-        self._snapshot_slice(link, iter(self._routing.local_addresses()))
+        interest = [
+            [(OP_INTEREST, subject, interest_extra(count, queue))]
+            for subject, queue, count in self._local_interest.snapshot()
+        ]
+        parts = map(self._routing.local_ops, self._routing.local_addresses())
+        self._snapshot_slice(link, itertools.chain(parts, interest))
 
-    def _snapshot_slice(self, link: Link, addresses: Iterator[bytes]) -> None:
+    def _snapshot_slice(self, link: Link, parts: Iterator[list[RouteOp]]) -> None:
+        """Each part is one address's operations (taken as it stands when its turn
+        comes), or one NATS interest's."""
         if link.closed:
             return
         deadline = time.perf_counter() + slices.SLICE
-        routing = self._routing
         ops: list[RouteOp] = []
-        for address in addresses:
-            ops += routing.local_ops(address)
+        for part in parts:
+            ops += part
             if len(ops) >= ROUTES_CHUNK:
                 self._send_snapshot_ops(link, ops, complete=False)
                 ops = []
                 if time.perf_counter() > deadline:
-                    asyncio.get_running_loop().call_soon(self._snapshot_slice, link, addresses)
+                    asyncio.get_running_loop().call_soon(self._snapshot_slice, link, parts)
                     return
         self._send_snapshot_ops(link, ops, complete=True)
 
     def _send_snapshot_ops(self, link: Link, ops: list[RouteOp], *, complete: bool) -> None:
-        body = Routes(ops=ops, snapshot=True, complete=complete)
-        link.send(encode_control(ControlType.ROUTES, body))
+        chunks = list(_chunks(ops)) or [[]]
+        for i, chunk in enumerate(chunks, 1):
+            body = Routes(ops=chunk, snapshot=True, complete=complete and i == len(chunks))
+            link.send(encode_control(ControlType.ROUTES, body))
         self.stats.route_ops_out += len(ops)
 
     # -- route operations in -------------------------------------------------------------------
@@ -237,7 +283,7 @@ class RouteSync:
         for op, address, extra in body.ops:
             try:
                 self._apply(link, op, address, extra)
-            except (RoutingError, IndexError) as exc:
+            except (RoutingError, InterestError, IndexError, ValueError) as exc:
                 log.warning(
                     "bad route operation from a peer", extra={"peer": link.name, "error": str(exc)}
                 )
@@ -264,6 +310,10 @@ class RouteSync:
             await self._snapshots_done.wait()
 
     def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
+        if op == OP_INTEREST:
+            count, queue = split_interest(extra)
+            self._peer_interest.apply(link, address, queue, count)
+            return
         routing = self._routing
         owner = routing.owner(address)
         if op == OP_ADD:

@@ -27,6 +27,10 @@ Rules it keeps (nats-server's, docs/nats.md):
 7. A signed-in client's PUB to a subject its user may not send to, or SUB to one it may
    not join, is ``-ERR 'Permissions Violation for Publish to "S"'`` (``... for
    Subscription to "S"``) and goes no further; the connection stays.
+8. A PING after a SUB or UNSUB is answered once the whole mesh knows the change
+   (``NatsInterest.after_known``), and every PING after it waits its turn: a client's
+   ``flush()`` after ``subscribe()`` returns when a message published through any broker
+   finds the subscription (docs/nats.md, "Across the mesh").
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
 
 from meshbus.broker.core.slices import SLICE
-from meshbus.broker.core.subjects import InvalidSubject, SubjectTable, is_literal, is_valid_subject
+from meshbus.broker.core.subjects import InvalidSubject, is_literal, is_valid_subject
 from meshbus.protocol.nats import (
     OK,
     PING,
@@ -63,6 +67,7 @@ from meshbus.tls import failure_reason
 
 if TYPE_CHECKING:
     from meshbus.broker.nats.auth import NatsSignIn, SubjectPermissions
+    from meshbus.broker.nats.interest import NatsInterest
     from meshbus.broker.nats.router import NatsRouter
     from meshbus.broker.security.users import User
 
@@ -129,7 +134,7 @@ class NatsConnection(asyncio.Protocol):
         client_id: int,
         *,
         parser: NatsParser,
-        table: SubjectTable[Subscription],
+        table: NatsInterest,
         router: NatsRouter,
         flushes: Flushes,
         info: Callable[[NatsConnection], bytes],
@@ -185,6 +190,9 @@ class NatsConnection(asyncio.Protocol):
         # last ping tick.
         self._pings_out = 0
         self._heard = False
+        # A SUB or UNSUB since the last PING; PONGs that wait for the mesh (rule 5).
+        self._interest_changed = False
+        self._pongs_owed = 0
 
     @property
     def options(self) -> ConnectOptions:
@@ -348,7 +356,7 @@ class NatsConnection(asyncio.Protocol):
         elif isinstance(event, Unsubscribe):
             self._unsubscribe(event)
         elif isinstance(event, Ping):
-            self.queue(PONG)
+            self._pong()
         elif isinstance(event, Pong):
             self._pings_out = 0
         elif isinstance(event, Connect):
@@ -469,6 +477,7 @@ class NatsConnection(asyncio.Protocol):
                 self.queue(encode_err("Invalid Subject"))
                 return
             self.subs[event.sid] = sub
+            self._interest_changed = True
         # A second SUB of a sid in use changes nothing (nats-server).
         if self._parser.options.verbose:
             self.queue(OK)
@@ -487,6 +496,22 @@ class NatsConnection(asyncio.Protocol):
         """End a subscription: out of the table and of this connection's."""
         if self.subs.pop(sub.sid, None) is sub:
             self._table.remove(sub.subject, sub.queue, sub)
+            self._interest_changed = True
+
+    def _pong(self) -> None:
+        """Answer a PING: at once, unless a change of this client's interest, or a PONG
+        before this one, waits for the mesh (rule 5)."""
+        if not (self._interest_changed or self._pongs_owed):
+            self.queue(PONG)
+            return
+        self._interest_changed = False
+        self._pongs_owed += 1
+        self._table.after_known(self._pong_owed)
+
+    def _pong_owed(self) -> None:
+        self._pongs_owed -= 1
+        self.queue(PONG)
+        self.flush()
 
     # -- writing ------------------------------------------------------------------
 

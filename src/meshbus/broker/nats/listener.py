@@ -26,14 +26,9 @@ import logging
 import random
 
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.nats.auth import NatsSignIn
-from meshbus.broker.nats.connection import (
-    Flushes,
-    NatsCloseReason,
-    NatsConnection,
-    Subscription,
-)
+from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection
+from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.nats import NatsParser, ServerInfo, encode_info
@@ -55,7 +50,7 @@ class NatsListener:
     def __init__(
         self,
         config: BrokerConfig,
-        table: SubjectTable[Subscription],
+        table: NatsInterest,
         router: NatsRouter,
         sign_in: NatsSignIn,
         rng: random.Random,
@@ -64,7 +59,7 @@ class NatsListener:
         self._table = table
         self._router = router
         self._sign_in = sign_in
-        self._flushes = Flushes()
+        self._flushes = router.flushes
         self.connections: dict[int, NatsConnection] = {}
         self._next_id = 0
         self._server: asyncio.Server | None = None

@@ -10,9 +10,16 @@ import pytest
 
 from meshbus.address import Multicast, Unicast
 from meshbus.broker.core import slices
-from meshbus.broker.mesh.sync import ROUTES_CHUNK
+from meshbus.broker.mesh.sync import ROUTES_CHUNK, ROUTES_CHUNK_BYTES, _chunks
 from meshbus.broker.server import Broker
-from meshbus.protocol.control import AddressBody, Membership, Register
+from meshbus.protocol.control import (
+    OP_INTEREST,
+    OP_JOIN,
+    AddressBody,
+    Membership,
+    Register,
+    interest_extra,
+)
 from meshbus.protocol.layout import ControlType
 from meshbus.testing import (
     FakeNetwork,
@@ -187,3 +194,17 @@ async def test_a_snapshot_written_in_slices_while_the_table_changes_ends_equal(
     assert routes_everywhere([a, c], addresses[-1]) == {"a": None, "c": None}
     assert routes_everywhere([a, c], addresses[0]) == {"a": "local", "c": "a"}
     assert addresses[-301] in c.routing.members(CHAT)
+
+
+def test_route_operations_go_in_chunks_of_bounded_count_and_bytes() -> None:
+    """A NATS interest's subject may be as long as a control line: a turn's operations
+    are cut by bytes too, so no ROUTES frame nears the peer's max_frame."""
+    long = [(OP_INTEREST, b"s" * 4000 + b".%d" % i, interest_extra(1, b"")) for i in range(200)]
+    short = [(OP_JOIN, bytes(16), bytes(16))] * (ROUTES_CHUNK + 1)
+    chunks = list(_chunks(long + short))
+    assert [op for chunk in chunks for op in chunk] == long + short  # all, in order
+    assert all(len(chunk) <= ROUTES_CHUNK for chunk in chunks)
+    assert all(sum(len(a) + len(e) for _, a, e in chunk) <= ROUTES_CHUNK_BYTES for chunk in chunks)
+    assert len(chunks) >= 4
+    huge = [(OP_INTEREST, b"h" * (ROUTES_CHUNK_BYTES + 1), interest_extra(1, b""))]
+    assert list(_chunks(huge)) == [huge]  # one too large still goes, alone

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
+from meshbus.broker.core.interest import LocalInterest
 from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.nats.connection import (
     Flushes,
@@ -14,6 +16,8 @@ from meshbus.broker.nats.connection import (
     NatsConnection,
     Subscription,
 )
+from meshbus.broker.nats.interest import NatsInterest
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.protocol.nats import NatsParser
 from meshbus.testing.network import FakeTransport, attach, feed
@@ -26,7 +30,12 @@ class Server:
 
     def __init__(self, max_pending: int = 1 << 20) -> None:
         self.table: SubjectTable[Subscription] = SubjectTable()
-        self.router = NatsRouter(self.table, random.Random(3))
+        self.router = NatsRouter(self.table, PeerMessages(lambda: None), random.Random(3))
+        # A broker with no peer: every change is known mesh-wide at once.
+        self.interest = NatsInterest(
+            self.table, LocalInterest(), lambda op, subject, extra: None,
+            lambda then: then(), lambda subject: None,
+        )  # fmt: skip
         self.flushes = Flushes()
         self.max_pending = max_pending
         self.closed: list[tuple[int, NatsCloseReason]] = []
@@ -37,7 +46,7 @@ class Server:
         conn = NatsConnection(
             self._ids,
             parser=NatsParser(),
-            table=self.table,
+            table=self.interest,
             router=self.router,
             flushes=self.flushes,
             info=lambda conn: b"INFO {}\r\n",
@@ -110,3 +119,32 @@ async def test_unanswered_pings_make_a_connection_stale() -> None:
     assert conn.closed
     assert bytes(transport.captured).endswith(b"-ERR 'Stale Connection'\r\n")
     assert transport.closing
+
+
+async def test_a_ping_after_a_sub_is_answered_once_the_mesh_knows_it() -> None:
+    """docs/nats.md, "Across the mesh": the PONG waits for every peer's confirmation of
+    the interest change, and every PONG after it waits its turn; a PING with no change
+    before it is answered at once."""
+    server = Server()
+    waiting: list[Callable[[], None]] = []
+    server.interest = NatsInterest(
+        server.table, LocalInterest(), lambda op, subject, extra: None,
+        waiting.append, lambda subject: None,
+    )  # fmt: skip
+    conn, transport = server.connect()
+    feed(conn, QUIET + b"PING\r\n")
+    assert transport.captured.endswith(b"PONG\r\n")
+    transport.captured.clear()
+    feed(conn, b"SUB a 1\r\nPING\r\nPING\r\n")
+    assert bytes(transport.captured) == b""
+    assert len(waiting) == 2
+    waiting.pop(0)()
+    assert bytes(transport.captured) == b"PONG\r\n"
+    feed(conn, b"PING\r\n")  # no change of its own, but a PONG still owed before it
+    waiting.pop(0)()
+    assert bytes(transport.captured) == b"PONG\r\n" * 2
+    waiting.pop(0)()
+    assert bytes(transport.captured) == b"PONG\r\n" * 3
+    feed(conn, b"PING\r\n")
+    assert bytes(transport.captured) == b"PONG\r\n" * 4
+    assert waiting == []

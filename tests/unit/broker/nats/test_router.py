@@ -4,13 +4,21 @@ queued output, parsed back as a client would."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 
+from meshbus.broker.core.interest import LocalInterest, PeerInterest
 from meshbus.broker.core.subjects import SubjectTable
 from meshbus.broker.nats.connection import Flushes, NatsConnection, Subscription
+from meshbus.broker.nats.interest import NatsInterest
+from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
+from meshbus.protocol.codec import ControlFrame, FrameDecoder
+from meshbus.protocol.control import NatsMessages
+from meshbus.protocol.layout import ControlType
 from meshbus.protocol.nats import NatsParser, Publish, Subscribe, Unsubscribe
 
 
@@ -19,7 +27,12 @@ class Clients:
 
     def __init__(self, seed: int = 1) -> None:
         self.table: SubjectTable[Subscription] = SubjectTable()
-        self.router = NatsRouter(self.table, random.Random(seed))
+        self.router = NatsRouter(self.table, PeerMessages(lambda: None), random.Random(seed))
+        # A broker with no peer: every change is known mesh-wide at once.
+        self.interest = NatsInterest(
+            self.table, LocalInterest(), lambda op, subject, extra: None,
+            lambda then: then(), lambda subject: None,
+        )  # fmt: skip
         self.flushes = Flushes()
         self._ids = 0
 
@@ -33,7 +46,7 @@ class Clients:
         return NatsConnection(
             self._ids,
             parser=parser,
-            table=self.table,
+            table=self.interest,
             router=self.router,
             flushes=self.flushes,
             info=lambda conn: b"",
@@ -142,3 +155,145 @@ def test_headers_are_stripped_for_a_client_without_them() -> None:
     clients.router.publish(with_headers, Publish(b"h", b"", len(header), header + b"body"))
     assert with_headers._out == [b"HMSG h 1 %d %d\r\n%bbody\r\n" % (18, 22, header)]
     assert without._out == [b"MSG h 2 4\r\nbody\r\n"]
+
+
+# -- across the mesh: peers' interest in the same table ------------------------------------
+
+
+class PeerLink:
+    """What the router and the peer output use of a peer's link: its name, its frame
+    limit, and the frames written to it."""
+
+    def __init__(self, name: str, max_frame: int = 1 << 20) -> None:
+        self.name = name
+        self.max_frame = max_frame
+        self.frames: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        rows = []
+        for frame in self.frames:
+            decoder = FrameDecoder(self.max_frame)
+            decoder.feed(frame)
+            [decoded] = decoder.frames()
+            assert isinstance(decoded, ControlFrame)
+            assert decoded.type == ControlType.NATS_MSGS
+            assert isinstance(decoded.body, NatsMessages)
+            rows += decoded.body.msgs
+        self.frames.clear()
+        return rows
+
+
+class Mesh(Clients):
+    """Clients of this broker, and peers whose interest is in the same table."""
+
+    def __init__(self, seed: int = 1) -> None:
+        super().__init__(seed)
+        self.routes_flushed = 0
+        self.peers = PeerMessages(self._flush_routes)
+        self.router = NatsRouter(self.table, self.peers, random.Random(seed))
+        self.interest = NatsInterest(
+            self.table, LocalInterest(), lambda op, subject, extra: None,
+            lambda then: then(), lambda subject: None,
+        )  # fmt: skip
+        self.remote = PeerInterest(self.table, 100, 100, lambda subject: None)
+
+    def _flush_routes(self) -> None:
+        self.routes_flushed += 1
+
+
+async def test_a_peer_gets_one_frame_however_many_of_its_clients_match() -> None:
+    mesh = Mesh()
+    b, c = PeerLink("b"), PeerLink("c")
+    mesh.remote.apply(b, b"x.*", b"", 1)
+    mesh.remote.apply(b, b"x.>", b"", 1)
+    mesh.remote.apply(c, b"y", b"", 1)
+    publisher = mesh.connect()
+    mesh.router.publish(publisher, Publish(b"x.y", b"_INBOX.1", 0, b"hi"))
+    mesh.router.publish(publisher, Publish(b"x.z", b"", 0, b"there"))
+    await asyncio.sleep(0)  # the peers' rows leave at the end of the loop turn
+    assert b.rows() == [
+        (b"x.y", b"_INBOX.1", 0, b"hi", True, []),
+        (b"x.z", b"", 0, b"there", True, []),
+    ]
+    assert b.frames == []
+    assert c.rows() == []
+    assert mesh.routes_flushed == 1  # route operations before the messages
+    # A request that went to a peer reached someone: no 503.
+    assert mesh.router.no_responders == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_queue_group_across_brokers_is_picked_at_the_origin_by_weight(
+    seed: int,
+) -> None:
+    mesh = Mesh(seed)
+    b = PeerLink("b")
+    local = mesh.connect()
+    subscribe(local, b"jobs", b"1", b"workers")
+    mesh.remote.apply(b, b"jobs", b"workers", 3)  # three members on b
+    publisher = mesh.connect()
+    for i in range(400):
+        mesh.router.publish(publisher, Publish(b"jobs", b"", 0, b"%d" % i))
+    await asyncio.sleep(0)
+    here = len(taken(local))
+    there = b.rows()
+    assert here + len(there) == 400  # each message once
+    assert all(row[4:] == (False, [b"workers"]) for row in there)
+    assert 240 <= len(there) <= 360  # about three in four
+
+
+async def test_a_peers_message_goes_to_the_clients_here_only() -> None:
+    mesh = Mesh()
+    b = PeerLink("b")
+    plain, member1, member2 = mesh.connect(), mesh.connect(), mesh.connect()
+    subscribe(plain, b"news.*", b"1")
+    subscribe(member1, b"news.*", b"1", b"q")
+    subscribe(member2, b"news.>", b"1", b"q")
+    mesh.remote.apply(PeerLink("c"), b"news.>", b"", 1)  # never sent on: one hop
+    rows = [
+        (b"news.a", b"", 0, b"1", True, []),  # plain subscribers only
+        (b"news.b", b"", 0, b"2", False, [b"q"]),  # one member of q only
+        (b"news.c", b"", 0, b"3", True, [b"q", b"gone"]),  # q's members here left
+    ]
+    mesh.router.from_peer(b, 0, NatsMessages(msgs=rows))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert taken(plain) == [b"MSG news.a 1 1", b"MSG news.c 1 1"]
+    assert len(taken(member1)) + len(taken(member2)) == 2
+    assert mesh.router.dropped_from_peers == 1
+    assert mesh.routes_flushed == 0
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        (b"a b", b"", 0, b"x", True, []),  # a blank would break the client's MSG line
+        (b"news.a", b"re ply", 0, b"x", True, []),
+        (b"news.a", b"", 5, b"x", True, []),  # headers longer than the message
+        (b"news.a", b"", 0, b"x", False, [b"q q"]),
+    ],
+)
+async def test_a_peers_invalid_message_is_dropped(row: tuple[Any, ...]) -> None:
+    mesh = Mesh()
+    a = mesh.connect()
+    subscribe(a, b"news.a", b"1")
+    mesh.router.from_peer(PeerLink("b"), 0, NatsMessages(msgs=[row]))  # type: ignore[arg-type,list-item]
+    assert taken(a) == []
+    assert mesh.router.dropped_from_peers == 1
+
+
+async def test_peer_frames_stay_within_max_frame() -> None:
+    mesh = Mesh()
+    small = PeerLink("small", max_frame=4096)
+    mesh.remote.apply(small, b"big", b"", 1)
+    publisher = mesh.connect()
+    for _ in range(10):
+        mesh.router.publish(publisher, Publish(b"big", b"", 0, bytes(1000)))
+    mesh.router.publish(publisher, Publish(b"big", b"", 0, bytes(5000)))  # never fits
+    await asyncio.sleep(0)
+    assert all(len(frame) <= 4096 for frame in small.frames)
+    assert len(small.frames) == 4
+    assert len(small.rows()) == 10
+    assert mesh.peers.stats.too_large == 1
