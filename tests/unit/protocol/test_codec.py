@@ -60,11 +60,11 @@ from meshbus.protocol.control import (
     Membership,
     MembersRequest,
     Move,
+    NatsMessages,
     RaftEntryBody,
     RaftFrame,
     RaftMessageBody,
     RaftSnapshotBody,
-    NatsMessages,
     Ready,
     Register,
     Relayed,
@@ -342,6 +342,7 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
                 snapshot=RaftSnapshotBody(5, 2, [1, 2, 3]),
             )
         ],
+    ),
     ControlType.NATS_MSGS: NatsMessages(
         msgs=[(b"orders.new", b"_INBOX.x.1", 12, b"NATS/1.0\r\n\r\nhi", False, [b"workers"])]
     ),
