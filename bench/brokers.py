@@ -56,7 +56,7 @@ class MeshbusProcesses:
     async def start(self, *args: str) -> MeshbusProcess:
         """A broker with ``args``, timed from process start to its ready line."""
         began = time.perf_counter()
-        process, name, address = await spawn_broker(*args)
+        process, name, address, _ = await spawn_broker(*args)
         broker = MeshbusProcess(process, name, address, (time.perf_counter() - began) * 1000.0)
         self.started.append(broker)
         return broker

@@ -25,6 +25,7 @@ class BrokerProcess:
     process: asyncio.subprocess.Process
     name: str
     address: str
+    nats_address: str = ""  # with --nats-listen
 
     @property
     def host(self) -> str:
@@ -42,8 +43,8 @@ class BrokerProcess:
 
 async def start_broker(*args: str) -> BrokerProcess:
     """Start `meshbus broker --listen 127.0.0.1:0 ARGS` and wait for its ready line."""
-    process, name, address = await spawn_broker(*args)
-    return BrokerProcess(process, name, address)
+    process, name, address, nats_address = await spawn_broker(*args)
+    return BrokerProcess(process, name, address, nats_address)
 
 
 async def start_mesh(count: int, *args: str) -> list[BrokerProcess]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import meshbus
 from meshbus.auth import Credentials, brokers_entry, toml_string
-from meshbus.broker.process import broker_argv, child_env, parse_ready_line
+from meshbus.broker.process import broker_argv, child_env, nats_address_of, parse_ready_line
 from meshbus.private_files import write_private
 from meshbus.protocol import (
     ControlFrame,
@@ -220,7 +220,7 @@ class Pair:
 class LaunchedBroker(BrokerProcess):
     """A broker whose ready line was read here, and whose stdout and stderr are captured."""
 
-    ready_line: str
+    ready_line: str = ""
 
     async def finish(self, timeout: float = 10.0) -> tuple[int, str, str]:
         """Wait for exit; returns (exit code, rest of stdout, stderr). Kills it on timeout."""
@@ -263,7 +263,7 @@ async def launch_broker(*args: str, listen: str = "127.0.0.1:0") -> LaunchedBrok
                 process.kill()
         _, err = await process.communicate()
         raise AssertionError(f"broker did not print its ready line ({line!r}): {err.decode()!r}")
-    return LaunchedBroker(process, ready[0], ready[1], line)
+    return LaunchedBroker(process, ready[0], ready[1], nats_address_of(line), line)
 
 
 def free_port() -> int:

@@ -25,7 +25,7 @@ ROUNDS = 8
 async def broker_at(listen: str, name: str, *seed: str) -> BrokerProcess:
     """A broker on a given address (a restart comes back where it was)."""
     seeds = [arg for address in seed for arg in ("--seed", address)]
-    process, ready_name, address = await spawn_broker("--name", name, *seeds, listen=listen)
+    process, ready_name, address, _ = await spawn_broker("--name", name, *seeds, listen=listen)
     return BrokerProcess(process, ready_name, address)
 
 

@@ -26,7 +26,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from meshbus.broker.process import broker_command, child_env, parse_ready_line, stop_process
+from meshbus.broker.process import (
+    broker_command,
+    child_env,
+    nats_address_of,
+    parse_ready_line,
+    stop_process,
+)
 from tests.integration.helpers import (
     IO_TIMEOUT,
     free_port,
@@ -66,19 +72,20 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def start_meshbus(*args: str) -> tuple[subprocess.Popen[bytes], int]:
-    """A broker process with --nats-listen on a free port, ready (its ready line read)."""
-    port = free_port()
+    """A broker process with --nats-listen on a port of its own choosing, ready: its port
+    is the one its ready line names."""
     process = subprocess.Popen(
-        broker_command("--nats-listen", f"127.0.0.1:{port}", *args),
+        broker_command("--nats-listen", "127.0.0.1:0", *args),
         stdout=subprocess.PIPE,
         env=child_env(),
     )
     assert process.stdout is not None
     line = process.stdout.readline().decode()
-    if parse_ready_line(line) is None:
+    nats_address = nats_address_of(line)
+    if parse_ready_line(line) is None or not nats_address:
         stop(process)
         raise AssertionError(f"the broker did not come up: {line!r}")
-    return process, port
+    return process, int(nats_address.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module", params=["meshbus", "nats-server"])

@@ -20,9 +20,8 @@ from nats.errors import NoRespondersError
 
 import meshbus
 from meshbus import Anycast, Multicast
-from meshbus.broker.process import BrokerStartError
 from tests.conftest import BrokerProcess, start_broker, stop_all
-from tests.integration.helpers import IO_TIMEOUT, free_port, wait_members, wait_until
+from tests.integration.helpers import IO_TIMEOUT, wait_members, wait_until
 
 
 class NatsBroker:
@@ -32,14 +31,9 @@ class NatsBroker:
 
 
 async def _start(*args: str) -> NatsBroker:
-    """A broker with a NATS listener on a free port. A port free a moment ago may be taken
-    by then (another broker's --listen 127.0.0.1:0 among them): a broker that cannot
-    bind it exits, and the next port is tried."""
-    for _ in range(3):
-        port = free_port()
-        with contextlib.suppress(BrokerStartError):
-            return NatsBroker(await start_broker("--nats-listen", f"127.0.0.1:{port}", *args), port)
-    raise AssertionError("no free port for a NATS listener in three tries")
+    """A broker with a NATS listener on a port of its own choosing (its ready line's)."""
+    broker = await start_broker("--nats-listen", "127.0.0.1:0", *args)
+    return NatsBroker(broker, int(broker.nats_address.rsplit(":", 1)[1]))
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ async def kill(broker: BrokerProcess) -> None:
 
 async def restart(broker: BrokerProcess) -> BrokerProcess:
     """The same broker started again on the port it had."""
-    process, name, address = await spawn_broker(listen=broker.address)
+    process, name, address, _ = await spawn_broker(listen=broker.address)
     assert address == broker.address
     return BrokerProcess(process, name, address)
 

@@ -1,8 +1,9 @@
 """Running `meshbus broker` as a child process: the ready line, written and read in one place.
 
 The broker prints exactly one line when it accepts links, ``meshbus broker NAME
-listening on HOST:PORT``; scripts, the demo, the benchmarks and the tests start a
-broker on port 0 and read the real address from it.
+listening on HOST:PORT`` (with ``--nats-listen``, then ``; NATS clients on HOST:PORT``);
+scripts, the demo, the benchmarks and the tests start a broker on port 0 and read the
+real addresses from it.
 """
 
 from __future__ import annotations
@@ -14,22 +15,30 @@ import re
 import signal
 import subprocess
 import sys
+from typing import NamedTuple
 
-_READY = re.compile(r"meshbus broker (\S+) listening on (\S+:\d+)$")
+_READY = re.compile(r"meshbus broker (\S+) listening on (\S+:\d+)(?:; NATS clients on (\S+:\d+))?$")
 
 
 class BrokerStartError(RuntimeError):
     """A broker child process did not come up; the message has what it printed."""
 
 
-def ready_line(name: str, address: str) -> str:
-    return f"meshbus broker {name} listening on {address}"
+def ready_line(name: str, address: str, nats_address: str = "") -> str:
+    line = f"meshbus broker {name} listening on {address}"
+    return f"{line}; NATS clients on {nats_address}" if nats_address else line
 
 
 def parse_ready_line(line: str) -> tuple[str, str] | None:
     """(NAME, HOST:PORT) from a ready line, or None if ``line`` is not one."""
     match = _READY.match(line.strip())
     return (match[1], match[2]) if match else None
+
+
+def nats_address_of(line: str) -> str:
+    """The NATS listener's HOST:PORT a ready line names; "" if it names none."""
+    match = _READY.match(line.strip())
+    return match[3] or "" if match else ""
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
@@ -58,10 +67,18 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
+class StartedBroker(NamedTuple):
+    process: asyncio.subprocess.Process
+    name: str
+    address: str
+    nats_address: str  # "" without --nats-listen
+
+
 async def spawn_broker(
     *args: str, listen: str = "127.0.0.1:0", timeout: float = 20.0
-) -> tuple[asyncio.subprocess.Process, str, str]:
-    """Start a broker on ``listen`` and wait for its ready line: (process, NAME, HOST:PORT).
+) -> StartedBroker:
+    """Start a broker on ``listen`` and wait for its ready line: the process, its name and
+    the addresses it listens on.
 
     If it does not come up, or the wait ends any other way (cancelled, Ctrl-C), the
     child is killed and reaped before the exception goes on: no broker outlives a
@@ -84,4 +101,4 @@ async def spawn_broker(
                 process.kill()
         await process.wait()
         raise
-    return process, ready[0], ready[1]
+    return StartedBroker(process, ready[0], ready[1], nats_address_of(line))

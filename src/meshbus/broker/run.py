@@ -141,7 +141,8 @@ async def _run(
     if announce is not None:
         announce(broker.address, broker.nats.address if broker.nats is not None else "")
     else:
-        sys.stdout.write(ready_line(config.name, broker.address) + "\n")
+        nats_address = broker.nats.address if broker.nats is not None else ""
+        sys.stdout.write(ready_line(config.name, broker.address, nats_address) + "\n")
         sys.stdout.flush()
     await broker.drain_requested.wait()
     log.info("draining", extra={"broker": config.name})

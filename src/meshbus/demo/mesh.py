@@ -58,7 +58,7 @@ class DemoMesh:
         if seed is not None:
             args += ["--seed", seed.address]
         try:
-            process, _, address = await spawn_broker(*args, timeout=STARTUP_TIMEOUT)
+            process, _, address, _ = await spawn_broker(*args, timeout=STARTUP_TIMEOUT)
         except BrokerStartError as exc:
             raise StepFailed(str(exc)) from exc
         broker = self.brokers[name] = DemoBroker(process, name, address)
