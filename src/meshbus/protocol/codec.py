@@ -15,6 +15,7 @@ rules; whatever does not pass them goes through ``frame_extent``.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import msgspec
 
@@ -54,7 +55,9 @@ class FrameError(ProtocolError):
 class OversizedFrame(FrameTooLarge):
     """FrameTooLarge raised while decoding; carries the wire code like FrameError."""
 
-    code = ErrorCode.FRAME_TOO_LARGE
+    # A class attribute, declared one: compiled (mypyc), an undeclared one is an
+    # instance attribute that this class's inherited __init__ never sets.
+    code: ClassVar[ErrorCode] = ErrorCode.FRAME_TOO_LARGE
 
 
 @dataclass(slots=True)
