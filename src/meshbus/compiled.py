@@ -39,6 +39,9 @@ MODULES = (
     "meshbus.client.mailboxes",
     "meshbus.client.inbound",
     "meshbus.client.link",
+    "meshbus.client.reliable",
+    "meshbus.client.waiters",
+    "meshbus.client.requester",
 )
 # The name of mypyc's shared library of MODULES, a top-level module beside the package.
 GROUP = "meshbus__mypyc"

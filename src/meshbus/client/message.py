@@ -7,7 +7,7 @@ a ``Replier``: what ``reply`` answers a request through.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Final, Protocol
 
 from meshbus.address import Address
 from meshbus.errors import MeshbusError
@@ -25,7 +25,7 @@ class Replier(Protocol):
     def respond_nowait(self, requester: bytes, msg_id: int, payload: BytesLike) -> None: ...
 
 
-_NO_EXT = Ext()
+_NO_EXT: Final = Ext()
 
 
 class Message:
