@@ -26,7 +26,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.machinery import ExtensionFileLoader, ModuleSpec
 from pathlib import Path
 from types import ModuleType
@@ -62,14 +62,14 @@ class Leg(enum.Enum):
     )
 
 
-def source_path(module: str) -> Path:
+def source_path(module: str, root: Path = _ROOT) -> Path:
     """The ``.py`` file of ``module``, a module of the package."""
-    return _ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    return root.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def extension_path(module: str) -> Path | None:
+def extension_path(module: str, root: Path = _ROOT) -> Path | None:
     """The compiled extension of ``module`` for this interpreter, if one was built."""
-    base = _ROOT.joinpath(*module.split("."))
+    base = root.joinpath(*module.split("."))
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = base.with_name(base.name + suffix)
         if path.is_file():
@@ -77,16 +77,17 @@ def extension_path(module: str) -> Path | None:
     return None
 
 
-def available() -> Leg:
-    """The leg this process would run, from the environment and the files present."""
-    if os.environ.get(DISABLE) == "1":
+def available(environ: Mapping[str, str] = os.environ, root: Path = _ROOT) -> Leg:
+    """The leg a process would run, from its environment and the files under ``root``."""
+    if environ.get(DISABLE) == "1":
         return Leg.DISABLED
-    built = [extension_path(module) for module in (GROUP, *MODULES)]
-    if None in built:
+    if extension_path(GROUP, root) is None:
         return Leg.MISSING
-    for module, extension in zip(MODULES, built[1:], strict=True):
-        assert extension is not None
-        if source_path(module).stat().st_mtime > extension.stat().st_mtime:
+    for module in MODULES:
+        extension = extension_path(module, root)
+        if extension is None:
+            return Leg.MISSING
+        if source_path(module, root).stat().st_mtime > extension.stat().st_mtime:
             return Leg.STALE
     return Leg.COMPILED
 
