@@ -42,6 +42,9 @@ MODULES = (
     "meshbus.client.reliable",
     "meshbus.client.waiters",
     "meshbus.client.requester",
+    # Not on the hot path: StreamMessage subclasses Message, and a class the interpreter
+    # runs cannot subclass a compiled one.
+    "meshbus.client.streams",
 )
 # The name of mypyc's shared library of MODULES, a top-level module beside the package.
 GROUP = "meshbus__mypyc"
