@@ -66,6 +66,21 @@ def test_nothing_else_of_the_package_is_compiled() -> None:
     assert built <= set(MODULES)
 
 
+def test_no_class_the_interpreter_runs_subclasses_a_compiled_one() -> None:
+    """Compiled, such a class is defined but cannot be instantiated (``TypeError:
+    interpreted classes cannot inherit from compiled``): its module must be compiled too."""
+    importlib.import_module("meshbus.client.connector")  # every module of the client
+    subclassed = {
+        f"{sub.__module__}.{sub.__qualname__} < {cls.__qualname__}"
+        for name in MODULES
+        for cls in vars(importlib.import_module(name)).values()
+        if isinstance(cls, type) and cls.__module__ == name
+        for sub in cls.__subclasses__()
+        if sub.__module__.startswith("meshbus.") and sub.__module__ not in MODULES
+    }
+    assert not subclassed
+
+
 def test_the_variable_runs_the_source() -> None:
     """In a fresh interpreter, as ``make test`` runs the pure-Python leg."""
     probe = (
