@@ -10,13 +10,23 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
+# The compiled hot path (setup.py, src/meshbus/compiled.py): the install builds it; built
+# again here once a module it compiles is newer than its extension (the source runs then).
+# Where it cannot be built (no C compiler), the pure-Python source runs; this says which.
+COMPILED := $(VENV)/.compiled
+$(COMPILED): $(STAMP) $(wildcard src/meshbus/protocol/*.py src/meshbus/client/*.py)
+	@$(BIN)/python -c 'import sys, meshbus.compiled as c; sys.exit(c.select() is c.Leg.STALE)' \
+	  || $(BIN)/python -m pip install --quiet --no-deps -e .
+	@$(BIN)/python -c 'import meshbus.compiled as c; print("meshbus hot path:", c.select().value)'
+	@touch $(COMPILED)
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples docs/*.py
-	$(BIN)/ruff format --check src tests bench examples docs/*.py
+	$(BIN)/ruff check src tests bench examples setup.py docs/*.py
+	$(BIN)/ruff format --check src tests bench examples setup.py docs/*.py
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
@@ -59,16 +69,22 @@ tmux:
 # one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 
-test: lint typecheck nats-server nats-js prometheus tmux
-	$(BIN)/pytest -q $(PYTEST_WORKERS)
+# The codec's and the client's tests run twice: with the compiled hot path (the whole
+# suite) and on the pure-Python source (MESHBUS_NO_EXTENSIONS=1), which is what runs
+# where no extension could be built.
+PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled.py
 
-unit: $(STAMP)
+test: lint typecheck nats-server nats-js prometheus tmux $(COMPILED)
+	$(BIN)/pytest -q $(PYTEST_WORKERS)
+	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
+
+unit: $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
-integration: $(STAMP) nats-server nats-js prometheus tmux
+integration: $(COMPILED) nats-server nats-js prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
-demo: $(STAMP)
+demo: $(COMPILED)
 	$(BIN)/python -m meshbus.demo
 
 # The API reference of the public surface (meshbus.__all__), from the docstrings, in
@@ -80,8 +96,9 @@ docs: $(STAMP)
 # The benchmark rig of this checkout (bench/, not part of the package), e.g.
 # make bench ARGS="unicast --vs-nats"; without ARGS, the list of benchmarks.
 ARGS ?= --help
-bench: $(STAMP) nats-server
+bench: $(COMPILED) nats-server
 	$(BIN)/python -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info
+	find src -name '*.so' -delete

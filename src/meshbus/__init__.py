@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from meshbus.address import Address, Anycast, Multicast, Unicast
+from meshbus.compiled import select as _select_hot_path
 from meshbus.errors import (
     AddressInUse,
     AlreadyConnected,
@@ -53,6 +54,10 @@ if TYPE_CHECKING:
     from meshbus.client.streams import Consumer, StreamInfo, StreamMessage
 
 __version__ = "0.1.0"
+
+# Before any module of the hot path is imported (address and errors import none):
+# compiled or pure Python, for the whole process (meshbus.compiled).
+_select_hot_path()
 
 # The client and the credentials are imported when first used, not with the package: a
 # broker process (``python -m meshbus broker``) uses neither, and importing them took a

@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from meshbus.address import (
     CAST_ANYCAST,
@@ -60,8 +61,8 @@ log = logging.getLogger("meshbus.client")
 
 # A data frame with none of these flags is a plain send or a request: no response to
 # settle, no ack to take, no extension to read, no duplicate to check.
-_NO_EXT = Ext()
-_NOT_PLAIN = FLAG_RESPONSE | FLAG_ACK | FLAG_EXT | FLAG_RELIABLE
+_NO_EXT: Final = Ext()
+_NOT_PLAIN: Final = FLAG_RESPONSE | FLAG_ACK | FLAG_EXT | FLAG_RELIABLE
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable, Collection
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 
 from meshbus.errors import ConnectionLost, MeshbusError, NotConnected, ProtocolError, TLSError
 from meshbus.protocol.codec import ControlFrame, DataFrame, FrameDecoder
@@ -36,7 +36,7 @@ log = logging.getLogger("meshbus.client")
 # Writes are gathered and handed to the socket once per loop turn, or as soon as this
 # many bytes wait: one syscall for a burst of sends instead of one per frame, while a
 # sender that never yields still reaches the transport (and its write pausing) often.
-_FLUSH_BYTES = 1 << 16
+_FLUSH_BYTES: Final = 1 << 16
 
 
 class FrameReader(Protocol):

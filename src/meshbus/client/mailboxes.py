@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Final
 
 from meshbus.address import BROADCAST_GROUP, Address, Unicast
 from meshbus.client.callbacks import Callbacks
@@ -34,7 +34,7 @@ from meshbus.util import BackgroundTasks
 
 log = logging.getLogger("meshbus.client")
 
-BROADCAST = BROADCAST_GROUP.to_bytes()
+BROADCAST: Final = BROADCAST_GROUP.to_bytes()
 
 Listener = Callable[[Message], object]
 

@@ -8,7 +8,7 @@ a ``Replier``: what ``reply`` answers a request through.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from meshbus.address import Address
 from meshbus.client import payloads
@@ -32,7 +32,7 @@ class Replier(Protocol):
     ) -> None: ...
 
 
-_NO_EXT = Ext()
+_NO_EXT: Final = Ext()
 T = TypeVar("T")
 
 

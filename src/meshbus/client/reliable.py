@@ -456,6 +456,12 @@ class Reliable:
             # Never written (the connector is closed or lost): nothing to wait for.
             unacked.withdraw(msg_id)
             raise
+        except asyncio.CancelledError:
+            # The caller is gone: nobody will take what the future gets (the connector's
+            # end would leave it an exception never retrieved).
+            if future is not None:
+                future.cancel()
+            raise
         self._arm()
         if future is not None:
             await future

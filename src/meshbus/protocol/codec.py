@@ -14,7 +14,9 @@ rules; whatever does not pass them goes through ``frame_extent``.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, Final
 
 import msgspec
 
@@ -35,12 +37,20 @@ from meshbus.protocol.layout import (
     ErrorCode,
 )
 
-_MIN_SIZE = {KIND_DATA: DATA_HEADER_SIZE, KIND_CONTROL: CONTROL_HEADER_SIZE}
-_NEVER = 1 << 40  # larger than any frame: an unknown kind never passes the fast check
-_PREFIX_SIZE = PREFIX.size
-_unpack_prefix = PREFIX.unpack_from
-_unpack_data = DATA_HEADER.unpack_from
-_REQUEST_AND_RESPONSE = 0x03  # a data frame's flags may not have both (check_data_flags)
+# Final: compiled (mypyc), a module's Final names are C statics, its other globals a
+# dictionary look-up at every use.
+Buffer = bytes | bytearray | memoryview
+# length, kind, version, flags, hops, dst, src, link tag, msg id, response for, timeout
+_DataHeader = tuple[int, int, int, int, int, bytes, bytes, int, int, int, int]
+
+_MIN_SIZE: Final = {KIND_DATA: DATA_HEADER_SIZE, KIND_CONTROL: CONTROL_HEADER_SIZE}
+_NEVER: Final = 1 << 40  # larger than any frame: an unknown kind never passes the fast check
+_PREFIX_SIZE: Final = 6
+# Typed as what the layouts hold: compiled, the fields unpack without a look at each.
+_unpack_prefix: Final[Callable[[Buffer, int], tuple[int, int, int]]] = PREFIX.unpack_from
+_unpack_data: Final[Callable[[Buffer, int], _DataHeader]] = DATA_HEADER.unpack_from
+_REQUEST_AND_RESPONSE: Final = 0x03  # a data frame's flags may not have both (check_data_flags)
+assert PREFIX.size == _PREFIX_SIZE
 
 
 class FrameError(ProtocolError):
@@ -54,22 +64,48 @@ class FrameError(ProtocolError):
 class OversizedFrame(FrameTooLarge):
     """FrameTooLarge raised while decoding; carries the wire code like FrameError."""
 
-    code = ErrorCode.FRAME_TOO_LARGE
+    # A class attribute, declared one: compiled (mypyc), an undeclared one is an
+    # instance attribute that this class's inherited __init__ never sets.
+    code: ClassVar[ErrorCode] = ErrorCode.FRAME_TOO_LARGE
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class DataFrame:
     """An MRMSG frame. Addresses are raw 16-byte values; ``meshbus.Address`` decodes them."""
 
     dst: bytes
     src: bytes
     payload: bytes
-    msg_id: int = 0
-    response_for: int = 0
-    flags: int = 0
-    hops: int = 0
-    link_tag: int = 0
-    timeout_ms: int = 0
+    msg_id: int
+    response_for: int
+    flags: int
+    hops: int
+    link_tag: int
+    timeout_ms: int
+
+    # Written out, not generated: compiled (mypyc), the dataclass's generated __init__
+    # would stay interpreted, and one frame is made for every message received.
+    def __init__(
+        self,
+        dst: bytes,
+        src: bytes,
+        payload: bytes,
+        msg_id: int = 0,
+        response_for: int = 0,
+        flags: int = 0,
+        hops: int = 0,
+        link_tag: int = 0,
+        timeout_ms: int = 0,
+    ) -> None:
+        self.dst = dst
+        self.src = src
+        self.payload = payload
+        self.msg_id = msg_id
+        self.response_for = response_for
+        self.flags = flags
+        self.hops = hops
+        self.link_tag = link_tag
+        self.timeout_ms = timeout_ms
 
 
 @dataclass(slots=True)

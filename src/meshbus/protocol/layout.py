@@ -16,39 +16,40 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum, IntFlag
+from typing import Final
 
-PROTOCOL_VERSION = 1
-DEFAULT_MAX_FRAME = 1024 * 1024
-MIN_MAX_FRAME = 256
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_FRAME: Final = 1024 * 1024
+MIN_MAX_FRAME: Final = 256
 
-KIND_DATA = 1  # MRMSG
-KIND_CONTROL = 2  # MRCMP
+KIND_DATA: Final = 1  # MRMSG
+KIND_CONTROL: Final = 2  # MRCMP
 
-LENGTH_SIZE = 4
+LENGTH_SIZE: Final = 4
 PREFIX = struct.Struct(">IBB")  # length, kind, version
 
 # Data frame header (64 bytes).
 DATA_HEADER = struct.Struct(">IBBBB16s16sIQQI")
-DATA_HEADER_SIZE = DATA_HEADER.size
-OFF_FLAGS = 6
-OFF_HOPS = 7
-OFF_DST = 8
-OFF_SRC = 24
-OFF_LINK_TAG = 40
-OFF_MSG_ID = 44
-OFF_RESPONSE_FOR = 52
-OFF_TIMEOUT_MS = 60
-ROUTING_KEY_SIZE = 40
+DATA_HEADER_SIZE: Final = 64
+OFF_FLAGS: Final = 6
+OFF_HOPS: Final = 7
+OFF_DST: Final = 8
+OFF_SRC: Final = 24
+OFF_LINK_TAG: Final = 40
+OFF_MSG_ID: Final = 44
+OFF_RESPONSE_FOR: Final = 52
+OFF_TIMEOUT_MS: Final = 60
+ROUTING_KEY_SIZE: Final = 40
 # A frame crosses at most one broker-to-broker hop: connectors send hops 0, and a
 # broker forwarding to a peer writes 1, which is the only value a peer accepts.
-PEER_HOPS = 1
+PEER_HOPS: Final = 1
 
 # Control frame header (12 bytes).
 CONTROL_HEADER = struct.Struct(">IBBHI")
-CONTROL_HEADER_SIZE = CONTROL_HEADER.size
+CONTROL_HEADER_SIZE: Final = 12
 
-assert DATA_HEADER_SIZE == 64
-assert CONTROL_HEADER_SIZE == 12
+assert DATA_HEADER.size == DATA_HEADER_SIZE
+assert CONTROL_HEADER.size == CONTROL_HEADER_SIZE
 
 
 class DataFlags(IntFlag):

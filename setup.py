@@ -1,0 +1,59 @@
+"""The compiled hot path (src/meshbus/compiled.py): mypyc builds of the modules it names.
+
+Everything else about the package is in pyproject.toml. The extensions are optional: a
+machine without a C compiler (or where mypyc cannot build them) installs the package
+all the same, says so once here, and runs the pure-Python source, which is the
+reference the extensions are compiled from.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.extension import Extension
+
+_SELECTOR = Path(__file__).parent / "src" / "meshbus" / "compiled.py"
+
+
+def _constant(name: str) -> Any:
+    """A constant of the selector, read from its source (the build does not import it)."""
+    for node in ast.parse(_SELECTOR.read_text()).body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == name:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{_SELECTOR} defines no {name}")
+
+
+def _warn(reason: str) -> None:
+    print(
+        f"WARNING: meshbus installs without its compiled hot path ({reason}); "
+        "it runs the pure-Python source, slower per message.",
+        file=sys.stderr,
+    )
+
+
+def _extensions() -> list[Extension]:
+    modules: tuple[str, ...] = _constant("MODULES")
+    group: str = _constant("GROUP")
+    try:
+        from mypyc.build import mypycify
+
+        # mypy type-checks what it compiles: the package's own config (strict) applies.
+        extensions = mypycify(
+            [str(Path("src", *m.split("."))) + ".py" for m in modules],
+            group_name=group.removesuffix("__mypyc"),
+            opt_level="3",
+        )
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error
+        _warn(f"mypyc could not generate it: {exc}")
+        return []
+    for extension in extensions:
+        # No compiler, or a failed compile: build_ext warns and installs the rest.
+        extension.optional = True
+    return extensions
+
+
+setup(ext_modules=_extensions())
