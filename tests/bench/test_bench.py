@@ -29,6 +29,7 @@ COMMANDS = (
     "stream",
     "game",
     "client",
+    "nats-clients",
 )
 
 

@@ -46,7 +46,7 @@ def stream_rows(spark: SparkSession, stream: str, records: Sequence[Any]) -> Dat
         payload = record if isinstance(record, bytes) else json.dumps(record).encode()
         at = record.get("at", 0.0) if isinstance(record, dict) else 0.0
         stored = datetime.fromtimestamp(at or 0.0, UTC).replace(tzinfo=None)
-        rows.append((stream, seq, stored, "pub:65536", "multicast:t", None, 0, payload))
+        rows.append((stream, seq, stored, "pub:65536", "multicast:t", None, 0, payload, None))
     return spark.createDataFrame(rows, meshbus.spark.SCHEMA)
 
 

@@ -195,11 +195,16 @@ class Requester:
                     await asyncio.sleep(self._rng.uniform(wait / 2, wait))
                     wait = min(2 * wait, _ASK_AGAIN_MAX)
         except TimeoutError:
-            raise Timeout(
+            error = Timeout(
                 f"{what} within {limit:g} s (send(timeout=...)): "
                 + (str(reason) if reason else "the broker did not answer"),
                 limit,
-            ) from reason
+            )
+            # `raise error from reason`, spelled out: compiled by mypyc, that form left
+            # __cause__ None here (tests/integration/test_send_retry.py caught it).
+            error.__cause__ = reason
+            error.__suppress_context__ = True
+            raise error
 
     async def request(
         self, src: bytes, dst: Address, payload: BytesLike, timeout_ms: int, headers: bytes = b""
