@@ -204,7 +204,7 @@ class Requester:
             # __cause__ None here (tests/integration/test_send_retry.py caught it).
             error.__cause__ = reason
             error.__suppress_context__ = True
-            raise error
+            raise error  # noqa: B904 (the cause is set above)
 
     async def request(
         self, src: bytes, dst: Address, payload: BytesLike, timeout_ms: int, headers: bytes = b""
