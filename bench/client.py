@@ -41,7 +41,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 import meshbus
 from bench.report import key_values
-from bench.runs import alternate, runs_options, size_option
+from bench.runs import alternate, request_options, runs_options
 from bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
 
 _RECEIVER = ("benchrx", 1)  # the fixed meshbus address of the receiving service
@@ -365,21 +365,7 @@ def _servers(vs_nats: bool) -> list[AbstractContextManager[Server]]:
     show_default=True,
     help="Messages per run of the one-way scenarios.",
 )
-@click.option(
-    "--requests",
-    type=click.IntRange(100),
-    default=20_000,
-    show_default=True,
-    help="Timed requests per run (a warm-up of 10% more is not timed).",
-)
-@size_option("Payload bytes per message, request and response.")
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 10_000),
-    default=16,
-    show_default=True,
-    help="Requests in flight in the requests/s scenario (the p50 one runs at 1).",
-)
+@request_options(20_000)
 @runs_options
 def client(
     count: int, requests: int, size: int, concurrency: int, runs: int, vs_nats: bool

@@ -31,7 +31,7 @@ import click
 from bench.client import Job, Workers, ratio_figures, workers
 from bench.cluster import meshbus_mesh, nats_cluster
 from bench.report import key_values
-from bench.runs import alternate, runs_options, size_option
+from bench.runs import alternate, request_options, runs_options
 from bench.servers import BenchSetupError, Server, free_port, meshbus_broker, nats_server
 
 _MESH_ATTEMPTS = 3
@@ -106,21 +106,7 @@ def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1)
     show_default=True,
     help="Messages per run of the one-way scenario.",
 )
-@click.option(
-    "--requests",
-    type=click.IntRange(100),
-    default=10_000,
-    show_default=True,
-    help="Timed requests per run (a warm-up of 10% more is not timed).",
-)
-@size_option("Payload bytes per message, request and response.")
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 10_000),
-    default=16,
-    show_default=True,
-    help="Requests in flight in the requests/s scenario (the p50 one runs at 1).",
-)
+@request_options(10_000)
 @click.option(
     "--brokers",
     type=click.Choice(["1", "3"]),

@@ -116,6 +116,30 @@ def size_option(
     return decorate
 
 
+def request_options(requests: int) -> Callable[[F], F]:
+    """--requests (timed, with ``requests`` by default), --size and --concurrency of the
+    client benchmarks' request scenarios."""
+
+    def decorate(command: F) -> F:
+        command = click.option(
+            "--concurrency",
+            type=click.IntRange(1, 10_000),
+            default=16,
+            show_default=True,
+            help="Requests in flight in the requests/s scenario (the p50 one runs at 1).",
+        )(command)
+        command = size_option("Payload bytes per message, request and response.")(command)
+        return click.option(
+            "--requests",
+            type=click.IntRange(100),
+            default=requests,
+            show_default=True,
+            help="Timed requests per run (a warm-up of 10% more is not timed).",
+        )(command)
+
+    return decorate
+
+
 def count_option(default: int, text: str = "Messages per run.") -> Callable[[F], F]:
     """--count of the message benchmarks, with their own default (and help ``text``)."""
 
