@@ -679,20 +679,7 @@ class StreamHost:
                     f"this broker hosts {hosted} streams, its limit (meshbus broker "
                     "--max-streams); delete one first or add the stream on another broker"
                 )
-            config = StreamConfig(
-                name=name,
-                captures=tuple(body.captures),
-                max_msgs=body.max_msgs,
-                max_bytes=body.max_bytes or cap,  # every stream has a cap
-                max_age=body.max_age,
-                dedupe_window=body.dedupe_window,
-                owner=body.user,
-            )
-            for group in config.captures:
-                if group[0] != CAST_MULTICAST:
-                    raise ValueError(
-                        f"a stream captures multicast addresses, not {describe_address(group)}"
-                    )
+            config = _stream_config(body, body.max_bytes or cap)  # every stream has a cap
             new = name not in store
             if new:
                 self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
@@ -779,20 +766,7 @@ class StreamHost:
                 f"and it has {len(ready)} ({', '.join(sorted(ready))})"
             )
         cap = self._config.max_stream_bytes
-        config = StreamConfig(
-            name=name,
-            captures=tuple(body.captures),
-            max_msgs=body.max_msgs,
-            max_bytes=min(body.max_bytes or cap, cap),
-            max_age=body.max_age,
-            dedupe_window=body.dedupe_window,
-            owner=body.user,
-        )
-        for group in config.captures:
-            if group[0] != CAST_MULTICAST:
-                raise ValueError(
-                    f"a stream captures multicast addresses, not {describe_address(group)}"
-                )
+        config = _stream_config(body, min(body.max_bytes or cap, cap))
         hosted = len(self.store.streams())
         if hosted >= self._config.max_streams:
             raise StoreFull(
@@ -903,3 +877,22 @@ def _consumer(info: Any) -> dict[str, Any]:
         "pending": info.pending,
         "dropped": info.dropped,
     }
+
+
+def _stream_config(body: StreamRequest, max_bytes: int) -> StreamConfig:
+    """The configuration an ``add`` asks for, with its byte cap; ValueError for a capture
+    that is not a multicast address."""
+    for group in body.captures:
+        if group[0] != CAST_MULTICAST:
+            raise ValueError(
+                f"a stream captures multicast addresses, not {describe_address(group)}"
+            )
+    return StreamConfig(
+        name=body.stream,
+        captures=tuple(body.captures),
+        max_msgs=body.max_msgs,
+        max_bytes=max_bytes,
+        max_age=body.max_age,
+        dedupe_window=body.dedupe_window,
+        owner=body.user,
+    )
