@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -281,6 +282,32 @@ async def test_a_plain_client_of_a_tls_listener_is_closed(tls_broker: int) -> No
     rest = await raw.closed()
     assert b"PONG" not in rest
     await raw.close()
+
+
+async def test_bytes_before_the_handshake_are_never_lost_to_it(
+    tls_files: tuple[Path, Path, Path],
+) -> None:
+    """Nothing a client sends is read before the INFO and the TLS takeover are out, in
+    one step. The listener used to read and drop what came in between -- a plain
+    client's text, or nats.py's ClientHello sent the moment it had the INFO -- and the
+    handshake then waited for its timeout: one connection in ten, on uvloop, so thirty
+    in a row each closed long before the (long) timeout."""
+    _, cert, key = tls_files
+    process, port = start_meshbus(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--handshake-timeout", "60"
+    )
+    try:
+        for _ in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b'CONNECT {"verbose":false}\r\nPING\r\n')  # without the INFO
+                async with asyncio.timeout(IO_TIMEOUT):
+                    with contextlib.suppress(ConnectionResetError):
+                        assert b"PONG" not in await reader.read()
+            finally:
+                writer.close()
+    finally:
+        stop(process)
 
 
 async def test_tls_with_a_password(

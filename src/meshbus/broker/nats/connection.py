@@ -18,7 +18,8 @@ Rules it keeps (nats-server's, docs/nats.md):
    gave it, or with its connection; it leaves the subject table then.
 5. With TLS (the broker's --tls-cert) the INFO goes out in the clear and the client then
    starts TLS, as with nats-server; nothing else is written or read before the TLS
-   handshake is done.
+   handshake is done. A client that writes before it has the INFO (plain text, or a
+   TLS-first ClientHello) is closed with ``-ERR 'Secure Connection - TLS Required'``.
 6. On a broker with users the first operation must be a CONNECT that signs in
    (meshbus.broker.nats.auth): anything else, or wrong credentials, is ``-ERR
    'Authorization Violation'`` and close; nothing is read after the CONNECT until its
@@ -179,6 +180,7 @@ class NatsConnection(asyncio.Protocol):
         # first operation must be its CONNECT; while its password is checked nothing is
         # read.
         self._upgrading = False
+        self._spoke_before_info = False
         self._awaiting_connect = False
         self._signing_in = False
         self._timer: asyncio.TimerHandle | None = None
@@ -213,28 +215,49 @@ class NatsConnection(asyncio.Protocol):
         if sign_in is not None and sign_in.required:
             self._awaiting_connect = True
             self.nonce = sign_in.new_nonce()
-        self.transport.write(self._info(self))
+        tls = sign_in.tls if sign_in is not None else None
+        info = self._info(self)
+        if tls is None:
+            self.transport.write(info)
+        else:
+            # The INFO goes out with TLS, in one step with start_tls's pause of the
+            # reading (_start_tls): a client's ClientHello that came in between would be
+            # read by this protocol and lost to the handshake, which then waited for its
+            # timeout (uvloop reads as soon as connection_made returns).
+            self._upgrading = True
         self._on_open(self)
         if self.closed or sign_in is None:
             return
-        if sign_in.required or sign_in.tls is not None:
+        if sign_in.required or tls is not None:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(sign_in.timeout, self._timed_out)
-        if sign_in.tls is not None:
-            self._upgrading = True
-            self._run(self._start_tls(sign_in.tls), "nats-tls")
+        if tls is not None:
+            self._run(self._start_tls(tls, info), "nats-tls")
 
     def _run(self, work: Coroutine[Any, Any, None], name: str) -> None:
         assert self._spawn is not None, "a connection with a sign-in is given spawn"
         self._spawn(work, name)
 
-    async def _start_tls(self, context: ssl.SSLContext) -> None:
-        """The client starts TLS once it has read the INFO: the handshake, then the
-        connection goes on over TLS. A failed one closes it, logged as one line."""
+    async def _start_tls(self, context: ssl.SSLContext, info: bytes) -> None:
+        """The INFO, then the TLS handshake the client starts once it has read it; then
+        the connection goes on over TLS. A failed one closes it, logged as one line. A
+        client that spoke before the INFO does not do TLS: ``-ERR 'Secure Connection -
+        TLS Required'`` and close, as from nats-server."""
+        if self.closed:
+            return
+        if self._spoke_before_info:
+            self._upgrading = False
+            self.close(
+                NatsCloseReason.TLS_HANDSHAKE_FAILED,
+                "plain text before the INFO",
+                "Secure Connection - TLS Required",
+            )
+            return
         transport = self.transport
         assert transport is not None
         loop = asyncio.get_running_loop()
         assert self._sign_in is not None
+        transport.write(info)
         try:
             upgraded = await loop.start_tls(
                 transport,
@@ -285,7 +308,11 @@ class NatsConnection(asyncio.Protocol):
             )
 
     def data_received(self, data: bytes) -> None:
-        if self.closed or self._upgrading:
+        if self._upgrading:
+            # Read before start_tls took over: sent before the INFO (_start_tls).
+            self._spoke_before_info = True
+            return
+        if self.closed:
             return  # bytes already in flight when it closed; none come before TLS
         self._heard = True
         self._parser.feed(data)
