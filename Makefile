@@ -30,7 +30,7 @@ $(COMPILED): $(STAMP) $(wildcard src/meshbus/protocol/*.py src/meshbus/client/*.
 # bytecode is written here once (compileall writes it whatever the variable says) and
 # read by every process; only what changed is compiled again.
 bytecode: $(STAMP)
-	@$(BIN)/python -m compileall -q -j0 src tests bench examples >/dev/null
+	@$(BIN)/python -m compileall -q -j0 src tests bench >/dev/null
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples setup.py docs/*.py
