@@ -1,42 +1,142 @@
 """Replicated streams (--replicas 3) on three real broker processes, each with its own
 --data-dir: the leader killed with kill -9 while a producer sends reliably, and a
-stream that lost a majority of its replicas refusing to acknowledge."""
+stream that lost a majority of its replicas refusing to acknowledge.
+
+Also what the nemeses of test_replicated_faults.py share: ``Replicas`` (three brokers
+behind TCP gates, killed, paused, cut off and restarted by name), ``Producer`` (unique
+values sent reliably in the background, each acknowledgement recorded) and
+``Consumer`` and ``check_copies`` (what was acknowledged is stored, once, in order, the
+same on every replica)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
+import signal
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import meshbus
+from bench.gate import BrokerGate
 from meshbus import Multicast, ReliableConfig, RetryPolicy
-from meshbus.client.streams import StreamInfo
-from meshbus.errors import DeliveryFailed, StreamError
+from meshbus.client.streams import StreamInfo, StreamMessage
+from meshbus.errors import DeliveryFailed, MeshbusError, StreamError
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import wait_members, wait_until
 from tests.integration.test_cli import run_cli
 from tests.integration.test_streams import fetch_all
 
-# Election timeouts are 1-2 s (meshbus.broker.streams.RAFT_TICK, RAFT_SETTINGS); a
-# leader's death is noticed after one, so appends resume within a few.
+# Election timeouts are 1-2 s at the default --raft-tick (0.1 s); a leader's death is
+# noticed after one, so appends resume within a few.
 RESUME_WITHIN = 10.0
+STREAM = "ledger"
 
 
-async def replicated_mesh(tmp_path: Path) -> list[BrokerProcess]:
-    """Three brokers, r0..r2, each with its data dir (tmp_path/r0...): a replica is known
-    to its group by its name, so one that restarts keeps it (``restart``)."""
-    first = await start_broker("--name", "r0", "--data-dir", str(tmp_path / "r0"))
-    rest = [await restart(tmp_path, f"r{i}", first) for i in (1, 2)]
-    return [first, *rest]
+@dataclass
+class Replicas:
+    """Brokers r0, r1, ... of one mesh, each with its data dir (``root``/NAME: a replica
+    is known to its group by its name, so one that restarts keeps it) and a gate in front
+    (bench.gate: the brokers dial each other through the gates, clients dial the brokers
+    themselves), so a test can kill, pause, cut off and restart them by name."""
+
+    root: Path
+    args: tuple[str, ...]
+    gates: dict[str, BrokerGate] = field(default_factory=dict)
+    brokers: dict[str, BrokerProcess] = field(default_factory=dict)
+
+    @classmethod
+    async def start(cls, root: Path, count: int = 3, *args: str) -> Replicas:
+        replicas = cls(root, args)
+        for i in range(count):
+            name = f"r{i}"
+            gate = replicas.gates[name] = BrokerGate()
+            await gate.start()
+            await replicas.restart(name)
+        return replicas
+
+    def __getitem__(self, name: str) -> BrokerProcess:
+        return self.brokers[name]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.brokers)
+
+    def data_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def running(self, name: str) -> bool:
+        return self.brokers[name].process.returncode is None
+
+    async def restart(self, name: str) -> BrokerProcess:
+        """Start broker ``name`` (again) from its data dir, joining through a running one."""
+        seed = next((self.gates[n].address for n in self.names if self.running(n)), "")
+        broker = await start_broker(
+            "--name", name, "--data-dir", str(self.data_dir(name)),
+            "--advertise", self.gates[name].address, *(("--seed", seed) if seed else ()),
+            *self.args,
+        )  # fmt: skip
+        self.gates[name].upstream = broker.address
+        self.brokers[name] = broker
+        return broker
+
+    async def kill(self, *names: str) -> None:
+        """kill -9: nothing it did not fsync survives (docs/raft.md)."""
+        for name in names:
+            process = self.brokers[name].process
+            process.kill()
+            assert await process.wait() == -9
+
+    def pause(self, name: str) -> None:
+        self.brokers[name].process.send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.brokers[name].process.send_signal(signal.SIGCONT)
+
+    def cut_off(self, name: str) -> None:
+        """Cut every link between broker ``name`` and the others (both gates of each
+        link); its clients still reach it."""
+        for other in self.names:
+            if other != name:
+                self.gates[name].shut_out(other)
+                self.gates[other].shut_out(name)
+
+    def reconnect(self, name: str) -> None:
+        for other in self.names:
+            if other != name:
+                self.gates[name].open_to(other)
+                self.gates[other].open_to(name)
+
+    async def close(self) -> None:
+        for name in self.names:
+            if self.running(name):
+                self.resume(name)
+        await stop_all([b for n, b in self.brokers.items() if self.running(n)])
+        for gate in self.gates.values():
+            await gate.close()
 
 
-async def restart(tmp_path: Path, name: str, seed: BrokerProcess) -> BrokerProcess:
-    return await start_broker(
-        "--name", name, "--data-dir", str(tmp_path / name), "--seed", seed.address
-    )
+@contextlib.asynccontextmanager
+async def replicated_stream(
+    root: Path, *args: str, count: int = 3
+) -> AsyncIterator[tuple[Replicas, StreamInfo]]:
+    """``Replicas`` holding stream ``STREAM`` (capturing multicast:ledger, one replica
+    on each broker), once it has a leader and every broker routes to its member."""
+    replicas = await Replicas.start(root, count, *args)
+    try:
+        first = replicas[replicas.names[0]]
+        async with await meshbus.connect(first.address, server="op", operator=True) as op:
+            await op.streams.add(STREAM, f"multicast:{STREAM}", replicas=count)
+            info = await led(op, STREAM)
+        await wait_members(list(replicas.brokers.values()), Multicast(STREAM), 1)
+        yield replicas, info
+    finally:
+        await replicas.close()
 
 
 async def led(conn: meshbus.Connector, stream: str, not_by: str = "") -> StreamInfo:
@@ -53,26 +153,145 @@ async def led(conn: meshbus.Connector, stream: str, not_by: str = "") -> StreamI
     return info
 
 
+class Producer:
+    """Sends PREFIX0, PREFIX1, ... to the stream's group reliably, one at a time, until
+    stopped; records each value acknowledged (in order, with when) and each given up.
+    A value given up may still be stored (its entry committed after the sender gave up),
+    at most once; an acknowledged one must be."""
+
+    def __init__(self, conn: meshbus.Connector, prefix: str) -> None:
+        self.prefix = prefix.encode()
+        self.acked: list[int] = []
+        self.acked_at: list[float] = []
+        self.failed: list[tuple[int, str]] = []
+        self._conn = conn
+        self._task = asyncio.create_task(self._run())
+
+    @classmethod
+    async def on(cls, broker: BrokerProcess, prefix: str, retry: RetryPolicy) -> Producer:
+        conn = await meshbus.connect(
+            broker.address, server=f"pub{prefix}", reliable=ReliableConfig(retry=retry)
+        )
+        return cls(conn, prefix)
+
+    async def _run(self) -> None:
+        publisher = await self._conn.register()
+        value = 0
+        while True:
+            try:
+                await publisher.send_reliable(f"multicast:{STREAM}", self.prefix + b"%d" % value)
+            except DeliveryFailed as exc:
+                self.failed.append((value, str(exc)))
+            else:
+                self.acked.append(value)
+                self.acked_at.append(time.monotonic())
+            value += 1
+
+    def acked_since(self, moment: float) -> int:
+        return sum(1 for at in self.acked_at if at > moment)
+
+    async def wait_acked(self, count: int, since: float = 0.0, timeout: float = 20.0) -> float:
+        """Until ``count`` values more were acknowledged after ``since``; seconds from
+        ``since`` to the first of them."""
+
+        async def enough() -> bool:
+            return self.acked_since(since) >= count
+
+        await wait_until(enough, f"{count} acknowledgements of {self.prefix!r}", timeout)
+        return next(at for at in self.acked_at if at > since) - since
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, MeshbusError):
+            await self._task
+        await self._conn.close()
+
+
+class Consumer:
+    """Reads the stream from one replica, in the background, as it grows: what it has
+    read must stay the stream's prefix (a replica serves only what is committed)."""
+
+    def __init__(self, conn: meshbus.Connector) -> None:
+        self.read: list[StreamMessage] = []
+        self._conn = conn
+        self._task = asyncio.create_task(self._run())
+
+    @classmethod
+    async def on(cls, broker: BrokerProcess) -> Consumer:
+        return cls(await meshbus.connect(broker.address, server="consumer"))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.read += await self._conn.streams.fetch(STREAM, len(self.read) + 1, 500)
+            except (MeshbusError, TimeoutError):
+                pass  # no leader to relay to for a moment
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, MeshbusError):
+            await self._task
+        await self._conn.close()
+
+
+async def check_copies(
+    replicas: Replicas, producers: list[Producer], consumer: Consumer | None = None
+) -> list[StreamMessage]:
+    """Every running replica's copy, once it has the leader's last seq, is the same; in
+    it every acknowledged value is stored once, in the order acknowledged, no value is
+    stored twice, and seqs run 1..n. What ``consumer`` read is a prefix of it."""
+    names = [n for n in replicas.names if replicas.running(n)]
+    async with await meshbus.connect(replicas[names[0]].address, server="check") as conn:
+        leader = await led(conn, STREAM)
+    async with await meshbus.connect(replicas[leader.leader].address, server="check") as conn:
+        stored = await fetch_all(conn, STREAM)
+    assert [m.seq for m in stored] == list(range(1, len(stored) + 1))
+    payloads = [m.payload for m in stored]
+    assert len(payloads) == len(set(payloads)), "a value stored twice"
+    for producer in producers:
+        values = [int(p[len(producer.prefix) :]) for p in payloads if p.startswith(producer.prefix)]
+        acked = set(producer.acked)
+        lost = acked - set(values)
+        assert not lost, f"acknowledged and lost: {sorted(lost)}"
+        assert [v for v in values if v in acked] == producer.acked, "acknowledged out of order"
+    if consumer is not None:
+        read = [(m.seq, m.payload) for m in consumer.read]
+        assert read == [(m.seq, m.payload) for m in stored[: len(read)]], "a read rewritten"
+    for name in names:
+        async with await meshbus.connect(replicas[name].address, server="check") as conn:
+
+            async def caught_up() -> bool:
+                return (await conn.streams.info(STREAM)).last_seq >= len(stored)
+
+            await wait_until(caught_up, f"the copy of {name}", timeout=20)
+            copy = await fetch_all(conn, STREAM)
+        assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored], name
+    return stored
+
+
 async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -> None:
-    brokers = await replicated_mesh(tmp_path)
-    by_name = {b.name: b for b in brokers}
+    replicas = await Replicas.start(tmp_path)
+    names = replicas.names
     try:
         added = await run_cli(
-            "stream", "add", "ledger", "--capture", "multicast:ledger", "--replicas", "3",
-            "--broker", brokers[0].address, "--json",
+            "stream", "add", STREAM, "--capture", f"multicast:{STREAM}", "--replicas", "3",
+            "--broker", replicas[names[0]].address, "--json",
         )  # fmt: skip
         assert added.code == 0, added.err
-        assert sorted(json.loads(added.out)["replicas"]) == sorted(by_name)
-        async with await meshbus.connect(brokers[0].address, server="op", operator=True) as op:
-            info = await led(op, "ledger")
-        assert sorted(info.replicas) == sorted(by_name)
-        shown = await run_cli("stream", "info", "ledger", "--broker", brokers[1].address)
+        assert sorted(json.loads(added.out)["replicas"]) == names
+        async with await meshbus.connect(
+            replicas[names[0]].address, server="op", operator=True
+        ) as op:
+            info = await led(op, STREAM)
+        assert sorted(info.replicas) == names
+        shown = await run_cli("stream", "info", STREAM, "--broker", replicas[names[1]].address)
         assert shown.code == 0, shown.err
         assert re.search(rf"leader\s+│?\s*{info.leader}", shown.out), shown.out
-        assert all(name in shown.out for name in by_name)
-        await wait_members(brokers, Multicast("ledger"), 1)
-        leader = by_name[info.leader]
-        survivor = next(b for b in brokers if b is not leader)
+        assert all(name in shown.out for name in names)
+        await wait_members(list(replicas.brokers.values()), Multicast(STREAM), 1)
+        leader = info.leader
+        survivor = replicas[next(n for n in names if n != leader)]
         acked: list[int] = []
         failed: list[int] = []
         async with await meshbus.connect(survivor.address, server="pub") as conn:
@@ -81,21 +300,20 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
             # that restarts from applying them twice. (At most once: one sent while the
             # leadership moves may be lost, so only some are waited for.)
             for i in range(20):
-                await publisher.send("multicast:ledger", b"plain-%d" % i)
+                await publisher.send(f"multicast:{STREAM}", b"plain-%d" % i)
 
             async def plain_stored() -> bool:
-                return len(await fetch_all(conn, "ledger")) > 0
+                return len(await fetch_all(conn, STREAM)) > 0
 
             await wait_until(plain_stored, "the plain sends stored")
             killed_at = 0.0
             resumed_at = 0.0
             for value in range(300):
                 if value == 100:
-                    leader.process.kill()
-                    assert await leader.process.wait() == -9
+                    await replicas.kill(leader)
                     killed_at = time.monotonic()
                 try:
-                    await publisher.send_reliable("multicast:ledger", b"v%d" % value)
+                    await publisher.send_reliable(f"multicast:{STREAM}", b"v%d" % value)
                 except DeliveryFailed:
                     failed.append(value)
                     continue
@@ -104,50 +322,50 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
                     resumed_at = time.monotonic()
             assert resumed_at - killed_at < RESUME_WITHIN, (killed_at, resumed_at)
             assert len(acked) == 300, failed  # the resends carried every one through
-            new = await led(conn, "ledger", not_by=leader.name)
-            assert sorted(new.replicas) == sorted(by_name)
+            new = await led(conn, STREAM, not_by=leader)
+            assert sorted(new.replicas) == names
         # Read through the new leader: its committed prefix has every acknowledged value.
-        async with await meshbus.connect(by_name[new.leader].address, server="reader") as conn:
-            stored = await fetch_all(conn, "ledger")
+        async with await meshbus.connect(replicas[new.leader].address, server="reader") as conn:
+            stored = await fetch_all(conn, STREAM)
         assert stored[0].payload.startswith(b"plain-")
         values = [int(m.payload[1:]) for m in stored if m.payload.startswith(b"v")]
         assert len(values) == len(set(values)), "a value stored twice"
         assert [v for v in values if v in set(acked)] == acked  # all there, in order
         assert [m.seq for m in stored] == list(range(1, len(stored) + 1))
         # The other survivor serves its committed prefix: the same, once it caught up.
-        other = next(b for b in brokers if b.name not in (leader.name, new.leader))
+        other = replicas[next(n for n in names if n not in (leader, new.leader))]
         async with await meshbus.connect(other.address, server="reader") as conn:
             # A current read asked of this follower is answered by the leader.
-            current = await conn.streams.fetch("ledger", len(stored), 10, current=True)
+            current = await conn.streams.fetch(STREAM, len(stored), 10, current=True)
             assert [m.payload for m in current] == [stored[-1].payload]
 
             async def caught_up() -> bool:
-                return len(await fetch_all(conn, "ledger")) == len(stored)
+                return len(await fetch_all(conn, STREAM)) == len(stored)
 
             await wait_until(caught_up, "the other survivor's copy")
-            copy = await fetch_all(conn, "ledger")
+            copy = await fetch_all(conn, STREAM)
         assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
         # The old leader back from its data dir: what it applied before is not applied
         # twice (its store records the last entry applied), and it catches up.
-        brokers[brokers.index(leader)] = back = await restart(tmp_path, leader.name, survivor)
+        back = await replicas.restart(leader)
         async with await meshbus.connect(back.address, server="reader") as conn:
 
             async def back_in_step() -> bool:
-                info = await conn.streams.info("ledger")
+                info = await conn.streams.info(STREAM)
                 return info.last_seq == len(stored) and info.leader == new.leader
 
             await wait_until(back_in_step, "the restarted broker's copy", timeout=20)
-            copy = await fetch_all(conn, "ledger")
+            copy = await fetch_all(conn, STREAM)
             assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
             # A delete asked of a follower goes to the leader; every replica deletes the
             # stream once the deletion is committed.
-            await conn.streams.delete("ledger")
+            await conn.streams.delete(STREAM)
 
             async def gone_everywhere() -> bool:
-                for broker in brokers:
+                for broker in replicas.brokers.values():
                     async with await meshbus.connect(broker.address, server="check") as c:
                         try:
-                            await c.streams.info("ledger")
+                            await c.streams.info(STREAM)
                         except StreamError:
                             continue
                         return False
@@ -155,30 +373,21 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
 
             await wait_until(gone_everywhere, "the stream deleted on every replica")
     finally:
-        await stop_all([b for b in brokers if b.process.returncode is None])
+        await replicas.close()
 
 
 async def test_a_minority_acknowledges_nothing(tmp_path: Path) -> None:
-    brokers = await replicated_mesh(tmp_path)
-    try:
-        async with await meshbus.connect(brokers[0].address, server="op", operator=True) as op:
-            await op.streams.add("ledger", "multicast:ledger", replicas=3)
-            await led(op, "ledger")
-        await wait_members(brokers, Multicast("ledger"), 1)
-        survivor, *doomed = brokers
-        for broker in doomed:
-            broker.process.kill()
-            await broker.process.wait()
+    async with replicated_stream(tmp_path) as (replicas, _):
+        survivor, *doomed = replicas.names
+        await replicas.kill(*doomed)
         retry = RetryPolicy(ack_timeout=0.5, max_attempts=5)
         async with await meshbus.connect(
-            survivor.address, server="pub", reliable=ReliableConfig(retry=retry)
+            replicas[survivor].address, server="pub", reliable=ReliableConfig(retry=retry)
         ) as conn:
             publisher = await conn.register()
             # Never acknowledged: a replica without a majority cannot commit it.
             with pytest.raises(DeliveryFailed, match="no acknowledgement"):
-                await publisher.send_reliable("multicast:ledger", b"unacked")
-            info = await conn.streams.info("ledger")
+                await publisher.send_reliable(f"multicast:{STREAM}", b"unacked")
+            info = await conn.streams.info(STREAM)
             assert info.leader == ""  # the last one stepped down: no majority answers it
-            assert [m.payload for m in await fetch_all(conn, "ledger")] == []
-    finally:
-        await stop_all([b for b in brokers if b.process.returncode is None])
+            assert [m.payload for m in await fetch_all(conn, STREAM)] == []

@@ -223,6 +223,17 @@ class BrokerConfig:
         help="Streams: 'normal' keeps every acknowledged message when the broker is killed "
         "(kill -9); 'always' also through an OS crash or power loss, at a throughput cost.",
     )
+    # Replicated streams: an election after 10-20 silent ticks, a heartbeat every tick,
+    # a leader that heard from no majority for 10-20 ticks steps down (docs/raft.md).
+    raft_tick: float = setting(
+        0.1,
+        min=0.005,
+        max=10.0,
+        help="Replicated streams: seconds per Raft tick. A leader sends a heartbeat every "
+        "tick; a replica that hears no leader for 10-20 ticks starts an election, and a "
+        "leader that hears from no majority of its replicas for as long steps down. Every "
+        "replica of a stream should have the same.",
+    )
     max_streams: int = setting(
         1000,
         min=0,

@@ -61,7 +61,7 @@ from meshbus.broker.security.handshakes import evicted_why, source_of
 from meshbus.broker.security.signin import SignIn
 from meshbus.broker.security.trust import MeshTrust
 from meshbus.broker.security.users import UserTable
-from meshbus.broker.streams import RAFT_TICK, StreamHost
+from meshbus.broker.streams import StreamHost
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     OP_REMOVE,
@@ -669,8 +669,9 @@ class Broker:
     async def _raft_ticks(self) -> None:
         assert self.streams.replicated is not None
         driver = self.streams.replicated.driver
+        tick = self.config.raft_tick
         while True:
-            await asyncio.sleep(RAFT_TICK)
+            await asyncio.sleep(tick)
             driver.tick()
 
     async def _housekeeping(self) -> None:

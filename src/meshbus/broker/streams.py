@@ -93,10 +93,9 @@ _payload_of = itemgetter(2)  # NewMessage.payload
 _STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
-# Replicated streams (meshbus.broker.replication): a tick every RAFT_TICK seconds; an
+# Replicated streams (meshbus.broker.replication): a tick every --raft-tick seconds; an
 # election after 10-20 silent ticks, a heartbeat every tick; 4 entries per APPEND of at
 # most an eighth of a frame each, so an APPEND fits in a peer frame.
-RAFT_TICK = 0.1
 RAFT_SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1, max_append_entries=4)
 # The same in a block (four indices, two offsets), with room for every message to
 # have a source, destination, group and priority of its own.
