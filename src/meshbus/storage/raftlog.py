@@ -8,15 +8,19 @@ The file: an 8-byte magic, then records ``<u32 length><u32 crc32 of the payload>
 asks to make durable -- its hard state, a snapshot, entries -- as one atomic record.
 Reading it back (``RaftWal.open``):
 
-- a record cut short or failing its checksum *at the end of the file* is a write that
-  never finished (a crash before its fsync): it is dropped, as if never written, and
-  the file cut back to the record before it. Nothing was sent that depended on it
-  (docs/raft.md, "The driver's contract"), so this is no damage;
-- a record failing its checksum *with more of the file after it* is damage: what
-  follows it cannot be trusted. The intact prefix is kept and every group is
-  restarted *repairing* with its epoch raised (docs/raft.md, "Corruption"): it may
-  have lost entries it acknowledged, so it votes again only once the leader has
-  brought it up to date.
+- what a write that never finished leaves at the end of the file (a crash before its
+  fsync) is dropped, as if never written, and the file cut back to the record before
+  it: a last record cut short, zeros where records would follow (the file grew, the
+  data never reached the disk), or a last record failing its checksum with a whole
+  512-byte sector of zeros in it (etcd's rule for torn writes, wal/decoder.go).
+  Nothing was sent that depended on it (docs/raft.md, "The driver's contract"), so
+  this is no damage;
+- any other record failing its checksum is damage -- the last one too, when it is
+  whole: a bit flipped after the record was synced, and maybe answered. What follows
+  it cannot be trusted. The intact prefix is kept and every group is restarted
+  *repairing* with its epoch raised (docs/raft.md, "Corruption"): it may have lost
+  entries it acknowledged, so it votes again only once the leader has brought it up
+  to date.
 
 It knows nothing of the Raft core's classes (storage imports no broker or raft code):
 the driver converts its entries and states into this module's records.
@@ -47,6 +51,8 @@ _HEADER = struct.Struct("<II")
 MAX_RECORD = 64 << 20
 # Rewrite once the file holds this many bytes more than the live state needs.
 REWRITE_SLACK = 64 << 20
+# A write cut short by a crash leaves whole sectors of zeros (_looks_torn).
+SECTOR = 512
 
 
 class RaftLogFailed(StoreError):
@@ -319,9 +325,11 @@ def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recove
             return pos, _damage(pos, end, f"a record length of {length} bytes")
         payload = data[pos + header : stop]
         if zlib.crc32(payload) != crc:
-            if stop == end:
+            if stop == end and _looks_torn(data, pos):
                 return pos, Recovery(torn_bytes=end - pos)
             return pos, _damage(pos, end, "a record failing its checksum")
+        if length == 0 and not any(data[pos:]):
+            return pos, Recovery(torn_bytes=end - pos)  # the file grew by zeros only
         try:
             record = _decode(payload)
             state = groups.get(record.group)
@@ -335,6 +343,19 @@ def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recove
             return pos, _damage(pos, end, f"a record that does not decode ({exc})")
         pos = stop
     return pos, Recovery()
+
+
+def _looks_torn(data: bytes, pos: int) -> bool:
+    """Whether the last record, from ``pos``, has a sector of the file (or the part of
+    one it covers) all zeros: what a crash leaves of a write that never finished. A
+    record failing its checksum without one was whole: a flipped bit is damage."""
+    start = pos
+    while start < len(data):
+        stop = min((start // SECTOR + 1) * SECTOR, len(data))
+        if not any(data[start:stop]):
+            return True
+        start = stop
+    return False
 
 
 def _damage(pos: int, end: int, what: str) -> Recovery:

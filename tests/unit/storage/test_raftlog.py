@@ -155,14 +155,52 @@ def flip(path: Path, offset: int) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-def test_a_flipped_bit_in_the_last_record_drops_it(tmp_path: Path) -> None:
+def test_a_flipped_bit_in_the_last_record_is_damage(tmp_path: Path) -> None:
+    """The last record is whole -- no byte missing, no sector of zeros -- and fails its
+    checksum: the bit flipped after it was written and synced, maybe after it was
+    answered. Dropped as a torn write, it would take a vote (term 5, for node 2) and the
+    entries acknowledged with it, and the node would vote again with neither."""
     path = tmp_path / "raft.wal"
     write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
     write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 2, 2))])
     start, end = last_record_bounds(path)
     flip(path, end - 2)
     wal, recovery = RaftWal.open(str(path))
-    assert (recovery.torn_bytes, recovery.damage) == (end - start, "")
+    assert "failing its checksum" in recovery.damage
+    assert f"at byte {start}" in recovery.damage
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1, epoch=1, repairing=True), 0, [(1, 1)])}
+    wal.close()
+
+
+def test_a_last_record_with_a_sector_of_zeros_is_torn(tmp_path: Path) -> None:
+    """What a crash leaves when the file grew but part of the write never reached the
+    disk: a 512-byte sector of zeros in the last record (etcd's rule for torn writes)."""
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    big = [WalEntry(2, 2, b"x" * 2000)]
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1), entries=big)])
+    good = len(MAGIC) + len(frame(WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])))
+    sector = (good // 512 + 2) * 512  # a whole sector inside the last record
+    with open(path, "r+b") as f:
+        f.seek(sector)
+        f.write(bytes(512))
+    size = path.stat().st_size
+    wal, recovery = RaftWal.open(str(path))
+    assert (recovery.torn_bytes, recovery.damage) == (size - good, "")
+    assert path.stat().st_size == good
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1)])}
+    wal.close()
+
+
+def test_zeros_after_the_last_record_are_torn(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    good = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(bytes(4096))
+    wal, recovery = RaftWal.open(str(path))
+    assert (recovery.torn_bytes, recovery.damage) == (4096, "")
+    assert path.stat().st_size == good
     assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1)])}
     wal.close()
 
