@@ -57,6 +57,7 @@ FLAGS = {
     "--max-services",
     "--max-groups-per-service",
     "--max-groups",
+    "--raft-tick",
     "--max-requests",
     "--max-request-timeout",
     "--max-handshaking",
