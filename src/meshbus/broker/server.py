@@ -277,6 +277,7 @@ class Broker:
             on_ready=self._became_ready,
             on_event=self.telemetry.mesh_event,
             hosted_streams=self.streams.names,
+            nats_changed=self._nats_peers_changed,
             dialer=dialer or dial_tcp,
             rng=rng,
         )
@@ -409,6 +410,11 @@ class Broker:
         config = self.config
         config.check_exposure()
         config.check_nats()
+        if self.nats is not None:
+            # Before any peer links: each is told where this broker takes NATS clients
+            # (its HELLO or WELCOME), and tells its own clients (INFO connect_urls).
+            await self.nats.bind()
+            config.nats_advertise = self.nats.url
         if self.tls is not None:
             host, port = self.tls.listen(config.host, config.port)
         else:
@@ -465,6 +471,11 @@ class Broker:
             await self.mesh.drain(grace)
             return
         await asyncio.gather(self.mesh.drain(grace), self.nats.lame_duck(grace))
+
+    def _nats_peers_changed(self, urls: list[str]) -> None:
+        """The peers that take NATS clients changed: this broker's clients hear of them."""
+        if self.nats is not None:
+            self.nats.set_peer_urls(urls)
 
     def _reloaded(self) -> None:
         """A SIGHUP applied new users: what holds rights beyond a link follows them."""
