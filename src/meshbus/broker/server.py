@@ -54,6 +54,7 @@ from meshbus.broker.nats.listener import NatsListener
 from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.broker.observe.lag import LoopLag
+from meshbus.broker.observe.nats import NatsView
 from meshbus.broker.observe.stat import StatView
 from meshbus.broker.observe.telemetry import Telemetry
 from meshbus.broker.security.acceptor import TLSAcceptor
@@ -207,8 +208,9 @@ class Broker:
             config, self.peers, self.routing, self.outbox, self.watch, rng,
             self.local_interest, self.peer_interest,
         )  # fmt: skip
+        self.nats_peers = PeerMessages(self.sync.flush_ops)
         self.nats_router = NatsRouter(
-            self.subjects, PeerMessages(self.sync.flush_ops), rng,
+            self.subjects, self.nats_peers, rng,
             to_meshbus=lambda event: self.nats_bridge.from_nats(event),
         )  # fmt: skip
         self.nats_bridge = MeshbusBridge(
@@ -287,6 +289,19 @@ class Broker:
             reread=reread_users,
             reloaded=self._reloaded,
         )
+        self.nats: NatsListener | None = None
+        if config.nats_listen:
+            interest = NatsInterest(
+                self.subjects, self.local_interest, self.sync.announce,
+                self.sync.after_confirmed, self.nats_bridge.interest_changed,
+            )  # fmt: skip
+            nats_sign_in = NatsSignIn(
+                self.sign_in,
+                tls=tls_context,
+                tls_verify=config.tls_verify_clients,
+                timeout=config.handshake_timeout,
+            )
+            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
         self.stat = StatView(
             config=config,
             routing=self.routing,
@@ -301,6 +316,12 @@ class Broker:
             counters=self.traffic_counters,
             reloads=self.sign_in.reloads,
             usage=self.usage,
+            nats=NatsView(
+                listener=self.nats,
+                router=self.nats_router,
+                peer_stats=self.nats_peers.stats,
+                bridge_stats=self.nats_bridge.stats,
+            ),
         )
         self.admission = Admission(
             config=config,
@@ -328,19 +349,6 @@ class Broker:
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
         )
-        self.nats: NatsListener | None = None
-        if config.nats_listen:
-            interest = NatsInterest(
-                self.subjects, self.local_interest, self.sync.announce,
-                self.sync.after_confirmed, self.nats_bridge.interest_changed,
-            )  # fmt: skip
-            nats_sign_in = NatsSignIn(
-                self.sign_in,
-                tls=tls_context,
-                tls_verify=config.tls_verify_clients,
-                timeout=config.handshake_timeout,
-            )
-            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""

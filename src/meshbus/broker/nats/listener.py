@@ -23,20 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import random
+from collections import Counter
 
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.nats.auth import NatsSignIn
-from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection
+from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection, NatsError
 from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.nats import NatsParser, ServerInfo, encode_info
 from meshbus.util import BackgroundTasks, hostport_text, parse_hostport
 
-__all__ = ["NATS_VERSION", "NatsListener"]
+__all__ = ["NATS_VERSION", "NatsListener", "NatsTraffic"]
 
 log = logging.getLogger("meshbus.broker.nats")
 
@@ -44,6 +46,26 @@ log = logging.getLogger("meshbus.broker.nats")
 # INFO's version to know what the server does (headers since 2.2, no responders).
 NATS_VERSION = "2.10.0"
 _ID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+
+@dataclasses.dataclass
+class NatsTraffic:
+    """What NATS clients did: messages in (published) and out (delivered), their bytes
+    (headers and payload, as nats-server counts them), the -ERRs that left a connection
+    open, by kind."""
+
+    msgs_in: int = 0
+    bytes_in: int = 0
+    msgs_out: int = 0
+    bytes_out: int = 0
+    errors: Counter[NatsError] = dataclasses.field(default_factory=Counter)
+
+    def add(self, conn: NatsConnection) -> None:
+        self.msgs_in += conn.msgs_in
+        self.bytes_in += conn.bytes_in
+        self.msgs_out += conn.msgs_out
+        self.bytes_out += conn.bytes_out
+        self.errors.update(conn.errors)
 
 
 class NatsListener:
@@ -75,7 +97,9 @@ class NatsListener:
         self._peer_urls: list[str] = []
         self.lame_duck_mode = False
         self._left = asyncio.Event()
-        self.refused = 0
+        # The connections closed, by why; and what they did (``traffic`` adds the open's).
+        self.closed: Counter[NatsCloseReason] = Counter()
+        self._gone = NatsTraffic()
 
     async def bind(self) -> None:
         """Bind ``--nats-listen``, taking no client yet (``start``); InvalidArgument when
@@ -159,6 +183,13 @@ class NatsListener:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._left.wait(), grace)
 
+    def traffic(self) -> NatsTraffic:
+        """What every client did since the broker started, those gone and those here."""
+        total = dataclasses.replace(self._gone, errors=Counter(self._gone.errors))
+        for conn in self.connections.values():
+            total.add(conn)
+        return total
+
     def reauthorize(self) -> None:
         """After a SIGHUP reloaded the users: each signed-in client gets its user's new
         permissions, or is closed when its user is gone or its credential changed."""
@@ -224,7 +255,6 @@ class NatsListener:
     def _opened(self, conn: NatsConnection) -> None:
         limit = self._config.max_connectors
         if len(self.connections) >= limit:
-            self.refused += 1
             conn.close(
                 NatsCloseReason.MAX_CONNECTIONS,
                 f"{limit} NATS clients are connected already (--max-connectors)",
@@ -234,7 +264,9 @@ class NatsListener:
         self.connections[conn.client_id] = conn
 
     def _closed(self, conn: NatsConnection, reason: NatsCloseReason) -> None:
-        self.connections.pop(conn.client_id, None)
+        self.closed[reason] += 1
+        if self.connections.pop(conn.client_id, None) is not None:
+            self._gone.add(conn)
         if not self.connections:
             self._left.set()
 
