@@ -478,27 +478,37 @@ def bounded() -> Iterator[int]:
         stop(process)
 
 
-async def test_a_slow_consumer_is_closed_and_others_go_on(bounded: int) -> None:
-    # A reader that never reads, with a small receive buffer: what the broker sends it
-    # piles up in the broker.
+async def slow_consumer(port: int) -> RawNats:
+    """A client subscribed to ``flood`` that reads nothing more, with a small receive
+    buffer: what the broker sends it piles up in the broker."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", bounded))
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     reader, writer = await asyncio.open_connection(sock=sock)
     slow = RawNats(reader, writer)
     assert (await slow.line()).startswith(b"INFO ")
     await slow.send(b'CONNECT {"verbose":false}\r\nSUB flood 1\r\nPING\r\n')
     assert await slow.line() == b"PONG"
+    return slow
+
+
+async def flood(nc: Client, slow: RawNats) -> None:
+    """10 MiB to ``flood`` -- more than the socket buffers and 1 MiB of unsent output
+    hold -- until ``slow``'s connection is gone (what it reads ends)."""
+    payload = b"x" * 65536
+    for _ in range(160):
+        await nc.publish("flood", payload)
+    await nc.flush(timeout=IO_TIMEOUT)
+    async with asyncio.timeout(IO_TIMEOUT):
+        while await slow.reader.read(1 << 20):
+            pass
+
+
+async def test_a_slow_consumer_is_closed_and_others_go_on(bounded: int) -> None:
+    slow = await slow_consumer(bounded)
     async with client(Server("meshbus", bounded)) as nc:
-        payload = b"x" * 65536
-        for _ in range(160):  # 10 MiB: more than the socket buffers and 1 MiB hold
-            await nc.publish("flood", payload)
-        await nc.flush(timeout=IO_TIMEOUT)
-        # The slow one's connection is gone: what it reads ends.
-        async with asyncio.timeout(IO_TIMEOUT):
-            while await slow.reader.read(1 << 20):
-                pass
+        await flood(nc, slow)
         # The publisher goes on.
         inbox = Inbox()
         await nc.subscribe("after", cb=inbox.cb)

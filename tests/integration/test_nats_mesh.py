@@ -1,16 +1,20 @@
 """NATS clients on a mesh of three real brokers, each with its own ``--nats-listen``:
 nats.py clients on different brokers reach each other as on one nats-server cluster
 (wildcards, queue groups exactly once, request/reply, no responders, interest that goes
-with its client or its broker), and meet meshbus's own services through the bridge
-(subject NAME is multicast:NAME both ways; anycast.NAME requests an anycast pool)."""
+with its client or its broker), learn the other brokers from INFO connect_urls as they
+join and leave, and go on at another broker when theirs is killed or drains; and they
+meet meshbus's own services through the bridge (subject NAME is multicast:NAME both
+ways; anycast.NAME requests an anycast pool)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import nats
 import pytest
@@ -22,12 +26,15 @@ import meshbus
 from meshbus import Anycast, Multicast
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import IO_TIMEOUT, wait_members, wait_until
+from tests.integration.test_nats_listener import QUIET, RawNats
 
 
 class NatsBroker:
     def __init__(self, process: BrokerProcess, nats_port: int) -> None:
         self.process = process
-        self.url = f"nats://127.0.0.1:{nats_port}"
+        self.port = nats_port
+        self.netloc = f"127.0.0.1:{nats_port}"  # as connect_urls name it
+        self.url = f"nats://{self.netloc}"
 
 
 async def _start(*args: str) -> NatsBroker:
@@ -38,11 +45,11 @@ async def _start(*args: str) -> NatsBroker:
 
 @pytest.fixture
 async def mesh() -> AsyncIterator[list[NatsBroker]]:
-    """Three brokers in one mesh, each taking NATS clients."""
-    first = await _start()
+    """Three brokers in one mesh, each taking NATS clients; a drain gives them 1 s to go."""
+    first = await _start("--drain-grace", "1")
     brokers = [first]
     try:
-        joining = [_start("--seed", first.process.address) for _ in range(2)]
+        joining = [_start("--seed", first.process.address, "--drain-grace", "1") for _ in range(2)]
         started = await asyncio.gather(*joining, return_exceptions=True)
         brokers += [b for b in started if isinstance(b, NatsBroker)]
         for result in started:
@@ -55,8 +62,12 @@ async def mesh() -> AsyncIterator[list[NatsBroker]]:
 
 
 @contextlib.asynccontextmanager
-async def client(broker: NatsBroker) -> AsyncIterator[Client]:
-    nc = await nats.connect(broker.url, allow_reconnect=False, connect_timeout=IO_TIMEOUT)
+async def client(broker: NatsBroker, **options: Any) -> AsyncIterator[Client]:
+    """A nats.py client given ``broker`` alone; it does not reconnect unless ``options``
+    say so."""
+    nc = await nats.connect(
+        broker.url, **{"allow_reconnect": False, "connect_timeout": IO_TIMEOUT, **options}
+    )
     try:
         yield nc
     finally:
@@ -241,6 +252,88 @@ async def test_a_killed_brokers_interest_goes(mesh: list[NatsBroker]) -> None:
         await wait_until(nobody, "the killed broker's interest gone from broker a")
         with contextlib.suppress(Exception):
             await responder.close()
+
+
+# -- connect_urls: the other brokers, as they join and leave ---------------------------
+
+
+async def exited(broker: NatsBroker) -> int:
+    """The exit code of a broker told to stop (a second SIGTERM would cut its drain)."""
+    return await asyncio.wait_for(broker.process.process.wait(), IO_TIMEOUT)
+
+
+async def next_info(raw: RawNats) -> dict[str, Any]:
+    """The next async INFO the broker sends ``raw`` (its pings answered meanwhile)."""
+    while True:
+        line = await raw.line()
+        if line == b"PING":
+            await raw.send(b"PONG\r\n")
+        elif line.startswith(b"INFO "):
+            info: dict[str, Any] = json.loads(line[5:])
+            return info
+
+
+async def test_connect_urls_follow_the_brokers_that_join_and_leave(
+    mesh: list[NatsBroker],
+) -> None:
+    a, b, c = mesh
+    # protocol 1: a client that takes async INFOs (nats.py, nats.js, nats.go all do).
+    raw = await RawNats.open(a.port, {**QUIET, "protocol": 1})
+    assert raw.info["connect_urls"][0] == a.netloc  # itself first, then its peers
+    assert set(raw.info["connect_urls"]) == {a.netloc, b.netloc, c.netloc}
+    d = await _start("--seed", a.process.address)
+    try:
+        info = await next_info(raw)  # once d is ready: not before it takes clients
+        assert set(info["connect_urls"]) == {a.netloc, b.netloc, c.netloc, d.netloc}
+        d.process.process.send_signal(signal.SIGTERM)  # a drain: its clients must go
+        assert set((await next_info(raw))["connect_urls"]) == {a.netloc, b.netloc, c.netloc}
+        assert await exited(d) == 0
+        c.process.process.send_signal(signal.SIGKILL)
+        assert set((await next_info(raw))["connect_urls"]) == {a.netloc, b.netloc}
+        await raw.pong()  # nothing else came: one INFO a change
+    finally:
+        await raw.close()
+        await d.process.stop()
+
+
+@pytest.mark.parametrize("how", ["kill -9", "drain"])
+async def test_a_client_given_one_broker_goes_on_at_another_when_it_goes(
+    mesh: list[NatsBroker], how: str
+) -> None:
+    """Given only a's URL, a client learns b and c from a's INFO; when a is killed, or
+    drains (lame duck mode, then closed after the grace), it reconnects to one of them
+    and its subscription works again there, for messages published anywhere."""
+    a, b, c = mesh
+    lame_duck, reconnected = asyncio.Event(), asyncio.Event()
+
+    async def on_lame_duck() -> None:
+        lame_duck.set()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    async with (
+        client(a, allow_reconnect=True, reconnect_time_wait=0.1,
+               lame_duck_mode_cb=on_lame_duck, reconnected_cb=on_reconnect) as nc,
+        client(c) as publisher,
+    ):  # fmt: skip
+        assert {s.netloc for s in nc.discovered_servers} == {b.netloc, c.netloc}
+        inbox = Inbox()
+        await nc.subscribe("goes.on", cb=inbox.take)
+        await subscribed(nc)
+        a.process.process.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
+        async with asyncio.timeout(IO_TIMEOUT):
+            await reconnected.wait()
+        assert lame_duck.is_set() == (how == "drain")
+        assert nc.connected_url is not None
+        assert nc.connected_url.netloc in {b.netloc, c.netloc}
+        await subscribed(nc)  # nats.py subscribed again on reconnecting
+        await publisher.publish("goes.on", b"after")
+        await publisher.flush()
+        await inbox.wait_for(1)
+        assert inbox.data == [b"after"]
+    if how == "drain":
+        assert await exited(a) == 0
 
 
 # -- the bridge: NATS subjects and meshbus addresses ------------------------------------

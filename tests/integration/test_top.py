@@ -118,13 +118,13 @@ def fields(screen: str, first: str) -> list[str] | None:
 
 def broker_shows(screen: str, name: str, state: str, connectors: int) -> bool:
     """Whether ``name``'s row has that state and connector count:
-    NAME ADDRESS STATE CONN SVCS IN/S OUT/S PEND DROPS LAG P99 OWN."""
+    NAME ADDRESS STATE CONN SVCS NATS IN/S OUT/S PEND DROPS LAG P99 OWN."""
     row = fields(screen, name)
     return row is not None and row[2] == state and row[3] == str(connectors)
 
 
 def msgs_in(row: list[str] | None) -> float:
-    return float(row[5]) if row is not None and row[5] != "-" else 0.0
+    return float(row[6]) if row is not None and row[6] != "-" else 0.0
 
 
 @contextlib.asynccontextmanager
@@ -202,7 +202,7 @@ async def test_the_live_view_of_a_mesh_follows_it_and_q_quits() -> None:
             def killed_shown(screen: str) -> bool:
                 # Its connectors fail over to the others: their counts change meanwhile.
                 rows = [fields(screen, b.name) or [] for b in brokers]
-                unreachable = [brokers[2].name, brokers[2].address, "unreachable"] + ["-"] * 9
+                unreachable = [brokers[2].name, brokers[2].address, "unreachable"] + ["-"] * 10
                 return rows[2] == unreachable and all(row[2:3] == ["running"] for row in rows[:2])
 
             await term.wait_for(killed_shown, f"{brokers[2].name} unreachable, the others running")
@@ -250,6 +250,7 @@ async def test_once_prints_one_table_with_rates_for_scripts() -> None:
             "STATE",
             "CONN",
             "SVCS",
+            "NATS",
             "IN/S",
             "OUT/S",
             "PEND",
@@ -262,7 +263,7 @@ async def test_once_prints_one_table_with_rates_for_scripts() -> None:
         for broker, count in zip(brokers, [2, 1], strict=True):
             row = fields(result.out, broker.name)
             assert row is not None, result.out
-            assert row[1:5] == [broker.address, "running", str(count), "1"], result.out
+            assert row[1:6] == [broker.address, "running", str(count), "1", "0"], result.out
             # About 200 a second: well above nothing, well below a miscounted interval.
             assert 50 < msgs_in(row) < 1000, result.out
         assert fields(result.out, "total")[1:4] == ["2", "brokers", "3"]  # type: ignore[index]

@@ -411,7 +411,8 @@ class BrokerConfig:
     nats_advertise: str = setting(
         "",  # the address --nats-listen bound, unless that is every address
         help="NATS clients: the HOST:PORT they are told to reconnect to (INFO "
-        "connect_urls), when it is not the address --nats-listen binds (0.0.0.0, NAT).",
+        "connect_urls, here and on every other broker), when it is not the address "
+        "--nats-listen binds (0.0.0.0, NAT).",
         parse=_hostport,
         metavar="HOST:PORT",
     )

@@ -54,6 +54,7 @@ from meshbus.broker.nats.listener import NatsListener
 from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.broker.observe.lag import LoopLag
+from meshbus.broker.observe.nats import NatsView
 from meshbus.broker.observe.stat import StatView
 from meshbus.broker.observe.telemetry import Telemetry
 from meshbus.broker.security.acceptor import TLSAcceptor
@@ -207,8 +208,9 @@ class Broker:
             config, self.peers, self.routing, self.outbox, self.watch, rng,
             self.local_interest, self.peer_interest,
         )  # fmt: skip
+        self.nats_peers = PeerMessages(self.sync.flush_ops)
         self.nats_router = NatsRouter(
-            self.subjects, PeerMessages(self.sync.flush_ops), rng,
+            self.subjects, self.nats_peers, rng,
             to_meshbus=lambda event: self.nats_bridge.from_nats(event),
         )  # fmt: skip
         self.nats_bridge = MeshbusBridge(
@@ -277,6 +279,7 @@ class Broker:
             on_ready=self._became_ready,
             on_event=self.telemetry.mesh_event,
             hosted_streams=self.streams.names,
+            nats_changed=self._nats_peers_changed,
             dialer=dialer or dial_tcp,
             rng=rng,
         )
@@ -286,6 +289,19 @@ class Broker:
             reread=reread_users,
             reloaded=self._reloaded,
         )
+        self.nats: NatsListener | None = None
+        if config.nats_listen:
+            interest = NatsInterest(
+                self.subjects, self.local_interest, self.sync.announce,
+                self.sync.after_confirmed, self.nats_bridge.interest_changed,
+            )  # fmt: skip
+            nats_sign_in = NatsSignIn(
+                self.sign_in,
+                tls=tls_context,
+                tls_verify=config.tls_verify_clients,
+                timeout=config.handshake_timeout,
+            )
+            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
         self.stat = StatView(
             config=config,
             routing=self.routing,
@@ -300,6 +316,12 @@ class Broker:
             counters=self.traffic_counters,
             reloads=self.sign_in.reloads,
             usage=self.usage,
+            nats=NatsView(
+                listener=self.nats,
+                router=self.nats_router,
+                peer_stats=self.nats_peers.stats,
+                bridge_stats=self.nats_bridge.stats,
+            ),
         )
         self.admission = Admission(
             config=config,
@@ -327,19 +349,6 @@ class Broker:
             detailed_snapshot=self.stat.detailed,
             request_drain=self.request_drain,
         )
-        self.nats: NatsListener | None = None
-        if config.nats_listen:
-            interest = NatsInterest(
-                self.subjects, self.local_interest, self.sync.announce,
-                self.sync.after_confirmed, self.nats_bridge.interest_changed,
-            )  # fmt: skip
-            nats_sign_in = NatsSignIn(
-                self.sign_in,
-                tls=tls_context,
-                tls_verify=config.tls_verify_clients,
-                timeout=config.handshake_timeout,
-            )
-            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
         self.dispatch.handshake_to(self.admission.on_handshake)
         self._install_handlers()
         self.address = ""
@@ -409,6 +418,11 @@ class Broker:
         config = self.config
         config.check_exposure()
         config.check_nats()
+        if self.nats is not None:
+            # Before any peer links: each is told where this broker takes NATS clients
+            # (its HELLO or WELCOME), and tells its own clients (INFO connect_urls).
+            await self.nats.bind()
+            config.nats_advertise = self.nats.url
         if self.tls is not None:
             host, port = self.tls.listen(config.host, config.port)
         else:
@@ -465,6 +479,11 @@ class Broker:
             await self.mesh.drain(grace)
             return
         await asyncio.gather(self.mesh.drain(grace), self.nats.lame_duck(grace))
+
+    def _nats_peers_changed(self, urls: list[str]) -> None:
+        """The peers that take NATS clients changed: this broker's clients hear of them."""
+        if self.nats is not None:
+            self.nats.set_peer_urls(urls)
 
     def _reloaded(self) -> None:
         """A SIGHUP applied new users: what holds rights beyond a link follows them."""

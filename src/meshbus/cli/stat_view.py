@@ -28,14 +28,19 @@ def stat_renderables(data: dict[str, Any], *, brief: bool = False) -> list[Rende
     name = str(data.get("name", "?"))
     headline.stylize("bold", len("broker "), len("broker ") + len(name))
     renderables: list[RenderableType] = [headline, _mesh_table(data)]
+    nats: dict[str, Any] = data.get("nats") or {}
     if brief:
         renderables.append(escape(_totals(data)))
+        if nats.get("listen"):
+            renderables.append(escape(_nats_line(nats)))
         return renderables
     renderables += [
         _peers_table(data),
         _links_table(data, "connector"),
         _links_table(data, "operator"),
     ]
+    if nats.get("listen"):
+        renderables += [escape(_nats_line(nats)), _nats_table(nats)]
     users: dict[str, dict[str, dict[str, Any]]] = data.get("users") or {}
     if users:
         renderables.append(_quotas_table(users))
@@ -85,17 +90,60 @@ def _totals(data: dict[str, Any]) -> str:
     )
 
 
+def _nats_line(nats: dict[str, Any]) -> str:
+    """The NATS listener in two lines: its clients, their traffic, what went wrong
+    (docs/nats.md, "What stat and /metrics show")."""
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(nats.get("errors", {}).items()) if v)
+    state = " (lame duck mode)" if nats.get("lame_duck") else ""
+    return (
+        f"NATS clients on {nats.get('listen', '?')}{state}: {nats.get('clients', '?')} "
+        f"connected, {nats.get('subscriptions', '?')} subscriptions; messages "
+        f"{nats.get('msgs_in', '?')} in, {nats.get('msgs_out', '?')} out; bytes "
+        f"{nats.get('bytes_in', '?')} in, {nats.get('bytes_out', '?')} out; "
+        f"{nats.get('slow_consumers', '?')} slow consumers\n"
+        f"NATS errors: {errors or 'none'}; connect_urls: "
+        f"{', '.join(nats.get('connect_urls', [])) or 'none'}"
+    )
+
+
+def _nats_table(nats: dict[str, Any]) -> RenderableType:
+    from rich.table import Table
+
+    conns = nats.get("connections", [])
+    table = Table(title=f"NATS clients: {len(conns)}", title_justify="left")
+    for column in ("id", "name", "lang", "user"):
+        table.add_column(column, overflow="fold")
+    table.add_column("remote", no_wrap=True)
+    for column in ("subs", "msgs in/out", "bytes in/out", "unsent bytes"):
+        table.add_column(column, justify="right")
+    for conn in conns:
+        plain_row(
+            table,
+            conn.get("id", ""),
+            conn.get("name") or "-",
+            conn.get("lang") or "-",
+            conn.get("user") or "-",
+            conn.get("remote", ""),
+            conn.get("subscriptions", "?"),
+            f"{conn.get('msgs_in', '?')}/{conn.get('msgs_out', '?')}",
+            f"{conn.get('bytes_in', '?')}/{conn.get('bytes_out', '?')}",
+            conn.get("pending_bytes", "?"),
+        )
+    return table
+
+
 def _mesh_table(data: dict[str, Any]) -> RenderableType:
     from rich.table import Table
 
     mesh = Table(title="mesh", title_justify="left")
-    for column in ("broker", "address", "slot", "connectors", "capacity", "state"):
+    for column in ("broker", "address", "nats", "slot", "connectors", "capacity", "state"):
         mesh.add_column(column, justify="right" if column in ("connectors", "capacity") else "left")
     for b in data.get("mesh", []):
         plain_row(
             mesh,
             b.get("name", "") + (" (this)" if b.get("name") == data.get("name") else ""),
             b.get("address", ""),
+            b.get("nats") or "-",
             b.get("slot", ""),
             b.get("connectors", ""),
             b.get("capacity", ""),

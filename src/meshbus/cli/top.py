@@ -49,8 +49,10 @@ Columns (docs/operations.md, "meshbus top"):
   STATE        running, joining (not yet in the mesh), draining,
                or unreachable (no answer within {ANSWER_TIMEOUT:g} s)
   CONN, SVCS   connectors linked to it, services they registered
-  IN/S, OUT/S  messages read from / written to its links per second
-               (a message counts at every broker it crosses)
+  NATS         NATS clients connected to it (--nats-listen)
+  IN/S, OUT/S  messages read from / written to its links and its NATS
+               clients per second (a message counts at every broker it
+               crosses)
   PEND         requests waiting for their response
   DROPS        messages it did not deliver since it started, every reason
   LAG P99 OWN  event-loop lag in ms since it started: the largest, the
@@ -85,8 +87,8 @@ answers), 2 bad arguments or not a terminal (use --once)."""
 def top(broker_address: str, interval: float, once: bool, access: Access) -> None:
     """A live view of every broker of the mesh, refreshed in place.
 
-    Per broker its name, address, state, connectors, services, messages per
-    second in and out, pending requests, drops and event-loop lag, and a
+    Per broker its name, address, state, connectors, services, NATS clients,
+    messages per second in and out, pending requests, drops and event-loop lag, and a
     total line for the mesh. A broker that stops answering stays listed as
     unreachable. Press q or Ctrl-C to quit.
     """

@@ -21,7 +21,7 @@ UNREACHABLE = "unreachable"
 _GAP = "  "
 # Columns right-aligned: figures, so their digits line up.
 _NUMERIC_FROM = 3
-HEADER = ("BROKER", "ADDRESS", "STATE", "CONN", "SVCS", "IN/S", "OUT/S", "PEND", "DROPS")
+HEADER = ("BROKER", "ADDRESS", "STATE", "CONN", "SVCS", "NATS", "IN/S", "OUT/S", "PEND", "DROPS")
 LAG_HEADER = ("LAG", "P99", "OWN")
 # Without it the table of a three-broker mesh fits an 80-column terminal: the first
 # column to give up, as it never changes while the view runs.
@@ -42,12 +42,14 @@ class Line:
 class Sample:
     """What top keeps of one stat answer: the figures of the moment, and the counters
     a rate is taken from (with the broker's uptime, so a rate is measured on the
-    broker's clock, whatever the answer's round trip took)."""
+    broker's clock, whatever the answer's round trip took). Messages in and out are its
+    links' data frames and its NATS clients' messages."""
 
     uptime_s: float
     state: str
     connectors: int
     services: int
+    nats_clients: int
     msgs_in: int
     msgs_out: int
     pending: int
@@ -66,13 +68,16 @@ class Sample:
             # monitor's meshbus_dropped_total) and the frames its streams would not store.
             drops = sum(v for k, v in counters.items() if k.startswith("dropped_"))
             drops += data.get("streams", {}).get("dropped", 0)
+            # A broker of a meshbus before NATS clients has none.
+            nats: dict[str, Any] = data.get("nats") or {"clients": 0, "msgs_in": 0, "msgs_out": 0}
             return cls(
                 uptime_s=float(data["uptime_s"]),
                 state=broker_state(data),
                 connectors=int(data["connectors"]),
                 services=int(data["services"]),
-                msgs_in=int(counters["msgs_in"]),
-                msgs_out=int(counters["msgs_out"]),
+                nats_clients=int(nats["clients"]),
+                msgs_in=int(counters["msgs_in"]) + int(nats["msgs_in"]),
+                msgs_out=int(counters["msgs_out"]) + int(nats["msgs_out"]),
                 pending=int(counters["pending"]),
                 drops=int(drops),
                 lag_max_ms=float(lag["max"]),
@@ -149,6 +154,7 @@ def row_cells(row: Row) -> list[str]:
         s.state,
         figure(s.connectors),
         figure(s.services),
+        figure(s.nats_clients),
         *_rate_cells(row.rates),
         figure(s.pending),
         figure(s.drops),
@@ -175,6 +181,7 @@ def total_cells(rows: list[Row]) -> list[str]:
         "",
         figure(sum(s.connectors for s in up)),
         figure(sum(s.services for s in up)),
+        figure(sum(s.nats_clients for s in up)),
         *_rate_cells(total_rate),
         figure(sum(s.pending for s in up)),
         figure(sum(s.drops for s in up)),

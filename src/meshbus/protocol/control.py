@@ -53,6 +53,10 @@ UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_USER_NAME)]
 MAX_SESSION = 64
 # The most msg_ids one NO_ROUTE names besides its own (DeliveryFailure.also): 9 KiB.
 MAX_ALSO = 1023
+# A broker's NATS client address (HOST:PORT, --nats-advertise): a DNS name of 253
+# characters, or a bracketed IPv6 address, and a port, with room to spare.
+MAX_NATS_ADDRESS = 300
+NatsAddress = Annotated[str, msgspec.Meta(max_length=MAX_NATS_ADDRESS)]
 
 
 class Hello(Body):
@@ -87,6 +91,9 @@ class Hello(Body):
     # A connector that reads DeliveryFailure.also: NO_ROUTE answers for consecutive
     # frames refused alike come to it as one frame.
     batched_no_route: bool = False
+    # A dialling broker's NATS client address ("": none, or a broker that predates it):
+    # its peers tell their NATS clients of it (INFO connect_urls, docs/nats.md).
+    nats: NatsAddress = ""
 
 
 class Challenge(Body):
@@ -115,7 +122,8 @@ class Auth(Body):
 
 
 class BrokerInfo(Body):
-    """One broker of the mesh as its peers know it."""
+    """One broker of the mesh as its peers know it; ``nats`` is its NATS client address
+    ("": no NATS listener, or one its peers are not told of)."""
 
     name: str
     address: str
@@ -124,12 +132,14 @@ class BrokerInfo(Body):
     capacity: Count = 0
     ready: bool = False
     draining: bool = False
+    nats: NatsAddress = ""
 
 
 class Welcome(Body):
     """The answer to HELLO. To a connector it carries the mesh's brokers that take
     connectors (later changes come as BROKERS); to a dialling broker the accepting
-    broker's ``listen`` address and the link ``tag`` it assigned to the dialler."""
+    broker's ``listen`` address, the link ``tag`` it assigned to the dialler, and its
+    NATS client address (``nats``, as in HELLO)."""
 
     protocol: U16 = PROTOCOL_VERSION
     broker: str = ""
@@ -137,6 +147,7 @@ class Welcome(Body):
     max_frame: U32 = DEFAULT_MAX_FRAME
     listen: str = ""
     tag: U32 = 0
+    nats: NatsAddress = ""
     brokers: list[BrokerInfo] = msgspec.field(default_factory=list)
     trace_every: U32 = 0  # a connector traces one send in this many (0: none)
 

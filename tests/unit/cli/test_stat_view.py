@@ -82,3 +82,56 @@ def test_brief_is_a_few_lines_whatever_the_broker_holds() -> None:
     assert len(brief) <= 12, brief
     assert len(brief) * 10 < len(_printed(big).splitlines())
     assert brief[-1] == "messages: 7 in, 8 out, 20 dropped; requests: 2, 1 timed out, 0 pending"
+
+
+def _with_nats() -> dict[str, Any]:
+    data = _answer()
+    data["mesh"][0]["nats"] = "127.0.0.1:4222"
+    data["nats"] = {
+        "listen": "127.0.0.1:4222",
+        "connect_urls": ["127.0.0.1:4222", "127.0.0.1:4223"],
+        "lame_duck": False,
+        "clients": 1,
+        "subscriptions": 2,
+        "msgs_in": 3,
+        "bytes_in": 30,
+        "msgs_out": 4,
+        "bytes_out": 40,
+        "slow_consumers": 1,
+        "errors": {"slow-consumer": 1, "invalid-subject": 2, "stale-connection": 0},
+        "connections": [
+            {
+                "id": 7,
+                "remote": "127.0.0.1:5000",
+                "name": "[b]orders",
+                "lang": "python3",
+                "user": None,
+                "subscriptions": 2,
+                "msgs_in": 3,
+                "bytes_in": 30,
+                "msgs_out": 4,
+                "bytes_out": 40,
+                "pending_bytes": 0,
+            },
+        ],
+    }
+    return data
+
+
+def test_the_nats_listener_its_clients_and_errors() -> None:
+    nats_line = (
+        "NATS clients on 127.0.0.1:4222: 1 connected, 2 subscriptions; messages 3 in, 4 out; "
+        "bytes 30 in, 40 out; 1 slow consumers\n"
+        "NATS errors: invalid-subject 2, slow-consumer 1; connect_urls: 127.0.0.1:4222, "
+        "127.0.0.1:4223"
+    )
+    brief = _printed(_with_nats(), brief=True)
+    assert brief.endswith(nats_line)
+    full = _printed(_with_nats())
+    assert nats_line in full
+    assert "NATS clients: 1" in full
+    assert "[b]orders" in full  # a client's name shown as it is
+    mesh_row = next(line for line in full.splitlines() if "(this)" in line)
+    assert "127.0.0.1:4222" in mesh_row  # its nats column
+    # A broker without --nats-listen says nothing of it.
+    assert "NATS" not in _printed(_answer()) + _printed(_answer(), brief=True)

@@ -32,9 +32,11 @@ def stat(
     services: int = 0,
     ready: bool = True,
     draining: bool = False,
+    nats: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A brief stat answer (StatView.brief), reduced to what top reads, with every drop
-    counter the broker keeps at 1 and a stream capture drop of 1."""
+    counter the broker keeps at 1 and a stream capture drop of 1; ``nats`` its NATS
+    clients' figures (none by default)."""
     counters: dict[str, Any] = {
         "msgs_in": msgs_in,
         "msgs_out": msgs_out,
@@ -53,6 +55,7 @@ def stat(
         "streams": {"stored": 7, "dropped": 1},
         "loop_lag_ms": {"max": 12.345, "max_own": 0.5, "p99": 5.0, "samples": 100},
         "counters": counters,
+        "nats": nats or {"clients": 0, "msgs_in": 0, "msgs_out": 0},
     }
 
 
@@ -67,6 +70,14 @@ def test_a_sample_takes_the_figures_and_every_drop_counter() -> None:
     assert s.drops == len(DROP_REASONS) + 1
     assert (s.lag_max_ms, s.lag_p99_ms, s.lag_own_ms) == (12.345, 5.0, 0.5)
     assert s.state == "running"
+
+
+def test_nats_clients_are_counted_and_their_messages_added_to_the_links() -> None:
+    s = sample(msgs_in=5, msgs_out=6, nats={"clients": 3, "msgs_in": 10, "msgs_out": 20})
+    assert (s.nats_clients, s.msgs_in, s.msgs_out) == (3, 15, 26)
+    older = stat(msgs_in=5)
+    del older["nats"]  # a broker of a meshbus before NATS clients: none
+    assert (Sample.from_stat(older).nats_clients, Sample.from_stat(older).msgs_in) == (0, 5)
 
 
 def test_an_answer_without_a_figure_says_which() -> None:
@@ -127,10 +138,13 @@ def test_a_broker_that_does_not_answer_shows_no_figures() -> None:
     assert set(cells[3:]) == {"-"}
 
 
+FOUR_NATS = {"clients": 4, "msgs_in": 0, "msgs_out": 0}
+
+
 def mesh_rows() -> list[Row]:
     return [
         Row("b3", "h:3", None, error="could not connect"),
-        Row("b1", "h:1", sample(connectors=2, services=1), (1.5, 300.0)),
+        Row("b1", "h:1", sample(connectors=2, services=1, nats=FOUR_NATS), (1.5, 300.0)),
         Row("b2", "h:2", sample(connectors=3), None),
     ]
 
@@ -138,11 +152,16 @@ def mesh_rows() -> list[Row]:
 def test_the_table_in_name_order_with_the_total_of_those_that_answer() -> None:
     t = table(mesh_rows())
     assert [line.text for line in t.lines()] == [
-        "BROKER  ADDRESS    STATE        CONN  SVCS  IN/S  OUT/S  PEND  DROPS   LAG  P99  OWN",
-        "b1      h:1        running         2     1   1.5    300     2      7  12.3  5.0  0.5",
-        "b2      h:2        running         3     0     -      -     2      7  12.3  5.0  0.5",
-        "b3      h:3        unreachable     -     -     -      -     -      -     -    -    -",
-        "total   3 brokers                  5     1   1.5    300     4     14  12.3  5.0  0.5",
+        "BROKER  ADDRESS    STATE        CONN  SVCS  NATS  IN/S  OUT/S"
+        "  PEND  DROPS   LAG  P99  OWN",
+        "b1      h:1        running         2     1     4   1.5    300     "
+        "2      7  12.3  5.0  0.5",
+        "b2      h:2        running         3     0     0     -      -     "
+        "2      7  12.3  5.0  0.5",
+        "b3      h:3        unreachable     -     -     -     -      -     "
+        "-      -     -    -    -",
+        "total   3 brokers                  5     1     4   1.5    300     "
+        "4     14  12.3  5.0  0.5",
         "b3: could not connect",
     ]
     assert [line.style for line in t.lines()] == ["header", "row", "row", "down", "total", "note"]
@@ -151,7 +170,7 @@ def test_the_table_in_name_order_with_the_total_of_those_that_answer() -> None:
 
 def test_a_mesh_where_nobody_answers_totals_nothing() -> None:
     total = table([Row("b1", "h:1", None)]).total.text.split()
-    assert total == ["total", "1", "brokers", "0", "0", "-", "-", "0", "0", "-", "-", "-"]
+    assert total == ["total", "1", "brokers", "0", "0", "0", "-", "-", "0", "0", "-", "-", "-"]
 
 
 def texts(lines: list[Any]) -> list[str]:

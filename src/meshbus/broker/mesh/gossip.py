@@ -4,19 +4,31 @@ Peers get both whenever the mesh's membership or a broker's state changes (once 
 loop turn, however many changes it saw) and with every heartbeat, whose LOAD is
 stamped per peer for the round trip (meshbus.broker.core.endpoint.PeerInfo.timed). A new
 peer gets both at once. Connectors get the list of brokers they may fail over or be
-redirected to, only when that set changes.
+redirected to, only when that set changes; NATS clients (through ``nats_changed``) the
+NATS addresses of the peers they may reconnect to (``nats_urls``), only when that list
+changes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import re
+from collections.abc import Callable, Iterable
 
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.registry import LinkRegistry, Peers
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import Body, BrokerInfo, Brokers, Load
 from meshbus.protocol.layout import ControlType
+from meshbus.util import parse_hostport
+
+log = logging.getLogger("meshbus.broker")
+
+# What a NATS address may be: a DNS name or an IPv4 address, or an IPv6 address in
+# brackets, and a port. Nothing a client would read as more than one address, or print
+# as something else.
+_ADDRESS = re.compile(r"([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]+").fullmatch
 
 
 class Gossip:
@@ -27,15 +39,19 @@ class Gossip:
         links: LinkRegistry,
         brokers: Callable[[], list[BrokerInfo]],
         hosted_streams: Callable[[], list[str]],
+        nats_changed: Callable[[list[str]], None] = lambda urls: None,
     ) -> None:
         """``brokers`` is this broker (first) and its peers as they last told it;
-        ``hosted_streams`` are announced in LOAD."""
+        ``hosted_streams`` are announced in LOAD; ``nats_changed`` hears the peers'
+        NATS addresses whenever that list changes (the NATS listener's connect_urls)."""
         self._peers = peers
         self._links = links
         self._brokers = brokers
         self._hosted_streams = hosted_streams
+        self._nats_changed = nats_changed
         self._scheduled = False
         self._pushed: tuple[str, ...] = ()  # the connectors' list, as last sent
+        self.nats_urls: list[str] = []  # as last told to ``nats_changed``
 
     def changed(self) -> None:
         """The mesh's membership or a broker's state changed: tell peers and connectors
@@ -91,6 +107,10 @@ class Gossip:
             frame = encode_control(ControlType.BROKERS, Brokers(brokers=self.connector_list()))
             for connector in self._links.connectors:
                 connector.send(frame)
+        urls = nats_urls(self._brokers()[1:])
+        if urls != self.nats_urls:
+            self.nats_urls = urls
+            self._nats_changed(urls)
 
     def _load(self) -> Load:
         s = self._brokers()[0]
@@ -102,3 +122,32 @@ class Gossip:
             draining=s.draining,
             streams=self._hosted_streams(),
         )
+
+
+def nats_urls(peers: Iterable[BrokerInfo]) -> list[str]:
+    """Where this broker's NATS clients may reconnect besides it: the NATS addresses of
+    the peers it is linked to that take clients -- ready, not draining -- sorted, each
+    once. A peer without one (no listener, or a broker that predates the field) is left
+    out; so is one heard of only through gossip, which may be gone already."""
+    return sorted({p.nats for p in peers if p.nats and p.ready and not p.draining})
+
+
+def checked_nats_address(peer: str, address: str) -> str:
+    """``peer``'s NATS address as its handshake gave it, when it is one a client can dial:
+    HOST:PORT (``[v6]:PORT``), a host of letters, digits and ``.-_``, a port other than 0.
+    Otherwise "" (and a warning): NATS clients are not told of it."""
+    if not address:
+        return ""
+    try:
+        port = parse_hostport(address)[1]
+    except ValueError as exc:
+        why = str(exc)
+    else:
+        why = "" if _ADDRESS(address) and port else "not a host name or IP address and a port"
+    if not why:
+        return address
+    log.warning(
+        "a peer's NATS address is not one a client can dial; not told to NATS clients",
+        extra={"peer": peer, "address": address[:100], "error": why},
+    )
+    return ""

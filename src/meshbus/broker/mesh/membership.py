@@ -32,7 +32,7 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.mesh.balance import incoming_link_wins, redirect_target
 from meshbus.broker.mesh.dialer import Dialer, dial_tcp
 from meshbus.broker.mesh.fence import Fence, MinorityRule, OutOfReach
-from meshbus.broker.mesh.gossip import Gossip
+from meshbus.broker.mesh.gossip import Gossip, checked_nats_address
 from meshbus.broker.mesh.moves import Moves
 from meshbus.broker.mesh.redial import RedialTable
 from meshbus.broker.mesh.sync import RouteSync
@@ -108,6 +108,7 @@ class Mesh:
         on_ready: Callable[[], None],
         on_event: Callable[[MeshEvent], None],
         hosted_streams: Callable[[], list[str]],
+        nats_changed: Callable[[list[str]], None] = lambda urls: None,
         dialer: Dialer = dial_tcp,
         rng: random.Random | None = None,
     ) -> None:
@@ -116,7 +117,9 @@ class Mesh:
         this one dials; ``greet_peer``
         sends a newly linked peer what it must know first (routes, group bindings);
         ``on_ready`` runs once the broker takes connectors; ``on_event`` hears of every
-        ``MeshEvent``; ``hosted_streams`` are announced in LOAD."""
+        ``MeshEvent``; ``hosted_streams`` are announced in LOAD; ``nats_changed`` hears
+        the NATS addresses of the peers that take NATS clients, whenever they change
+        (meshbus.broker.mesh.gossip.nats_urls)."""
         self.config = config
         self._clock = clock
         self.peers = peers
@@ -159,7 +162,11 @@ class Mesh:
             links=links,
         )
         self.gossip = Gossip(
-            peers=peers, links=links, brokers=self.brokers, hosted_streams=hosted_streams
+            peers=peers,
+            links=links,
+            brokers=self.brokers,
+            hosted_streams=hosted_streams,
+            nats_changed=nats_changed,
         )
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
@@ -190,6 +197,7 @@ class Mesh:
             capacity=self.capacity,
             ready=self.ready,
             draining=self.draining,
+            nats=self.config.nats_advertise,
         )
 
     def brokers(self) -> list[BrokerInfo]:
@@ -285,6 +293,7 @@ class Mesh:
                     listen=self.config.advertise,
                     slot=self._routing.slot,
                     tag=link.link_id,
+                    nats=self.config.nats_advertise,
                 )
                 link.dial(self._trust.dialling(hello))
                 return await opened
@@ -336,10 +345,13 @@ class Mesh:
             max_frame=max_frame,
             listen=self.config.advertise,
             tag=link.link_id,
+            nats=self.config.nats_advertise,
         )
         assert link.accepting is not None
         link.send(link.accepting.welcome(welcome))
-        self._open_peer(link, hello.name, hello.listen, hello.slot, hello.tag, max_frame)
+        self._open_peer(
+            link, hello.name, hello.listen, hello.slot, hello.tag, max_frame, hello.nats
+        )
         return None
 
     def on_answer(self, link: Link, answer: Welcomed | HelloRefused) -> None:
@@ -380,14 +392,20 @@ class Mesh:
                 self.stats.duplicate_links += 1
                 existing.fail(ErrorCode.DUPLICATE_LINK, "replaced", CloseReason.DUPLICATE_LINK)
             self._open_peer(
-                link, name, welcome.listen, welcome.slot, welcome.tag, welcome.max_frame
+                link,
+                name,
+                welcome.listen,
+                welcome.slot,
+                welcome.tag,
+                welcome.max_frame,
+                welcome.nats,
             )
         waiter = self._dial_waiters.pop(link, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(link.is_peer)
 
     def _open_peer(
-        self, link: Link, name: str, listen: str, slot: int, tag: int, max_frame: int
+        self, link: Link, name: str, listen: str, slot: int, tag: int, max_frame: int, nats: str
     ) -> None:
         info = PeerInfo(
             listen=listen,
@@ -401,6 +419,7 @@ class Mesh:
         state = self.known.setdefault(name, BrokerInfo(name=name, address=listen))
         state.address = listen
         state.slot = slot
+        state.nats = checked_nats_address(name, nats)
         self.redials.linked(name, listen)
         self.out_of_reach.forget(name)
         self._greet_peer(link)

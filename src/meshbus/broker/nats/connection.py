@@ -40,6 +40,7 @@ import asyncio
 import enum
 import logging
 import ssl
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
@@ -91,6 +92,15 @@ class NatsCloseReason(enum.Enum):
     AUTHENTICATION_TIMEOUT = "authentication-timeout"
     TLS_HANDSHAKE_FAILED = "tls-handshake-failed"
     REVOKED = "revoked"
+
+
+class NatsError(enum.Enum):
+    """An ``-ERR`` that leaves the connection open (rule 3); counted by kind."""
+
+    INVALID_SUBJECT = "invalid-subject"
+    INVALID_PUBLISH_SUBJECT = "invalid-publish-subject"
+    MAX_SUBSCRIPTIONS = "max-subscriptions"
+    PERMISSIONS_VIOLATION = "permissions-violation"
 
 
 AUTHORIZATION_VIOLATION = "Authorization Violation"
@@ -195,6 +205,13 @@ class NatsConnection(asyncio.Protocol):
         # A SUB or UNSUB since the last PING; PONGs that wait for the mesh (rule 5).
         self._interest_changed = False
         self._pongs_owed = 0
+        # What meshbus stat and /metrics show: its messages in (counted by the router)
+        # and out, their sizes (headers and payload), the -ERRs that left it open.
+        self.msgs_in = 0
+        self.bytes_in = 0
+        self.msgs_out = 0
+        self.bytes_out = 0
+        self.errors: Counter[NatsError] = Counter()
 
     @property
     def options(self) -> ConnectOptions:
@@ -470,6 +487,7 @@ class NatsConnection(asyncio.Protocol):
         subject = event.subject
         if options.pedantic and not (is_valid_subject(subject) and is_literal(subject)):
             # nats-server says so, and delivers it all the same.
+            self.errors[NatsError.INVALID_PUBLISH_SUBJECT] += 1
             self.queue(encode_err("Invalid Publish Subject"))
         permissions = self.permissions
         if permissions is not None and not permissions.may_publish(subject):
@@ -485,6 +503,7 @@ class NatsConnection(asyncio.Protocol):
             extra={"client": self.client_id, "remote": self.remote,
                    "user": self.user.name if self.user else None, "refused": what},
         )  # fmt: skip
+        self.errors[NatsError.PERMISSIONS_VIOLATION] += 1
         self.queue(encode_err(f"Permissions Violation for {what}"))
 
     def _subscribe(self, event: Subscribe) -> None:
@@ -495,12 +514,14 @@ class NatsConnection(asyncio.Protocol):
             return
         if event.sid not in self.subs:
             if len(self.subs) >= self._max_subscriptions:
+                self.errors[NatsError.MAX_SUBSCRIPTIONS] += 1
                 self.queue(encode_err("maximum subscriptions exceeded"))
                 return
             sub = Subscription(self, event.subject, event.queue, event.sid)
             try:
                 self._table.insert(event.subject, event.queue, sub)
             except InvalidSubject:
+                self.errors[NatsError.INVALID_SUBJECT] += 1
                 self.queue(encode_err("Invalid Subject"))
                 return
             self.subs[event.sid] = sub
@@ -551,6 +572,8 @@ class NatsConnection(asyncio.Protocol):
         if permissions is not None and not permissions.may_deliver(event.subject):
             return
         sub.delivered += 1
+        self.msgs_out += 1
+        self.bytes_out += len(event.data)
         if event.header_size and self._parser.options.headers:
             data = encode_hmsg(event.subject, sub.sid, event.reply, event.header_size, event.data)
         else:

@@ -11,8 +11,10 @@ do the rest; the subject table is the broker's (meshbus.broker.core.subjects).
 Its INFO says what the client must do first: ``tls_required`` (start TLS now, the
 broker's --tls-cert), ``auth_required`` and a ``nonce`` (sign in; meshbus.broker.nats.auth).
 ``connect_urls`` lists where a client may reconnect: this listener's advertised address
-(``--nats-advertise``, or the address bound unless that is every address) and the peers'
-(``set_peer_urls``); a change goes out to the clients as an async INFO, as does lame duck
+(``url``: ``--nats-advertise``, or the address bound unless that is every address) and
+the peers' (``set_peer_urls``, which the mesh calls as peers that take NATS clients come
+and go: meshbus.broker.mesh.gossip); a change goes out to the clients as an async INFO,
+as does lame duck
 mode (``lame_duck``: ``ldm: true``, the listener stops taking clients, and those that stay
 are closed once the drain's grace is over).
 """
@@ -21,20 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import random
+from collections import Counter
 
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.nats.auth import NatsSignIn
-from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection
+from meshbus.broker.nats.connection import NatsCloseReason, NatsConnection, NatsError
 from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.router import NatsRouter
 from meshbus.errors import InvalidArgument
 from meshbus.protocol.nats import NatsParser, ServerInfo, encode_info
 from meshbus.util import BackgroundTasks, hostport_text, parse_hostport
 
-__all__ = ["NATS_VERSION", "NatsListener"]
+__all__ = ["NATS_VERSION", "NatsListener", "NatsTraffic"]
 
 log = logging.getLogger("meshbus.broker.nats")
 
@@ -42,6 +46,26 @@ log = logging.getLogger("meshbus.broker.nats")
 # INFO's version to know what the server does (headers since 2.2, no responders).
 NATS_VERSION = "2.10.0"
 _ID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+
+@dataclasses.dataclass
+class NatsTraffic:
+    """What NATS clients did: messages in (published) and out (delivered), their bytes
+    (headers and payload, as nats-server counts them), the -ERRs that left a connection
+    open, by kind."""
+
+    msgs_in: int = 0
+    bytes_in: int = 0
+    msgs_out: int = 0
+    bytes_out: int = 0
+    errors: Counter[NatsError] = dataclasses.field(default_factory=Counter)
+
+    def add(self, conn: NatsConnection) -> None:
+        self.msgs_in += conn.msgs_in
+        self.bytes_in += conn.bytes_in
+        self.msgs_out += conn.msgs_out
+        self.bytes_out += conn.bytes_out
+        self.errors.update(conn.errors)
 
 
 class NatsListener:
@@ -67,21 +91,31 @@ class NatsListener:
         # Like nats-server's, an id of 56 characters of base32, new with each start.
         self.server_id = "N" + "".join(rng.choice(_ID_ALPHABET) for _ in range(55))
         self.address = ""
+        # Where clients may reconnect to this broker ("": not known here).
+        self.url = ""
         self._bound = ("", 0)
-        self._own_urls: list[str] = []
         self._peer_urls: list[str] = []
         self.lame_duck_mode = False
         self._left = asyncio.Event()
-        self.refused = 0
+        # The connections closed, by why; and what they did (``traffic`` adds the open's).
+        self.closed: Counter[NatsCloseReason] = Counter()
+        self._gone = NatsTraffic()
 
-    async def start(self) -> None:
-        """Listen on ``--nats-listen``; InvalidArgument when that address cannot be had."""
+    async def bind(self) -> None:
+        """Bind ``--nats-listen``, taking no client yet (``start``); InvalidArgument when
+        that address cannot be had. Bound before the broker links to a peer, so that each
+        peer is told ``url`` in the handshake."""
         config = self._config
         host, port = parse_hostport(config.nats_listen)
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
-                self._new_connection, host, port, reuse_address=True, backlog=1024
+                self._new_connection,
+                host,
+                port,
+                reuse_address=True,
+                backlog=1024,
+                start_serving=False,
             )
         except OSError as exc:
             raise InvalidArgument(
@@ -94,11 +128,18 @@ class NatsListener:
         # Where clients may reconnect: this broker as advertised, or as bound unless it
         # listens on every address (which one a client can reach is not known here).
         if config.nats_advertise:
-            self._own_urls = [config.nats_advertise]
+            self.url = config.nats_advertise
         elif not ipaddress.ip_address(bound_host).is_unspecified:
-            self._own_urls = [self.address]
+            self.url = self.address
+
+    async def start(self) -> None:
+        """Take clients (once the broker is ready), on the socket ``bind`` bound."""
+        assert self._server is not None, "bind first"
+        await self._server.start_serving()
         self._tasks.spawn(self._ping_timer(), "nats-pings")
-        log.info("NATS listener ready", extra={"broker": config.name, "address": self.address})
+        log.info(
+            "NATS listener ready", extra={"broker": self._config.name, "address": self.address}
+        )
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -113,7 +154,8 @@ class NatsListener:
     @property
     def connect_urls(self) -> list[str]:
         """Where a client may reconnect: this broker first, then its peers."""
-        return self._own_urls + [url for url in self._peer_urls if url not in self._own_urls]
+        own = [self.url] if self.url else []
+        return own + [url for url in self._peer_urls if url != self.url]
 
     def set_peer_urls(self, urls: list[str]) -> None:
         """The other brokers' NATS listeners (the mesh's): a change is told to every
@@ -140,6 +182,13 @@ class NatsListener:
             self._left.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._left.wait(), grace)
+
+    def traffic(self) -> NatsTraffic:
+        """What every client did since the broker started, those gone and those here."""
+        total = dataclasses.replace(self._gone, errors=Counter(self._gone.errors))
+        for conn in self.connections.values():
+            total.add(conn)
+        return total
 
     def reauthorize(self) -> None:
         """After a SIGHUP reloaded the users: each signed-in client gets its user's new
@@ -206,7 +255,6 @@ class NatsListener:
     def _opened(self, conn: NatsConnection) -> None:
         limit = self._config.max_connectors
         if len(self.connections) >= limit:
-            self.refused += 1
             conn.close(
                 NatsCloseReason.MAX_CONNECTIONS,
                 f"{limit} NATS clients are connected already (--max-connectors)",
@@ -216,7 +264,9 @@ class NatsListener:
         self.connections[conn.client_id] = conn
 
     def _closed(self, conn: NatsConnection, reason: NatsCloseReason) -> None:
-        self.connections.pop(conn.client_id, None)
+        self.closed[reason] += 1
+        if self.connections.pop(conn.client_id, None) is not None:
+            self._gone.add(conn)
         if not self.connections:
             self._left.set()
 

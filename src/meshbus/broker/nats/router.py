@@ -80,6 +80,8 @@ class NatsRouter:
         delivered = self.route(event, publisher, options.echo)
         delivered += self._to_meshbus(event)
         self.msgs_in += 1
+        publisher.msgs_in += 1
+        publisher.bytes_in += len(event.data)
         if not delivered and event.reply and options.no_responders:
             self._no_responders(publisher, event)
 

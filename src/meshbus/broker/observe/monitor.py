@@ -161,6 +161,7 @@ class BrokerCollector(Collector):
         yield events
         yield from _per_link(name, data)
         yield from _per_user(name, data)
+        yield from _nats(name, data["nats"])
         rtt = GaugeMetricFamily(
             "meshbus_peer_rtt_seconds",
             "Round trip to a peer broker, timed by the heartbeat LOADs.",
@@ -250,6 +251,46 @@ def _per_user(broker: str, data: dict[str, Any]) -> Iterator[Metric]:
                 limit.add_metric([broker, user, quota], figures["quota"])
     yield used
     yield limit
+
+
+# (metric, help, key of stat's "nats"): the NATS clients' counters and levels.
+_NATS_COUNTERS = (
+    ("meshbus_nats_messages_in", "Messages NATS clients published here.", "msgs_in"),
+    ("meshbus_nats_messages_out", "Messages delivered to NATS clients here.", "msgs_out"),
+    ("meshbus_nats_bytes_in", "Bytes (headers and payload) NATS clients published.", "bytes_in"),
+    ("meshbus_nats_bytes_out", "Bytes (headers and payload) delivered to NATS clients.",
+     "bytes_out"),
+    ("meshbus_nats_slow_consumers", "NATS clients closed as slow consumers.", "slow_consumers"),
+)  # fmt: skip
+_NATS_GAUGES = (
+    ("meshbus_nats_clients", "NATS clients connected.", "clients"),
+    ("meshbus_nats_subscriptions", "Subscriptions of the NATS clients connected.", "subscriptions"),
+)
+
+
+def _nats(broker: str, nats: dict[str, Any]) -> Iterator[Metric]:
+    """The NATS listener (docs/nats.md): its clients, their traffic, errors by ``kind``
+    and closes by ``reason`` -- both the broker's own names, so a fixed set of series --
+    and the mesh's NATS traffic by ``event``. No series per client: a client names
+    itself, and a name a client makes up never becomes a label."""
+    for metric, doc, key in _NATS_COUNTERS:
+        family = CounterMetricFamily(metric, doc, labels=["broker"])
+        family.add_metric([broker], nats[key])
+        yield family
+    for metric, doc, key in _NATS_GAUGES:
+        level = GaugeMetricFamily(metric, doc, labels=["broker"])
+        level.add_metric([broker], nats[key])
+        yield level
+    for metric, doc, key, label in (
+        ("meshbus_nats_errors", "-ERRs sent to NATS clients, by kind.", "errors", "kind"),
+        ("meshbus_nats_closed", "NATS connections closed, by reason.", "closed", "reason"),
+        ("meshbus_nats_mesh_events", "NATS messages across the mesh and the bridge.", "mesh",
+         "event"),
+    ):  # fmt: skip
+        family = CounterMetricFamily(metric, doc, labels=["broker", label])
+        for value, count in sorted(nats[key].items()):
+            family.add_metric([broker, value], count)
+        yield family
 
 
 def monitor_registry(collector: BrokerCollector, *, process: bool = True) -> CollectorRegistry:

@@ -22,6 +22,7 @@ from meshbus.broker.mesh.groups import GroupTable
 from meshbus.broker.mesh.membership import Mesh
 from meshbus.broker.mesh.sync import SyncStats
 from meshbus.broker.observe.lag import LoopLag
+from meshbus.broker.observe.nats import NatsView
 from meshbus.broker.security.signin import Reloads
 from meshbus.broker.streams import StreamHost
 
@@ -43,10 +44,11 @@ class StatView:
         counters: Callable[[], dict[str, int]],
         reloads: Reloads,
         usage: UsageTable,
+        nats: NatsView,
     ) -> None:
         """``counters``: the broker's cumulative traffic counters (also telemetry's);
         ``reloads``: the config file's reloads (SIGHUP); ``usage``: what each user holds,
-        against its quotas."""
+        against its quotas; ``nats``: its NATS clients and the mesh's NATS traffic."""
         self._config = config
         self._routing = routing
         self._links = links
@@ -60,6 +62,7 @@ class StatView:
         self._counters = counters
         self._reloads = reloads
         self._usage = usage
+        self._nats = nats
         self._started_at = time.time()
 
     async def detailed(self) -> dict[str, Any]:
@@ -169,5 +172,6 @@ class StatView:
             "config_reloaded_at": self._reloads.applied_at or None,
             # Each user of the config file: what it holds here, and its quotas.
             "users": self._usage.snapshot(),
+            "nats": self._nats.snapshot(),
         }
         return data

@@ -108,6 +108,18 @@ def fake_stat() -> dict[str, Any]:
                 "rtt_ms": None,
             },
         ],
+        "nats": {
+            "clients": 2,
+            "subscriptions": 3,
+            "msgs_in": 61,
+            "bytes_in": 6100,
+            "msgs_out": 62,
+            "bytes_out": 6200,
+            "slow_consumers": 1,
+            "errors": {"slow-consumer": 1, "invalid-subject": 2, "stale-connection": 0},
+            "closed": {"slow-consumer": 1, "client-closed": 4},
+            "mesh": {"msgs_to_peers": 70, "no_responders": 5},
+        },
     }
 
 
@@ -150,6 +162,26 @@ def test_every_counter_is_exposed_with_its_value_and_broker_label() -> None:
     assert got[("meshbus_mesh_events_total", (("broker", "b1"), ("event", "peers_lost")))] == 1
     assert got[("meshbus_stream_messages", (("broker", "b1"), ("stream", "orders")))] == 5
     assert got[("meshbus_stream_bytes", (("broker", "b1"), ("stream", "audit")))] == 600
+
+
+def test_the_nats_clients_traffic_and_errors_by_kind() -> None:
+    got = samples()
+    b = (("broker", "b1"),)
+    assert got[("meshbus_nats_clients", b)] == 2
+    assert got[("meshbus_nats_subscriptions", b)] == 3
+    assert got[("meshbus_nats_messages_in_total", b)] == 61
+    assert got[("meshbus_nats_bytes_in_total", b)] == 6100
+    assert got[("meshbus_nats_messages_out_total", b)] == 62
+    assert got[("meshbus_nats_bytes_out_total", b)] == 6200
+    assert got[("meshbus_nats_slow_consumers_total", b)] == 1
+
+    def by(label: str, value: str) -> tuple[tuple[str, str], ...]:
+        return (("broker", "b1"), (label, value))
+
+    assert got[("meshbus_nats_errors_total", by("kind", "invalid-subject"))] == 2
+    assert got[("meshbus_nats_errors_total", by("kind", "stale-connection"))] == 0
+    assert got[("meshbus_nats_closed_total", by("reason", "client-closed"))] == 4
+    assert got[("meshbus_nats_mesh_events_total", by("event", "no_responders"))] == 5
 
 
 def test_every_open_link_has_its_traffic_with_its_kind_name_and_id() -> None:
