@@ -107,7 +107,8 @@ async def test_ctrl_c_leaves_no_process_behind() -> None:
     assert process.stdout is not None
     seen = b""
     try:
-        while b"kill -9 mesh-2" not in seen:  # mid-way: brokers, connectors and Spark up
+        # Mid-way: the brokers, the players' connectors and Spark's streaming query up.
+        while b"Spark job: stream results" not in seen:
             line = await asyncio.wait_for(process.stdout.readline(), 60)
             assert line, f"the demo ended early:\n{seen.decode()}"
             seen += line
