@@ -147,7 +147,8 @@ def checked_nats_address(peer: str, address: str) -> str:
     if not why:
         return address
     log.warning(
-        "a peer's NATS address is not one a client can dial; not told to NATS clients",
+        "peer %s's NATS address %r is not one a client can dial (%s); not told to NATS clients",
+        peer, address[:100], why,
         extra={"peer": peer, "address": address[:100], "error": why},
-    )
+    )  # fmt: skip
     return ""
