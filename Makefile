@@ -4,7 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench docs lint typecheck unit integration bytecode nats-server nats-js prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js prometheus tmux clean
+
+# Where PYTHONDONTWRITEBYTECODE is set (many containers and CI images set it) no process
+# keeps the bytecode it compiles: each of the ~1,000 brokers and commands the tests start
+# compiled meshbus again (a broker's start took 0.59 s of CPU instead of 0.28 s), and
+# each pytest worker its ~250 test modules (10.6 s of CPU to collect instead of 3.8 s).
+# What make runs keeps it, in the __pycache__ folders git ignores.
+unexport PYTHONDONTWRITEBYTECODE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,14 +30,6 @@ $(COMPILED): $(STAMP) $(wildcard src/meshbus/protocol/*.py src/meshbus/client/*.
 	  || $(BIN)/python -m pip install --quiet --no-deps -e .
 	@$(BIN)/python -c 'import meshbus.compiled as c; print("meshbus hot path:", c.select().value)'
 	@touch $(COMPILED)
-
-# Where PYTHONDONTWRITEBYTECODE is set (many containers and CI images set it), Python
-# writes no .pyc, and every process compiles meshbus from source again: a broker took
-# 0.59 s of CPU to start instead of 0.28 s, and the tests start some 750 of them. The
-# bytecode is written here once (compileall writes it whatever the variable says) and
-# read by every process; only what changed is compiled again.
-bytecode: $(STAMP)
-	@$(BIN)/python -m compileall -q -j0 src tests bench >/dev/null
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples setup.py docs/*.py
@@ -85,17 +84,17 @@ PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled
 # The checks and the extension's build, side by side (mypy and mypyc each take most of a
 # minute on a fresh clone; the Debian installs before them stay one at a time: dpkg's lock).
 test: nats-server nats-js prometheus tmux $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED) bytecode
+	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
 	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
 
-unit: $(COMPILED) bytecode
+unit: $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
-integration: $(COMPILED) bytecode nats-server nats-js prometheus tmux
+integration: $(COMPILED) nats-server nats-js prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
-demo: $(COMPILED) bytecode
+demo: $(COMPILED)
 	$(BIN)/python -m meshbus.demo
 
 # The API reference of the public surface (meshbus.__all__), from the docstrings, in
@@ -107,7 +106,7 @@ docs: $(STAMP)
 # The benchmark rig of this checkout (bench/, not part of the package), e.g.
 # make bench ARGS="unicast --vs-nats"; without ARGS, the list of benchmarks.
 ARGS ?= --help
-bench: $(COMPILED) bytecode nats-server
+bench: $(COMPILED) nats-server
 	$(BIN)/python -m bench $(ARGS)
 
 clean:
