@@ -325,7 +325,11 @@ class RaftNode:
             if m.kind is T.APPEND:
                 self._receive_append(m)
             elif m.kind is T.HEARTBEAT:
-                self.log.commit_to(min(m.commit, self.log.last_index))
+                if not self.repairing:
+                    # A heartbeat's commit is the leader's, capped at what it last heard
+                    # this node holds: a repairing node may have heard that before its
+                    # log went back to an older one, which may differ there.
+                    self.log.commit_to(min(m.commit, self.log.last_index))
                 self._send(self._reply(m, T.HEARTBEAT_RESPONSE, context=m.context))
             else:
                 self._receive_snapshot(m)
@@ -357,7 +361,15 @@ class RaftNode:
         if m.epoch < progress.epoch:
             return  # from before the follower lost part of its log: void
         if m.epoch > progress.epoch:
-            progress.restart_epoch(m.epoch, self.log.last_index)
+            progress.restart_epoch(m.epoch, m.repairing, self.log.last_index)
+            if m.repairing:
+                # It is repaired by a commit made after this leader learned of the
+                # damage, without it: an entry of its own, appended now (docs/raft.md,
+                # "Corruption"). Set first: the append goes out with the entry.
+                progress.repair_index = self.log.last_index + 1
+                self._append(b"", None)
+        else:
+            progress.answered(m.repairing)
         progress.recent_active = True
         if m.kind is T.HEARTBEAT_RESPONSE:
             self._heartbeat_answered(m, progress)
@@ -377,9 +389,13 @@ class RaftNode:
         if news and progress.mode is Mode.PROBE:
             progress.become_replicate()
         if not self._commit_and_broadcast():
+            sent = False
             while progress.next <= self.log.last_index and not progress.paused:
                 if not self._send_append(m.sender, send_empty=False):
                     break
+                sent = True
+            if not sent and progress.repair_epoch(self.log.committed):
+                self._send_append(m.sender)  # it holds all: the commit that repairs it
         if m.sender == self.transferee and progress.match == self.log.last_index:
             self._send(Message(T.TIMEOUT_NOW, self.id, m.sender, self.term))
 
@@ -387,9 +403,9 @@ class RaftNode:
         progress.probe_sent = False
         if progress.mode is Mode.SNAPSHOT and progress.match < progress.pending_snapshot:
             progress.become_probe()  # the snapshot may be lost: send it again
-        if progress.match < self.log.last_index:
-            self._send_append(m.sender)
-        if m.context and m.sender in self.membership.voters:
+        if progress.match < self.log.last_index or progress.repair_epoch(self.log.committed):
+            self._send_append(m.sender)  # entries it lacks, or the commit that repairs it
+        if m.context and m.sender in self.membership.voters and not progress.repairing:
             for read in self._reads:
                 if read.request == m.context:
                     read.acks.add(m.sender)
@@ -411,9 +427,10 @@ class RaftNode:
             and m.commit <= last
             and self.log.term(m.commit) == m.term
         ):
-            # This node now holds the leader's log up to the leader's commit index, an
-            # entry of the leader's own term: everything that may have been committed,
-            # with or without this node's lost copies (docs/raft.md, "Corruption").
+            # The leader says its commit index is past an entry it appended once it knew
+            # of this node's damage, committed without this node; and this node now holds
+            # the leader's log up to there: everything that may have been committed, with
+            # or without this node's lost copies (docs/raft.md, "Corruption").
             self.repairing = False
         self._send(self._reply(m, T.APPEND_RESPONSE, index=last))
 
@@ -547,7 +564,13 @@ class RaftNode:
     def _commit_and_broadcast(self, force: bool = False) -> bool:
         """Commit what a majority holds, if it is of this term; send appends to all
         if that moved the commit index (or if ``force``). True if it did."""
-        match = {node: progress.match for node, progress in self.progress.items()}
+        # A repairing node's answers count toward no commit: it may have lost entries
+        # it acknowledged, and may yet lose what it holds now.
+        match = {
+            node: progress.match
+            for node, progress in self.progress.items()
+            if not progress.repairing
+        }
         index = quorum_index(self.membership, match)
         committed = self.log.term(index) == self.term and self.log.commit_to(index)
         if committed or force:
@@ -583,7 +606,7 @@ class RaftNode:
             log_term=prev_term,
             entries=entries,
             commit=self.log.committed,
-            epoch=progress.epoch,
+            epoch=progress.repair_epoch(self.log.committed),
         )
         self._send(message)
         progress.sent(entries[-1].index if entries else None)

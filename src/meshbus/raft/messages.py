@@ -41,7 +41,9 @@ class HardState:
 
     ``epoch`` counts the times this node restarted from a damaged log, and
     ``repairing`` says it has not yet caught up since the last time (docs/raft.md,
-    "Corruption"): both live with the term and vote, which are assumed intact.
+    "Corruption"). All but ``commit`` must survive damage to the log: the driver keeps
+    them apart from it (docs/raft.md, "The driver's contract"); the commit index may
+    go back with the log.
     """
 
     term: int = 0
@@ -93,7 +95,9 @@ class Message:
       when a leadership transfer asked for it (the voters' lease does not stop it).
     - their responses: ``reject``; ``term`` is the term asked for when granted.
     - APPEND: ``index``/``log_term`` the entry before ``entries``; ``commit``;
-      ``epoch`` the recipient's epoch as the leader knows it.
+      ``epoch`` the recipient's epoch once the leader's commit index repairs it (it is
+      past an entry the leader appended after it learned of the recipient's damage, and
+      committed without it: docs/raft.md, "Corruption"), else 0.
     - APPEND_RESPONSE: ``index`` the last entry now held (or, with ``reject``, the
       ``index`` refused and ``hint_index``/``hint_term`` where the logs may agree);
       ``epoch`` and ``repairing`` the sender's.

@@ -27,7 +27,14 @@ class Progress:
         self.probe_sent = False  # in PROBE: an append is out, unanswered
         self.pending_snapshot = 0  # in SNAPSHOT: the index of the snapshot sent
         self.recent_active = False  # heard from since the last check-quorum
-        self.epoch = epoch  # the follower's, from its answers (docs/raft.md, "Corruption")
+        # docs/raft.md, "Corruption": the follower's epoch and whether it is repairing,
+        # from its answers; and the index of the entry this leader appended when it
+        # learned the follower restarted repairing -- once that is committed (without
+        # the follower, whose answers do not count while it repairs), holding the
+        # leader's log up to its commit index repairs it. 0: no such entry.
+        self.epoch = epoch
+        self.repairing = False
+        self.repair_index = 0
 
     @property
     def paused(self) -> bool:
@@ -51,14 +58,29 @@ class Progress:
         self.mode = Mode.SNAPSHOT
         self.pending_snapshot = index
 
-    def restart_epoch(self, epoch: int, last_index: int) -> None:
+    def restart_epoch(self, epoch: int, repairing: bool, last_index: int) -> None:
         """The follower restarted from a damaged log: all that was known of it is void."""
         self.epoch = epoch
+        self.repairing = repairing
+        self.repair_index = 0
         self.match = 0
         self.next = last_index + 1
         self.mode = Mode.PROBE
         self.probe_sent = False
         self.pending_snapshot = 0
+
+    def answered(self, repairing: bool) -> None:
+        """An answer of the current epoch: a node repaired in it stays repaired (an
+        older answer, still saying it repairs, may come after)."""
+        self.repairing = self.repairing and repairing
+
+    def repair_epoch(self, committed: int) -> int:
+        """The epoch an append says it may repair the follower in: its own, once the
+        entry appended for its repair is committed (``committed`` the leader's commit
+        index); 0 before that, or when it is not repairing (nothing to repair)."""
+        if self.repairing and 0 < self.repair_index <= committed:
+            return self.epoch
+        return 0
 
     def sent(self, last_sent: int | None) -> None:
         """An append went out, its last entry ``last_sent`` (None: no entries)."""

@@ -1,7 +1,20 @@
-"""The Raft log on disk: one append-only write-ahead file per broker for every group.
+"""The Raft log on disk: one append-only write-ahead file per broker for every group,
+and beside it a small file of every group's hard state but its commit index.
 
 Why one file: the driver (meshbus.broker.replication) makes the writes of every group
 of a loop turn durable with one fsync; with a file per group it would take one each.
+
+Why the second file (``raft.state``, ``KeptStates``): damage to a record of the log
+loses every record after it, the term and vote they held with them. A node that came
+back at an older term could vote twice in a term, or answer a stale leader
+(docs/raft.md, "Corruption"). So each group's term, vote, epoch and repairing flag
+are also written to a file of their own, replaced whole (written, fsynced, renamed)
+by ``sync`` whenever one of them changed -- after the log's fsync (a repair must not
+be durable before the entries that made it), before ``sync`` returns and so before
+any message that depends on them is sent. It holds its payload twice, each copy with
+its checksum, in two sectors: one flipped bit loses neither. At ``open`` it is what
+the groups' term, vote, epoch and repairing are read from; the log gives their commit
+index.
 
 The file: an 8-byte magic, then records ``<u32 length><u32 crc32 of the payload>
 <payload>``; a payload is one ``WalRecord`` (msgpack): what one Ready of one group
@@ -20,7 +33,9 @@ Reading it back (``RaftWal.open``):
   it cannot be trusted. The intact prefix is kept and every group is restarted
   *repairing* with its epoch raised (docs/raft.md, "Corruption"): it may have lost
   entries it acknowledged, so it votes again only once the leader has brought it up
-  to date.
+  to date. The raised epochs are written to the state file before the log is cut
+  back: a crash between the two must not leave a log with nothing to say it was
+  damaged.
 
 It knows nothing of the Raft core's classes (storage imports no broker or raft code):
 the driver converts its entries and states into this module's records.
@@ -46,6 +61,7 @@ import msgspec
 from meshbus.storage.errors import StoreError
 
 MAGIC = b"MBRAFT1\n"
+STATE_MAGIC = b"MBSTATE1"
 _HEADER = struct.Struct("<II")
 # No record is larger: a length past this is damage, not an allocation to attempt.
 MAX_RECORD = 64 << 20
@@ -75,6 +91,22 @@ class WalHardState(msgspec.Struct, array_like=True, frozen=True):
     commit: int = 0
     epoch: int = 0
     repairing: bool = False
+
+
+class KeptState(msgspec.Struct, array_like=True, frozen=True):
+    """A group's hard state but its commit index: what damage to the log must not lose."""
+
+    term: int = 0
+    vote: int = 0  # 0: none
+    epoch: int = 0
+    repairing: bool = False
+
+    @classmethod
+    def of(cls, hard: WalHardState) -> KeptState:
+        return cls(hard.term, hard.vote, hard.epoch, hard.repairing)
+
+    def with_commit(self, commit: int) -> WalHardState:
+        return WalHardState(self.term, self.vote, commit, self.epoch, self.repairing)
 
 
 class WalSnapshot(msgspec.Struct, array_like=True, frozen=True):
@@ -154,6 +186,70 @@ class Recovery:
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(WalRecord).decode
+_decode_kept = msgspec.msgpack.Decoder(dict[str, KeptState]).decode
+
+
+class KeptStates:
+    """The state file: every group's ``KeptState``, replaced whole by ``write``.
+
+    The file: ``STATE_MAGIC``, then the payload (msgpack) twice, each copy as
+    ``<u32 length><u32 crc32><payload>``, the second from the next 4 KiB boundary (so
+    no one sector holds both). The write goes to a new file, fsynced, renamed over the
+    old one: a crash leaves the old file or the new one, whole."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def read(self) -> dict[str, KeptState]:
+        """What the file holds (nothing if there is no file); RaftLogFailed if neither
+        copy is intact."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return {}
+        if data.startswith(STATE_MAGIC):
+            # The second copy is at the first 4 KiB boundary past the first, whose
+            # length may be the damaged part: each boundary is tried.
+            for start in (len(STATE_MAGIC), *range(4096, len(data), 4096)):
+                kept = _read_copy(data, start)
+                if kept is not None:
+                    return kept
+        raise RaftLogFailed(
+            f"{self.path}, the terms and votes of this broker's replicated streams, is "
+            "damaged in both its copies: the broker may have voted in a term it no longer "
+            "knows, so it must not take part in those groups again as it is. Move the "
+            "data directory away and start the broker afresh (its replicas are then lost "
+            "here), or restore the file from a backup"
+        )
+
+    def write(self, kept: dict[str, KeptState]) -> None:
+        payload = _encode(kept)
+        copy = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        first = STATE_MAGIC + copy
+        data = first.ljust(-(-len(first) // 4096) * 4096, b"\0") + copy
+        new_path = self.path + ".new"
+        fd = os.open(new_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(new_path, self.path)
+        _fsync_dir(self.path)
+
+
+def _read_copy(data: bytes, start: int) -> dict[str, KeptState] | None:
+    if len(data) - start < _HEADER.size:
+        return None
+    length, crc = _HEADER.unpack_from(data, start)
+    payload = data[start + _HEADER.size : start + _HEADER.size + length]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        return None
+    try:
+        return _decode_kept(payload)
+    except msgspec.DecodeError:
+        return None
 
 
 def frame(record: WalRecord) -> bytes:
@@ -172,13 +268,26 @@ class RaftWal:
     Not thread-safe: the driver calls ``append``/``sync``/``rewrite`` from one worker
     thread at a time, and nothing else touches the file meanwhile."""
 
-    def __init__(self, path: str, groups: dict[str, GroupLog], fd: int, size: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        groups: dict[str, GroupLog],
+        fd: int,
+        size: int,
+        state_file: KeptStates,
+        kept: dict[str, KeptState],
+    ) -> None:
         self.path = path
         self.groups = groups
         self._fd = fd
         self.size = size
         self.failed: str = ""
         self._measured_at = 0  # the file's size when its live size was last measured
+        self._state_file = state_file
+        # What the state file holds: every group of the log, and any whose records the
+        # log lost to damage (``lost``).
+        self.kept = kept
+        self._kept_changed = False
 
     @classmethod
     def open(cls, path: str) -> tuple[RaftWal, Recovery]:
@@ -203,6 +312,8 @@ class RaftWal:
                 )
         else:
             good, recovery = _read_records(data, groups)
+        state_file = KeptStates(os.path.splitext(path)[0] + ".state")
+        kept = _kept_states(state_file, groups, recovery)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if good == 0:
@@ -217,13 +328,12 @@ class RaftWal:
             os.close(fd)
             raise
         _fsync_dir(path)
-        if recovery.damage:
-            for state in groups.values():
-                # docs/raft.md, "Corruption": it may have lost what it acknowledged.
-                state.hard = msgspec.structs.replace(
-                    state.hard, epoch=state.hard.epoch + 1, repairing=True
-                )
-        return cls(path, groups, fd, good), recovery
+        return cls(path, groups, fd, good, state_file, kept), recovery
+
+    @property
+    def lost(self) -> list[str]:
+        """The groups the state file names whose every record the log lost to damage."""
+        return [group for group in self.kept if group not in self.groups]
 
     def append(self, records: list[WalRecord]) -> None:
         """Write ``records`` after the others (not durable until ``sync``)."""
@@ -234,19 +344,34 @@ class RaftWal:
         except OSError as exc:
             self._fail("writing", exc)
         self.size += len(data)
+        kept = self.kept
         for record in records:
+            group = record.group
             if record.dropped:
-                self.groups.pop(record.group, None)
-            else:
-                self.groups.setdefault(record.group, GroupLog()).apply(record)
+                self.groups.pop(group, None)
+                self._kept_changed |= kept.pop(group, None) is not None
+                continue
+            self.groups.setdefault(group, GroupLog()).apply(record)
+            if record.hard is not None:
+                state = KeptState.of(record.hard)
+                if kept.get(group) != state:
+                    kept[group] = state
+                    self._kept_changed = True
 
     def sync(self) -> None:
-        """Make every record appended so far durable."""
+        """Make every record appended so far durable; then, if a term, vote, epoch or
+        repairing flag changed, the state file."""
         self._check()
         try:
             os.fsync(self._fd)
         except OSError as exc:
             self._fail("syncing", exc)
+        if self._kept_changed:
+            try:
+                self._state_file.write(self.kept)
+            except OSError as exc:
+                self._fail("writing the state file of", exc)
+            self._kept_changed = False
 
     def live_size(self) -> int:
         return len(MAGIC) + sum(
@@ -343,6 +468,30 @@ def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recove
             return pos, _damage(pos, end, f"a record that does not decode ({exc})")
         pos = stop
     return pos, Recovery()
+
+
+def _kept_states(
+    state_file: KeptStates, groups: dict[str, GroupLog], recovery: Recovery
+) -> dict[str, KeptState]:
+    """The groups' term, vote, epoch and repairing flag, from the state file (the log's
+    own for a group it does not name: a crash came between the two writes of the
+    group's first record), set into ``groups``; the file written again if that changed
+    anything -- before the log is cut back."""
+    found = state_file.read()
+    kept = dict(found)
+    for group, state in groups.items():
+        kept.setdefault(group, KeptState.of(state.hard))
+    if recovery.damage:
+        # docs/raft.md, "Corruption": it may have lost what it acknowledged.
+        kept = {
+            group: msgspec.structs.replace(state, epoch=state.epoch + 1, repairing=True)
+            for group, state in kept.items()
+        }
+    for group, state in groups.items():
+        state.hard = kept[group].with_commit(state.hard.commit)
+    if kept != found:
+        state_file.write(kept)
+    return kept
 
 
 def _looks_torn(data: bytes, pos: int) -> bool:

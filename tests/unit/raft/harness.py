@@ -24,30 +24,55 @@ from meshbus.raft import (
 )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """One write to the log: a Ready's hard state, snapshot and entries, or (with
+    ``compacted``) the node's own compaction into ``snapshot``."""
+
+    hard_state: HardState | None
+    snapshot: Snapshot | None
+    entries: tuple[Entry, ...]
+    compacted: bool = False
+
+
 class Disk:
-    """What one node has fsynced. A Ready is written as one record: all of it or none."""
+    """What one node has fsynced, shaped like the broker's (meshbus.storage.raftlog):
+    a log of records, one per Ready (all of it or none), and the hard state but its
+    commit index -- term, vote, epoch, repairing -- kept apart, in a file of its own
+    written after the record (docs/raft.md, "The driver's contract").
 
-    def __init__(self, stored: Stored) -> None:
-        self.hard_state = stored.hard_state
-        self.snapshot = stored.snapshot
-        self.entries = list(stored.entries)
+    Damage to the log (``damage``) drops a record and every record after it, the hard
+    states they held with them; the kept hard state is intact. ``keeps_apart=False``
+    is a driver without that file: the log's last intact record says what the hard
+    state was (what the simulation shows unsafe, docs/raft.md, "Corruption")."""
 
-    def write(self, ready: Ready) -> None:
-        if ready.snapshot is not None:
-            self.snapshot = ready.snapshot
-            self.entries = []
-        if ready.entries:
-            del self.entries[ready.entries[0].index - self.snapshot.index - 1 :]
-            self.entries.extend(ready.entries)
-        if ready.hard_state is not None:
-            self.hard_state = ready.hard_state
+    def __init__(self, stored: Stored, keeps_apart: bool = True) -> None:
+        self.keeps_apart = keeps_apart
+        self.base = stored  # what the log held before its first record
+        self.records: list[Record] = []
+        self.kept = stored.hard_state  # the file of its own (its commit is not read)
+        self._replay()
+
+    def write(self, ready: Ready, kept: bool = True) -> None:
+        """``ready`` as one record; ``kept=False``: a crash came after the record and
+        before the kept hard state was written."""
+        self._add(Record(ready.hard_state, ready.snapshot, ready.entries))
+        if kept and ready.hard_state is not None:
+            self.kept = ready.hard_state
+        self._read_back()
 
     def compact(self, snapshot: Snapshot) -> None:
-        del self.entries[: snapshot.index - self.snapshot.index]
-        self.snapshot = snapshot
+        self._add(Record(None, snapshot, (), compacted=True))
 
     def stored(self) -> Stored:
         return Stored(self.hard_state, self.snapshot, tuple(self.entries))
+
+    def _read_back(self) -> None:
+        """``hard_state``: what a restart reads back, the kept one with the log's commit."""
+        if self.keeps_apart:
+            self.hard_state = dataclasses.replace(self.kept, commit=self.log_hard_state.commit)
+        else:
+            self.hard_state = self.log_hard_state
 
     @property
     def last_index(self) -> int:
@@ -61,31 +86,92 @@ class Disk:
             return False
         return self.entries[entry.index - self.snapshot.index - 1] == entry
 
-    def damage(self, keep: int | None) -> None:
-        """Entries after ``keep`` fail their checksums and are cut off (None: nothing
-        is readable, the snapshot neither). The term and vote are intact (docs/raft.md,
-        "Corruption"): the node restarts repairing, in a new epoch."""
-        if keep is None:
-            self.snapshot = Snapshot(0, 0, Membership())
-            self.entries = []
-        else:
-            del self.entries[keep - self.snapshot.index :]
-        self.hard_state = dataclasses.replace(
-            self.hard_state,
-            commit=min(self.hard_state.commit, self.last_index),
-            epoch=self.hard_state.epoch + 1,
-            repairing=True,
+    def damage(self, records: int | None) -> None:
+        """The log's record at position ``records`` fails its checksum: it and every
+        record after it are dropped (None: the whole log is unreadable, snapshot
+        included). The node restarts repairing, in a new epoch (docs/raft.md,
+        "Corruption"), which is written before it restarts."""
+        if records is None:
+            self.base = Stored(HardState(), Snapshot(0, 0, Membership()))
+            records = 0
+        del self.records[records:]
+        self._replay()
+        old = self.hard_state
+        new = dataclasses.replace(
+            old, commit=min(old.commit, self.last_index), epoch=old.epoch + 1, repairing=True
         )
+        if self.keeps_apart:
+            self.kept = new
+        else:
+            self._add(Record(new, None, ()))
+        self._read_back()
+
+    def damage_after(self, index: int | None) -> None:
+        """The first record that wrote past ``index`` is damaged (None: all of them)."""
+        if index is None or any(e.index > index for e in self.base.entries):
+            self.damage(None)
+            return
+        position = next(
+            (
+                n
+                for n, record in enumerate(self.records)
+                if any(e.index > index for e in record.entries)
+                or (record.snapshot is not None and record.snapshot.index > index)
+            ),
+            len(self.records),
+        )
+        self.damage(position)
+
+    def damage_from_term(self, term: int) -> None:
+        """The first record of ``term`` (or of a later one) is damaged: what the node
+        did in that term on -- its vote, its entries -- is gone from the log."""
+        position = next(
+            (
+                n
+                for n, record in enumerate(self.records)
+                if record.hard_state is not None and record.hard_state.term >= term
+            ),
+            len(self.records),
+        )
+        self.damage(position)
+
+    def _add(self, record: Record) -> None:
+        self.records.append(record)
+        self._apply(record)
+
+    def _replay(self) -> None:
+        self.log_hard_state = self.base.hard_state
+        self.snapshot = self.base.snapshot
+        self.entries = list(self.base.entries)
+        for record in self.records:
+            self._apply(record)
+        self._read_back()
+
+    def _apply(self, record: Record) -> None:
+        snapshot = record.snapshot
+        if snapshot is not None:
+            del self.entries[: snapshot.index - self.snapshot.index if record.compacted else None]
+            self.snapshot = snapshot
+        if record.entries:
+            del self.entries[record.entries[0].index - self.snapshot.index - 1 :]
+            self.entries.extend(record.entries)
+        if record.hard_state is not None:
+            self.log_hard_state = record.hard_state
 
 
 class SimNode:
     def __init__(
-        self, node_id: int, settings: RaftSettings, stored: Stored, randomness: Randomness
+        self,
+        node_id: int,
+        settings: RaftSettings,
+        stored: Stored,
+        randomness: Randomness,
+        keeps_apart: bool = True,
     ) -> None:
         self.id = node_id
         self.settings = settings
         self.randomness = randomness
-        self.disk = Disk(stored)
+        self.disk = Disk(stored, keeps_apart)
         self.core: RaftNode | None = None
         self.restart()
 
@@ -111,12 +197,16 @@ class Cluster:
         settings: RaftSettings,
         randomness: Callable[[int], Randomness],
         learners: Iterable[int] = (),
+        keeps_apart: bool = True,
     ) -> None:
+        """``keeps_apart=False``: the nodes' disks keep no hard state apart from the
+        log (Disk)."""
         founding = bootstrap(Membership.of(voters, learners))
         self.settings = settings
         self.randomness = randomness
+        self.keeps_apart = keeps_apart
         self.nodes = {
-            node: SimNode(node, settings, founding, randomness(node))
+            node: SimNode(node, settings, founding, randomness(node), keeps_apart)
             for node in sorted(founding.entries[0].membership.members)  # type: ignore[union-attr]
         }
         self.in_flight: list[Message] = []
@@ -124,7 +214,9 @@ class Cluster:
 
     def add(self, node: int) -> SimNode:
         """A new, empty node: it waits for a leader to send it the log."""
-        self.nodes[node] = SimNode(node, self.settings, empty(), self.randomness(node))
+        self.nodes[node] = SimNode(
+            node, self.settings, empty(), self.randomness(node), self.keeps_apart
+        )
         return self.nodes[node]
 
     def process(self, node: int, on_apply: Callable[[SimNode, Ready], None] | None = None) -> Ready:

@@ -75,10 +75,43 @@ def test_answers_from_before_a_damaged_restart_are_void() -> None:
     core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=3))
     assert core.progress[2].match == 0
     assert core.log.committed == 1
-    # What the leader sends it from now on is for the new epoch.
-    sent = [m for m in core.ready().messages if m.to == 2 and m.kind is T.APPEND]
-    assert sent
-    assert all(m.epoch == 1 for m in sent)
+
+
+def test_a_repairing_node_counts_toward_no_commit_and_is_repaired_by_one_without_it() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    elect(core)  # the leader's entry of term 2 at 2
+    core.step(Message(T.HEARTBEAT_RESPONSE, 2, 1, 2, epoch=1, repairing=True))
+    # The leader appended an entry of its own on learning of the damage ...
+    assert core.progress[2].repair_index == 3
+    assert core.log.term(3) == 2
+    core.ready()
+    core.advance()
+    # ... which node 2, repairing, holds: not counted, nothing is committed ...
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=3, epoch=1, repairing=True))
+    assert core.progress[2].match == 3
+    assert core.log.committed == 1
+    sent = core.ready().messages
+    assert all(m.epoch == 0 for m in sent if m.kind is T.APPEND)  # nothing repairs it yet
+    core.advance()
+    # ... until node 3 holds it: committed without node 2, which that append repairs.
+    core.step(Message(T.APPEND_RESPONSE, 3, 1, 2, index=3))
+    assert core.log.committed == 3
+    (append,) = [m for m in core.ready().messages if m.to == 2]
+    assert (append.kind, append.commit, append.epoch) == (T.APPEND, 3, 1)
+    core.advance()
+    # Once it says it is repaired, its answers count again.
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=3, epoch=1))
+    assert not core.progress[2].repairing
+
+
+def test_a_repairing_node_takes_no_commit_index_from_a_heartbeat() -> None:
+    # The leader caps a heartbeat's commit at what it heard the node holds -- maybe
+    # before the node's log went back to an older one, different there.
+    core = repairing_follower()
+    core.step(Message(T.HEARTBEAT, 1, 3, 2, commit=1))
+    core.step(Message(T.APPEND, 1, 3, 2, index=1, log_term=1, entries=(Entry(1, 2),)))
+    core.step(Message(T.HEARTBEAT, 1, 3, 2, commit=2))
+    assert core.log.committed == 1
 
 
 def repairing_follower() -> RaftNode:

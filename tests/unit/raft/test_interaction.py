@@ -13,6 +13,7 @@ The commands (``N`` a node id):
 
     cluster voters=1,2,3 [learners=4] [prevote=false] [checkquorum=false]
             [election=10] [heartbeat=1] [max-append=64] [stagger=true]
+            [keeps-apart=false]   (the disks keep no hard state apart from the log)
     add-node N                a new, empty node (it waits for the leader)
     campaign N | tick N [count] | propose N data | change N add-voter|add-learner|remove M
     transfer N M | read N request-id | compact N index
@@ -22,7 +23,9 @@ The commands (``N`` a node id):
     stabilize [quiet]         process and deliver until nothing is left to do
     partition 1 2 | 3         cut the network between the groups; heal
     crash N | restart N       lose what is not durable; start from the disk
-    damage N keep=I|wipe      crash, the log cut after I (or wiped), restart repairing
+    damage N keep=I|term=T|wipe   crash, the log's records lost from the first that
+                              wrote past I (or was of term T or later; or all),
+                              restart repairing
     status [N...] | log N
 """
 
@@ -94,7 +97,11 @@ class Script:
         learners = [int(v) for v in options["learners"].split(",")] if "learners" in options else []
         stagger = options.get("stagger") == "true"  # node N times out N-1 ticks later
         self.cluster = Cluster(
-            voters, settings, lambda node: Fixed(node - 1 if stagger else 0), learners
+            voters,
+            settings,
+            lambda node: Fixed(node - 1 if stagger else 0),
+            learners,
+            keeps_apart=options.get("keeps-apart", "true") == "true",
         )
         return ["ok"]
 
@@ -184,7 +191,13 @@ class Script:
     def do_damage(self, args: list[str]) -> list[str]:
         node = self.c.nodes[int(args[0])]
         node.crash()
-        node.disk.damage(None if args[1] == "wipe" else int(args[1].removeprefix("keep=")))
+        how, _, at = args[1].partition("=")
+        if how == "wipe":
+            node.disk.damage(None)
+        elif how == "term":
+            node.disk.damage_from_term(int(at))
+        else:
+            node.disk.damage_after(int(at))
         node.restart()
         return self.do_status(args[:1])
 

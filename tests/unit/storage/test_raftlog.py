@@ -13,6 +13,8 @@ import pytest
 
 from meshbus.storage.raftlog import (
     MAGIC,
+    KeptState,
+    KeptStates,
     RaftLogFailed,
     RaftWal,
     WalEntry,
@@ -136,7 +138,9 @@ def test_a_torn_tail_is_dropped_as_if_never_written(tmp_path: Path, cut: int) ->
     wal, recovery = RaftWal.open(str(path))
     assert recovery.torn_bytes == keep - start
     assert not recovery.damage
-    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1), (1, 2), (1, 3)])}
+    # The record's term and vote reached the state file (synced, then cut here): they
+    # stay; the commit index is the log's.
+    assert summary(wal) == {"a": (WalHardState(5, 2, 1), 0, [(1, 1), (1, 2), (1, 3)])}
     assert path.stat().st_size == start  # cut back, so what is appended next follows it
     wal.append([WalRecord("a", hard=WalHardState(6, 0, 3), entries=entries(6, 4, 4))])
     wal.sync()
@@ -158,8 +162,9 @@ def flip(path: Path, offset: int) -> None:
 def test_a_flipped_bit_in_the_last_record_is_damage(tmp_path: Path) -> None:
     """The last record is whole -- no byte missing, no sector of zeros -- and fails its
     checksum: the bit flipped after it was written and synced, maybe after it was
-    answered. Dropped as a torn write, it would take a vote (term 5, for node 2) and the
-    entries acknowledged with it, and the node would vote again with neither."""
+    answered. Dropped as a torn write, it would take the entries acknowledged with it,
+    and the node would vote again without them. Its term and vote (5, for node 2) are
+    in the state file: they stay."""
     path = tmp_path / "raft.wal"
     write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
     write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 2, 2))])
@@ -168,7 +173,7 @@ def test_a_flipped_bit_in_the_last_record_is_damage(tmp_path: Path) -> None:
     wal, recovery = RaftWal.open(str(path))
     assert "failing its checksum" in recovery.damage
     assert f"at byte {start}" in recovery.damage
-    assert summary(wal) == {"a": (WalHardState(1, 0, 1, epoch=1, repairing=True), 0, [(1, 1)])}
+    assert summary(wal) == {"a": (WalHardState(5, 2, 1, epoch=1, repairing=True), 0, [(1, 1)])}
     wal.close()
 
 
@@ -188,7 +193,7 @@ def test_a_last_record_with_a_sector_of_zeros_is_torn(tmp_path: Path) -> None:
     wal, recovery = RaftWal.open(str(path))
     assert (recovery.torn_bytes, recovery.damage) == (size - good, "")
     assert path.stat().st_size == good
-    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1)])}
+    assert summary(wal) == {"a": (WalHardState(2, 1, 1), 0, [(1, 1)])}
     wal.close()
 
 
@@ -215,17 +220,23 @@ def test_a_flipped_bit_before_the_end_is_damage_and_every_group_repairs(tmp_path
         ],
     )
     good = path.stat().st_size
-    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1), entries=entries(2, 2, 3))])
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1, epoch=2), entries=entries(2, 2, 3))])
     write(path, [WalRecord("b", hard=WalHardState(2, 2, 1), entries=entries(2, 2, 2))])
     flip(path, good + 12)  # in the payload of the first record after `good`
     wal, recovery = RaftWal.open(str(path))
     assert "failing its checksum" in recovery.damage
     assert f"at byte {good}" in recovery.damage
     assert summary(wal) == {
-        "a": (WalHardState(1, 0, 1, epoch=3, repairing=True), 0, [(1, 1)]),
-        "b": (WalHardState(1, 0, 1, epoch=1, repairing=True), 0, [(1, 1)]),
+        "a": (WalHardState(2, 1, 1, epoch=3, repairing=True), 0, [(1, 1)]),
+        "b": (WalHardState(2, 2, 1, epoch=1, repairing=True), 0, [(1, 1)]),
     }
     assert path.stat().st_size == good
+    wal.close()
+    # The raised epochs were made durable before the log was cut back: the next start,
+    # which finds no damage, still repairs in them.
+    wal, recovery = RaftWal.open(str(path))
+    assert not recovery.damage
+    assert wal.groups["a"].hard == WalHardState(2, 1, 1, epoch=3, repairing=True)
     wal.close()
 
 
@@ -326,4 +337,77 @@ def test_a_full_disk_fails_the_log_and_what_was_synced_survives(tmp_path: Path) 
     wal, recovery = RaftWal.open(str(path))
     assert [e.index for e in wal.groups["a"].entries] == [1, 2, 3]
     assert recovery.torn_bytes > 0  # entry 4's record, cut short by the limit
+    wal.close()
+
+
+def test_the_state_file_is_written_only_when_a_term_vote_or_epoch_changes(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    state = tmp_path / "raft.state"
+    wal, _ = RaftWal.open(str(path))
+    wal.append([WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    wal.sync()
+    written = state.stat().st_ino  # each write is a new file renamed over the old
+    wal.append([WalRecord("a", hard=WalHardState(1, 0, 2), entries=entries(1, 2, 2))])
+    wal.sync()
+    assert state.stat().st_ino == written  # a commit index: the log's alone
+    wal.append([WalRecord("a", hard=WalHardState(2, 3, 2))])
+    wal.sync()
+    assert state.stat().st_ino != written
+    assert KeptStates(str(state)).read() == {"a": KeptState(2, 3)}
+    wal.append([WalRecord("a", dropped=True)])
+    wal.sync()
+    assert KeptStates(str(state)).read() == {}
+    wal.close()
+
+
+def state_file_with(path: Path, kept: dict[str, KeptState]) -> bytes:
+    KeptStates(str(path)).write(kept)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("copy", ["first", "second"])
+def test_a_flipped_bit_in_one_copy_of_the_state_file_is_read_past(
+    tmp_path: Path, copy: str
+) -> None:
+    state = tmp_path / "raft.state"
+    data = state_file_with(state, {"a": KeptState(7, 2, 1)})
+    offset = len(MAGIC) + 2 if copy == "first" else 4096 + 9  # the length, or the payload
+    flip(state, offset)
+    assert state.read_bytes() != data
+    assert KeptStates(str(state)).read() == {"a": KeptState(7, 2, 1)}
+
+
+def test_a_state_file_damaged_in_both_copies_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "raft.state"
+    state_file_with(state, {"a": KeptState(7, 2, 1)})
+    flip(state, len(MAGIC) + 9)
+    flip(state, 4096 + 9)
+    with pytest.raises(RaftLogFailed, match="damaged in both its copies"):
+        RaftWal.open(str(tmp_path / "raft.wal"))
+
+
+def test_a_log_without_a_state_file_keeps_its_own_hard_state(tmp_path: Path) -> None:
+    """A log written before the state file (or whose first record's state never reached
+    it: a crash between the two writes) is read with the hard state it holds, and the
+    state file written from it."""
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(4, 1, 1), entries=[FOUNDING])])
+    (tmp_path / "raft.state").unlink()
+    wal, _ = RaftWal.open(str(path))
+    assert wal.groups["a"].hard == WalHardState(4, 1, 1)
+    wal.close()
+    assert KeptStates(str(tmp_path / "raft.state")).read() == {"a": KeptState(4, 1)}
+
+
+def test_a_group_whose_records_are_all_lost_is_known_lost(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    good = path.stat().st_size
+    write(path, [WalRecord("b", hard=WalHardState(3, 2, 1), entries=[FOUNDING])])
+    flip(path, good + 12)
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery.damage
+    assert list(wal.groups) == ["a"]
+    assert wal.lost == ["b"]
+    assert wal.kept["b"] == KeptState(3, 2, epoch=1, repairing=True)
     wal.close()

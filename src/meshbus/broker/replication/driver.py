@@ -6,7 +6,9 @@ One *turn* (``turn``), the contract of docs/raft.md for every group at once:
 1. step what arrived since the last turn -- ticks, messages, proposals -- into the
    nodes (never between a node's ``ready()`` and ``advance()``: they wait here);
 2. take every group's Ready; append all their records to the log and fsync it **once**,
-   in a worker thread (``run_blocking``) so the loop is never held by the disk;
+   in a worker thread (``run_blocking``) so the loop is never held by the disk (and, in
+   a turn where a term, vote, epoch or repairing flag changed, the state file the log
+   keeps them in apart: meshbus.storage.raftlog);
 3. only then send each Ready's messages (``transport``), apply its committed entries
    (``machine``), resolve the proposals they settle, and ``advance()``.
 
@@ -150,6 +152,13 @@ class RaftDriver:
         """The groups the log holds, rebuilt as nodes; each with its meta."""
         found = []
         me = self._name()
+        for group in self._wal.lost:
+            log.error(
+                "damage to the Raft log took every record of a replicated stream; this "
+                "broker takes no part in it (its term and vote are kept, so it is never "
+                "founded here again)",
+                extra={"stream": group},
+            )
         for group, state in self._wal.groups.items():
             meta = msgspec.msgpack.decode(state.meta, type=GroupMeta)
             if me not in meta.replicas:
@@ -166,7 +175,7 @@ class RaftDriver:
     def create(self, group: str, replicas: Sequence[str], app: bytes) -> None:
         """Found ``group`` on this broker, one of ``replicas`` (the same list, in the same
         order, on every founding member: it is the group's first membership)."""
-        if group in self.groups or group in self._wal.groups:
+        if group in self.groups or group in self._wal.kept:
             return  # founded already (its log is read back at start: ``recover``)
         meta = GroupMeta(list(replicas), app)
         stored = bootstrap(Membership.of(range(1, len(replicas) + 1)))

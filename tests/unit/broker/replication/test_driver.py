@@ -5,6 +5,7 @@ down), and time given as ticks."""
 from __future__ import annotations
 
 import random
+import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.raft import Entry, Message, MessageType, NotLeader, RaftSettings
-from meshbus.storage.raftlog import RaftLogFailed, RaftWal
+from meshbus.storage.raftlog import MAGIC, RaftLogFailed, RaftWal
 
 NAMES = ("b1", "b2", "b3")
 SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1)
@@ -251,3 +252,36 @@ async def test_a_follower_with_a_damaged_log_repairs_before_it_votes(cluster: Cl
     await cluster.tick(3)
     assert not node.repairing  # the leader brought it up to date
     assert cluster.machines[follower].applied["orders"] == [b"a0", b"a1", b"a2"]
+
+
+async def test_damage_to_the_log_loses_no_term_nor_vote(cluster: Cluster) -> None:
+    for driver in cluster.drivers.values():
+        driver.create("orders", NAMES, b"")
+    leader = await cluster.elect("orders")
+    follower = next(n for n in NAMES if n != leader)
+    node = cluster.drivers[follower].groups["orders"].node
+    term, vote = node.term, node.vote
+    assert (term, vote) == (2, NAMES.index(leader) + 1)
+    cluster.down.add(follower)
+    cluster.drivers[follower].close()
+    # The record after the group's founding one fails its checksum: it and every record
+    # after it are dropped, with the term and vote they held.
+    path = cluster.tmp / f"{follower}.wal"
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack_from("<I", data, len(MAGIC))
+    data[len(MAGIC) + 8 + length + 12] ^= 0x40
+    path.write_bytes(bytes(data))
+    restarted = cluster.start(follower)
+    node = restarted.groups["orders"].node
+    assert node.log.last_index == 1  # the founding entry alone
+    assert (node.term, node.vote, node.repairing, node.epoch) == (term, vote, True, 1)
+    # Damage to the founding record too: the group is gone from the log, not from the
+    # state file, so a founding frame arriving late cannot found it again at term 1.
+    restarted.close()
+    data = bytearray(path.read_bytes())
+    data[len(MAGIC) + 12] ^= 0x40
+    path.write_bytes(bytes(data))
+    restarted = cluster.start(follower)
+    assert "orders" not in restarted.groups
+    restarted.create("orders", NAMES, b"")
+    assert "orders" not in restarted.groups
