@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import struct
 import time
 
@@ -210,3 +211,42 @@ async def test_a_bit_flipped_in_a_followers_log_is_caught(tmp_path) -> None:
         assert await second.wait_acked(10, since=restarted_at) < RESUME_WITHIN
         await second.stop()
         await check_copies(replicas, [first, second])
+
+
+async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> None:
+    """Not a fault, an operation: a drain moves the broker's stream leaderships before
+    its connectors (the Raft core's leadership transfer), so a follower leads while the
+    drained broker is still up -- here held draining by a connector that ignores its
+    MOVE -- and appends go on without waiting an election timeout for its loss."""
+    from tests.integration.helpers import RawLink
+
+    grace = 20 * ELECTION
+    async with replicated_stream(tmp_path, *FAST, "--drain-grace", str(grace)) as (
+        replicas,
+        info,
+    ):
+        leader = info.leader
+        follower = followers(replicas, leader)[0]
+        producer = await Producer.on(replicas[follower], "f", RETRY)
+        consumer = await Consumer.on(replicas[follower])
+        await producer.wait_acked(20)
+        straggler = await RawLink.open(replicas[leader].address)
+        try:
+            await straggler.hello("straggler")
+            async with await meshbus.connect(replicas[follower].address, server="c") as conn:
+                drained_at = time.monotonic()
+                replicas[leader].process.send_signal(signal.SIGTERM)  # a drain
+
+                async def handed_over() -> bool:
+                    return (await leader_seen_by(conn)) not in ("", leader)
+
+                await wait_until(handed_over, "a follower leading", timeout=grace / 2)
+                assert replicas.running(leader), "the leader changed only once it was gone"
+                assert time.monotonic() - drained_at < grace / 2
+                assert await producer.wait_acked(10, since=time.monotonic()) < RESUME_WITHIN
+        finally:
+            await straggler.close()
+        await producer.stop()
+        assert await replicas[leader].process.wait() == 0
+        await check_copies(replicas, [producer], consumer)
+        await consumer.stop()

@@ -472,9 +472,11 @@ class Broker:
         self.guarantees.send_groups(link)
 
     async def drain(self) -> None:
-        """Move every connector to another broker, and tell NATS clients to reconnect
-        elsewhere (lame duck mode), up to the grace period; then stop."""
+        """Hand the leadership of the replicated streams it leads over to their other
+        replicas; then move every connector to another broker, and tell NATS clients to
+        reconnect elsewhere (lame duck mode), up to the grace period; then stop."""
         grace = self._drain_grace if self._drain_grace is not None else self.config.drain_grace
+        await self.streams.hand_over_leaderships(grace)
         if self.nats is None:
             await self.mesh.drain(grace)
             return

@@ -20,6 +20,7 @@ STREAM requests name a stream; one hosted by another broker is relayed there
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -809,6 +810,31 @@ class StreamHost:
             self.store.expire(time.time())
         except StoreError as exc:
             log.error("stream retention failed", extra={"error": str(exc)})
+
+    async def hand_over_leaderships(self, grace: float) -> None:
+        """Before a drain: each replicated stream this broker leads gets another leader
+        (RaftDriver.hand_over) while this broker still answers, so appends go on
+        without waiting an election timeout for its loss. Waited for up to the
+        transfer's own bound (the longest election timeout) or ``grace``."""
+        if self.replicated is None:
+            return
+        replicated = self.replicated
+        driver = replicated.driver
+        replicated.leader_moved.clear()
+        asked = driver.hand_over()
+        longest_election = 2 * RAFT_SETTINGS.election_ticks * self._config.raft_tick
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(grace, longest_election)):
+                while any(driver.is_leader(g) for g in asked):
+                    await replicated.leader_moved.wait()
+                    replicated.leader_moved.clear()
+        if kept := [g for g in asked if driver.is_leader(g)]:
+            log.warning(
+                "draining: streams %s still led here; they elect a leader once it stops",
+                ", ".join(kept),
+            )
+        elif asked:
+            log.info("draining: the leadership of streams %s handed over", ", ".join(asked))
 
     def close(self) -> None:
         if self._purging is not None:

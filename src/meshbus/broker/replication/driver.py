@@ -38,6 +38,7 @@ from meshbus.raft import (
     Membership,
     Message,
     NotLeader,
+    ProposalRefused,
     RaftError,
     RaftNode,
     RaftSettings,
@@ -205,6 +206,36 @@ class RaftDriver:
     def is_leader(self, group: str) -> bool:
         state = self.groups.get(group)
         return state is not None and state.node.role is Role.LEADER
+
+    def hand_over(self) -> list[str]:
+        """Ask each group this broker leads to move its leadership to the follower that
+        holds most of its log (the Raft core's leadership transfer: that follower is
+        brought up to date, then campaigns at once) -- before a drain, so that no group
+        waits an election timeout for a leader once this broker is gone. The groups
+        asked; one that cannot move now (no other voter is up to it, a membership
+        change under way) is logged and keeps its leader until the broker stops."""
+        asked = []
+        for state in self.groups.values():
+            node = state.node
+            if node.role is not Role.LEADER:
+                continue
+            others = [
+                (progress.recent_active, progress.match, peer)
+                for peer, progress in node.progress.items()
+                if peer != node.id and peer in node.membership.voters and not progress.repairing
+            ]
+            if not others:
+                log.warning("stream %s: no other voter to lead it", state.name)
+                continue
+            target = max(others)[2]
+            try:
+                node.transfer_leadership(target)
+            except ProposalRefused as exc:
+                log.warning("stream %s: its leadership stays here: %s", state.name, exc)
+                continue
+            asked.append(state.name)
+        self._wake.set()
+        return asked
 
     # -- what comes in ------------------------------------------------------------------------
 

@@ -186,6 +186,7 @@ class ReplicatedStreams:
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
         self.refused = 0  # captured messages never proposed (too large, no leader)
         self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
+        self.leader_moved = asyncio.Event()  # set whenever a group's leader changes
 
     def __contains__(self, name: object) -> bool:
         return name in self.configs
@@ -341,6 +342,7 @@ class ReplicatedStreams:
         a leader takes what is sent to the stream and acknowledges none of it (it cannot
         commit), so a reliable sender gets no acknowledgement rather than the "no member,
         nothing lost" a multicast to nobody would be."""
+        self.leader_moved.set()
         config = self.configs.get(group)
         if config is None:
             return

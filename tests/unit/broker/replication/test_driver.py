@@ -285,3 +285,31 @@ async def test_damage_to_the_log_loses_no_term_nor_vote(cluster: Cluster) -> Non
     assert "orders" not in restarted.groups
     restarted.create("orders", NAMES, b"")
     assert "orders" not in restarted.groups
+
+
+async def test_hand_over_moves_each_led_group_to_a_follower_without_an_election_timeout(
+    cluster: Cluster,
+) -> None:
+    """Before a drain (RaftDriver.hand_over): every group the broker leads gets another
+    leader at once -- no tick passes, so no election timeout -- and appends go on
+    there; a group it does not lead is left alone."""
+    for group in ("orders", "payments"):
+        for driver in cluster.drivers.values():
+            driver.create(group, NAMES, b"")
+    leaders = {g: await cluster.elect(g) for g in ("orders", "payments")}
+    leaving = leaders["orders"]
+    led = sorted(g for g, name in leaders.items() if name == leaving)
+    others = {g: name for g, name in leaders.items() if name != leaving}
+    assert cluster.drivers[leaving].hand_over() == led
+    await cluster.turns()
+    for group in led:
+        new = cluster.leader(group)
+        assert new is not None
+        assert new != leaving
+        future = cluster.drivers[new].propose(group, b"after")
+        await cluster.turns()
+        await cluster.tick()
+        assert future.done()
+        assert future.result() > 0
+    assert {g: cluster.leader(g) for g in others} == others
+    assert cluster.drivers[leaving].hand_over() == []  # it leads nothing now
