@@ -52,6 +52,19 @@ async def leader_seen_by(broker: meshbus.Connector) -> str:
     return (await broker.streams.info(STREAM)).leader
 
 
+async def on_both_sides(replicas: Replicas, leader: str) -> tuple[Producer, Producer, Consumer]:
+    """A producer on a follower, one on the leader (its clients keep it, and still reach
+    it when it is cut off from the others), each with 20 values acknowledged; and a
+    consumer on the follower."""
+    follower = followers(replicas, leader)[0]
+    outside = await Producer.on(replicas[follower], "f", RETRY)
+    inside = await Producer.on(replicas[leader], "l", RETRY)
+    consumer = await Consumer.on(replicas[follower])
+    await outside.wait_acked(20)
+    await inside.wait_acked(20)
+    return outside, inside, consumer
+
+
 async def refused_meanwhile(producer: Producer, since: float) -> None:
     """Nothing acknowledged after ``since`` (an election timeout past the fault: what was
     committed before it may be acknowledged a moment after) until a send was given up
@@ -69,12 +82,7 @@ async def refused_meanwhile(producer: Producer, since: float) -> None:
 async def test_a_paused_leader_steps_down_and_acknowledges_nothing_alone(tmp_path) -> None:
     async with replicated_stream(tmp_path, *FAST) as (replicas, info):
         leader = info.leader
-        follower = followers(replicas, leader)[0]
-        outside = await Producer.on(replicas[follower], "f", RETRY)
-        inside = await Producer.on(replicas[leader], "l", RETRY)  # its clients keep it
-        consumer = await Consumer.on(replicas[follower])
-        await outside.wait_acked(20)
-        await inside.wait_acked(20)
+        outside, inside, consumer = await on_both_sides(replicas, leader)
         paused_at = time.monotonic()
         replicas.pause(leader)
         assert await outside.wait_acked(10, since=paused_at) < RESUME_WITHIN
@@ -100,12 +108,7 @@ async def test_a_paused_leader_steps_down_and_acknowledges_nothing_alone(tmp_pat
 async def test_a_leader_cut_off_from_its_followers_acknowledges_nothing(tmp_path) -> None:
     async with replicated_stream(tmp_path, *FAST) as (replicas, info):
         leader = info.leader
-        follower = followers(replicas, leader)[0]
-        outside = await Producer.on(replicas[follower], "f", RETRY)
-        inside = await Producer.on(replicas[leader], "l", RETRY)  # it still reaches it
-        consumer = await Consumer.on(replicas[follower])
-        await outside.wait_acked(20)
-        await inside.wait_acked(20)
+        outside, inside, consumer = await on_both_sides(replicas, leader)
         cut_at = time.monotonic()
         replicas.cut_off(leader)
         assert await outside.wait_acked(10, since=cut_at) < RESUME_WITHIN
