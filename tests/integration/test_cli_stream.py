@@ -91,6 +91,7 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "owner": "",  # a broker without users: nobody's
         "replicas": [],  # --replicas 1: no Raft group
         "leader": "",
+        "replica_states": [],
     }
     table = await stream_cli("info", "orders", *at)
     assert table.code == 0

@@ -312,6 +312,10 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
         assert shown.code == 0, shown.err
         assert re.search(rf"leader\s+│?\s*{info.leader}", shown.out), shown.out
         assert all(name in shown.out for name in names)
+        # asked of a follower, the states and lags come from the leader
+        states = re.findall(r"replica (r\d)\s+│?\s*(\w+), (\d+) entries behind", shown.out)
+        assert sorted(n for n, _, _ in states) == names, shown.out
+        assert {n: s for n, s, _ in states if n == info.leader} == {info.leader: "leader"}
         await wait_members(list(replicas.brokers.values()), Multicast(STREAM), 1)
         leader = info.leader
         survivor = replicas[next(n for n in names if n != leader)]

@@ -10,6 +10,7 @@ arguments exit 2 (click's usage errors).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from meshbus.cli.common import (
     run,
 )
 from meshbus.cli.lazy import LazyGroup
+from meshbus.errors import StreamError
 
 if TYPE_CHECKING:
     from meshbus.client.connector import Connector
@@ -207,13 +209,19 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     --json prints one object with the keys name, broker, captures, first_seq,
     last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age,
     dedupe_window, store, host and owner (the user that added it; "" on a broker
-    without users), and replicas and leader (a replicated stream's brokers and the one
-    leading it; [] and "" otherwise). An empty stream has last_seq = first_seq - 1.
+    without users), and replicas, leader and replica_states (a replicated stream's
+    brokers, the one leading it, and each one's state and lag as its leader knows
+    them; [], "" and [] otherwise). An empty stream has last_seq = first_seq - 1.
     """
 
     async def go() -> StreamInfo:
         async with await connect(broker_address, access) as conn:
-            return await conn.streams.info(name)
+            found = await conn.streams.info(name)
+            if found.replicas and found.leader:
+                # Only the leader knows how far behind each replica is.
+                with contextlib.suppress(StreamError):
+                    found = await conn.streams.info(name, current=True)
+            return found
 
     result = run(go())
     assert result is not None
@@ -272,6 +280,10 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
             ("answered by", info.broker),
             ("replicas", ", ".join(info.replicas)),
             ("leader", info.leader or "none (an election is under way, or a majority is down)"),
+            *(
+                (f"replica {r['broker']}", f"{r['state']}, {r['lag']:,} entries behind")
+                for r in info.replica_states
+            ),
         ]
     for field, value in rows:
         plain_row(table, field, value)

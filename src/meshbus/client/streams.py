@@ -56,8 +56,9 @@ class StreamInfo:
     (seconds, 0: none) and ``dedupe_window`` (seconds a publish id is remembered);
     ``store``, the host's SQLite file ("" in memory) on ``host``, the machine's name
     (for the Spark source's local reads); its ``owner``, the user that added it
-    ("" on a broker without users); and for a replicated stream its ``replicas`` and
-    their ``leader`` (docs/guarantees.md)."""
+    ("" on a broker without users); and for a replicated stream its ``replicas``,
+    their ``leader`` and, from the leader, their ``replica_states``
+    (docs/guarantees.md)."""
 
     name: str
     broker: str  # the broker that hosts it
@@ -82,6 +83,9 @@ class StreamInfo:
     # one that leads it now ("" while none does); ``broker`` is the one that answered.
     replicas: list[str] = field(default_factory=list)
     leader: str = ""
+    # What the leader knows of each replica, in the info it answers (``current=True``):
+    # ``{"broker", "state" (leader, follower, repairing, silent), "lag" (entries)}``.
+    replica_states: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_reply(cls, info: dict[str, Any]) -> StreamInfo:
@@ -136,8 +140,13 @@ class StreamClient:
         )
         return StreamInfo.from_reply(reply.info)
 
-    async def info(self, name: str) -> StreamInfo:
-        return StreamInfo.from_reply((await self._ask(StreamRequest(op="info", stream=name))).info)
+    async def info(self, name: str, *, current: bool = False) -> StreamInfo:
+        """The stream's settings and counts. A replicated stream's info comes from the
+        replica asked; ``current``: from its leader, with ``replica_states`` (each
+        replica's state and lag) -- a ``StreamError`` (code UNAVAILABLE) while it has
+        none."""
+        request = StreamRequest(op="info", stream=name, current=current)
+        return StreamInfo.from_reply((await self._ask(request)).info)
 
     async def list(self) -> builtins.list[dict[str, Any]]:
         """Every stream of the mesh: ``{"name": ..., "broker": ...}``."""

@@ -27,7 +27,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -206,6 +206,32 @@ class RaftDriver:
     def is_leader(self, group: str) -> bool:
         state = self.groups.get(group)
         return state is not None and state.node.role is Role.LEADER
+
+    def replica_states(self, group: str) -> list[dict[str, Any]]:
+        """What the leader knows of each replica of ``group``: its broker, its state --
+        ``leader``, ``follower``, ``repairing`` (its log was damaged: it counts for
+        nothing until repaired) or ``silent`` (not heard from since the last
+        check-quorum, at most an election timeout ago) -- and its ``lag``, the entries
+        of the leader's log it is not known to hold. Empty where this broker does not
+        lead the group: only the leader knows."""
+        state = self.groups.get(group)
+        if state is None or state.node.role is not Role.LEADER:
+            return []
+        node = state.node
+        last = node.log.last_index
+        states = []
+        for peer, progress in sorted(node.progress.items()):
+            if peer == node.id:
+                kind = "leader"
+            elif progress.repairing:
+                kind = "repairing"
+            elif not progress.recent_active:
+                kind = "silent"
+            else:
+                kind = "follower"
+            lag = 0 if peer == node.id else max(last - progress.match, 0)
+            states.append({"broker": state.broker_of(peer) or "", "state": kind, "lag": lag})
+        return states
 
     def hand_over(self) -> list[str]:
         """Ask each group this broker leads to move its leadership to the follower that

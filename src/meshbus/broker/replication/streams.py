@@ -384,6 +384,7 @@ class ReplicatedStreams:
             "term": state.node.term,
             "committed": state.node.log.committed,
             "applied": self._store.applied(name) if name in self._store else 0,
+            "replica_states": self.driver.replica_states(name),
         }
 
     def leader(self, name: str) -> str | None:

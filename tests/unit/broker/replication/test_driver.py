@@ -313,3 +313,28 @@ async def test_hand_over_moves_each_led_group_to_a_follower_without_an_election_
         assert future.result() > 0
     assert {g: cluster.leader(g) for g in others} == others
     assert cluster.drivers[leaving].hand_over() == []  # it leads nothing now
+
+
+async def test_the_leader_tells_each_replicas_state_and_lag(cluster: Cluster) -> None:
+    """``stream info`` asked of the leader: every replica's state and how many entries
+    of the leader's log it is not known to hold; a follower knows none of it."""
+    for driver in cluster.drivers.values():
+        driver.create("orders", NAMES, b"")
+    leader = await cluster.elect("orders")
+    up, down = (n for n in NAMES if n != leader)
+    driver = cluster.drivers[leader]
+    driver.propose("orders", b"m")
+    await cluster.turns()
+    await cluster.tick()
+    caught_up = {r["broker"]: (r["state"], r["lag"]) for r in driver.replica_states("orders")}
+    assert caught_up == {leader: ("leader", 0), up: ("follower", 0), down: ("follower", 0)}
+    cluster.down.add(down)
+    for i in range(3):
+        driver.propose("orders", f"n{i}".encode())
+    await cluster.turns()
+    # past a check-quorum, the one not heard from since is silent, and 3 behind
+    await cluster.tick(2 * SETTINGS.election_ticks)
+    states = {r["broker"]: (r["state"], r["lag"]) for r in driver.replica_states("orders")}
+    assert states == {leader: ("leader", 0), up: ("follower", 0), down: ("silent", 3)}
+    assert cluster.drivers[up].replica_states("orders") == []
+    assert driver.replica_states("nothing") == []
