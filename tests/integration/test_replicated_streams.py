@@ -371,7 +371,12 @@ async def test_the_leader_killed_loses_no_acknowledged_message(tmp_path: Path) -
 
             await wait_until(caught_up, "the other survivor's copy")
             copy = await fetch_all(conn, STREAM)
+            # stat (and /metrics, from the same): it saw the old leader, then the new
+            seen = (await conn.stat())["streams"]["raft"]
         assert [(m.seq, m.payload) for m in copy] == [(m.seq, m.payload) for m in stored]
+        assert seen["syncs"] > 0
+        assert seen["streams"][STREAM]["leader"] == new.leader
+        assert seen["streams"][STREAM]["leader_changes"] >= 2
         # The old leader back from its data dir: what it applied before is not applied
         # twice (its store records the last entry applied), and it catches up.
         back = await replicas.restart(leader)

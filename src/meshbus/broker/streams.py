@@ -858,6 +858,9 @@ class StreamHost:
             else {},
             # Why this broker acknowledges no append to a replicated stream ("" if it does).
             "raft_log_failed": self.replicated.driver.failed if self.replicated else "",
+            "raft": self.replicated.observe()
+            if self.replicated is not None
+            else {"syncs": 0, "sync_seconds": 0.0, "streams": {}},
             "paused": {
                 n: [describe_address(group) for group in groups]
                 for n, groups in sorted(self.paused.items())

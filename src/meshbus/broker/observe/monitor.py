@@ -27,6 +27,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -162,6 +163,7 @@ class BrokerCollector(Collector):
         yield from _per_link(name, data)
         yield from _per_user(name, data)
         yield from _nats(name, data["nats"])
+        yield from _raft(name, data["streams"]["raft"])
         rtt = GaugeMetricFamily(
             "meshbus_peer_rtt_seconds",
             "Round trip to a peer broker, timed by the heartbeat LOADs.",
@@ -291,6 +293,44 @@ def _nats(broker: str, nats: dict[str, Any]) -> Iterator[Metric]:
         for value, count in sorted(nats[key].items()):
             family.add_metric([broker, value], count)
         yield family
+
+
+def _raft(broker: str, raft: dict[str, Any]) -> Iterator[Metric]:
+    """Replicated streams (docs/raft.md): the Raft log's fsyncs and their time, and per
+    stream what this replica sees -- its commit lag, the leaders it saw come, whether it
+    leads, and on the leader how far behind each replica is."""
+    syncs = SummaryMetricFamily(
+        "meshbus_raft_sync_seconds",
+        "Appending and fsyncing the Raft log, one sync a turn for every replicated stream.",
+        labels=["broker"],
+    )
+    syncs.add_metric([broker], raft["syncs"], raft["sync_seconds"])
+    yield syncs
+    per_stream = ["broker", "stream"]
+    lag = GaugeMetricFamily(
+        "meshbus_raft_commit_lag",
+        "Entries this replica holds beyond the commit index (on the leader: waiting for "
+        "a majority).",
+        labels=per_stream,
+    )
+    leads = GaugeMetricFamily(
+        "meshbus_raft_leader", "1 when this broker leads the stream.", labels=per_stream
+    )
+    changes = CounterMetricFamily(
+        "meshbus_raft_leader_changes", "New leaders this replica saw.", labels=per_stream
+    )
+    behind = GaugeMetricFamily(
+        "meshbus_raft_replica_lag",
+        "On the leader: entries of its log a replica is not known to hold.",
+        labels=[*per_stream, "replica"],
+    )
+    for stream, seen in sorted(raft["streams"].items()):
+        lag.add_metric([broker, stream], seen["commit_lag"])
+        leads.add_metric([broker, stream], int(seen["leader"] == broker))
+        changes.add_metric([broker, stream], seen["leader_changes"])
+        for replica in seen["replicas"]:
+            behind.add_metric([broker, stream, replica["broker"]], replica["lag"])
+    yield from (lag, leads, changes, behind)
 
 
 def monitor_registry(collector: BrokerCollector, *, process: bool = True) -> CollectorRegistry:

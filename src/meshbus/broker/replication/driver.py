@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class _Group:
     term: int = 0
     # index -> (term, its future): proposals waiting for their entry to be applied here
     proposals: dict[int, tuple[int, asyncio.Future[int]]] = field(default_factory=dict)
+    leader_changes: int = 0  # a leader known, other than the one before (none between)
 
     def broker_of(self, node: int) -> str | None:
         replicas = self.meta.replicas
@@ -111,6 +113,7 @@ class _Group:
 class DriverStats:
     turns: int = 0
     syncs: int = 0
+    sync_seconds: float = 0.0  # appending the turns' records and fsyncing them
     records: int = 0
     sent: int = 0
     received: int = 0
@@ -351,8 +354,10 @@ class RaftDriver:
     def _persist(self, records: list[WalRecord]) -> None:
         """In the worker thread: the turn's records, one fsync, a rewrite when due."""
         wal = self._wal
+        started = time.perf_counter()
         wal.append(records)
         wal.sync()
+        self.stats.sync_seconds += time.perf_counter() - started
         if wal.should_rewrite():
             wal.rewrite()
 
@@ -430,6 +435,8 @@ class RaftDriver:
             return
         me = self._name()
         was_leading = state.leader == me
+        if leader is not None and leader != state.leader:
+            state.leader_changes += 1
         state.leader, state.term = leader, node.term
         if was_leading and leader != me:
             # Proposals of the old term may yet be committed by the next leader (a

@@ -387,6 +387,27 @@ class ReplicatedStreams:
             "replica_states": self.driver.replica_states(name),
         }
 
+    def observe(self) -> dict[str, Any]:
+        """For stat and /metrics: the Raft log's fsyncs and their time, and per stream
+        its leader, term, commit lag (entries held here beyond the commit index: on the
+        leader, what waits for a majority), leader changes seen here and, on the leader,
+        its replicas' states (``RaftDriver.replica_states``)."""
+        driver = self.driver
+        return {
+            "syncs": driver.stats.syncs,
+            "sync_seconds": driver.stats.sync_seconds,
+            "streams": {
+                name: {
+                    "leader": state.leader or "",
+                    "term": state.node.term,
+                    "commit_lag": state.node.log.last_index - state.node.log.committed,
+                    "leader_changes": state.leader_changes,
+                    "replicas": driver.replica_states(name),
+                }
+                for name, state in sorted(driver.groups.items())
+            },
+        }
+
     def leader(self, name: str) -> str | None:
         return self.driver.leader_of(name)
 

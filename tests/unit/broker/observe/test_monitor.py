@@ -65,7 +65,34 @@ def fake_stat() -> dict[str, Any]:
                 "stream_bytes": {"used": 0, "quota": None},
             }
         },
-        "streams": {"stored": 40, "dropped": 41},
+        "streams": {
+            "stored": 40,
+            "dropped": 41,
+            "raft": {
+                "syncs": 12,
+                "sync_seconds": 0.25,
+                "streams": {
+                    "ledger": {  # led here
+                        "leader": "b1",
+                        "term": 3,
+                        "commit_lag": 2,
+                        "leader_changes": 2,
+                        "replicas": [
+                            {"broker": "b1", "state": "leader", "lag": 0},
+                            {"broker": "b2", "state": "follower", "lag": 2},
+                            {"broker": "b3", "state": "silent", "lag": 9},
+                        ],
+                    },
+                    "audit": {  # led elsewhere: no replica states here
+                        "leader": "b2",
+                        "term": 1,
+                        "commit_lag": 0,
+                        "leader_changes": 1,
+                        "replicas": [],
+                    },
+                },
+            },
+        },
         "mesh_counters": {"peers_lost": 1, "stalls": 0, "route_ops_in": 30},
         "counters": counters,
         "links": [
@@ -377,3 +404,22 @@ async def test_connections_past_the_limit_get_503_and_idle_ones_are_closed(
         writer.close()
         await writer.wait_closed()
     assert await exchange(monitor.address, get("/healthz")) == (200, b"ok\n")
+
+
+def test_replicated_streams_commit_lag_leaders_and_fsync_time() -> None:
+    got = samples()
+    b = (("broker", "b1"),)
+    ledger = (("broker", "b1"), ("stream", "ledger"))
+    audit = (("broker", "b1"), ("stream", "audit"))
+    assert got[("meshbus_raft_sync_seconds_count", b)] == 12
+    assert got[("meshbus_raft_sync_seconds_sum", b)] == 0.25
+    assert got[("meshbus_raft_commit_lag", ledger)] == 2
+    assert got[("meshbus_raft_leader", ledger)] == 1
+    assert got[("meshbus_raft_leader", audit)] == 0
+    assert got[("meshbus_raft_leader_changes_total", audit)] == 1
+    lags = {
+        dict(labels)["replica"]: value
+        for (metric, labels), value in got.items()
+        if metric == "meshbus_raft_replica_lag"
+    }
+    assert lags == {"b1": 0, "b2": 2, "b3": 9}
