@@ -65,6 +65,17 @@ async def on_both_sides(replicas: Replicas, leader: str) -> tuple[Producer, Prod
     return outside, inside, consumer
 
 
+async def stopped_and_checked(
+    replicas: Replicas, producers: list[Producer], consumer: Consumer
+) -> None:
+    """The producers stopped, then every copy checked against what they were acknowledged
+    and what ``consumer`` read (``check_copies``), then the consumer stopped."""
+    for producer in producers:
+        await producer.stop()
+    await check_copies(replicas, producers, consumer)
+    await consumer.stop()
+
+
 async def refused_meanwhile(producer: Producer, since: float) -> None:
     """Nothing acknowledged after ``since`` (an election timeout past the fault: what was
     committed before it may be acknowledged a moment after) until a send was given up
@@ -99,10 +110,7 @@ async def test_a_paused_leader_steps_down_and_acknowledges_nothing_alone(tmp_pat
 
             await wait_until(stepped_down, "the old leader following the new one")
         await inside.wait_acked(10, since=resumed_at)
-        for producer in (outside, inside):
-            await producer.stop()
-        await check_copies(replicas, [outside, inside], consumer)
-        await consumer.stop()
+        await stopped_and_checked(replicas, [outside, inside], consumer)
 
 
 async def test_a_leader_cut_off_from_its_followers_acknowledges_nothing(tmp_path) -> None:
@@ -118,10 +126,7 @@ async def test_a_leader_cut_off_from_its_followers_acknowledges_nothing(tmp_path
         replicas.reconnect(leader)
         healed_at = time.monotonic()
         assert await inside.wait_acked(10, since=healed_at) < RESUME_WITHIN
-        for producer in (outside, inside):
-            await producer.stop()
-        await check_copies(replicas, [outside, inside], consumer)
-        await consumer.stop()
+        await stopped_and_checked(replicas, [outside, inside], consumer)
 
 
 async def test_a_majority_killed_then_restarted_loses_nothing(tmp_path) -> None:
@@ -138,9 +143,7 @@ async def test_a_majority_killed_then_restarted_loses_nothing(tmp_path) -> None:
             await replicas.restart(name)
         restarted_at = time.monotonic()
         assert await producer.wait_acked(10, since=restarted_at) < RESUME_WITHIN
-        await producer.stop()
-        await check_copies(replicas, [producer], consumer)
-        await consumer.stop()
+        await stopped_and_checked(replicas, [producer], consumer)
 
 
 async def test_a_follower_with_its_data_dir_wiped_does_not_count(tmp_path) -> None:
@@ -162,9 +165,7 @@ async def test_a_follower_with_its_data_dir_wiped_does_not_count(tmp_path) -> No
         await replicas.restart(other)
         restarted_at = time.monotonic()
         assert await producer.wait_acked(10, since=restarted_at) < RESUME_WITHIN
-        await producer.stop()
-        await check_copies(replicas, [producer], consumer)
-        await consumer.stop()
+        await stopped_and_checked(replicas, [producer], consumer)
 
 
 def flip_a_bit(wal: str, holding: bytes) -> None:
@@ -224,19 +225,20 @@ async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> No
     from tests.integration.helpers import RawLink
 
     grace = 20 * ELECTION
-    async with replicated_stream(tmp_path, *FAST, "--drain-grace", str(grace)) as (
-        replicas,
-        info,
-    ):
-        leader = info.leader
-        follower = followers(replicas, leader)[0]
-        producer = await Producer.on(replicas[follower], "f", RETRY)
-        consumer = await Consumer.on(replicas[follower])
+    async with replicated_stream(tmp_path, *FAST, "--drain-grace", str(grace)) as (replicas, _):
+        first = replicas.names[0]
+        producer = await Producer.on(replicas[first], "f", RETRY)
         await producer.wait_acked(20)
+        async with await meshbus.connect(replicas[first].address, server="c") as conn:
+            leader = await leader_seen_by(conn)  # the one that acknowledged those
+        assert leader
+        watcher = replicas[next(n for n in followers(replicas, leader) if n != first)]
+        consumer = await Consumer.on(watcher)
         straggler = await RawLink.open(replicas[leader].address)
         try:
             await straggler.hello("straggler")
-            async with await meshbus.connect(replicas[follower].address, server="c") as conn:
+            await straggler.register("straggler", 1)
+            async with await meshbus.connect(watcher.address, server="c") as conn:
                 drained_at = time.monotonic()
                 replicas[leader].process.send_signal(signal.SIGTERM)  # a drain
 
@@ -244,7 +246,8 @@ async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> No
                     return (await leader_seen_by(conn)) not in ("", leader)
 
                 await wait_until(handed_over, "a follower leading", timeout=grace / 2)
-                assert replicas.running(leader), "the leader changed only once it was gone"
+                exited = replicas[leader].process.returncode
+                assert exited is None, f"the leader changed once it was gone ({exited})"
                 assert time.monotonic() - drained_at < grace / 2
                 assert await producer.wait_acked(10, since=time.monotonic()) < RESUME_WITHIN
         finally:

@@ -149,6 +149,8 @@ async def _run(
     drain = asyncio.create_task(broker.drain())
     interrupted = asyncio.create_task(stop_now.wait())
     await asyncio.wait({drain, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    if drain.done() and not drain.cancelled() and (failed := drain.exception()) is not None:
+        log.error("the drain failed; stopping", exc_info=failed)
     drain.cancel()
     interrupted.cancel()
     log.info("stopping", extra={"broker": config.name})

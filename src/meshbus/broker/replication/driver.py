@@ -149,6 +149,7 @@ class RaftDriver:
         self._proposals: list[tuple[str, bytes, asyncio.Future[int]]] = []
         self._records: list[WalRecord] = []  # written with the next turn's Readys
         self._wake = asyncio.Event()
+        self._handing_over = False  # hand_over asked: transfers at the next turn
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -240,10 +241,16 @@ class RaftDriver:
         """Ask each group this broker leads to move its leadership to the follower that
         holds most of its log (the Raft core's leadership transfer: that follower is
         brought up to date, then campaigns at once) -- before a drain, so that no group
-        waits an election timeout for a leader once this broker is gone. The groups
-        asked; one that cannot move now (no other voter is up to it, a membership
-        change under way) is logged and keeps its leader until the broker stops."""
-        asked = []
+        waits an election timeout for a leader once this broker is gone. The groups it
+        leads now; the transfers start at the next turn (a node takes nothing between
+        its Ready and its advance). One that cannot move then (no other voter is up to
+        it, a membership change under way) is logged and keeps its leader until the
+        broker stops."""
+        self._handing_over = True
+        self._wake.set()
+        return [name for name, state in self.groups.items() if state.node.role is Role.LEADER]
+
+    def _transfer_leaderships(self) -> None:
         for state in self.groups.values():
             node = state.node
             if node.role is not Role.LEADER:
@@ -256,15 +263,10 @@ class RaftDriver:
             if not others:
                 log.warning("stream %s: no other voter to lead it", state.name)
                 continue
-            target = max(others)[2]
             try:
-                node.transfer_leadership(target)
+                node.transfer_leadership(max(others)[2])
             except ProposalRefused as exc:
                 log.warning("stream %s: its leadership stays here: %s", state.name, exc)
-                continue
-            asked.append(state.name)
-        self._wake.set()
-        return asked
 
     # -- what comes in ------------------------------------------------------------------------
 
@@ -366,6 +368,9 @@ class RaftDriver:
         inbox, self._inbox = self._inbox, []
         proposals, self._proposals = self._proposals, []
         groups = self.groups
+        if self._handing_over:
+            self._handing_over = False
+            self._transfer_leaderships()
         for _ in range(ticks):
             for state in groups.values():
                 state.node.tick()

@@ -4,6 +4,7 @@ down), and time given as ticks."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 from collections.abc import Callable, Sequence
@@ -338,3 +339,31 @@ async def test_the_leader_tells_each_replicas_state_and_lag(cluster: Cluster) ->
     assert states == {leader: ("leader", 0), up: ("follower", 0), down: ("silent", 3)}
     assert cluster.drivers[up].replica_states("orders") == []
     assert driver.replica_states("nothing") == []
+
+
+async def test_hand_over_while_a_turn_waits_for_its_fsync(cluster: Cluster) -> None:
+    """A drain comes whenever it comes: between a node's Ready and its advance (the turn
+    waiting for its fsync in the executor), hand_over must not touch the node -- the
+    core refuses anything then (DriverError) and the drain failed."""
+    for driver in cluster.drivers.values():
+        driver.create("orders", NAMES, b"")
+    leader = await cluster.elect("orders")
+    driver = cluster.drivers[leader]
+    fsync_done = asyncio.Event()
+
+    async def slow_fsync(work: Callable[[], None]) -> None:
+        await fsync_done.wait()
+        work()
+
+    driver._run_blocking = slow_fsync
+    driver.propose("orders", b"m")
+    turn = asyncio.create_task(driver.turn())
+    await asyncio.sleep(0)  # the turn took its Ready and waits for the disk
+    assert driver.hand_over() == ["orders"]
+    fsync_done.set()
+    await turn
+    driver._run_blocking = inline
+    await cluster.turns()
+    new = cluster.leader("orders")
+    assert new is not None
+    assert new != leader
