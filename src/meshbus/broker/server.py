@@ -209,7 +209,7 @@ class Broker:
         )  # fmt: skip
         self.nats_router = NatsRouter(
             self.subjects, PeerMessages(self.sync.flush_ops), rng,
-            to_meshbus=lambda event: self.nats_bridge.from_nats(event),
+            to_meshbus=lambda message: self.nats_bridge.from_nats(message),
         )  # fmt: skip
         self.nats_bridge = MeshbusBridge(
             routing=self.routing, pending=self.pending, outbox=self.outbox,

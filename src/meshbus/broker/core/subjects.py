@@ -17,6 +17,10 @@ at the origin -- and the brokers to forward it to.
 Subjects are bytes, as they came off the wire: the table is byte-exact and never
 decodes them.
 
+``version`` moves with every insert and remove that changed the table, so that a caller
+may keep what it worked out from a match for as long as the version stays (the NATS
+router does, for a run of messages on one subject).
+
 The cache. A publisher tends to use few subjects many times, so what a subject matched
 is kept (at most ``cache_size`` subjects; the oldest goes first). A change that could
 alter a cached answer drops it: inserting or removing a literal subject drops that
@@ -156,6 +160,7 @@ class SubjectTable(Generic[S]):
         self._count = 0
         self._cache: dict[bytes, Interest[S]] = {}
         self._cache_size = cache_size
+        self.version = 0
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -182,6 +187,7 @@ class SubjectTable(Generic[S]):
             return
         subs[sub] = None
         self._count += 1
+        self.version += 1
         self._invalidate(subject)
 
     def remove(self, subject: bytes, queue: bytes, sub: S) -> bool:
@@ -203,6 +209,7 @@ class SubjectTable(Generic[S]):
         if queue and not subs:
             del node.queues[queue]
         self._count -= 1
+        self.version += 1
         # Prune the nodes left empty, from the end of the path back.
         for parent, token in reversed(path):
             if not node.is_empty():
