@@ -91,6 +91,32 @@ def test_insert_twice_counts_once_and_remove_prunes() -> None:
     assert table._root.is_empty()
 
 
+def test_the_version_moves_with_every_change_and_only_then() -> None:
+    table: SubjectTable[str] = SubjectTable()
+    seen = [table.version]
+
+    def moved() -> bool:
+        seen.append(table.version)
+        return seen[-1] != seen[-2]
+
+    table.insert(b"a.*", b"", "s")
+    assert moved()
+    table.insert(b"a.*", b"", "s")  # there already
+    assert not moved()
+    table.insert(b"a.*", b"q", "s")  # the same sub in a queue group: another entry
+    assert moved()
+    table.match(b"a.b")
+    assert not moved()
+    assert not table.remove(b"a.*", b"other", "s")
+    assert not table.remove(b"b", b"", "s")
+    assert not moved()
+    assert table.remove(b"a.*", b"q", "s")
+    assert moved()
+    with pytest.raises(InvalidSubject):
+        table.insert(b"a..b", b"", "s")
+    assert not moved()
+
+
 def test_the_cache_is_dropped_by_a_change_that_concerns_it() -> None:
     table: SubjectTable[str] = SubjectTable()
     table.insert(b"a.b", b"", "x")
