@@ -142,6 +142,19 @@ def test_the_cache_is_bounded() -> None:
     assert table.cache_hits == 1
 
 
+def test_a_subject_in_use_stays_cached_through_a_flood_of_one_off_subjects() -> None:
+    # The reply subjects of requests: each matched once, by the requesters' inbox pattern.
+    table: SubjectTable[str] = SubjectTable(cache_size=8)
+    table.insert(b"_INBOX.x.*", b"", "inbox")
+    table.insert(b"svc", b"", "service")
+    for i in range(100):
+        assert table.match(b"svc").plain == ("service",)
+        assert table.match(b"_INBOX.x.%d" % i).plain == ("inbox",)
+        assert table.cached <= 8
+    assert table.cache_misses == 1 + 100
+    assert table.cache_hits == 99
+
+
 def test_a_long_subject_does_not_recurse() -> None:
     table: SubjectTable[str] = SubjectTable()
     subject = b".".join([b"t"] * 3000)
