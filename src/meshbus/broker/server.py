@@ -210,6 +210,7 @@ class Broker:
         self.nats_router = NatsRouter(
             self.subjects, PeerMessages(self.sync.flush_ops), rng,
             to_meshbus=lambda message: self.nats_bridge.from_nats(message),
+            reaches_meshbus=lambda subject: self.nats_bridge.reaches(subject),
         )  # fmt: skip
         self.nats_bridge = MeshbusBridge(
             routing=self.routing, pending=self.pending, outbox=self.outbox,

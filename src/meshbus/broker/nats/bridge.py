@@ -190,18 +190,29 @@ class MeshbusBridge:
 
     # -- NATS to meshbus -----------------------------------------------------------------
 
-    def from_nats(self, message: Message) -> int:
-        """``message``, published by a NATS client here, to the meshbus group its subject
-        maps to; how many links it went to (0: none, or no group)."""
-        subject = message[0]
+    def reaches(self, subject: bytes) -> bool:
+        """Whether a NATS message on ``subject`` may go on to meshbus now. A False holds
+        until the routing table changes: the subject maps to no group, to a multicast
+        group without a member, or to an anycast pool that had none when last sent to.
+        The router asks once for a run of messages on a subject (``from_nats`` then)."""
         if len(subject) > GROUP_NAME_MAX + len(ANYCAST_PREFIX):
-            return 0
+            return False
         quiet = self._quiet
         if self._quiet_version != self._routing.version:
             quiet.clear()
             self._quiet_version = self._routing.version
         elif subject in quiet:
-            return 0
+            return False
+        group = self._group_of(subject)
+        if group is None or (
+            group[0] == CAST_MULTICAST
+            and not self._routing.route_multicast(group, b"", self.endpoint, False)
+        ):
+            self._quiet_now(subject)
+            return False
+        return True
+
+    def _group_of(self, subject: bytes) -> bytes | None:
         groups = self._groups
         group = groups.get(subject, b"")
         if group == b"":
@@ -212,15 +223,19 @@ class MeshbusBridge:
             else:
                 group = _group_address(CAST_MULTICAST, subject)
             groups[subject] = group
-        if group is None:
-            self._quiet_now(subject)
+        return group
+
+    def from_nats(self, message: Message) -> int:
+        """``message``, published by a NATS client here, to the meshbus group its subject
+        maps to; how many links it went to (0: none, or no group)."""
+        subject = message[0]
+        if not self.reaches(subject):
             return 0
+        group = self._group_of(subject)
+        assert group is not None  # it reaches meshbus
         if group[0] == CAST_ANYCAST:
             return self._to_anycast(subject, group, message)
         targets = self._routing.route_multicast(group, b"", self.endpoint, False)
-        if not targets:
-            self._quiet_now(subject)
-            return 0
         if not self._source():
             return 0
         frame = self._frame(group, message, 0, 0)

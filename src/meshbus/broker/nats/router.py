@@ -44,7 +44,7 @@ from meshbus.broker.core.link import Link
 from meshbus.broker.core.subjects import SubjectTable, is_valid_queue
 from meshbus.broker.nats.connection import Flushes
 from meshbus.broker.nats.peers import PeerMessages
-from meshbus.protocol.control import NatsMessages
+from meshbus.protocol.control import NatsMessages, NatsRow
 from meshbus.protocol.nats import Message, Publish, no_responders_header
 
 if TYPE_CHECKING:
@@ -77,9 +77,11 @@ class _Group:
 class _Plan:
     """Where the messages on ``subject`` go while the subject table is at ``version``:
     ``local``, the plain subscriptions here; ``peers``, the brokers with a plain
-    interest; ``groups``, each queue group with a member that may be picked."""
+    interest; ``groups``, each queue group with a member that may be picked; whether
+    they may go on to meshbus's services (``meshbus``: the bridge's ``reaches``, which
+    only a message from another link can change)."""
 
-    __slots__ = ("groups", "local", "peers", "subject", "version")
+    __slots__ = ("groups", "local", "meshbus", "peers", "subject", "version")
 
     def __init__(
         self,
@@ -88,12 +90,14 @@ class _Plan:
         local: list[Subscription],
         peers: list[Link],
         groups: dict[bytes, _Group],
+        meshbus: bool = False,
     ) -> None:
         self.subject = subject
         self.version = version
         self.local = local
         self.peers = peers
         self.groups = groups
+        self.meshbus = meshbus
 
 
 class NatsRouter:
@@ -105,13 +109,16 @@ class NatsRouter:
         peers: PeerMessages,
         rng: random.Random,
         to_meshbus: Callable[[Message], int] = lambda message: 0,
+        reaches_meshbus: Callable[[bytes], bool] = lambda subject: False,
     ) -> None:
         """``to_meshbus`` hands a client's message to meshbus's services too, and says
-        how many links it went to (meshbus.broker.nats.bridge)."""
+        how many links it went to; ``reaches_meshbus`` whether a subject's messages may
+        go there at all (meshbus.broker.nats.bridge)."""
         self._table = table
         self._peers = peers
         self._rng = rng
         self._to_meshbus = to_meshbus
+        self._reaches_meshbus = reaches_meshbus
         # Written once per read of a peer's frames or of the bridge's (a client's own
         # read writes what it queued: meshbus.broker.nats.connection).
         self.flushes = Flushes()
@@ -141,7 +148,11 @@ class NatsRouter:
             subject = message[0]
             if plan is None or plan.version != table.version or plan.subject != subject:
                 plan = self._plan(subject, publisher, echo)
-            if not (self._send(plan, message) + to_meshbus(message)) and message[1] and answer:
+                plan.meshbus = self._reaches_meshbus(subject)
+            delivered = self._send(plan, message)
+            if plan.meshbus:
+                delivered += to_meshbus(message)
+            if not delivered and message[1] and answer:
                 self._no_responders(publisher, message)
         self.msgs_in += routed
 
@@ -181,24 +192,41 @@ class NatsRouter:
         for sub in plan.local:
             sub.conn.deliver(sub, subject, reply, header_size, data)
         delivered = len(plan.local)
-        queues: dict[Link, list[bytes]] = {}
+        picked: dict[Link, list[bytes]] | None = None
         if plan.groups:
-            for name, group in plan.groups.items():
-                member = self._pick(group)
-                if isinstance(member, PeerSubscription):
-                    queues.setdefault(member.peer, []).append(name)
-                else:
-                    member.conn.deliver(member, subject, reply, header_size, data)
-                    delivered += 1
+            picked = {}
+            delivered += self._pick_members(plan.groups, message, picked)
         self.msgs_out += delivered
         peers = plan.peers
-        if peers or queues:
+        if picked:
             send = self._peers.send
             for peer in peers:
-                send(peer, (subject, reply, header_size, data, True, queues.pop(peer, [])))
-            for peer, names in queues.items():
+                send(peer, (subject, reply, header_size, data, True, picked.pop(peer, [])))
+            for peer, names in picked.items():
                 send(peer, (subject, reply, header_size, data, False, names))
-            delivered += len(peers) + len(queues)
+            return delivered + len(peers) + len(picked)
+        if peers:
+            # One row for every peer: rows are only ever encoded.
+            row: NatsRow = (subject, reply, header_size, data, True, [])
+            send = self._peers.send
+            for peer in peers:
+                send(peer, row)
+        return delivered + len(peers)
+
+    def _pick_members(
+        self, groups: dict[bytes, _Group], message: Message, picked: dict[Link, list[bytes]]
+    ) -> int:
+        """A member of each queue group: one here gets ``message`` now (how many did is
+        returned), a peer's has the group's name added to its row in ``picked``."""
+        subject, reply, header_size, data = message
+        delivered = 0
+        for name, group in groups.items():
+            member = self._pick(group)
+            if isinstance(member, PeerSubscription):
+                picked.setdefault(member.peer, []).append(name)
+            else:
+                member.conn.deliver(member, subject, reply, header_size, data)
+                delivered += 1
         return delivered
 
     def _pick(self, group: _Group) -> Subscription | PeerSubscription[Link]:
@@ -245,7 +273,12 @@ class NatsRouter:
                 self._invalid(link)
                 continue
             self.from_peers += 1
-            self._deliver_here(plan, subject, reply, header_size, data, plain, queues)
+            if plain:
+                for sub in plan.local:
+                    sub.conn.deliver(sub, subject, reply, header_size, data)
+                self.msgs_out += len(plan.local)
+            if queues:
+                self._deliver_to_groups(plan, subject, reply, header_size, data, queues)
         self.flushes.flush()
 
     def _invalid(self, link: Link) -> None:
@@ -266,21 +299,16 @@ class NatsRouter:
                 groups[name] = _Group(here)
         return _Plan(subject, self._table.version, local, [], groups)
 
-    def _deliver_here(
+    def _deliver_to_groups(
         self,
         plan: _Plan,
         subject: bytes,
         reply: bytes,
         header_size: int,
         data: bytes,
-        plain: bool,
         queues: list[bytes],
     ) -> None:
-        delivered = 0
-        if plain:
-            for sub in plan.local:
-                sub.conn.deliver(sub, subject, reply, header_size, data)
-            delivered = len(plan.local)
+        """A peer's message to one member here of each of ``queues``."""
         for name in queues:
             group = plan.groups.get(name)
             if group is None:
@@ -289,5 +317,4 @@ class NatsRouter:
             member = self._pick(group)
             assert not isinstance(member, PeerSubscription)  # a plan here holds none
             member.conn.deliver(member, subject, reply, header_size, data)
-            delivered += 1
-        self.msgs_out += delivered
+            self.msgs_out += 1

@@ -216,6 +216,34 @@ def test_a_run_stops_when_its_publisher_closes() -> None:
     assert clients.router.msgs_in == 3
 
 
+def test_meshbus_is_asked_once_a_run_and_handed_only_what_may_reach_it() -> None:
+    asked: list[bytes] = []
+    handed: list[bytes] = []
+
+    def reaches(subject: bytes) -> bool:
+        asked.append(subject)
+        return subject.startswith(b"mb.")
+
+    def to_meshbus(message: tuple[bytes, bytes, int, bytes]) -> int:
+        handed.append(message[3])
+        return 1
+
+    clients = Clients()
+    clients.router = NatsRouter(
+        clients.table, PeerMessages(lambda: None), random.Random(1), to_meshbus, reaches
+    )
+    requester = clients.connect()
+    subscribe(requester, b"_INBOX.r.*", b"9")
+    run = [(b"mb.x", b"_INBOX.r.1", 0, b"1"), (b"mb.x", b"", 0, b"2"), (b"nats", b"", 0, b"3")]
+    run += [(b"nats", b"_INBOX.r.2", 0, b"4"), (b"mb.x", b"_INBOX.r.3", 0, b"5")]
+    clients.router.publish_many(requester, run)
+    assert asked == [b"mb.x", b"nats", b"mb.x"]
+    assert handed == [b"1", b"2", b"5"]
+    # The request that reached neither a subscription nor meshbus: no responders.
+    [line] = taken(requester)
+    assert line.startswith(b"HMSG _INBOX.r.2 9 ")
+
+
 # -- across the mesh: peers' interest in the same table ------------------------------------
 
 
