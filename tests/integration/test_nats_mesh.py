@@ -346,6 +346,10 @@ async def test_a_nats_publish_reaches_a_meshbus_multicast_member(mesh: list[Nats
         client(a) as pub,
     ):
         member = await conn.register()
+        # Before the group has a member a's bridge learns the subject reaches no one in
+        # meshbus; the member's join must undo that.
+        await pub.publish("prices.eur", b"before the member")
+        await pub.flush()
         await member.join(Multicast("prices.eur"))
         await wait_members([x.process for x in mesh], Multicast("prices.eur"), 1)
         await pub.publish("prices.eur", b"1.08", headers={"Source": "ecb"})
@@ -354,6 +358,12 @@ async def test_a_nats_publish_reaches_a_meshbus_multicast_member(mesh: list[Nats
         assert msg.payload == b"1.08"
         assert msg.headers == {"Source": "ecb"}
         assert str(msg.dst) == "multicast:prices.eur"
+        for price in (b"1.09", b"1.10", b"1.11"):
+            await pub.publish("prices.eur", price)
+        await pub.flush()
+        assert [(await member.recv(timeout=IO_TIMEOUT)).payload for _ in range(3)] == [
+            b"1.09", b"1.10", b"1.11"
+        ]  # fmt: skip
         # A subject longer than a group name stays NATS's: nothing more comes.
         await pub.publish("prices.eur.too-long-for-a-group", b"x")
         await pub.flush()
@@ -406,6 +416,8 @@ async def test_a_meshbus_service_answers_a_nats_request(mesh: list[NatsBroker]) 
         client(a) as requester,
     ):
         service = await conn.register()
+        with pytest.raises(NoRespondersError):  # no member yet; the join must undo it
+            await requester.request("anycast.pricing", b"?", timeout=IO_TIMEOUT)
         await service.join(Anycast("pricing"))
         await wait_members([x.process for x in mesh], Anycast("pricing"), 1)
 

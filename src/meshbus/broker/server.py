@@ -211,7 +211,8 @@ class Broker:
         self.nats_peers = PeerMessages(self.sync.flush_ops)
         self.nats_router = NatsRouter(
             self.subjects, self.nats_peers, rng,
-            to_meshbus=lambda event: self.nats_bridge.from_nats(event),
+            to_meshbus=lambda message: self.nats_bridge.from_nats(message),
+            reaches_meshbus=lambda subject: self.nats_bridge.reaches(subject),
         )  # fmt: skip
         self.nats_bridge = MeshbusBridge(
             routing=self.routing, pending=self.pending, outbox=self.outbox,

@@ -6,6 +6,7 @@ nats-server gives, with whether it says -ERR before it closes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -249,7 +250,7 @@ def test_arbitrary_bytes_parse_or_fail_cleanly_and_alike(data: bytes) -> None:
 FRAGMENTS = st.sampled_from(
     [b"PUB a 3\r\n", b"pub b r 0\r\n", b"abc", b"\r\n", b"\n", b"SUB a.* q 1\r\n", b"UNSUB 1 2",
      b"PING", b"PONG\r\n", b"HPUB h 4 6\r\n", b"\r\n\r\n", b" ", b"3", b"99999", HEADERS_ON,
-     b'CONNECT {"headers":false}\r\n', b"x"]
+     b'CONNECT {"headers":false}\r\n', b"x", b"PUB a 3\r\nabc\r\n", b"PUB a r 1\r\nz\r\n"]
 )  # fmt: skip
 
 
@@ -262,6 +263,120 @@ def test_protocol_like_bytes_parse_alike_whole_and_bytewise(data: bytes) -> None
         except NatsProtocolViolation as exc:
             outcomes.append(("error", exc.error_text))
     assert outcomes[0] == outcomes[1]
+
+
+# -- runs of PUBs (next_publishes) --------------------------------------------------------
+
+
+def events_with_runs(parser: NatsParser, limit: int) -> list[NatsEvent]:
+    """The events of what was fed, the PUBs taken in runs of at most ``limit`` (as a
+    client on the fast way reads them) and the rest one at a time."""
+    found: list[NatsEvent] = []
+    while True:
+        run = parser.next_publishes(limit)
+        found.extend(Publish(*message) for message in run)
+        if run:
+            continue
+        event = parser.next_event()
+        if event is None:
+            return found
+        found.append(event)
+
+
+def parse_in_chunks(data: bytes, cuts: list[int], limit: int, **limits: int) -> list[NatsEvent]:
+    parser = NatsParser(**limits)
+    found: list[NatsEvent] = []
+    start = 0
+    for cut in [*sorted(cuts), len(data)]:
+        parser.feed(data[start:cut])
+        start = max(start, cut)
+        found.extend(events_with_runs(parser, limit))
+    return found
+
+
+def test_a_run_is_the_pubs_up_to_anything_else() -> None:
+    parser = NatsParser()
+    parser.feed(
+        b"PUB a 3\r\nabc\r\nPUB a 3\r\nxyz\r\nPUB b r 0\r\n\r\n"
+        b"PING\r\nPUB c 1\r\nz\r\nPUB d 4\r\nab"
+    )
+    assert parser.next_publishes(2) == [(b"a", b"", 0, b"abc"), (b"a", b"", 0, b"xyz")]
+    assert parser.next_publishes(10) == [(b"b", b"r", 0, b"")]
+    assert parser.next_publishes(10) == []  # PING is next_event's
+    assert parser.next_event() == Ping()
+    assert parser.next_publishes(10) == [(b"c", b"", 0, b"z")]
+    assert parser.next_publishes(10) == []  # d's payload is not all here
+    parser.feed(b"cd\r\n")
+    assert parser.next_publishes(10) == [(b"d", b"", 0, b"abcd")]
+    assert parser.buffered == 0
+
+
+def outcome(parse: Callable[[], list[NatsEvent]]) -> tuple[str, object]:
+    """The events of ``parse``, or the -ERR text of the error it ended in."""
+    try:
+        return ("events", parse())
+    except NatsProtocolViolation as exc:
+        return ("error", exc.error_text)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"pub a 1\r\nx\r\n",  # lower case
+        HEADERS_ON + b"HPUB a 12 12\r\nNATS/1.0\r\n\r\n\r\n",
+        b"PUB a 1\r\nxy\r\n",  # longer than its size
+        b"PUB a 9\r\n123456789\r\n",  # past max_payload
+    ],
+)
+def test_a_run_leaves_what_it_does_not_take_to_next_event(data: bytes) -> None:
+    parser = NatsParser(max_payload=8)
+    parser.feed(data)
+    assert parser.next_publishes(10) == []
+    assert outcome(lambda: parse_in_chunks(data, [], 10, max_payload=8)) == outcome(
+        lambda: parse_whole(data, max_payload=8)
+    )
+
+
+def test_a_repeated_line_carries_each_message_its_own_payload() -> None:
+    line = b"PUB same.subject _INBOX.r 2\r\n"
+    parser = NatsParser()
+    parser.feed(b"".join(line + b"%02d\r\n" % i for i in range(50)))
+    run = parser.next_publishes(100)
+    assert [data for _, _, _, data in run] == [b"%02d" % i for i in range(50)]
+    assert {(subject, reply) for subject, reply, _, _ in run} == {(b"same.subject", b"_INBOX.r")}
+    # Lines alike but for a byte, and of one length: each read for what it says.
+    parser.feed(b"PUB ab 2\r\nxy\r\nPUB ac 2\r\nxy\r\nPUB ac r 1\r\nz\r\n")
+    assert parser.next_publishes(100) == [
+        (b"ab", b"", 0, b"xy"), (b"ac", b"", 0, b"xy"), (b"ac", b"r", 0, b"z")
+    ]  # fmt: skip
+    # The same subject, another size: the line differs, and is read again.
+    parser.feed(b"PUB same.subject _INBOX.r 3\r\nabc\r\n")
+    assert parser.next_publishes(100) == [(b"same.subject", b"_INBOX.r", 0, b"abc")]
+
+
+def test_a_message_longer_than_the_reads_is_gathered_and_read_after() -> None:
+    payload = bytes(range(256)) * 64
+    data = b"PUB big %d\r\n" % len(payload) + payload + b"\r\nPUB small 2\r\nok\r\n"
+    parser = NatsParser()
+    found: list[NatsEvent] = []
+    for i in range(0, len(data), 100):  # reads far shorter than the message
+        parser.feed(data[i : i + 100])
+        found.extend(events_with_runs(parser, 8))
+    assert found == [Publish(b"big", b"", 0, payload), Publish(b"small", b"", 0, b"ok")]
+    assert all(type(event.data) is bytes for event in found if isinstance(event, Publish))
+
+
+@given(
+    st.lists(FRAGMENTS, max_size=16).map(b"".join),
+    st.lists(st.integers(0, 200), max_size=6),
+    st.integers(1, 4),
+)
+def test_runs_give_the_events_one_at_a_time_would(data: bytes, cuts: list[int], limit: int) -> None:
+    """PUBs in runs, the bytes cut anywhere: the same events, or the same error, as the
+    whole fed at once and read one event at a time."""
+    assert outcome(
+        lambda: parse_in_chunks(data, cuts, limit, max_control_line=64, max_payload=8)
+    ) == outcome(lambda: parse_whole(data, max_control_line=64, max_payload=8))
 
 
 # -- the server's side --------------------------------------------------------------------

@@ -17,8 +17,12 @@ at the origin -- and the brokers to forward it to.
 Subjects are bytes, as they came off the wire: the table is byte-exact and never
 decodes them.
 
+``version`` moves with every insert and remove that changed the table, so that a caller
+may keep what it worked out from a match for as long as the version stays (the NATS
+router does, for a run of messages on one subject).
+
 The cache. A publisher tends to use few subjects many times, so what a subject matched
-is kept (at most ``cache_size`` subjects; the oldest goes first). A change that could
+is kept (at most ``cache_size`` subjects; the least recently used go first). A change that could
 alter a cached answer drops it: inserting or removing a literal subject drops that
 subject's entry; a pattern with wildcards drops every cached subject it matches. Nothing
 else changes what a subject matches, so the cache is never stale
@@ -27,6 +31,7 @@ else changes what a subject matches, so the cache is never stale
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -90,7 +95,10 @@ def pattern_matches(pattern: list[bytes], subject: list[bytes]) -> bool:
     return len(pattern) == len(subject)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass takes three times as long to make, and one is made per
+# subject matched anew (every reply subject of a request). It is a value all the same:
+# nothing changes one once it is made; the cache hands the same one out.
+@dataclass(slots=True)
 class Interest(Generic[S]):
     """What one subject matched: the plain subscriptions, and the members of each queue
     group (name, members)."""
@@ -156,6 +164,7 @@ class SubjectTable(Generic[S]):
         self._count = 0
         self._cache: dict[bytes, Interest[S]] = {}
         self._cache_size = cache_size
+        self.version = 0
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -182,6 +191,7 @@ class SubjectTable(Generic[S]):
             return
         subs[sub] = None
         self._count += 1
+        self.version += 1
         self._invalidate(subject)
 
     def remove(self, subject: bytes, queue: bytes, sub: S) -> bool:
@@ -203,6 +213,7 @@ class SubjectTable(Generic[S]):
         if queue and not subs:
             del node.queues[queue]
         self._count -= 1
+        self.version += 1
         # Prune the nodes left empty, from the end of the path back.
         for parent, token in reversed(path):
             if not node.is_empty():
@@ -215,49 +226,67 @@ class SubjectTable(Generic[S]):
     def match(self, subject: bytes) -> Interest[S]:
         """The subscriptions a message published on ``subject`` goes to. A subject with
         an empty token matches nothing (nats-server delivers it nowhere)."""
-        found = self._cache.get(subject)
+        cache = self._cache
+        found = cache.get(subject)
         if found is not None:
             self.cache_hits += 1
+            # The most recently used last: what a flood of one-off subjects (the reply
+            # subjects of requests) pushes out is what nobody asked for since.
+            del cache[subject]
+            cache[subject] = found
             return found
         self.cache_misses += 1
         tokens = subject.split(_SEPARATOR)
         if not all(tokens):
             return _NOTHING  # type: ignore[return-value]
         interest = self._collect(tokens)
-        cache = self._cache
         if len(cache) >= self._cache_size:
-            del cache[next(iter(cache))]
+            cache = self._evict()
         cache[subject] = interest
         return interest
 
+    def _evict(self) -> dict[bytes, Interest[S]]:
+        """Make room: the less recently used half goes, in one copy of the rest (the
+        cache from now on) -- taking the oldest one at a time would walk past the holes
+        that every removal from the front of a dict leaves."""
+        cache = self._cache
+        keep = self._cache_size // 2
+        self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
+        return self._cache
+
     def _collect(self, tokens: list[bytes]) -> Interest[S]:
+        # Level by level, not recursive (a subject of 2,000 tokens fits in a control
+        # line): the nodes the tokens so far lead to, and those where a subscription
+        # matches -- a ``>`` on the way, or where the last token leads.
+        ends: list[_Node[S]] = []
+        nodes = [self._root]
+        for token in tokens:
+            following: list[_Node[S]] = []
+            for node in nodes:
+                if node.rest is not None:
+                    ends.append(node.rest)
+                if node.one is not None:
+                    following.append(node.one)
+                child = node.children.get(token)
+                if child is not None:
+                    following.append(child)
+            if not following:
+                break
+            nodes = following
+        else:
+            ends += nodes
         plain: list[S] = []
         queues: dict[bytes, list[S]] = {}
-        last = len(tokens)
-
-        def take(node: _Node[S]) -> None:
-            plain.extend(node.plain)
-            for name, members in node.queues.items():
-                queues.setdefault(name, []).extend(members)
-
-        # Iterative, not recursive: a subject of 2,000 tokens fits in a control line.
-        stack = [(self._root, 0)]
-        while stack:
-            node, i = stack.pop()
-            if i == last:
-                take(node)
-                continue
-            if node.rest is not None:
-                take(node.rest)
-            if node.one is not None:
-                stack.append((node.one, i + 1))
-            child = node.children.get(tokens[i])
-            if child is not None:
-                stack.append((child, i + 1))
-        if not plain and not queues:
-            return _NOTHING  # type: ignore[return-value]
+        for node in ends:
+            if node.plain:
+                plain += node.plain
+            if node.queues:
+                for name, members in node.queues.items():
+                    queues.setdefault(name, []).extend(members)
+        if not queues:
+            return Interest(tuple(plain), ()) if plain else _NOTHING  # type: ignore[return-value]
         return Interest(
-            tuple(plain), tuple((name, tuple(members)) for name, members in queues.items())
+            tuple(plain), tuple([(name, tuple(members)) for name, members in queues.items()])
         )
 
     def _invalidate(self, pattern: bytes) -> None:

@@ -63,7 +63,7 @@ from meshbus.protocol.layout import (
     LENGTH_SIZE,
     ControlType,
 )
-from meshbus.protocol.nats import Publish
+from meshbus.protocol.nats import Message, Publish
 
 __all__ = ["ANYCAST_PREFIX", "BRIDGE_SERVER", "MeshbusBridge", "group_subject"]
 
@@ -154,6 +154,11 @@ class MeshbusBridge:
         self._next_id = 0
         # subject -> its group's address, None for no group: a publisher uses few subjects.
         self._groups: dict[bytes, bytes | None] = {}
+        # Subjects whose messages reach no one in meshbus while the routing table stays
+        # at _quiet_version -- no group, or no member of it -- so that the message of a
+        # NATS-only subject takes no routing decision.
+        self._quiet: set[bytes] = set()
+        self._quiet_version = -1
         self._flush_scheduled = False
         self.stats = BridgeStats()
 
@@ -185,12 +190,29 @@ class MeshbusBridge:
 
     # -- NATS to meshbus -----------------------------------------------------------------
 
-    def from_nats(self, event: Publish) -> int:
-        """``event``, published by a NATS client here, to the meshbus group its subject
-        maps to; how many links it went to (0: none, or no group)."""
-        subject = event.subject
+    def reaches(self, subject: bytes) -> bool:
+        """Whether a NATS message on ``subject`` may go on to meshbus now. A False holds
+        until the routing table changes: the subject maps to no group, to a multicast
+        group without a member, or to an anycast pool that had none when last sent to.
+        The router asks once for a run of messages on a subject (``from_nats`` then)."""
         if len(subject) > GROUP_NAME_MAX + len(ANYCAST_PREFIX):
-            return 0
+            return False
+        quiet = self._quiet
+        if self._quiet_version != self._routing.version:
+            quiet.clear()
+            self._quiet_version = self._routing.version
+        elif subject in quiet:
+            return False
+        group = self._group_of(subject)
+        if group is None or (
+            group[0] == CAST_MULTICAST
+            and not self._routing.route_multicast(group, b"", self.endpoint, False)
+        ):
+            self._quiet_now(subject)
+            return False
+        return True
+
+    def _group_of(self, subject: bytes) -> bytes | None:
         groups = self._groups
         group = groups.get(subject, b"")
         if group == b"":
@@ -201,25 +223,42 @@ class MeshbusBridge:
             else:
                 group = _group_address(CAST_MULTICAST, subject)
             groups[subject] = group
-        if group is None:
+        return group
+
+    def from_nats(self, message: Message) -> int:
+        """``message``, published by a NATS client here, to the meshbus group its subject
+        maps to; how many links it went to (0: none, or no group)."""
+        subject = message[0]
+        if not self.reaches(subject):
             return 0
+        group = self._group_of(subject)
+        assert group is not None  # it reaches meshbus
         if group[0] == CAST_ANYCAST:
-            return self._to_anycast(group, event)
+            return self._to_anycast(subject, group, message)
         targets = self._routing.route_multicast(group, b"", self.endpoint, False)
-        if not targets or not self._source():
+        if not self._source():
             return 0
-        frame = self._frame(group, event, 0, 0)
+        frame = self._frame(group, message, 0, 0)
         delivered = sum(self._outbox.deliver(target, frame) for target in targets)
         self.stats.to_meshbus += 1
         self._flush_soon()
         return delivered
 
-    def _to_anycast(self, group: bytes, event: Publish) -> int:
+    def _quiet_now(self, subject: bytes) -> None:
+        if len(self._quiet) >= _GROUPS_CACHED:
+            self._quiet.clear()
+        self._quiet.add(subject)
+
+    def _to_anycast(self, subject: bytes, group: bytes, message: Message) -> int:
         target = self._routing.route_anycast(group, b"", False)
-        if target is None or not self._source():
+        if target is None:
+            self._quiet_now(subject)
             return 0
-        if not event.reply:
-            delivered = self._outbox.deliver(target, self._frame(group, event, 0, 0))
+        if not self._source():
+            return 0
+        reply = message[1]
+        if not reply:
+            delivered = self._outbox.deliver(target, self._frame(group, message, 0, 0))
             self.stats.to_meshbus += delivered
             self._flush_soon()
             return int(delivered)
@@ -231,17 +270,17 @@ class MeshbusBridge:
             self.address, msg_id, self.endpoint, expires, group, via, responders=(target,)
         ):
             return 0  # --max-requests waiting already: the requester hears no responders
-        if not self._outbox.deliver(target, self._frame(group, event, msg_id, FLAG_REQUEST)):
+        if not self._outbox.deliver(target, self._frame(group, message, msg_id, FLAG_REQUEST)):
             self._pending.resolve(self.address, msg_id)
             return 0
-        self._replies[msg_id] = event.reply
+        self._replies[msg_id] = reply
         self.stats.to_meshbus += 1
         self.stats.requests += 1
         self._flush_soon()
         return 1
 
-    def _frame(self, group: bytes, event: Publish, msg_id: int, flags: int) -> bytes:
-        data, header_size = event.data, event.header_size
+    def _frame(self, group: bytes, message: Message, msg_id: int, flags: int) -> bytes:
+        _, _, header_size, data = message
         if header_size:
             if header_size <= MAX_HEADER_BYTES:
                 block = ext.Ext(headers=data[:header_size])

@@ -21,6 +21,14 @@ routes:
    it (nats-server's rule), at once.
 5. Meshbus's own services meet NATS clients through the bridge (meshbus.broker.nats.bridge):
    a message published here also goes where the bridge maps its subject.
+
+What keeps it cheap: messages come in runs -- the PUBs of one read of a client, the rows
+of one frame from a peer -- and the messages of a run mostly share a subject. Where a
+subject's messages go (a ``_Plan``: the subscriptions here, the peers, each queue
+group's members that may be picked) is worked out once for the messages that follow on
+it, and again when the subject changes or the table does (a subscription that got its
+max, a connection closed as a slow consumer). A plan lives for one run only: a peer's
+count of queue-group members changes in place, between runs.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from meshbus.broker.core.interest import PeerSubscription
@@ -36,8 +44,8 @@ from meshbus.broker.core.link import Link
 from meshbus.broker.core.subjects import SubjectTable, is_valid_queue
 from meshbus.broker.nats.connection import Flushes
 from meshbus.broker.nats.peers import PeerMessages
-from meshbus.protocol.control import NatsMessages
-from meshbus.protocol.nats import Publish, no_responders_header
+from meshbus.protocol.control import NatsMessages, NatsRow
+from meshbus.protocol.nats import Message, Publish, no_responders_header
 
 if TYPE_CHECKING:
     from meshbus.broker.nats.connection import NatsConnection, Subscription
@@ -49,6 +57,49 @@ log = logging.getLogger("meshbus.broker.nats")
 _BLANK = re.compile(rb"[ \t\r\n\f]").search
 
 
+class _Group:
+    """The members of one queue group that a message may be handed to, and how to pick
+    one: uniformly when ``weights`` is None, else weighted (a peer's weight is its count
+    of members)."""
+
+    __slots__ = ("members", "total", "weights")
+
+    def __init__(self, members: list[Subscription | PeerSubscription[Link]]) -> None:
+        weights = [m.weight if isinstance(m, PeerSubscription) else 1 for m in members]
+        total = sum(weights)
+        self.members = members
+        self.weights: list[int] | None = weights
+        self.total = total
+        if len(members) == 1 or total == len(members):
+            self.weights, self.total = None, len(members)
+
+
+class _Plan:
+    """Where the messages on ``subject`` go while the subject table is at ``version``:
+    ``local``, the plain subscriptions here; ``peers``, the brokers with a plain
+    interest; ``groups``, each queue group with a member that may be picked; whether
+    they may go on to meshbus's services (``meshbus``: the bridge's ``reaches``, which
+    only a message from another link can change)."""
+
+    __slots__ = ("groups", "local", "meshbus", "peers", "subject", "version")
+
+    def __init__(
+        self,
+        subject: bytes,
+        version: int,
+        local: list[Subscription],
+        peers: list[Link],
+        groups: dict[bytes, _Group],
+        meshbus: bool = False,
+    ) -> None:
+        self.subject = subject
+        self.version = version
+        self.local = local
+        self.peers = peers
+        self.groups = groups
+        self.meshbus = meshbus
+
+
 class NatsRouter:
     """The delivery of published messages, by the subject table."""
 
@@ -57,14 +108,17 @@ class NatsRouter:
         table: SubjectTable[Subscription | PeerSubscription[Link]],
         peers: PeerMessages,
         rng: random.Random,
-        to_meshbus: Callable[[Publish], int] = lambda event: 0,
+        to_meshbus: Callable[[Message], int] = lambda message: 0,
+        reaches_meshbus: Callable[[bytes], bool] = lambda subject: False,
     ) -> None:
         """``to_meshbus`` hands a client's message to meshbus's services too, and says
-        how many links it went to (meshbus.broker.nats.bridge)."""
+        how many links it went to; ``reaches_meshbus`` whether a subject's messages may
+        go there at all (meshbus.broker.nats.bridge)."""
         self._table = table
         self._peers = peers
         self._rng = rng
         self._to_meshbus = to_meshbus
+        self._reaches_meshbus = reaches_meshbus
         # Written once per read of a peer's frames or of the bridge's (a client's own
         # read writes what it queued: meshbus.broker.nats.connection).
         self.flushes = Flushes()
@@ -76,129 +130,194 @@ class NatsRouter:
 
     def publish(self, publisher: NatsConnection, event: Publish) -> None:
         """A message from a client of this broker."""
+        self.publish_many(publisher, ((event.subject, event.reply, event.header_size, event.data),))
+
+    def publish_many(self, publisher: NatsConnection, messages: Sequence[Message]) -> None:
+        """Messages from a client of this broker, in the order it sent them: a run of its
+        PUBs. None goes on once the client's connection closed (a slow consumer of its
+        own messages)."""
         options = publisher.options
-        delivered = self.route(event, publisher, options.echo)
-        delivered += self._to_meshbus(event)
-        self.msgs_in += 1
-        publisher.msgs_in += 1
-        publisher.bytes_in += len(event.data)
-        if not delivered and event.reply and options.no_responders:
-            self._no_responders(publisher, event)
+        echo, answer = options.echo, options.no_responders
+        table, to_meshbus = self._table, self._to_meshbus
+        plan: _Plan | None = None
+        routed = size = 0
+        for message in messages:
+            if publisher.closed:
+                break
+            routed += 1
+            size += len(message[3])
+            subject = message[0]
+            if plan is None or plan.version != table.version or plan.subject != subject:
+                plan = self._plan(subject, publisher, echo)
+                plan.meshbus = self._reaches_meshbus(subject)
+            delivered = self._send(plan, message)
+            if plan.meshbus:
+                delivered += to_meshbus(message)
+            if not delivered and message[1] and answer:
+                self._no_responders(publisher, message)
+        self.msgs_in += routed
+        publisher.msgs_in += routed
+        publisher.bytes_in += size
 
     def route(
         self, event: Publish, publisher: NatsConnection | None = None, echo: bool = True
     ) -> int:
         """Deliver ``event`` to the subscriptions here and send it to the peers with an
         interest; how many subscriptions and peers it went to."""
-        interest = self._table.match(event.subject)
-        if not interest:
-            return 0
-        delivered = 0
-        plain_peers: dict[Link, None] = {}
+        message = (event.subject, event.reply, event.header_size, event.data)
+        return self._send(self._plan(event.subject, publisher, echo), message)
+
+    def _plan(self, subject: bytes, publisher: NatsConnection | None, echo: bool) -> _Plan:
+        """Where a message on ``subject`` goes, from ``publisher``: without echo, never to
+        one of its own subscriptions (nor is one picked in a queue group)."""
+        interest = self._table.match(subject)
+        local: list[Subscription] = []
+        peers: dict[Link, None] = {}
         for sub in interest.plain:
             if isinstance(sub, PeerSubscription):
-                plain_peers[sub.peer] = None
+                peers[sub.peer] = None
             elif echo or sub.conn is not publisher:
-                sub.conn.deliver(sub, event)
-                delivered += 1
-        queues: dict[Link, list[bytes]] = {}
-        if interest.queues:
-            for name, members in interest.queues:
-                member = self._pick(members, publisher, echo)
-                if member is None:
-                    continue
-                if isinstance(member, PeerSubscription):
-                    queues.setdefault(member.peer, []).append(name)
-                else:
-                    member.conn.deliver(member, event)
-                    delivered += 1
+                local.append(sub)
+        groups: dict[bytes, _Group] = {}
+        for name, members in interest.queues:
+            eligible = [
+                m
+                for m in members
+                if echo or isinstance(m, PeerSubscription) or m.conn is not publisher
+            ]
+            if eligible:
+                groups[name] = _Group(eligible)
+        return _Plan(subject, self._table.version, local, list(peers), groups)
+
+    def _send(self, plan: _Plan, message: Message) -> int:
+        """``message`` where ``plan`` says; how many subscriptions and peers it went to."""
+        subject, reply, header_size, data = message
+        for sub in plan.local:
+            sub.conn.deliver(sub, subject, reply, header_size, data)
+        delivered = len(plan.local)
+        picked: dict[Link, list[bytes]] | None = None
+        if plan.groups:
+            picked = {}
+            delivered += self._pick_members(plan.groups, message, picked)
         self.msgs_out += delivered
-        if plain_peers or queues:
+        peers = plan.peers
+        if picked:
             send = self._peers.send
-            subject, reply, header_size, data = (
-                event.subject, event.reply, event.header_size, event.data,
-            )  # fmt: skip
-            for peer in plain_peers:
-                send(peer, (subject, reply, header_size, data, True, queues.pop(peer, [])))
-            for peer, names in queues.items():
+            for peer in peers:
+                send(peer, (subject, reply, header_size, data, True, picked.pop(peer, [])))
+            for peer, names in picked.items():
                 send(peer, (subject, reply, header_size, data, False, names))
-            delivered += len(plain_peers) + len(queues)
+            return delivered + len(peers) + len(picked)
+        if peers:
+            # One row for every peer: rows are only ever encoded.
+            row: NatsRow = (subject, reply, header_size, data, True, [])
+            send = self._peers.send
+            for peer in peers:
+                send(peer, row)
+        return delivered + len(peers)
+
+    def _pick_members(
+        self, groups: dict[bytes, _Group], message: Message, picked: dict[Link, list[bytes]]
+    ) -> int:
+        """A member of each queue group: one here gets ``message`` now (how many did is
+        returned), a peer's has the group's name added to its row in ``picked``."""
+        subject, reply, header_size, data = message
+        delivered = 0
+        for name, group in groups.items():
+            member = self._pick(group)
+            if isinstance(member, PeerSubscription):
+                picked.setdefault(member.peer, []).append(name)
+            else:
+                member.conn.deliver(member, subject, reply, header_size, data)
+                delivered += 1
         return delivered
 
-    def _pick(
-        self,
-        members: tuple[Subscription | PeerSubscription[Link], ...],
-        publisher: NatsConnection | None,
-        echo: bool,
-    ) -> Subscription | PeerSubscription[Link] | None:
-        """A member at random, a peer's weighted by its count of members; without echo,
-        never the publisher's own subscription."""
-        eligible = [
-            m for m in members if echo or isinstance(m, PeerSubscription) or m.conn is not publisher
-        ]
-        if len(eligible) <= 1:
-            return eligible[0] if eligible else None
-        weights = [m.weight if isinstance(m, PeerSubscription) else 1 for m in eligible]
-        total = sum(weights)
-        if total == len(eligible):
-            return eligible[self._rng.randrange(total)]
-        point = self._rng.randrange(total)
-        for member, weight in zip(eligible, weights, strict=True):
+    def _pick(self, group: _Group) -> Subscription | PeerSubscription[Link]:
+        """A member at random, a peer's weighted by its count of members."""
+        members, weights = group.members, group.weights
+        if weights is None:
+            return members[self._rng.randrange(group.total)] if group.total > 1 else members[0]
+        point = self._rng.randrange(group.total)
+        for member, weight in zip(members, weights, strict=True):
             if point < weight:
                 return member
             point -= weight
         raise AssertionError("a weighted pick past the total")
 
-    def _no_responders(self, publisher: NatsConnection, event: Publish) -> None:
-        for sub in self._table.match(event.reply).plain:
+    def _no_responders(self, publisher: NatsConnection, message: Message) -> None:
+        subject, reply = message[0], message[1]
+        for sub in self._table.match(reply).plain:
             if not isinstance(sub, PeerSubscription) and sub.conn is publisher:
                 self.no_responders += 1
-                header = no_responders_header(event.subject)
-                publisher.deliver(sub, Publish(event.reply, b"", len(header), header))
+                header = no_responders_header(subject)
+                publisher.deliver(sub, reply, b"", len(header), header)
                 return
 
     # -- from peer brokers ---------------------------------------------------------------
 
     def from_peer(self, link: Link, correlation: int, body: NatsMessages) -> None:
         """NATS_MSGS: messages a peer's clients published, for the clients here only."""
+        table = self._table
+        plan: _Plan | None = None
         for subject, reply, header_size, data, plain, queues in body.msgs:
-            # What would break a client's MSG line: a blank, an empty subject. A subject
-            # with an empty token only matches nothing.
+            if plan is None or plan.version != table.version or plan.subject != subject:
+                # What would break a client's MSG line: a blank, an empty subject. A
+                # subject with an empty token only matches nothing.
+                if not subject or _BLANK(subject):
+                    self._invalid(link)
+                    plan = None
+                    continue
+                plan = self._plan_here(subject)
             if (
-                not subject
-                or _BLANK(subject)
-                or (reply and _BLANK(reply))
+                (reply and _BLANK(reply))
                 or header_size > len(data)
                 or (queues and not all(is_valid_queue(q) for q in queues))
             ):
-                self.dropped_from_peers += 1
-                if self.dropped_from_peers == 1:
-                    log.warning("an invalid NATS message from a peer", extra={"peer": link.name})
+                self._invalid(link)
                 continue
             self.from_peers += 1
-            self._deliver_here(Publish(subject, reply, header_size, data), plain, queues)
+            if plain:
+                for sub in plan.local:
+                    sub.conn.deliver(sub, subject, reply, header_size, data)
+                self.msgs_out += len(plan.local)
+            if queues:
+                self._deliver_to_groups(plan, subject, reply, header_size, data, queues)
         self.flushes.flush()
 
-    def _deliver_here(self, event: Publish, plain: bool, queues: list[bytes]) -> None:
-        interest = self._table.match(event.subject)
-        delivered = 0
-        if plain:
-            for sub in interest.plain:
-                if not isinstance(sub, PeerSubscription):
-                    sub.conn.deliver(sub, event)
-                    delivered += 1
-        for name in queues:
-            local = [
-                m
-                for group, members in interest.queues
-                if group == name
-                for m in members
-                if not isinstance(m, PeerSubscription)
+    def _invalid(self, link: Link) -> None:
+        self.dropped_from_peers += 1
+        if self.dropped_from_peers == 1:
+            log.warning("an invalid NATS message from a peer", extra={"peer": link.name})
+
+    def _plan_here(self, subject: bytes) -> _Plan:
+        """Where a peer's message on ``subject`` goes: the subscriptions here only."""
+        interest = self._table.match(subject)
+        local = [sub for sub in interest.plain if not isinstance(sub, PeerSubscription)]
+        groups: dict[bytes, _Group] = {}
+        for name, members in interest.queues:
+            here: list[Subscription | PeerSubscription[Link]] = [
+                m for m in members if not isinstance(m, PeerSubscription)
             ]
-            if not local:
+            if here:
+                groups[name] = _Group(here)
+        return _Plan(subject, self._table.version, local, [], groups)
+
+    def _deliver_to_groups(
+        self,
+        plan: _Plan,
+        subject: bytes,
+        reply: bytes,
+        header_size: int,
+        data: bytes,
+        queues: list[bytes],
+    ) -> None:
+        """A peer's message to one member here of each of ``queues``."""
+        for name in queues:
+            group = plan.groups.get(name)
+            if group is None:
                 self.dropped_from_peers += 1  # its members here left while it was on its way
                 continue
-            member = local[self._rng.randrange(len(local))] if len(local) > 1 else local[0]
-            member.conn.deliver(member, event)
-            delivered += 1
-        self.msgs_out += delivered
+            member = self._pick(group)
+            assert not isinstance(member, PeerSubscription)  # a plan here holds none
+            member.conn.deliver(member, subject, reply, header_size, data)
+            self.msgs_out += 1

@@ -91,6 +91,32 @@ def test_insert_twice_counts_once_and_remove_prunes() -> None:
     assert table._root.is_empty()
 
 
+def test_the_version_moves_with_every_change_and_only_then() -> None:
+    table: SubjectTable[str] = SubjectTable()
+    seen = [table.version]
+
+    def moved() -> bool:
+        seen.append(table.version)
+        return seen[-1] != seen[-2]
+
+    table.insert(b"a.*", b"", "s")
+    assert moved()
+    table.insert(b"a.*", b"", "s")  # there already
+    assert not moved()
+    table.insert(b"a.*", b"q", "s")  # the same sub in a queue group: another entry
+    assert moved()
+    table.match(b"a.b")
+    assert not moved()
+    assert not table.remove(b"a.*", b"other", "s")
+    assert not table.remove(b"b", b"", "s")
+    assert not moved()
+    assert table.remove(b"a.*", b"q", "s")
+    assert moved()
+    with pytest.raises(InvalidSubject):
+        table.insert(b"a..b", b"", "s")
+    assert not moved()
+
+
 def test_the_cache_is_dropped_by_a_change_that_concerns_it() -> None:
     table: SubjectTable[str] = SubjectTable()
     table.insert(b"a.b", b"", "x")
@@ -114,6 +140,19 @@ def test_the_cache_is_bounded() -> None:
     assert table.cached == 4
     assert table.match(b"s.9").plain == ("all",)
     assert table.cache_hits == 1
+
+
+def test_a_subject_in_use_stays_cached_through_a_flood_of_one_off_subjects() -> None:
+    # The reply subjects of requests: each matched once, by the requesters' inbox pattern.
+    table: SubjectTable[str] = SubjectTable(cache_size=8)
+    table.insert(b"_INBOX.x.*", b"", "inbox")
+    table.insert(b"svc", b"", "service")
+    for i in range(100):
+        assert table.match(b"svc").plain == ("service",)
+        assert table.match(b"_INBOX.x.%d" % i).plain == ("inbox",)
+        assert table.cached <= 8
+    assert table.cache_misses == 1 + 100
+    assert table.cache_hits == 99
 
 
 def test_a_long_subject_does_not_recurse() -> None:

@@ -19,7 +19,7 @@ from meshbus.broker.nats.router import NatsRouter
 from meshbus.protocol.codec import ControlFrame, FrameDecoder
 from meshbus.protocol.control import NatsMessages
 from meshbus.protocol.layout import ControlType
-from meshbus.protocol.nats import NatsParser, Publish, Subscribe, Unsubscribe
+from meshbus.protocol.nats import NatsParser, Publish, Subscribe, Unsubscribe, encode_msg
 
 
 class Clients:
@@ -37,7 +37,9 @@ class Clients:
         self._ids = 0
 
     def connect(
-        self, connect: bytes = b'{"verbose":false,"headers":true,"no_responders":true}'
+        self,
+        connect: bytes = b'{"verbose":false,"headers":true,"no_responders":true}',
+        max_pending: int = 1 << 20,
     ) -> NatsConnection:
         self._ids += 1
         parser = NatsParser()
@@ -50,7 +52,7 @@ class Clients:
             router=self.router,
             flushes=self.flushes,
             info=lambda conn: b"",
-            max_pending=1 << 20,
+            max_pending=max_pending,
             max_subscriptions=100,
             on_open=lambda conn: None,
             on_close=lambda conn, reason: None,
@@ -155,6 +157,91 @@ def test_headers_are_stripped_for_a_client_without_them() -> None:
     clients.router.publish(with_headers, Publish(b"h", b"", len(header), header + b"body"))
     assert with_headers._out == [b"HMSG h 1 %d %d\r\n%bbody\r\n" % (18, 22, header)]
     assert without._out == [b"MSG h 2 4\r\nbody\r\n"]
+
+
+# -- runs: a read's PUBs at once -----------------------------------------------------------
+
+
+def test_a_run_goes_where_each_of_its_subjects_does_in_order() -> None:
+    clients = Clients()
+    xs, ys, publisher = clients.connect(), clients.connect(), clients.connect()
+    subscribe(xs, b"x.*", b"1")
+    subscribe(ys, b"y", b"2")
+    subjects = [b"x.a", b"x.a", b"y", b"x.b", b"y", b"y", b"z", b"x.a"]
+    run = [(subject, b"", 0, b"%d" % i) for i, subject in enumerate(subjects)]
+    clients.router.publish_many(publisher, run)
+    assert b"".join(xs._out) == b"".join(
+        encode_msg(subject, b"1", b"", b"%d" % i)
+        for i, subject in enumerate(subjects)
+        if subject.startswith(b"x.")
+    )
+    assert taken(ys) == [b"MSG y 2 1"] * 3
+    assert clients.router.msgs_in == len(subjects)
+
+
+def test_a_subscription_that_gets_its_max_in_a_run_gets_no_more() -> None:
+    clients = Clients()
+    capped, other, publisher = clients.connect(), clients.connect(), clients.connect()
+    subscribe(capped, b"m", b"1")
+    capped._handle(Unsubscribe(b"1", 2))
+    subscribe(other, b"m", b"1")
+    clients.router.publish_many(publisher, [(b"m", b"", 0, b"")] * 5)
+    assert taken(capped) == [b"MSG m 1 0"] * 2
+    assert taken(other) == [b"MSG m 1 0"] * 5
+    assert capped.subs == {}
+
+
+def test_a_subscriber_closed_as_a_slow_consumer_in_a_run_gets_no_more() -> None:
+    clients = Clients()
+    slow = clients.connect(max_pending=250)
+    other, publisher = clients.connect(), clients.connect()
+    subscribe(slow, b"s", b"1")
+    subscribe(other, b"s", b"1")
+    clients.router.publish_many(publisher, [(b"s", b"", 0, bytes(100))] * 10)
+    assert slow.closed
+    assert len(taken(other)) == 10
+    assert len(clients.table) == 1  # the slow one's subscription left the table
+    assert clients.router.msgs_out == 10 + 3  # the third one passed its limit
+
+
+def test_a_run_stops_when_its_publisher_closes() -> None:
+    clients = Clients()
+    publisher = clients.connect(max_pending=250)  # its own messages come back (echo)
+    other = clients.connect()
+    subscribe(publisher, b"e", b"1")
+    subscribe(other, b"e", b"1")
+    clients.router.publish_many(publisher, [(b"e", b"", 0, bytes(100))] * 10)
+    assert publisher.closed
+    assert len(taken(other)) == 3
+    assert clients.router.msgs_in == 3
+
+
+def test_meshbus_is_asked_once_a_run_and_handed_only_what_may_reach_it() -> None:
+    asked: list[bytes] = []
+    handed: list[bytes] = []
+
+    def reaches(subject: bytes) -> bool:
+        asked.append(subject)
+        return subject.startswith(b"mb.")
+
+    def to_meshbus(message: tuple[bytes, bytes, int, bytes]) -> int:
+        handed.append(message[3])
+        return 1
+
+    clients = Clients()
+    clients.router = NatsRouter(
+        clients.table, PeerMessages(lambda: None), random.Random(1), to_meshbus, reaches
+    )
+    requester = clients.connect()
+    subscribe(requester, b"_INBOX.r.*", b"9")
+    run = [(b"mb.x", b"_INBOX.r.1", 0, b"1"), (b"mb.x", b"", 0, b"2"), (b"nats", b"", 0, b"3")]
+    run += [(b"nats", b"_INBOX.r.2", 0, b"4"), (b"mb.x", b"_INBOX.r.3", 0, b"5")]
+    clients.router.publish_many(requester, run)
+    assert asked == [b"mb.x", b"nats", b"mb.x"]
+    assert handed == [b"1", b"2", b"5"]
+    # The request that reached neither a subscription nor meshbus: no responders.
+    [line] = taken(requester)
+    assert line.startswith(b"HMSG _INBOX.r.2 9 ")
 
 
 # -- across the mesh: peers' interest in the same table ------------------------------------
@@ -264,6 +351,40 @@ async def test_a_peers_message_goes_to_the_clients_here_only() -> None:
     assert len(taken(member1)) + len(taken(member2)) == 2
     assert mesh.router.dropped_from_peers == 1
     assert mesh.routes_flushed == 0
+
+
+async def test_a_peers_frame_of_many_subjects_goes_row_by_row() -> None:
+    mesh = Mesh()
+    a, b = mesh.connect(), mesh.connect()
+    subscribe(a, b"s.*", b"1")
+    subscribe(b, b"s.b", b"2")
+    b._handle(Unsubscribe(b"2", 1))  # ends within the frame
+    rows = [
+        (b"s.a", b"", 0, b"1", True, []),
+        (b"s a", b"", 0, b"2", True, []),  # invalid: dropped, the rest goes on
+        (b"s.a", b"", 0, b"3", True, []),
+        (b"s.b", b"", 0, b"4", True, []),
+        (b"s.b", b"re ply", 0, b"5", True, []),  # invalid too
+        (b"s.b", b"", 0, b"6", True, []),
+        (b"s.a", b"", 0, b"7", True, []),
+    ]
+    mesh.router.from_peer(PeerLink("p"), 0, NatsMessages(msgs=rows))  # type: ignore[arg-type]
+    assert [data.split(b"\r\n")[1] for data in a._out] == [b"1", b"3", b"4", b"6", b"7"]
+    assert taken(b) == [b"MSG s.b 2 1"]
+    assert mesh.router.dropped_from_peers == 2
+    assert mesh.router.from_peers == 5
+
+
+async def test_a_turns_rows_to_a_peer_go_in_one_frame_when_they_fit() -> None:
+    mesh = Mesh()
+    b = PeerLink("b")
+    mesh.remote.apply(b, b"t", b"", 1)
+    publisher = mesh.connect()
+    mesh.router.publish_many(publisher, [(b"t", b"", 0, b"%d" % i) for i in range(500)])
+    await asyncio.sleep(0)
+    assert len(b.frames) == 1
+    assert [row[3] for row in b.rows()] == [b"%d" % i for i in range(500)]
+    assert mesh.peers.stats.frames_out == 1
 
 
 @pytest.mark.parametrize(
