@@ -94,6 +94,12 @@ class Cluster:
         assert len(leaders) <= 1
         return leaders[0] if leaders else None
 
+    async def found(self, group: str, app: bytes = b"") -> str:
+        """``group`` founded on every broker, and its leader once one is elected."""
+        for driver in self.drivers.values():
+            driver.create(group, NAMES, app)
+        return await self.elect(group)
+
     async def elect(self, group: str) -> str:
         for _ in range(100):
             leader = self.leader(group)
@@ -118,9 +124,7 @@ def cluster(tmp_path: Path) -> Cluster:
 
 
 async def test_a_leader_is_elected_and_appends_are_committed_everywhere(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"config")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders", b"config")
     driver = cluster.drivers[leader]
     futures = [driver.propose("orders", f"m{i}".encode()) for i in range(10)]
     await cluster.turns()
@@ -157,9 +161,7 @@ async def test_many_groups_share_one_fsync_a_turn(cluster: Cluster) -> None:
 
 
 async def test_a_follower_restarted_from_its_log_catches_up(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"config")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders", b"config")
     follower = next(n for n in NAMES if n != leader)
     for i in range(5):
         cluster.drivers[leader].propose("orders", f"a{i}".encode())
@@ -185,9 +187,7 @@ async def test_a_follower_restarted_from_its_log_catches_up(cluster: Cluster) ->
 
 
 async def test_a_minority_commits_nothing(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     cluster.down.update(n for n in NAMES if n != leader)
     future = cluster.drivers[leader].propose("orders", b"lost")
     await cluster.turns()
@@ -201,9 +201,7 @@ async def test_a_minority_commits_nothing(cluster: Cluster) -> None:
 
 
 async def test_messages_not_from_a_replica_are_dropped(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     other = next(n for n in NAMES if n != leader)
     driver = cluster.drivers[other]
     dropped = driver.stats.dropped
@@ -214,9 +212,7 @@ async def test_messages_not_from_a_replica_are_dropped(cluster: Cluster) -> None
 
 
 async def test_a_failed_log_stops_the_driver(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     driver = cluster.drivers[leader]
     cluster.wals[leader].close()  # every write now fails (EBADF), as a dead disk's would
     future = driver.propose("orders", b"x")
@@ -229,9 +225,7 @@ async def test_a_failed_log_stops_the_driver(cluster: Cluster) -> None:
 
 
 async def test_a_follower_with_a_damaged_log_repairs_before_it_votes(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     follower = next(n for n in NAMES if n != leader)
     for i in range(3):
         cluster.drivers[leader].propose("orders", f"a{i}".encode())
@@ -256,9 +250,7 @@ async def test_a_follower_with_a_damaged_log_repairs_before_it_votes(cluster: Cl
 
 
 async def test_damage_to_the_log_loses_no_term_nor_vote(cluster: Cluster) -> None:
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     follower = next(n for n in NAMES if n != leader)
     node = cluster.drivers[follower].groups["orders"].node
     term, vote = node.term, node.vote
@@ -294,10 +286,7 @@ async def test_hand_over_moves_each_led_group_to_a_follower_without_an_election_
     """Before a drain (RaftDriver.hand_over): every group the broker leads gets another
     leader at once -- no tick passes, so no election timeout -- and appends go on
     there; a group it does not lead is left alone."""
-    for group in ("orders", "payments"):
-        for driver in cluster.drivers.values():
-            driver.create(group, NAMES, b"")
-    leaders = {g: await cluster.elect(g) for g in ("orders", "payments")}
+    leaders = {g: await cluster.found(g) for g in ("orders", "payments")}
     leaving = leaders["orders"]
     led = sorted(g for g, name in leaders.items() if name == leaving)
     others = {g: name for g, name in leaders.items() if name != leaving}
@@ -319,9 +308,7 @@ async def test_hand_over_moves_each_led_group_to_a_follower_without_an_election_
 async def test_the_leader_tells_each_replicas_state_and_lag(cluster: Cluster) -> None:
     """``stream info`` asked of the leader: every replica's state and how many entries
     of the leader's log it is not known to hold; a follower knows none of it."""
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     up, down = (n for n in NAMES if n != leader)
     driver = cluster.drivers[leader]
     driver.propose("orders", b"m")
@@ -345,9 +332,7 @@ async def test_hand_over_while_a_turn_waits_for_its_fsync(cluster: Cluster) -> N
     """A drain comes whenever it comes: between a node's Ready and its advance (the turn
     waiting for its fsync in the executor), hand_over must not touch the node -- the
     core refuses anything then (DriverError) and the drain failed."""
-    for driver in cluster.drivers.values():
-        driver.create("orders", NAMES, b"")
-    leader = await cluster.elect("orders")
+    leader = await cluster.found("orders")
     driver = cluster.drivers[leader]
     fsync_done = asyncio.Event()
 
