@@ -207,34 +207,38 @@ async def abuse(address: str) -> tuple[RawLink, int]:
     """A connector that registers ABUSE_SERVICES services and joins ABUSE_GROUPS groups
     (pipelined, in batches), left open; and how many routes it made."""
     link = await RawLink.open(address)
-    await link.hello("abuser")
-    members: list[bytes] = []
-    batch = 5_000
-    for start in range(0, ABUSE_SERVICES, batch):
-        await link.send(
-            b"".join(
-                encode_control(ControlType.REGISTER, Register(server=f"s{i % 50}"), i + 1)
-                for i in range(start, start + batch)
-            )
-        )
-        for frame in await answers(link, batch, ControlType.REGISTERED):
-            assert isinstance(frame.body, AddressBody)
-            members.append(frame.body.address)
-    for start in range(0, ABUSE_GROUPS, batch):
-        await link.send(
-            b"".join(
-                encode_control(
-                    ControlType.JOIN,
-                    Membership(
-                        member=members[i // GROUPS_PER_MEMBER],
-                        group=meshbus.Multicast(f"g{i}").to_bytes(),
-                    ),
-                    i + 1,
+    try:
+        await link.hello("abuser")
+        members: list[bytes] = []
+        batch = 5_000
+        for start in range(0, ABUSE_SERVICES, batch):
+            await link.send(
+                b"".join(
+                    encode_control(ControlType.REGISTER, Register(server=f"s{i % 50}"), i + 1)
+                    for i in range(start, start + batch)
                 )
-                for i in range(start, start + batch)
             )
-        )
-        await answers(link, batch, ControlType.OK)
+            for frame in await answers(link, batch, ControlType.REGISTERED):
+                assert isinstance(frame.body, AddressBody)
+                members.append(frame.body.address)
+        for start in range(0, ABUSE_GROUPS, batch):
+            await link.send(
+                b"".join(
+                    encode_control(
+                        ControlType.JOIN,
+                        Membership(
+                            member=members[i // GROUPS_PER_MEMBER],
+                            group=meshbus.Multicast(f"g{i}").to_bytes(),
+                        ),
+                        i + 1,
+                    )
+                    for i in range(start, start + batch)
+                )
+            )
+            await answers(link, batch, ControlType.OK)
+    except BaseException:
+        await link.close()  # not left for a later test to collect
+        raise
     return link, len(members)
 
 
@@ -263,9 +267,9 @@ async def test_memory_comes_back_after_an_abusive_connector_leaves(
         figures = []
         for _ in range(2):
             link, services = await abuse(broker.address)
-            assert services == ABUSE_SERVICES
             during = rss_kib(pid)
             await link.close()
+            assert services == ABUSE_SERVICES
 
             # Withdrawn in slices (well under 2 s on an idle machine), the memory given back
             # after the last.
