@@ -52,6 +52,15 @@ async def leader_seen_by(broker: meshbus.Connector) -> str:
     return (await broker.streams.info(STREAM)).leader
 
 
+async def led_by_another(broker: meshbus.Connector, old: str, what: str, timeout: float) -> None:
+    """Until ``broker`` knows a leader of the stream other than ``old``."""
+
+    async def another() -> bool:
+        return (await leader_seen_by(broker)) not in ("", old)
+
+    await wait_until(another, what, timeout=timeout)
+
+
 async def on_both_sides(replicas: Replicas, leader: str) -> tuple[Producer, Producer, Consumer]:
     """A producer on a follower, one on the leader (its clients keep it, and still reach
     it when it is cut off from the others), each with 20 values acknowledged; and a
@@ -104,11 +113,7 @@ async def test_a_paused_leader_steps_down_and_acknowledges_nothing_alone(tmp_pat
         replicas.resume(leader)
         resumed_at = time.monotonic()
         async with await meshbus.connect(replicas[leader].address, server="c") as conn:
-
-            async def stepped_down() -> bool:
-                return (await leader_seen_by(conn)) not in ("", leader)
-
-            await wait_until(stepped_down, "the old leader following the new one")
+            await led_by_another(conn, leader, "the old leader following the new one", 10)
         await inside.wait_acked(10, since=resumed_at)
         await stopped_and_checked(replicas, [outside, inside], consumer)
 
@@ -241,11 +246,7 @@ async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> No
             async with await meshbus.connect(watcher.address, server="c") as conn:
                 drained_at = time.monotonic()
                 replicas[leader].process.send_signal(signal.SIGTERM)  # a drain
-
-                async def handed_over() -> bool:
-                    return (await leader_seen_by(conn)) not in ("", leader)
-
-                await wait_until(handed_over, "a follower leading", timeout=grace / 2)
+                await led_by_another(conn, leader, "a follower leading", grace / 2)
                 exited = replicas[leader].process.returncode
                 assert exited is None, f"the leader changed once it was gone ({exited})"
                 assert time.monotonic() - drained_at < grace / 2
