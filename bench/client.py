@@ -40,6 +40,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg as NatsMsg
 
 import meshbus
+from bench.nats_py import flushed
 from bench.report import key_values
 from bench.runs import alternate, request_options, runs_options
 from bench.servers import BenchSetupError, Server, meshbus_broker, nats_server
@@ -94,15 +95,6 @@ async def _connect_nats(job: Job) -> NatsClient:
     return await nats.connect(f"nats://{job.host}:{job.port}")
 
 
-async def _subscribed(nc: NatsClient) -> None:
-    """The SUBs sent so far are known to the whole cluster: the PONG of a PING after a
-    SUB says so. nats.py writes a flush's PING straight to its socket, ahead of a SUB its
-    flusher task may not have written yet; after a first PONG it has, so the second
-    flush's PING follows the SUB."""
-    await nc.flush()
-    await nc.flush()
-
-
 class _Arrivals:
     """Counts arrivals; times the run from the end of the warm-up to the last one."""
 
@@ -150,7 +142,7 @@ async def _receive(job: Job, pipe: Connection) -> dict[str, float]:
             arrivals.arrived()
 
         await nc.subscribe(_SUBJECT, cb=counted)
-        await _subscribed(nc)
+        await flushed(nc)
         _ready(pipe)
         return await arrivals.rate()
     finally:
@@ -202,7 +194,7 @@ async def _respond(job: Job, pipe: Connection) -> dict[str, float]:
             await msg.respond(msg.data)
 
         await nc.subscribe(_SUBJECT, cb=answer)
-        await _subscribed(nc)
+        await flushed(nc)
         _ready(pipe)
         await _until_told(pipe, asyncio.get_running_loop().create_future())
     finally:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import meshbus
+from bench.nats_py import flushed
 
 if TYPE_CHECKING:  # nats.py is imported by the NATS side only, when it runs
     import nats.aio.client
@@ -281,7 +282,7 @@ class NatsSide:
         await self.nc.subscribe(f"game.zone.{zone}", cb=callback)
 
     async def ready(self) -> None:
-        await self.nc.flush()
+        await flushed(self.nc)
 
     async def send_unicast(self, src: int, dst: int, payload: bytes) -> None:
         await self.nc.publish(f"game.player.{dst}", payload)

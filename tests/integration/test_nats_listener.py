@@ -2,8 +2,8 @@
 project's own asyncio client, and raw protocol text over a socket.
 
 Every test of what a client sees runs twice: against the broker's listener and against
-a real nats-server (on PATH, or /usr/sbin/nats-server), so the behaviour is held to the
-server it copies -- the -ERR words, which errors close, what a message looks like. The
+a real nats-server (on its own port, -p -1), so the behaviour is held to the server it
+copies -- the -ERR words, which errors close, what a message looks like. The
 tests of the broker's own bounds (slow consumers, stale connections, the connection
 limit) run against the broker alone; sign-in, permissions, TLS and lame duck mode are
 tests/integration/test_nats_security.py's."""
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -26,6 +25,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from bench.nats_py import flushed
+from bench.servers import nats_server
 from meshbus.broker.process import (
     broker_command,
     child_env,
@@ -35,12 +36,8 @@ from meshbus.broker.process import (
 )
 from tests.integration.helpers import (
     IO_TIMEOUT,
-    free_port,
     wait_until,
 )
-
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
-
 
 # -- servers -----------------------------------------------------------------------------
 
@@ -53,16 +50,6 @@ class Server:
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
-
-
-def _wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server exited before it listened"
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"nothing listens on port {port}")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -92,16 +79,12 @@ def start_meshbus(*args: str) -> tuple[subprocess.Popen[bytes], int]:
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     """The server under test: the broker's NATS listener, or nats-server itself (one
     process per module, shared by its tests: each test uses subjects of its own)."""
-    if request.param == "meshbus":
-        process, port = start_meshbus()
-    else:
-        port = free_port()
-        process = subprocess.Popen(
-            [NATS_SERVER, "-a", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_for_port(port, process)
+    if request.param == "nats-server":
+        # nats-server picks its own port (-p -1) and logs it: no port handed over and lost.
+        with nats_server(kind="nats-server") as peer:
+            yield Server(peer.kind, peer.port)
+        return
+    process, port = start_meshbus()
     try:
         yield Server(request.param, port)
     finally:
@@ -259,10 +242,9 @@ async def test_a_queue_group_gets_each_message_once(server: Server) -> None:
         inboxes = [Inbox(), Inbox(), Inbox()]
         for nc, inbox in zip((a, b, c), inboxes, strict=True):
             await nc.subscribe("jobs.run", queue="workers", cb=inbox.cb)
-            await nc.flush()
         everything = Inbox()
         await a.subscribe("jobs.>", cb=everything.cb)
-        await a.flush()
+        await flushed(a, b, c)
         async with client(server) as publisher:
             for i in range(count):
                 await publisher.publish("jobs.run", str(i).encode())
@@ -318,12 +300,12 @@ async def test_request_reply_and_many_replies(server: Server) -> None:
             await responders.publish(msg.reply, b"second")
 
         await responders.subscribe("svc.echo", cb=answer)
-        await responders.flush()
+        await flushed(responders)
         reply = await requester.request("svc.echo", b"hello", timeout=IO_TIMEOUT)
         assert reply.data == b"re:hello"
         # Many replies to one request are legal: the reply subject is a plain subject.
         await responders.subscribe("svc.echo", cb=answer_twice)
-        await responders.flush()
+        await flushed(responders)
         inbox = Inbox()
         reply_subject = requester.new_inbox()
         await requester.subscribe(reply_subject, cb=inbox.cb)
@@ -369,7 +351,7 @@ async def test_echo_off(server: Server) -> None:
         mine, theirs = Inbox(), Inbox()
         await quiet.subscribe("echo.t", cb=mine.cb)
         await other.subscribe("echo.t", cb=theirs.cb)
-        await other.flush()
+        await flushed(quiet, other)
         await quiet.publish("echo.t", b"from quiet")
         await quiet.flush()
         await theirs.wait_for(1)

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 import meshbus
+from bench.nats_py import flushed
 from meshbus import Anycast, Multicast
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import IO_TIMEOUT, wait_members, wait_until
@@ -74,17 +75,6 @@ async def client(broker: NatsBroker, **options: Any) -> AsyncIterator[Client]:
         await nc.close()
 
 
-async def subscribed(*clients: Client) -> None:
-    """Every SUB the clients sent is known to every broker: the PONG of a PING that
-    follows a SUB comes once the whole mesh applied it. nats.py (2.16) writes a flush's
-    PING straight to its socket, ahead of a SUB its flusher task has not written yet
-    (``Client._send_ping``); once a first PONG came the flusher has run, so a second
-    flush's PING follows the SUBs."""
-    for nc in clients:
-        await nc.flush()
-        await nc.flush()
-
-
 class Inbox:
     """What one subscription got."""
 
@@ -112,7 +102,7 @@ async def test_wildcards_across_brokers(mesh: list[NatsBroker]) -> None:
         await sub_b.subscribe("orders.*", cb=one.take)
         await sub_c.subscribe("orders.>", cb=rest.take)
         await sub_c.subscribe("orders.new", cb=exact.take)
-        await subscribed(sub_b, sub_c)
+        await flushed(sub_b, sub_c)
         await pub.publish("orders.new", b"1")
         await pub.publish("orders.new.eu", b"2")
         await pub.publish("other", b"3")
@@ -137,7 +127,7 @@ async def test_a_subscription_is_known_mesh_wide_when_flush_returns(
         for i in range(20):
             inbox = Inbox()
             subscription = await sub.subscribe(f"flush.{i}", cb=inbox.take)
-            await subscribed(sub)
+            await flushed(sub)
             await pub.publish(f"flush.{i}", b"x")
             await pub.flush()
             await inbox.wait_for(1)
@@ -162,7 +152,7 @@ async def test_a_queue_group_gets_each_message_once_mesh_wide(mesh: list[NatsBro
         await member_c.subscribe("jobs", queue="workers", cb=members["c"].take)
         everything = Inbox()
         await plain.subscribe("jobs", cb=everything.take)
-        await subscribed(member_a, member_b1, member_b2, member_c, plain)
+        await flushed(member_a, member_b1, member_b2, member_c, plain)
         for i in range(count):
             await pub.publish("jobs", b"%d" % i)
         await pub.flush()
@@ -190,7 +180,7 @@ async def test_request_reply_across_brokers(mesh: list[NatsBroker]) -> None:
             await responder.publish(msg.reply, b"re:" + msg.data)
 
         await responder.subscribe("svc.echo", cb=answer)
-        await subscribed(responder)
+        await flushed(responder)
         # nats.py subscribes its _INBOX.<id>.* with the first request, unflushed: the
         # interest must reach c before the request does.
         for i in range(10):
@@ -209,7 +199,7 @@ async def test_no_responders_when_nobody_anywhere_subscribes(mesh: list[NatsBrok
                 await responder.publish(msg.reply, b"here")
 
             await responder.subscribe("somebody.home", cb=answer)
-            await subscribed(responder)
+            await flushed(responder)
             reply = await requester.request("somebody.home", b"?", timeout=IO_TIMEOUT)
             assert reply.data == b"here"
         # The responder's client is gone: its interest goes from every broker.
@@ -235,7 +225,7 @@ async def test_a_killed_brokers_interest_goes(mesh: list[NatsBroker]) -> None:
             await responder.publish(msg.reply, b"c")
 
         await responder.subscribe("on.c", cb=answer)
-        await subscribed(responder)
+        await flushed(responder)
         assert (await requester.request("on.c", b"", timeout=IO_TIMEOUT)).data == b"c"
         c.process.process.send_signal(signal.SIGKILL)
         await c.process.process.wait()
@@ -320,14 +310,14 @@ async def test_a_client_given_one_broker_goes_on_at_another_when_it_goes(
         assert {s.netloc for s in nc.discovered_servers} == {b.netloc, c.netloc}
         inbox = Inbox()
         await nc.subscribe("goes.on", cb=inbox.take)
-        await subscribed(nc)
+        await flushed(nc)
         a.process.process.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
         async with asyncio.timeout(IO_TIMEOUT):
             await reconnected.wait()
         assert lame_duck.is_set() == (how == "drain")
         assert nc.connected_url is not None
         assert nc.connected_url.netloc in {b.netloc, c.netloc}
-        await subscribed(nc)  # nats.py subscribed again on reconnecting
+        await flushed(nc)  # nats.py subscribed again on reconnecting
         await publisher.publish("goes.on", b"after")
         await publisher.flush()
         await inbox.wait_for(1)
@@ -349,7 +339,7 @@ async def test_a_nats_publish_reaches_a_meshbus_multicast_member(mesh: list[Nats
         # Before the group has a member a's bridge learns the subject reaches no one in
         # meshbus; the member's join must undo that.
         await pub.publish("prices.eur", b"before the member")
-        await pub.flush()
+        await flushed(pub)
         await member.join(Multicast("prices.eur"))
         await wait_members([x.process for x in mesh], Multicast("prices.eur"), 1)
         await pub.publish("prices.eur", b"1.08", headers={"Source": "ecb"})
@@ -392,7 +382,7 @@ async def test_a_meshbus_multicast_reaches_nats_subscribers(mesh: list[NatsBroke
         await sub_c.subscribe("news.>", cb=wild.take)
         await worker_c1.subscribe("news.sport", queue="q", cb=workers[0].take)
         await worker_c2.subscribe("news.sport", queue="q", cb=workers[1].take)
-        await subscribed(sub_b, sub_c, worker_c1, worker_c2)
+        await flushed(sub_b, sub_c, worker_c1, worker_c2)
         for i in range(10):
             await sender.send(Multicast("news.sport"), b"%d" % i, headers={"N": str(i)})
         await exact.wait_for(10)

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.nats_py import flushed
 from tests.conftest import stop_all
 from tests.integration.helpers import free_port
 from tests.integration.test_cli import run_cli
 from tests.integration.test_monitor import http_get
 from tests.integration.test_nats_listener import QUIET, RawNats, flood, slow_consumer
-from tests.integration.test_nats_mesh import Inbox, NatsBroker, _start, client, subscribed
+from tests.integration.test_nats_mesh import Inbox, NatsBroker, _start, client
 
 SIZE = 100  # bytes of each message published
 
@@ -69,7 +70,7 @@ async def test_stat_top_and_metrics_show_the_nats_clients(
         await reader.subscribe("orders.*", cb=near.take)
         await reader.subscribe("audit", cb=near.take)
         await far.subscribe("orders.new", cb=remote.take)
-        await subscribed(reader, far)
+        await flushed(reader, far)
         for _ in range(10):
             await publisher.publish("orders.new", b"x" * SIZE)
         await publisher.flush()

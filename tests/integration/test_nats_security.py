@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import ssl
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,16 +21,15 @@ import trustme
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.errors import NoServersError
 
+from bench import servers
 from meshbus.auth import Credentials, TokenKey, nkey_public, users_entry
 from meshbus.private_files import write_private
-from tests.integration.helpers import IO_TIMEOUT, free_port
+from tests.integration.helpers import IO_TIMEOUT
 from tests.integration.test_nats_listener import (
-    NATS_SERVER,
     QUIET,
     Inbox,
     RawNats,
     Server,
-    _wait_for_port,
     client,
     start_meshbus,
     stop,
@@ -87,17 +85,8 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         + ', permissions: { publish: ["ok.*", "_INBOX.>"], subscribe: { allow: '
         '["ok.*", "_INBOX.>"], deny: ["ok.secret"] } } } ] }\n'
     )
-    port = free_port()
-    process = subprocess.Popen(
-        [NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "-c", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_for_port(port, process)
-    try:
-        yield port
-    finally:
-        stop(process)
+    with servers.nats_server("-c", str(config), kind="nats-server") as peer:
+        yield peer.port
 
 
 def sign(key: Ed25519PrivateKey, nonce: object) -> dict[str, object]:
