@@ -23,7 +23,7 @@ import pyspark
 import pytest
 
 import meshbus
-from tests.conftest import BrokerProcess
+from tests.conftest import QUICK_JVM, BrokerProcess
 from tests.spark.conftest import publish
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("jvm")]
@@ -31,9 +31,6 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("jvm"
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 CHECKOUT = Path(__file__).parents[2]
 LOOPBACK = ("--host", "127.0.0.1", "--port", "0", "--webui-port", "0")  # ports: any free one
-# JVMs that start quicker and take less CPU on a small machine: the test's JVMs live
-# for seconds and move little data, so C1's code and a serial collector are enough.
-QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 class Daemon:
