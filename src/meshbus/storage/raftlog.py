@@ -523,9 +523,9 @@ def _kept_states(
         }
     for group, state in groups.items():
         state.hard = kept[group].with_commit(state.hard.commit)
-    state = StateFile(incarnation, kept)
-    if state != found:
-        state_file.write(state)
+    written = StateFile(incarnation, kept)
+    if written != found:
+        state_file.write(written)
     return incarnation, kept
 
 

@@ -16,6 +16,13 @@ So a thousand groups with an append each cost one fsync per turn, not a thousand
 nothing leaves this broker before what it depends on is durable: a follower has its
 entries on disk before it answers, a voter its vote before it grants it.
 
+Members are (node id, broker, incarnation) (meshbus.broker.replication.members): a
+message is taken from a node id only if it came from that member's broker as that
+member's incarnation. A broker holding no such group answers a group's messages as a
+*stranger*, with its incarnation; the leader replaces a voter whose broker answers so
+as another incarnation (its data dir was wiped), or that it has not heard from for
+``replace_after`` ticks, one membership change a tick at most (``members.next_step``).
+
 A log that fails (a full disk) stops the driver: no more sends, no more applies, every
 proposal refused with the log's error. The other replicas elect a leader without it.
 """
@@ -32,6 +39,14 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from meshbus.broker.replication.members import (
+    Member,
+    Roster,
+    Seen,
+    decode_roster,
+    encode_roster,
+    next_step,
+)
 from meshbus.errors import MeshbusError
 from meshbus.raft import (
     Entry,
@@ -49,6 +64,7 @@ from meshbus.raft import (
     Snapshot,
     Stored,
     bootstrap,
+    empty,
 )
 from meshbus.storage.raftlog import (
     GroupLog,
@@ -62,6 +78,9 @@ from meshbus.storage.raftlog import (
 
 log = logging.getLogger("meshbus.broker")
 
+# The brokers a group remembers as strangers (their incarnations), at most.
+_MAX_STRANGERS = 64
+
 T = TypeVar("T")
 RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
 
@@ -73,24 +92,36 @@ class ReplicationError(MeshbusError):
 
 class Transport(Protocol):
     def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
-        """Send ``messages`` of ``group`` to ``broker`` (dropped if it is not linked)."""
+        """Send ``messages`` of ``group`` to ``broker`` (dropped if it is not linked);
+        with none, a probe: a broker that holds no such group answers as a stranger."""
+
+    def stranger(self, broker: str, group: str) -> None:
+        """Tell ``broker`` this broker holds no group ``group``."""
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        """Tell ``broker`` it is added to ``group`` as ``member`` (``meta.members``:
+        the group's members with it)."""
 
 
 class StateMachine(Protocol):
     def apply(self, group: str, entries: Sequence[Entry]) -> None:
         """``entries`` are committed, in order (after a restart, again from the first one
-        not in a snapshot: the machine skips what it applied already)."""
+        not in a snapshot: the machine skips what it applied already). An entry with a
+        ``membership`` is the driver's: its data is the roster (members.py)."""
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """The leader this broker knows of ``group`` changed (None: none known)."""
 
 
 class GroupMeta(msgspec.Struct, array_like=True, frozen=True):
-    """What a group is, stored with its log: its replicas (node id = place + 1) and the
-    application's description of it (a stream's configuration)."""
+    """What a group is, stored with its log: its founding replicas (node id = place +
+    1) and the application's description of it (a stream's configuration); on a member
+    added later, its ``node`` id and the ``members`` it was added to."""
 
     replicas: list[str]
     app: bytes = b""
+    node: int = 0
+    members: list[Member] = msgspec.field(default_factory=list)
 
 
 @dataclass
@@ -103,10 +134,53 @@ class _Group:
     # index -> (term, its future): proposals waiting for their entry to be applied here
     proposals: dict[int, tuple[int, asyncio.Future[int]]] = field(default_factory=dict)
     leader_changes: int = 0  # a leader known, other than the one before (none between)
+    # node id -> the incarnation learned from its first message (a founding member's)
+    learned: dict[int, int] = field(default_factory=dict)
+    heard: dict[int, int] = field(default_factory=dict)  # node id -> the tick last heard
+    lost: set[int] = field(default_factory=set)  # members whose broker is another self
+    strangers: dict[str, int] = field(default_factory=dict)  # broker -> its incarnation
+    _roster: tuple[int, int, Roster] | None = None  # (index, term, roster) of the log's
+
+    def roster(self) -> Roster:
+        """Who the node ids are: the latest roster in the log (committed or not), over
+        the one the group was founded or joined with (a member added later holds the
+        log's older rosters first, which may name neither it nor its leader)."""
+        log = self.node.log
+        index = log.last_change
+        entry = log.entries(index, 1)[0] if index >= log.first_index else None
+        if entry is None or not entry.data:
+            return self.base()
+        cached = self._roster
+        if cached is None or cached[:2] != (index, entry.term):
+            newer = decode_roster(entry.data)
+            known = {m.node for m in newer.members}
+            older = [m for m in self.base().members if m.node not in known]
+            roster = Roster(older + newer.members, newer.next_node)
+            cached = self._roster = (index, entry.term, roster)
+        return cached[2]
+
+    def base(self) -> Roster:
+        meta = self.meta
+        if meta.members:
+            next_node = max(m.node for m in meta.members) + 1
+            return Roster(list(meta.members), next_node)
+        return Roster.founding(meta.replicas)
+
+    def member(self, node: int) -> Member | None:
+        return self.roster().get(node)
 
     def broker_of(self, node: int) -> str | None:
-        replicas = self.meta.replicas
-        return replicas[node - 1] if 0 < node <= len(replicas) else None
+        member = self.member(node)
+        return member.broker if member is not None else None
+
+    def incarnation_of(self, member: Member) -> int:
+        return member.incarnation or self.learned.get(member.node, 0)
+
+    def current(self) -> Roster:
+        """The members of the latest membership, as the roster names them."""
+        roster = self.roster()
+        members = self.node.membership.members
+        return Roster([m for m in roster.members if m.node in members], roster.next_node)
 
 
 @dataclass
@@ -131,9 +205,14 @@ class RaftDriver:
         settings: RaftSettings,
         randomness: Randomness,
         run_blocking: RunBlocking[None],
+        replace_after: int = 0,
+        candidates: Callable[[str], list[str]] = lambda group: [],
     ) -> None:
         """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
-        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``)."""
+        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``).
+        ``replace_after``: ticks of silence after which a leader replaces a voter (0:
+        never); ``candidates(group)``: the brokers that may take a replica of it, in
+        its placement order (ready, linked; members are skipped)."""
         self._name = name
         self._wal = wal
         self._transport = transport
@@ -150,6 +229,14 @@ class RaftDriver:
         self._records: list[WalRecord] = []  # written with the next turn's Readys
         self._wake = asyncio.Event()
         self._handing_over = False  # hand_over asked: transfers at the next turn
+        self._replace_after = replace_after
+        self._candidates = candidates
+        self.incarnation = wal.incarnation
+        self.now = 0  # ticks stepped in so far: the clock of silences
+        # (broker, group) told "stranger" since the last election timeout: once each
+        self._told: set[tuple[str, str]] = set()
+        # members added, told so after the turn's sync (the change is durable here)
+        self._joins: list[tuple[_Group, Member]] = []
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -166,7 +253,7 @@ class RaftDriver:
             )
         for group, state in self._wal.groups.items():
             meta = msgspec.msgpack.decode(state.meta, type=GroupMeta)
-            if me not in meta.replicas:
+            if not meta.node and me not in meta.replicas:
                 log.error(
                     "the Raft log names this broker's replicated stream under another broker "
                     "name; restart it with --name set to its name among the replicas",
@@ -198,8 +285,27 @@ class RaftDriver:
         self._fail_proposals(state, ReplicationError(f"stream {group!r} was deleted"))
         self._wake.set()
 
+    def join(self, group: str, meta: GroupMeta) -> bool:
+        """Take part in ``group`` as the new member ``meta.node`` (its leader added
+        it): from an empty log, which the leader's appends fill. Whether it was taken:
+        not if this broker holds the group already as a member of it -- a join it took
+        before, or one from a leader that has not heard of its membership; the local
+        copy of a node that is no member now (its addition was never committed) gives
+        way, under its own node id, which is never used again."""
+        held = self.groups.get(group)
+        if held is not None:
+            me = held.current().get(held.node.id)
+            if held.node.id == meta.node or (me is not None and me.broker == self._name()):
+                return False
+            self.drop(group)
+        record = WalRecord(group, meta=msgspec.msgpack.encode(meta))
+        self._records.append(record)
+        self._add(group, meta, empty())
+        self._wake.set()
+        return True
+
     def _add(self, group: str, meta: GroupMeta, stored: Stored) -> None:
-        node_id = meta.replicas.index(self._name()) + 1
+        node_id = meta.node or meta.replicas.index(self._name()) + 1
         node = RaftNode(node_id, self._settings, stored, self._randomness)
         self.groups[group] = _Group(group, meta, node)
 
@@ -223,6 +329,7 @@ class RaftDriver:
             return []
         node = state.node
         last = node.log.last_index
+        learners = node.membership.learners
         states = []
         for peer, progress in sorted(node.progress.items()):
             if peer == node.id:
@@ -234,8 +341,26 @@ class RaftDriver:
             else:
                 kind = "follower"
             lag = 0 if peer == node.id else max(last - progress.match, 0)
-            states.append({"broker": state.broker_of(peer) or "", "state": kind, "lag": lag})
+            states.append(
+                {
+                    "broker": state.broker_of(peer) or "",
+                    "state": kind,
+                    "lag": lag,
+                    "voter": peer not in learners,
+                }
+            )
         return states
+
+    def members_of(self, group: str) -> tuple[list[str], list[str]]:
+        """The brokers of ``group``'s voters and of its learners, as this broker's log
+        says (the latest membership in it, committed or not)."""
+        state = self.groups.get(group)
+        if state is None:
+            return [], []
+        membership = state.node.membership
+        voters = [state.broker_of(n) or "" for n in sorted(membership.voters)]
+        learners = [state.broker_of(n) or "" for n in sorted(membership.learners)]
+        return voters, learners
 
     def hand_over(self) -> list[str]:
         """Ask each group this broker leads to move its leadership to the follower that
@@ -274,20 +399,61 @@ class RaftDriver:
         self._ticks += 1
         self._wake.set()
 
-    def receive(self, sender: str, group: str, messages: Sequence[Message]) -> None:
-        """Messages of ``group`` from broker ``sender`` (checked against the group's
-        replicas: a message that does not come from the broker it names is dropped)."""
+    def receive(
+        self, sender: str, group: str, messages: Sequence[Message], incarnation: int = 0
+    ) -> None:
+        """Messages of ``group`` from broker ``sender`` as its ``incarnation``, checked
+        against the group's members: a message that does not come from the member it
+        names -- its broker, as its incarnation -- is dropped. A group this broker does
+        not hold is answered as a stranger (once an election timeout), so its leader
+        learns that this broker is not, or no longer, its member."""
         state = self.groups.get(group)
+        if state is None:
+            self.stats.dropped += len(messages)
+            if (sender, group) not in self._told:
+                self._told.add((sender, group))
+                self._transport.stranger(sender, group)
+            return
         for message in messages:
-            if (
-                state is None
-                or state.broker_of(message.sender) != sender
-                or message.to != state.node.id
-            ):
+            member = state.member(message.sender)
+            if member is None or member.broker != sender or message.to != state.node.id:
                 self.stats.dropped += 1
                 continue
+            known = state.incarnation_of(member)
+            if known and incarnation != known:
+                self.stats.dropped += 1  # from another self of the member's broker
+                continue
+            if not known and incarnation:
+                state.learned[member.node] = incarnation
+            state.heard[member.node] = self.now
             self.stats.received += 1
             self._inbox.append((group, message))
+        self._wake.set()
+
+    def stranger(self, sender: str, group: str, incarnation: int) -> None:
+        """Broker ``sender``, as ``incarnation``, holds no group ``group``: a member of
+        it there that is another incarnation is lost (replaced by the leader); a
+        learner that is this one has not had its join (sent again)."""
+        state = self.groups.get(group)
+        if state is None:
+            return
+        if len(state.strangers) >= _MAX_STRANGERS:
+            state.strangers.clear()
+        state.strangers[sender] = incarnation
+        learners = state.node.membership.learners
+        for member in state.current().of_broker(sender):
+            known = state.incarnation_of(member)
+            if known == incarnation and member.node in learners:
+                if state.node.role is Role.LEADER:
+                    self._joins.append((state, member))
+            elif known != incarnation or not known:
+                state.lost.add(member.node)
+            else:
+                log.warning(
+                    "a replica of a replicated stream lost its group and is replaced once "
+                    "silent for --replace-after",
+                    extra={"stream": group, "broker": sender},
+                )
         self._wake.set()
 
     def propose(self, group: str, data: bytes) -> asyncio.Future[int]:
@@ -342,6 +508,10 @@ class RaftDriver:
                 return
             self.stats.syncs += 1
             self.stats.records += len(records)
+        joins, self._joins = self._joins, []
+        for state, member in joins:
+            if self.groups.get(state.name) is state and state.node.role is Role.LEADER:
+                self._transport.join(member.broker, state.name, self._meta_for(state), member)
         for state, ready in readies:
             self._send(state, ready.messages)
         for state, ready in readies:
@@ -374,6 +544,16 @@ class RaftDriver:
         for _ in range(ticks):
             for state in groups.values():
                 state.node.tick()
+        if ticks:
+            self.now += ticks
+            if (
+                self.now // self._settings.election_ticks
+                != (self.now - ticks) // self._settings.election_ticks
+            ):
+                self._told.clear()
+            for state in groups.values():
+                if state.node.role is Role.LEADER:
+                    self._replace(state)
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:
@@ -391,6 +571,61 @@ class RaftDriver:
                 future.set_exception(exc)
                 continue
             leading.proposals[index] = (leading.node.term, future)
+
+    def _replace(self, state: _Group) -> None:
+        """The leader's next step of a replacement, if one is due (members.next_step)."""
+        node = state.node
+        members = node.membership.members - {node.id}
+        state.lost &= members
+        step = next_step(
+            node.membership,
+            state.current(),
+            {
+                peer: Seen(
+                    self.now - state.heard.setdefault(peer, self.now),
+                    node.progress[peer].match if peer in node.progress else 0,
+                    peer in state.lost,
+                )
+                for peer in members
+            },
+            node.log.last_index,
+            leader=node.id,
+            active_within=2 * self._settings.election_ticks,
+            replace_after=self._replace_after,
+            gap=2 * self._settings.max_append_entries,
+            candidates=[b for b in self._candidates(state.name) if b != self._name()],
+            strangers=state.strangers,
+        )
+        if step is None:
+            return
+        if step.probe:
+            self._transport.send(step.probe, state.name, ())
+            return
+        assert step.change is not None
+        assert step.roster is not None
+        try:
+            node.propose_change(step.change, encode_roster(step.roster.known(state.learned)))
+        except ProposalRefused as exc:
+            log.debug("stream %s: membership change waits: %s", state.name, exc)
+            return
+        log.warning(
+            "replicated stream: membership change",
+            extra={
+                "stream": state.name,
+                "change": step.change.kind.value,
+                "node": step.change.node,
+                "broker": state.broker_of(step.change.node),
+            },
+        )
+        if step.joining is not None:
+            state.heard[step.joining.node] = self.now
+            state.strangers.pop(step.joining.broker, None)
+            self._joins.append((state, step.joining))
+
+    def _meta_for(self, state: _Group) -> GroupMeta:
+        """The meta a new member is sent: the group's founding list and description,
+        and its members as of now (the latest roster in this leader's log)."""
+        return GroupMeta(state.meta.replicas, state.meta.app, 0, state.current().members)
 
     def _step(self, state: _Group, message: Message) -> None:
         try:
@@ -442,6 +677,10 @@ class RaftDriver:
         was_leading = state.leader == me
         if leader is not None and leader != state.leader:
             state.leader_changes += 1
+        if leader == me and not was_leading:
+            # Silences are counted from now: as a follower it heard from the leader only.
+            state.heard = dict.fromkeys(node.membership.members, self.now)
+            state.lost.clear()
         state.leader, state.term = leader, node.term
         if was_leading and leader != me:
             # Proposals of the old term may yet be committed by the next leader (a
