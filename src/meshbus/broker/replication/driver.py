@@ -235,6 +235,9 @@ class RaftDriver:
         self.now = 0  # ticks stepped in so far: the clock of silences
         # (broker, group) told "stranger" since the last election timeout: once each
         self._told: set[tuple[str, str]] = set()
+        # Only once its groups are read back does this broker know which it holds: a
+        # stranger's answer before would make a member that restarts look wiped.
+        self._recovered = False
         # members added, told so after the turn's sync (the change is durable here)
         self._joins: list[tuple[_Group, Member]] = []
 
@@ -244,6 +247,7 @@ class RaftDriver:
         """The groups the log holds, rebuilt as nodes; each with its meta."""
         found = []
         me = self._name()
+        self._recovered = True
         for group in self._wal.lost:
             log.error(
                 "damage to the Raft log took every record of a replicated stream; this "
@@ -410,7 +414,7 @@ class RaftDriver:
         state = self.groups.get(group)
         if state is None:
             self.stats.dropped += len(messages)
-            if (sender, group) not in self._told:
+            if self._recovered and (sender, group) not in self._told:
                 self._told.add((sender, group))
                 self._transport.stranger(sender, group)
             return

@@ -493,3 +493,52 @@ async def test_a_silent_voter_is_replaced_by_the_next_broker_in_placement_order(
     cluster.down.discard(gone)
     await cluster.tick(3 * SETTINGS.election_ticks)
     assert cluster.leader("orders") == leader
+
+
+class Told:
+    """A transport that records whom this broker tells it holds no such group."""
+
+    def __init__(self) -> None:
+        self.strangers: list[tuple[str, str]] = []
+
+    def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
+        pass
+
+    def stranger(self, broker: str, group: str) -> None:
+        self.strangers.append((broker, group))
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        pass
+
+
+async def test_a_broker_says_it_holds_no_group_only_once_it_read_its_log_back(
+    tmp_path: Path,
+) -> None:
+    """A broker that restarts hears from its peers before its groups are read back (the
+    mesh's join comes first): saying then that it holds none would make their leader
+    replace it as if its data dir had been wiped. Once read back, it says so once an
+    election timeout for a group it does not hold."""
+    wal, _ = RaftWal.open(str(tmp_path / "b2.wal"))
+    told = Told()
+    driver = RaftDriver(
+        name=lambda: "b2",
+        wal=wal,
+        transport=told,
+        machine=Machine(),
+        settings=SETTINGS,
+        randomness=random.Random(2),
+        run_blocking=inline,
+    )
+    heartbeat = Message(MessageType.HEARTBEAT, 1, 2, 2)
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == []
+    driver.recover()
+    driver.receive("b1", "orders", [heartbeat])
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == [("b1", "orders")]
+    for _ in range(SETTINGS.election_ticks):
+        driver.tick()
+    await driver.turn()
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == [("b1", "orders")] * 2
+    driver.close()
