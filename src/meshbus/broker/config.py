@@ -240,8 +240,9 @@ class BrokerConfig:
         max=86400.0 * 365,
         help="Replicated streams: seconds a stream's leader waits for a replica it does not "
         "hear from before it replaces it by the next ready broker in the stream's placement "
-        "order (added as a learner, promoted once it holds the log, then the silent one "
-        "removed). 0: never. A replica whose data dir was wiped is replaced at once.",
+        "order (added as a learner, which copies the log; once caught up, the silent one "
+        "removed and the new one promoted). 0: never. A replica whose data dir was wiped "
+        "is replaced at once.",
     )
     max_streams: int = setting(
         1000,
