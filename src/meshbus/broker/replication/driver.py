@@ -34,23 +34,16 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from meshbus.broker.replication.members import (
-    Member,
-    Roster,
-    Seen,
-    decode_roster,
-    encode_roster,
-    next_step,
-)
+from meshbus.broker.replication.group import Group, GroupMeta, record_of, stored_of
+from meshbus.broker.replication.members import Member, encode_roster, next_step
 from meshbus.errors import MeshbusError
 from meshbus.raft import (
     Entry,
-    HardState,
     Membership,
     Message,
     NotLeader,
@@ -61,19 +54,14 @@ from meshbus.raft import (
     Randomness,
     Ready,
     Role,
-    Snapshot,
     Stored,
     bootstrap,
     empty,
 )
 from meshbus.storage.raftlog import (
-    GroupLog,
     RaftLogFailed,
     RaftWal,
-    WalEntry,
-    WalHardState,
     WalRecord,
-    WalSnapshot,
 )
 
 log = logging.getLogger("meshbus.broker")
@@ -113,76 +101,6 @@ class StateMachine(Protocol):
         """The leader this broker knows of ``group`` changed (None: none known)."""
 
 
-class GroupMeta(msgspec.Struct, array_like=True, frozen=True):
-    """What a group is, stored with its log: its founding replicas (node id = place +
-    1) and the application's description of it (a stream's configuration); on a member
-    added later, its ``node`` id and the ``members`` it was added to."""
-
-    replicas: list[str]
-    app: bytes = b""
-    node: int = 0
-    members: list[Member] = msgspec.field(default_factory=list)
-
-
-@dataclass
-class _Group:
-    name: str
-    meta: GroupMeta
-    node: RaftNode
-    leader: str | None = None
-    term: int = 0
-    # index -> (term, its future): proposals waiting for their entry to be applied here
-    proposals: dict[int, tuple[int, asyncio.Future[int]]] = field(default_factory=dict)
-    leader_changes: int = 0  # a leader known, other than the one before (none between)
-    # node id -> the incarnation learned from its first message (a founding member's)
-    learned: dict[int, int] = field(default_factory=dict)
-    heard: dict[int, int] = field(default_factory=dict)  # node id -> the tick last heard
-    lost: set[int] = field(default_factory=set)  # members whose broker is another self
-    strangers: dict[str, int] = field(default_factory=dict)  # broker -> its incarnation
-    _roster: tuple[int, int, Roster] | None = None  # (index, term, roster) of the log's
-
-    def roster(self) -> Roster:
-        """Who the node ids are: the latest roster in the log (committed or not), over
-        the one the group was founded or joined with (a member added later holds the
-        log's older rosters first, which may name neither it nor its leader)."""
-        log = self.node.log
-        index = log.last_change
-        entry = log.entries(index, 1)[0] if index >= log.first_index else None
-        if entry is None or not entry.data:
-            return self.base()
-        cached = self._roster
-        if cached is None or cached[:2] != (index, entry.term):
-            newer = decode_roster(entry.data)
-            known = {m.node for m in newer.members}
-            older = [m for m in self.base().members if m.node not in known]
-            roster = Roster(older + newer.members, newer.next_node)
-            cached = self._roster = (index, entry.term, roster)
-        return cached[2]
-
-    def base(self) -> Roster:
-        meta = self.meta
-        if meta.members:
-            next_node = max(m.node for m in meta.members) + 1
-            return Roster(list(meta.members), next_node)
-        return Roster.founding(meta.replicas)
-
-    def member(self, node: int) -> Member | None:
-        return self.roster().get(node)
-
-    def broker_of(self, node: int) -> str | None:
-        member = self.member(node)
-        return member.broker if member is not None else None
-
-    def incarnation_of(self, member: Member) -> int:
-        return member.incarnation or self.learned.get(member.node, 0)
-
-    def current(self) -> Roster:
-        """The members of the latest membership, as the roster names them."""
-        roster = self.roster()
-        members = self.node.membership.members
-        return Roster([m for m in roster.members if m.node in members], roster.next_node)
-
-
 @dataclass
 class DriverStats:
     turns: int = 0
@@ -220,7 +138,7 @@ class RaftDriver:
         self._settings = settings
         self._randomness = randomness
         self._run_blocking = run_blocking
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, Group] = {}
         self.stats = DriverStats()
         self.failed = ""
         self._ticks = 0
@@ -239,7 +157,7 @@ class RaftDriver:
         # stranger's answer before would make a member that restarts look wiped.
         self._recovered = False
         # members added, told so after the turn's sync (the change is durable here)
-        self._joins: list[tuple[_Group, Member]] = []
+        self._joins: list[tuple[Group, Member]] = []
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -264,7 +182,7 @@ class RaftDriver:
                     extra={"stream": group, "replicas": meta.replicas, "name": me},
                 )
                 continue
-            self._add(group, meta, _stored(state))
+            self._add(group, meta, stored_of(state))
             found.append((group, meta))
         return found
 
@@ -275,7 +193,7 @@ class RaftDriver:
             return  # founded already (its log is read back at start: ``recover``)
         meta = GroupMeta(list(replicas), app)
         stored = bootstrap(Membership.of(range(1, len(replicas) + 1)))
-        record = _record(group, stored.hard_state, None, stored.entries)
+        record = record_of(group, stored.hard_state, None, stored.entries)
         self._records.append(msgspec.structs.replace(record, meta=msgspec.msgpack.encode(meta)))
         self._add(group, meta, stored)
         self._wake.set()
@@ -311,7 +229,7 @@ class RaftDriver:
     def _add(self, group: str, meta: GroupMeta, stored: Stored) -> None:
         node_id = meta.node or meta.replicas.index(self._name()) + 1
         node = RaftNode(node_id, self._settings, stored, self._randomness)
-        self.groups[group] = _Group(group, meta, node)
+        self.groups[group] = Group(group, meta, node)
 
     def leader_of(self, group: str) -> str | None:
         state = self.groups.get(group)
@@ -322,49 +240,18 @@ class RaftDriver:
         return state is not None and state.node.role is Role.LEADER
 
     def replica_states(self, group: str) -> list[dict[str, Any]]:
-        """What the leader knows of each replica of ``group``: its broker, its state --
-        ``leader``, ``follower``, ``repairing`` (its log was damaged: it counts for
-        nothing until repaired) or ``silent`` (not heard from since the last
-        check-quorum, at most an election timeout ago) -- and its ``lag``, the entries
-        of the leader's log it is not known to hold. Empty where this broker does not
-        lead the group: only the leader knows."""
+        """What the leader knows of each replica of ``group`` (``Group.replica_states``);
+        empty where this broker does not lead it: only the leader knows."""
         state = self.groups.get(group)
         if state is None or state.node.role is not Role.LEADER:
             return []
-        node = state.node
-        last = node.log.last_index
-        learners = node.membership.learners
-        states = []
-        for peer, progress in sorted(node.progress.items()):
-            if peer == node.id:
-                kind = "leader"
-            elif progress.repairing:
-                kind = "repairing"
-            elif not progress.recent_active:
-                kind = "silent"
-            else:
-                kind = "follower"
-            lag = 0 if peer == node.id else max(last - progress.match, 0)
-            states.append(
-                {
-                    "broker": state.broker_of(peer) or "",
-                    "state": kind,
-                    "lag": lag,
-                    "voter": peer not in learners,
-                }
-            )
-        return states
+        return state.replica_states()
 
     def members_of(self, group: str) -> tuple[list[str], list[str]]:
         """The brokers of ``group``'s voters and of its learners, as this broker's log
         says (the latest membership in it, committed or not)."""
         state = self.groups.get(group)
-        if state is None:
-            return [], []
-        membership = state.node.membership
-        voters = [state.broker_of(n) or "" for n in sorted(membership.voters)]
-        learners = [state.broker_of(n) or "" for n in sorted(membership.learners)]
-        return voters, learners
+        return state.brokers() if state is not None else ([], [])
 
     def hand_over(self) -> list[str]:
         """Ask each group this broker leads to move its leadership to the follower that
@@ -493,7 +380,7 @@ class RaftDriver:
             return
         self.stats.turns += 1
         self._step_inputs()
-        readies: list[tuple[_Group, Ready]] = []
+        readies: list[tuple[Group, Ready]] = []
         records, self._records = self._records, []
         for state in self.groups.values():
             node = state.node
@@ -502,7 +389,7 @@ class RaftDriver:
                 ready = node.ready()
                 readies.append((state, ready))
                 if ready.must_sync:
-                    write = _record(state.name, ready.hard_state, ready.snapshot, ready.entries)
+                    write = record_of(state.name, ready.hard_state, ready.snapshot, ready.entries)
                     records.append(write)
         if records:
             try:
@@ -576,22 +463,13 @@ class RaftDriver:
                 continue
             leading.proposals[index] = (leading.node.term, future)
 
-    def _replace(self, state: _Group) -> None:
+    def _replace(self, state: Group) -> None:
         """The leader's next step of a replacement, if one is due (members.next_step)."""
         node = state.node
-        members = node.membership.members - {node.id}
-        state.lost &= members
         step = next_step(
             node.membership,
             state.current(),
-            {
-                peer: Seen(
-                    self.now - state.heard.setdefault(peer, self.now),
-                    node.progress[peer].match if peer in node.progress else 0,
-                    peer in state.lost,
-                )
-                for peer in members
-            },
+            state.seen(self.now),
             node.log.last_index,
             leader=node.id,
             active_within=2 * self._settings.election_ticks,
@@ -626,12 +504,12 @@ class RaftDriver:
             state.strangers.pop(step.joining.broker, None)
             self._joins.append((state, step.joining))
 
-    def _meta_for(self, state: _Group) -> GroupMeta:
+    def _meta_for(self, state: Group) -> GroupMeta:
         """The meta a new member is sent: the group's founding list and description,
         and its members as of now (the latest roster in this leader's log)."""
         return GroupMeta(state.meta.replicas, state.meta.app, 0, state.current().members)
 
-    def _step(self, state: _Group, message: Message) -> None:
+    def _step(self, state: Group, message: Message) -> None:
         try:
             state.node.step(message)
         except RaftError as exc:
@@ -644,7 +522,7 @@ class RaftDriver:
             self.groups.pop(state.name, None)
             self._fail_proposals(state, ReplicationError(f"stream {state.name!r}: {exc}"))
 
-    def _send(self, state: _Group, messages: Sequence[Message]) -> None:
+    def _send(self, state: Group, messages: Sequence[Message]) -> None:
         by_broker: dict[str, list[Message]] = defaultdict(list)
         for message in messages:
             broker = state.broker_of(message.to)
@@ -654,7 +532,7 @@ class RaftDriver:
             self.stats.sent += len(batch)
             self._transport.send(broker, state.name, batch)
 
-    def _apply(self, state: _Group, ready: Ready) -> None:
+    def _apply(self, state: Group, ready: Ready) -> None:
         if ready.committed:
             self._machine.apply(state.name, ready.committed)
         proposals = state.proposals
@@ -672,7 +550,7 @@ class RaftDriver:
             else:
                 future.set_exception(_moved(state))
 
-    def _note_leader(self, state: _Group) -> None:
+    def _note_leader(self, state: Group) -> None:
         node = state.node
         leader = state.broker_of(node.leader) if node.leader is not None else None
         if leader == state.leader and node.term == state.term:
@@ -695,7 +573,7 @@ class RaftDriver:
             state.proposals.clear()
         self._machine.leader_changed(state.name, leader, node.term)
 
-    def _fail_proposals(self, state: _Group, error: Exception) -> None:
+    def _fail_proposals(self, state: Group, error: Exception) -> None:
         for _, future in state.proposals.values():
             if not future.done():
                 future.set_exception(error)
@@ -715,59 +593,9 @@ class RaftDriver:
         self._wal.close()
 
 
-def _moved(state: _Group) -> ReplicationError:
+def _moved(state: Group) -> ReplicationError:
     leader = state.leader or "not elected yet"
     return ReplicationError(
         f"stream {state.name!r}: leadership moved (now {leader}) before the append was "
         "committed; it may still be, so a reliable sender resends it and it is stored once"
-    )
-
-
-# -- between the core's values and the log's records ------------------------------------------
-
-
-def _record(
-    group: str, hard: HardState | None, snapshot: Snapshot | None, entries: Sequence[Entry]
-) -> WalRecord:
-    return WalRecord(
-        group,
-        hard=None
-        if hard is None
-        else WalHardState(hard.term, hard.vote or 0, hard.commit, hard.epoch, hard.repairing),
-        snapshot=None
-        if snapshot is None
-        else WalSnapshot(
-            snapshot.index,
-            snapshot.term,
-            sorted(snapshot.membership.voters),
-            sorted(snapshot.membership.learners),
-            snapshot.data,
-        ),
-        entries=[_wal_entry(e) for e in entries],
-    )
-
-
-def _wal_entry(entry: Entry) -> WalEntry:
-    membership = entry.membership
-    if membership is None:
-        return WalEntry(entry.term, entry.index, entry.data)
-    return WalEntry(
-        entry.term, entry.index, entry.data, sorted(membership.voters), sorted(membership.learners)
-    )
-
-
-def _stored(state: GroupLog) -> Stored:
-    hard, snap = state.hard, state.snapshot
-    return Stored(
-        HardState(hard.term, hard.vote or None, hard.commit, hard.epoch, hard.repairing),
-        Snapshot(snap.index, snap.term, Membership.of(snap.voters, snap.learners), snap.data),
-        tuple(
-            Entry(
-                e.term,
-                e.index,
-                e.data,
-                None if e.voters is None else Membership.of(e.voters, e.learners),
-            )
-            for e in state.entries
-        ),
     )

@@ -37,7 +37,8 @@ import msgspec
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.registry import Peers
-from meshbus.broker.replication.driver import GroupMeta, RaftDriver
+from meshbus.broker.replication.driver import RaftDriver
+from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
 from meshbus.broker.replication.wire import from_body, to_bodies
 from meshbus.errors import ProtocolError

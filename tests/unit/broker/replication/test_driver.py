@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from meshbus.broker.replication.driver import GroupMeta, RaftDriver, ReplicationError
+from meshbus.broker.replication.driver import RaftDriver, ReplicationError
+from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
 from meshbus.raft import Entry, Message, MessageType, NotLeader, RaftSettings
 from meshbus.storage.raftlog import MAGIC, RaftLogFailed, RaftWal
