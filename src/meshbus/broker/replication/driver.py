@@ -465,6 +465,8 @@ class RaftDriver:
 
     def _replace(self, state: Group) -> None:
         """The leader's next step of a replacement, if one is due (members.next_step)."""
+        if not state.may_need_replacing(self.now, self._replace_after):
+            return  # the common case, each tick for every group it leads: kept cheap
         node = state.node
         step = next_step(
             node.membership,
@@ -475,7 +477,7 @@ class RaftDriver:
             active_within=2 * self._settings.election_ticks,
             replace_after=self._replace_after,
             gap=2 * self._settings.max_append_entries,
-            candidates=[b for b in self._candidates(state.name) if b != self._name()],
+            candidates=lambda: [b for b in self._candidates(state.name) if b != self._name()],
             strangers=state.strangers,
         )
         if step is None:

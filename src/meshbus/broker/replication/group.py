@@ -94,6 +94,19 @@ class Group:
         learners = [self.broker_of(n) or "" for n in sorted(membership.learners)]
         return voters, learners
 
+    def may_need_replacing(self, now: int, replace_after: int) -> bool:
+        """Whether a replacement may have a step to take (members.next_step): a member
+        lost, a learner, a replacement marked in the roster, or (``replace_after`` > 0)
+        a member not heard from for that long or never since this node leads."""
+        if self.lost or self.node.membership.learners:
+            return True
+        if replace_after:
+            members = self.node.membership.members - {self.node.id}
+            heard = self.heard
+            if any(now - heard.get(peer, now - replace_after) >= replace_after for peer in members):
+                return True
+        return any(m.replaces for m in self.roster().members)
+
     def seen(self, now: int) -> dict[int, Seen]:
         """What this node, leading, knows of every other member at tick ``now``."""
         node = self.node

@@ -37,7 +37,7 @@ by a probe it answers as a stranger).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -132,15 +132,15 @@ def next_step(
     active_within: int,
     replace_after: int,
     gap: int,
-    candidates: Sequence[str],
+    candidates: Callable[[], Sequence[str]],
     strangers: Mapping[str, int],
 ) -> Step | None:
     """The next step of a replacement (the module docstring), or None: nothing to do
     now. ``seen`` has every member but ``leader``; ``active_within``: a member silent
     for fewer ticks is heard from; ``replace_after``: ticks of silence after which a
-    voter is replaced (0: never); ``candidates``: the brokers in the stream's placement
-    order, ready and linked; ``strangers``: the incarnations of brokers that said they
-    hold no such group."""
+    voter is replaced (0: never); ``candidates()``: the brokers in the stream's
+    placement order, ready and linked (asked only when a silent voter is replaced);
+    ``strangers``: the incarnations of brokers that said they hold no such group."""
     voters, learners = membership.voters, membership.learners
     for member in roster.members:
         if member.node not in membership.members or not member.replaces:
@@ -167,7 +167,7 @@ def next_step(
             return _add(roster, voter.broker, strangers[voter.broker], node)
         if replace_after and them.silent >= replace_after:
             taken = {m.broker for m in roster.members}
-            for broker in candidates:
+            for broker in candidates():
                 if broker in taken:
                     continue
                 if broker in strangers:

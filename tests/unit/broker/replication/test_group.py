@@ -55,3 +55,19 @@ def test_a_record_of_the_core_values_is_read_back_the_same() -> None:
     state = GroupLog()
     state.apply(record_of("orders", hard, None, entries))
     assert stored_of(state) == Stored(hard, Snapshot(0, 0, Membership()), entries)
+
+
+def test_a_replacement_is_looked_for_only_when_one_may_be_due() -> None:
+    held = group((FOUNDING,), GroupMeta(["b1", "b2", "b3"]))
+    held.heard = {2: 100, 3: 100}
+    assert not held.may_need_replacing(149, replace_after=50)
+    assert not held.may_need_replacing(10_000, replace_after=0)  # never for silence
+    assert held.may_need_replacing(150, replace_after=50)  # node 2 and 3 silent for 50
+    held.lost.add(3)
+    assert held.may_need_replacing(100, replace_after=0)
+    held.lost.clear()
+    roster, _ = Roster.founding(["b1", "b2", "b3"]).added("b4", 9, replaces=3)
+    promoted = Entry(2, 2, encode_roster(roster), Membership.of([1, 2, 3, 4]))
+    replacing = group((FOUNDING, promoted), GroupMeta(["b1", "b2", "b3"]))
+    replacing.heard = {2: 100, 3: 100, 4: 100}
+    assert replacing.may_need_replacing(100, replace_after=0)  # node 3 still to remove

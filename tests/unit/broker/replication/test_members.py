@@ -41,7 +41,7 @@ def step(
         active_within=ACTIVE,
         replace_after=replace_after,
         gap=GAP,
-        candidates=candidates,
+        candidates=lambda: candidates,
         strangers=strangers or {},
     )
 
