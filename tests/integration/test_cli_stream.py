@@ -92,6 +92,7 @@ async def test_add_info_list_fetch_delete(broker: BrokerProcess) -> None:
         "replicas": [],  # --replicas 1: no Raft group
         "leader": "",
         "replica_states": [],
+        "learners": [],
     }
     table = await stream_cli("info", "orders", *at)
     assert table.code == 0

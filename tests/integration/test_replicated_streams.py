@@ -125,11 +125,12 @@ class Replicas:
 
 @contextlib.asynccontextmanager
 async def replicated_stream(
-    root: Path, *args: str, count: int = 3
+    root: Path, *args: str, count: int = 3, brokers: int = 0
 ) -> AsyncIterator[tuple[Replicas, StreamInfo]]:
-    """``Replicas`` holding stream ``STREAM`` (capturing multicast:ledger, one replica
-    on each broker), once it has a leader and every broker routes to its member."""
-    replicas = await Replicas.start(root, count, *args)
+    """``Replicas`` holding stream ``STREAM`` (capturing multicast:ledger, ``count``
+    replicas, on as many brokers or on ``brokers``), once it has a leader and every
+    broker routes to its member."""
+    replicas = await Replicas.start(root, brokers or count, *args)
     try:
         first = replicas[replicas.names[0]]
         async with await meshbus.connect(first.address, server="op", operator=True) as op:

@@ -234,6 +234,16 @@ class BrokerConfig:
         "leader that hears from no majority of its replicas for as long steps down. Every "
         "replica of a stream should have the same.",
     )
+    replace_after: float = setting(
+        300.0,
+        min=0.0,
+        max=86400.0 * 365,
+        help="Replicated streams: seconds a stream's leader waits for a replica it does not "
+        "hear from before it replaces it by the next ready broker in the stream's placement "
+        "order (added as a learner, which copies the log; once caught up, the silent one "
+        "removed and the new one promoted). 0: never. A replica whose data dir was wiped "
+        "is replaced at once.",
+    )
     max_streams: int = setting(
         1000,
         min=0,

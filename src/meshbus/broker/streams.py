@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -43,7 +44,12 @@ from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.driver import RaftDriver
-from meshbus.broker.replication.streams import PeerTransport, ReplicatedStreams, placement
+from meshbus.broker.replication.streams import (
+    PeerTransport,
+    ReplicatedStreams,
+    placement,
+    placement_order,
+)
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
@@ -195,7 +201,7 @@ class StreamHost:
                 extra={"path": wal.path, "bytes": recovery.torn_bytes},
             )
         config = self._config
-        transport = PeerTransport(peers, config.max_frame)
+        transport = PeerTransport(peers, config.max_frame, wal.incarnation)
 
         async def run_blocking(work: Callable[[], None]) -> None:
             await asyncio.get_running_loop().run_in_executor(None, work)
@@ -209,7 +215,16 @@ class StreamHost:
                 settings=RAFT_SETTINGS,
                 randomness=randomness,
                 run_blocking=run_blocking,
+                replace_after=math.ceil(config.replace_after / config.raft_tick),
+                candidates=candidates,
             )
+
+        def candidates(stream: str) -> list[str]:
+            return [
+                b
+                for b in placement_order(stream, self._ready_brokers())
+                if peers.get(b) is not None
+            ]
 
         return ReplicatedStreams(
             name=lambda: config.name,

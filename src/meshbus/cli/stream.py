@@ -209,9 +209,10 @@ def info(name: str, broker_address: str, access: Access, as_json: bool) -> None:
     --json prints one object with the keys name, broker, captures, first_seq,
     last_seq, messages, bytes, consumers, max_msgs, max_bytes, max_age,
     dedupe_window, store, host and owner (the user that added it; "" on a broker
-    without users), and replicas, leader and replica_states (a replicated stream's
-    brokers, the one leading it, and each one's state and lag as its leader knows
-    them; [], "" and [] otherwise). An empty stream has last_seq = first_seq - 1.
+    without users), and replicas, leader, replica_states and learners (a replicated
+    stream's voting brokers, the one leading it, each one's state and lag as its
+    leader knows them, and the brokers being added in place of a lost one; [], "",
+    [] and [] otherwise). An empty stream has last_seq = first_seq - 1.
     """
 
     async def go() -> StreamInfo:
@@ -279,9 +280,18 @@ def _print_info(info: StreamInfo, as_json: bool) -> None:
         rows[:1] = [
             ("answered by", info.broker),
             ("replicas", ", ".join(info.replicas)),
+            *(
+                [("learners", ", ".join(info.learners) + " (copying the log, not counted yet)")]
+                if info.learners
+                else []
+            ),
             ("leader", info.leader or "none (an election is under way, or a majority is down)"),
             *(
-                (f"replica {r['broker']}", f"{r['state']}, {r['lag']:,} entries behind")
+                (
+                    f"replica {r['broker']}",
+                    f"{r['state']}{'' if r.get('voter', True) else ' learner'}, "
+                    f"{r['lag']:,} entries behind",
+                )
                 for r in info.replica_states
             ),
         ]

@@ -56,8 +56,9 @@ class StreamInfo:
     (seconds, 0: none) and ``dedupe_window`` (seconds a publish id is remembered);
     ``store``, the host's SQLite file ("" in memory) on ``host``, the machine's name
     (for the Spark source's local reads); its ``owner``, the user that added it
-    ("" on a broker without users); and for a replicated stream its ``replicas``,
-    their ``leader`` and, from the leader, their ``replica_states``
+    ("" on a broker without users); and for a replicated stream its ``replicas``
+    (voters) and ``learners``, their ``leader`` and, from the leader, their
+    ``replica_states``
     (docs/guarantees.md)."""
 
     name: str
@@ -79,13 +80,17 @@ class StreamInfo:
     # The user that added it, whose rights its captures follow (docs/security.md,
     # "Streams and consumers have owners"); "" for nobody's: a broker without users.
     owner: str = ""
-    # A replicated stream (added with replicas=3 or 5): the brokers that hold it and the
-    # one that leads it now ("" while none does); ``broker`` is the one that answered.
+    # A replicated stream (added with replicas=3 or 5): the brokers that hold it (its
+    # voters) and the one that leads it now ("" while none does); ``broker`` is the one
+    # that answered. ``learners``: brokers being added in place of a lost replica, which
+    # copy the log and count toward nothing until promoted (docs/guarantees.md).
     replicas: list[str] = field(default_factory=list)
     leader: str = ""
     # What the leader knows of each replica, in the info it answers (``current=True``):
-    # ``{"broker", "state" (leader, follower, repairing, silent), "lag" (entries)}``.
+    # ``{"broker", "state" (leader, follower, repairing, silent), "lag" (entries),
+    # "voter" (false: a learner)}``.
     replica_states: list[dict[str, Any]] = field(default_factory=list)
+    learners: list[str] = field(default_factory=list)
 
     @classmethod
     def from_reply(cls, info: dict[str, Any]) -> StreamInfo:

@@ -423,7 +423,7 @@ class TraceReport(Body):
     received_at: float = 0.0
 
 
-# Replicated streams: at most this many replicas (node ids 1..MAX_REPLICAS).
+# Replicated streams: at most this many replicas.
 MAX_REPLICAS = 5
 
 
@@ -460,15 +460,17 @@ class StreamRequest(Body):
     current: bool = False
 
 
-# Replicated streams (RAFT): a group's replicas, its node ids (1..MAX_REPLICAS), the
-# entries one message carries (the driver's max_append_entries), the messages of one frame.
+# Replicated streams (RAFT): a group's members -- its replicas, and one more while a
+# replacement is under way (docs/raft.md, "Replacing a replica") --, its node ids (the
+# founding replicas 1..5, each later member the next number: never reused), the entries
+# one message carries (the driver's max_append_entries), the messages of one frame.
+MAX_MEMBERS = MAX_REPLICAS + 1
+MAX_NODE_ID = 0xFFFF_FFFF
 MAX_RAFT_ENTRIES = 64
 MAX_RAFT_MESSAGES = 256
 MAX_GROUP_NAME = 255
-NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]  # 0: none
-NodeIds = Annotated[
-    list[Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]], msgspec.Meta(max_length=MAX_REPLICAS)
-]
+RaftNodeId = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODE_ID)]
+NodeIds = Annotated[list[RaftNodeId], msgspec.Meta(max_length=MAX_MEMBERS)]
 
 
 class RaftEntryBody(msgspec.Struct, array_like=True, frozen=True):
@@ -494,8 +496,8 @@ class RaftMessageBody(msgspec.Struct, array_like=True, frozen=True):
     meshbus.broker.replication.wire)."""
 
     kind: U8
-    sender: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
-    to: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
+    sender: RaftNodeId
+    to: RaftNodeId
     term: Counter
     index: Counter = 0
     log_term: Counter = 0
@@ -513,10 +515,32 @@ class RaftMessageBody(msgspec.Struct, array_like=True, frozen=True):
     repairing: bool = False
 
 
+class RaftMemberBody(msgspec.Struct, array_like=True, frozen=True):
+    """A member of a group: its node id, its broker and the broker's incarnation (0: a
+    founding member's, not known yet)."""
+
+    node: RaftNodeId
+    broker: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)]
+    incarnation: Counter = 0
+
+
+class RaftJoinBody(msgspec.Struct, array_like=True, frozen=True):
+    """The receiver is added to the group as ``node``, if its incarnation is
+    ``incarnation``; ``members`` the group's members with it (docs/raft.md)."""
+
+    node: RaftNodeId
+    incarnation: Counter
+    members: Annotated[list[RaftMemberBody], msgspec.Meta(max_length=MAX_MEMBERS)]
+
+
 class RaftFrame(Body):
     """RAFT: messages of the Raft group of replicated stream ``group`` (docs/protocol.md).
     With ``replicas`` (and ``create``, the stream's configuration) it founds the group on
-    the receiving broker: the broker that added the stream sends it to every replica."""
+    the receiving broker: the broker that added the stream sends it to every replica;
+    with ``join`` as well, it adds the receiver to the group as a new member (the
+    group's leader sends it). ``incarnation`` is the sender's (0: a broker from before
+    incarnations); ``stranger`` says the sender holds no such group (the answer to
+    messages of a group it does not hold)."""
 
     group: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GROUP_NAME)]
     messages: Annotated[list[RaftMessageBody], msgspec.Meta(max_length=MAX_RAFT_MESSAGES)] = (
@@ -527,6 +551,9 @@ class RaftFrame(Body):
         msgspec.Meta(max_length=MAX_REPLICAS),
     ] = msgspec.field(default_factory=list)
     create: bytes = b""
+    incarnation: Counter = 0
+    stranger: bool = False
+    join: RaftJoinBody | None = None
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count, header block

@@ -219,9 +219,10 @@ class RaftNode:
         self._check_proposal()
         return self._append(data, None)
 
-    def propose_change(self, change: MembershipChange) -> int:
+    def propose_change(self, change: MembershipChange, data: bytes = b"") -> int:
         """Append a membership change as the leader; its index. One at a time: the
-        last must be committed, and so must an entry of this leader's term."""
+        last must be committed, and so must an entry of this leader's term. ``data``
+        rides in the same entry, opaque (the driver's: who the node ids are)."""
         self._check_proposal()
         if self.log.last_change > self.log.committed:
             raise ProposalRefused(
@@ -230,7 +231,7 @@ class RaftNode:
             )
         if self.log.committed < self._term_start:
             raise ProposalRefused("the new leader has not committed in its term yet; retry")
-        return self._append(b"", self.membership.changed(change))
+        return self._append(data, self.membership.changed(change))
 
     def transfer_leadership(self, to: int) -> None:
         self._idle()

@@ -14,7 +14,10 @@ be durable before the entries that made it), before ``sync`` returns and so befo
 any message that depends on them is sent. It holds its payload twice, each copy with
 its checksum, in two sectors: one flipped bit loses neither. At ``open`` it is what
 the groups' term, vote, epoch and repairing are read from; the log gives their commit
-index.
+index. It also holds the broker's *incarnation* (``RaftWal.incarnation``): a random
+number drawn when the file is first made, with the data dir's Raft state. A broker
+whose data dir was wiped comes back with another: the groups it was a member of tell
+its new self from its old one and replace it (docs/raft.md, "Incarnations").
 
 The file: an 8-byte magic, then records ``<u32 length><u32 crc32 of the payload>
 <payload>``; a payload is one ``WalRecord`` (msgpack): what one Ready of one group
@@ -52,8 +55,10 @@ entries after it) written to a new file, fsynced, renamed over the old one.
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -61,7 +66,10 @@ import msgspec
 from meshbus.storage.errors import StoreError
 
 MAGIC = b"MBRAFT1\n"
-STATE_MAGIC = b"MBSTATE1"
+STATE_MAGIC = b"MBSTATE2"
+# The state file before incarnations: its payload is the groups alone (read as
+# incarnation 0, "none yet": one is drawn and the file written again at open).
+STATE_MAGIC_GROUPS_ONLY = b"MBSTATE1"
 _HEADER = struct.Struct("<II")
 # No record is larger: a length past this is damage, not an allocation to attempt.
 MAX_RECORD = 64 << 20
@@ -186,11 +194,27 @@ class Recovery:
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(WalRecord).decode
-_decode_kept = msgspec.msgpack.Decoder(dict[str, KeptState]).decode
+
+
+class StateFile(msgspec.Struct, array_like=True, frozen=True):
+    """The state file's payload: the broker's incarnation and every group's state."""
+
+    incarnation: int = 0
+    groups: dict[str, KeptState] = msgspec.field(default_factory=dict)
+
+
+_decode_state = msgspec.msgpack.Decoder(StateFile).decode
+_decode_groups_only = msgspec.msgpack.Decoder(dict[str, KeptState]).decode
+
+
+def random_incarnation() -> int:
+    """A new incarnation: a random positive int of 63 bits (it goes into msgpack)."""
+    return secrets.randbits(63) or 1
 
 
 class KeptStates:
-    """The state file: every group's ``KeptState``, replaced whole by ``write``.
+    """The state file: the incarnation and every group's ``KeptState``, replaced whole
+    by ``write``.
 
     The file: ``STATE_MAGIC``, then the payload (msgpack) twice, each copy as
     ``<u32 length><u32 crc32><payload>``, the second from the next 4 KiB boundary (so
@@ -200,21 +224,21 @@ class KeptStates:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def read(self) -> dict[str, KeptState]:
-        """What the file holds (nothing if there is no file); RaftLogFailed if neither
+    def read(self) -> StateFile | None:
+        """What the file holds (None if there is no file); RaftLogFailed if neither
         copy is intact."""
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return {}
-        if data.startswith(STATE_MAGIC):
+            return None
+        if data.startswith((STATE_MAGIC, STATE_MAGIC_GROUPS_ONLY)):
             # The second copy is at the first 4 KiB boundary past the first, whose
             # length may be the damaged part: each boundary is tried.
             for start in (len(STATE_MAGIC), *range(4096, len(data), 4096)):
-                kept = _read_copy(data, start)
-                if kept is not None:
-                    return kept
+                state = _read_copy(data, start, data.startswith(STATE_MAGIC))
+                if state is not None:
+                    return state
         raise RaftLogFailed(
             f"{self.path}, the terms and votes of this broker's replicated streams, is "
             "damaged in both its copies: the broker may have voted in a term it no longer "
@@ -223,8 +247,8 @@ class KeptStates:
             "here), or restore the file from a backup"
         )
 
-    def write(self, kept: dict[str, KeptState]) -> None:
-        payload = _encode(kept)
+    def write(self, state: StateFile) -> None:
+        payload = _encode(state)
         copy = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
         first = STATE_MAGIC + copy
         data = first.ljust(-(-len(first) // 4096) * 4096, b"\0") + copy
@@ -239,7 +263,7 @@ class KeptStates:
         _fsync_dir(self.path)
 
 
-def _read_copy(data: bytes, start: int) -> dict[str, KeptState] | None:
+def _read_copy(data: bytes, start: int, current: bool) -> StateFile | None:
     if len(data) - start < _HEADER.size:
         return None
     length, crc = _HEADER.unpack_from(data, start)
@@ -247,7 +271,7 @@ def _read_copy(data: bytes, start: int) -> dict[str, KeptState] | None:
     if len(payload) != length or zlib.crc32(payload) != crc:
         return None
     try:
-        return _decode_kept(payload)
+        return _decode_state(payload) if current else StateFile(0, _decode_groups_only(payload))
     except msgspec.DecodeError:
         return None
 
@@ -276,6 +300,7 @@ class RaftWal:
         size: int,
         state_file: KeptStates,
         kept: dict[str, KeptState],
+        incarnation: int,
     ) -> None:
         self.path = path
         self.groups = groups
@@ -288,11 +313,15 @@ class RaftWal:
         # log lost to damage (``lost``).
         self.kept = kept
         self._kept_changed = False
+        self.incarnation = incarnation
 
     @classmethod
-    def open(cls, path: str) -> tuple[RaftWal, Recovery]:
+    def open(
+        cls, path: str, new_incarnation: Callable[[], int] = random_incarnation
+    ) -> tuple[RaftWal, Recovery]:
         """Read ``path`` back (created if missing), dropping a torn tail; the log opened
-        for appending after the intact prefix."""
+        for appending after the intact prefix. A state file made now (none was there:
+        a new or wiped data dir) gets the incarnation ``new_incarnation()``."""
         groups: dict[str, GroupLog] = {}
         try:
             with open(path, "rb") as f:
@@ -313,7 +342,7 @@ class RaftWal:
         else:
             good, recovery = _read_records(data, groups)
         state_file = KeptStates(os.path.splitext(path)[0] + ".state")
-        kept = _kept_states(state_file, groups, recovery)
+        incarnation, kept = _kept_states(state_file, groups, recovery, new_incarnation)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if good == 0:
@@ -328,7 +357,7 @@ class RaftWal:
             os.close(fd)
             raise
         _fsync_dir(path)
-        return cls(path, groups, fd, good, state_file, kept), recovery
+        return cls(path, groups, fd, good, state_file, kept, incarnation), recovery
 
     @property
     def lost(self) -> list[str]:
@@ -368,7 +397,7 @@ class RaftWal:
             self._fail("syncing", exc)
         if self._kept_changed:
             try:
-                self._state_file.write(self.kept)
+                self._state_file.write(StateFile(self.incarnation, self.kept))
             except OSError as exc:
                 self._fail("writing the state file of", exc)
             self._kept_changed = False
@@ -471,14 +500,19 @@ def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recove
 
 
 def _kept_states(
-    state_file: KeptStates, groups: dict[str, GroupLog], recovery: Recovery
-) -> dict[str, KeptState]:
-    """The groups' term, vote, epoch and repairing flag, from the state file (the log's
-    own for a group it does not name: a crash came between the two writes of the
-    group's first record), set into ``groups``; the file written again if that changed
-    anything -- before the log is cut back."""
-    found = state_file.read()
-    kept = dict(found)
+    state_file: KeptStates,
+    groups: dict[str, GroupLog],
+    recovery: Recovery,
+    new_incarnation: Callable[[], int],
+) -> tuple[int, dict[str, KeptState]]:
+    """The broker's incarnation (a new one if the file has none) and the groups' term,
+    vote, epoch and repairing flag, from the state file (the log's own for a group it
+    does not name: a crash came between the two writes of the group's first record),
+    set into ``groups``; the file written again if that changed anything -- before the
+    log is cut back, and before any message can carry the incarnation."""
+    found = state_file.read() or StateFile()
+    incarnation = found.incarnation or new_incarnation()
+    kept = dict(found.groups)
     for group, state in groups.items():
         kept.setdefault(group, KeptState.of(state.hard))
     if recovery.damage:
@@ -489,9 +523,10 @@ def _kept_states(
         }
     for group, state in groups.items():
         state.hard = kept[group].with_commit(state.hard.commit)
-    if kept != found:
-        state_file.write(kept)
-    return kept
+    written = StateFile(incarnation, kept)
+    if written != found:
+        state_file.write(written)
+    return incarnation, kept
 
 
 def _looks_torn(data: bytes, pos: int) -> bool:

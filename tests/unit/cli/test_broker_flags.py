@@ -58,6 +58,7 @@ FLAGS = {
     "--max-groups-per-service",
     "--max-groups",
     "--raft-tick",
+    "--replace-after",
     "--max-requests",
     "--max-request-timeout",
     "--max-handshaking",

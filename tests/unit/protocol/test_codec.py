@@ -63,6 +63,8 @@ from meshbus.protocol.control import (
     NatsMessages,
     RaftEntryBody,
     RaftFrame,
+    RaftJoinBody,
+    RaftMemberBody,
     RaftMessageBody,
     RaftSnapshotBody,
     Ready,
@@ -342,6 +344,8 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
                 snapshot=RaftSnapshotBody(5, 2, [1, 2, 3]),
             )
         ],
+        incarnation=2**62,
+        join=RaftJoinBody(4, 2**62, [RaftMemberBody(1, "b1"), RaftMemberBody(4, "b4", 2**62)]),
     ),
     ControlType.NATS_MSGS: NatsMessages(
         msgs=[(b"orders.new", b"_INBOX.x.1", 12, b"NATS/1.0\r\n\r\nhi", False, [b"workers"])]

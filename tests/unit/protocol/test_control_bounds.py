@@ -129,9 +129,9 @@ def test_a_sender_may_check_the_bounds_first() -> None:
 # snapshot): each, at its place in the sample, with a value past its bounds.
 RAFT_OUTSIDE = [
     (("messages", 0, 0), 10**3),  # kind: a U8
-    (("messages", 0, 1), 0),  # sender: a node id, 1..5
-    (("messages", 0, 1), 6),
-    (("messages", 0, 2), 6),  # to
+    (("messages", 0, 1), 0),  # sender: a node id, 1..2**32-1
+    (("messages", 0, 1), 2**32),
+    (("messages", 0, 2), 0),  # to
     (("messages", 0, 3), -1),  # term
     (("messages", 0, 3), 2**63),
     (("messages", 0, 4), -1),  # index
@@ -139,8 +139,13 @@ RAFT_OUTSIDE = [
     (("messages", 0, 15), 2**32),  # epoch: a U32
     (("messages", 0, 6, 0, 0), -1),  # an entry's term
     (("messages", 0, 6, 0, 1), 2**63),  # an entry's index
-    (("messages", 0, 6, 1, 3), [1, 2, 9]),  # a voter past the node ids
-    (("messages", 0, 6, 1, 3), [1, 2, 3, 4, 5, 1]),  # more voters than replicas
+    (("messages", 0, 6, 1, 3), [1, 2, 0]),  # a voter below the node ids
+    (("messages", 0, 6, 1, 3), [1, 2, 3, 4, 5, 6, 7]),  # more voters than members
+    (("incarnation",), -1),
+    (("incarnation",), 2**63),
+    (("join", 0), 0),  # the joiner's node id
+    (("join", 2, 1, 0), 2**32),  # a member's node id
+    (("join", 2, 1, 2), 2**63),  # a member's incarnation
     (("messages", 0, 11, 0), -1),  # the snapshot's index
 ]
 

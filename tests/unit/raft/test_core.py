@@ -214,3 +214,13 @@ def test_a_membership_change_must_change_something(change: MembershipChange, err
     with pytest.raises(ProposalRefused, match="last voter"):
         only.changed(MembershipChange(ChangeKind.REMOVE, 1))
     assert str(dataclasses.replace(only, learners=frozenset({3}))) == "voters=(1) learners=(3)"
+
+
+def test_a_membership_change_carries_the_drivers_data_with_it() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    elect(core)
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, core.term, index=2))  # the term's entry
+    index = core.propose_change(MembershipChange(ChangeKind.ADD_LEARNER, 4), b"who 4 is")
+    (entry,) = core.ready().entries
+    assert (entry.index, entry.data) == (index, b"who 4 is")
+    assert entry.membership == Membership.of([1, 2, 3], [4])

@@ -4,19 +4,24 @@ found, a full disk refused, and the file rewritten."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from meshbus.storage.raftlog import (
     MAGIC,
+    STATE_MAGIC_GROUPS_ONLY,
     KeptState,
     KeptStates,
     RaftLogFailed,
     RaftWal,
+    StateFile,
     WalEntry,
     WalHardState,
     WalRecord,
@@ -353,16 +358,52 @@ def test_the_state_file_is_written_only_when_a_term_vote_or_epoch_changes(tmp_pa
     wal.append([WalRecord("a", hard=WalHardState(2, 3, 2))])
     wal.sync()
     assert state.stat().st_ino != written
-    assert KeptStates(str(state)).read() == {"a": KeptState(2, 3)}
+    assert groups_in(state) == {"a": KeptState(2, 3)}
     wal.append([WalRecord("a", dropped=True)])
     wal.sync()
-    assert KeptStates(str(state)).read() == {}
+    assert groups_in(state) == {}
     wal.close()
 
 
+def groups_in(path: Path) -> dict[str, KeptState]:
+    state = KeptStates(str(path)).read()
+    assert state is not None
+    return state.groups
+
+
 def state_file_with(path: Path, kept: dict[str, KeptState]) -> bytes:
-    KeptStates(str(path)).write(kept)
+    KeptStates(str(path)).write(StateFile(1, kept))
     return path.read_bytes()
+
+
+def test_the_incarnation_is_drawn_with_the_state_file_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    wal, _ = RaftWal.open(str(path), new_incarnation=lambda: 7)
+    wal.append([WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
+    wal.sync()
+    wal.close()
+    wal, _ = RaftWal.open(str(path), new_incarnation=lambda: 8)
+    assert wal.incarnation == 7
+    wal.close()
+    # A wiped data dir: a new incarnation, before any group is held.
+    path.unlink()
+    (tmp_path / "raft.state").unlink()
+    wal, _ = RaftWal.open(str(path), new_incarnation=lambda: 9)
+    assert wal.incarnation == 9
+    wal.close()
+    state = KeptStates(str(tmp_path / "raft.state")).read()
+    assert state == StateFile(9, {})
+
+
+def test_a_state_file_from_before_incarnations_is_given_one(tmp_path: Path) -> None:
+    state = tmp_path / "raft.state"
+    payload = msgspec.msgpack.encode({"a": KeptState(5, 2)})
+    copy = struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    state.write_bytes(STATE_MAGIC_GROUPS_ONLY + copy)
+    wal, _ = RaftWal.open(str(tmp_path / "raft.wal"), new_incarnation=lambda: 3)
+    assert (wal.incarnation, wal.kept) == (3, {"a": KeptState(5, 2)})
+    wal.close()
+    assert KeptStates(str(state)).read() == StateFile(3, {"a": KeptState(5, 2)})
 
 
 @pytest.mark.parametrize("copy", ["first", "second"])
@@ -374,7 +415,7 @@ def test_a_flipped_bit_in_one_copy_of_the_state_file_is_read_past(
     offset = len(MAGIC) + 2 if copy == "first" else 4096 + 9  # the length, or the payload
     flip(state, offset)
     assert state.read_bytes() != data
-    assert KeptStates(str(state)).read() == {"a": KeptState(7, 2, 1)}
+    assert groups_in(state) == {"a": KeptState(7, 2, 1)}
 
 
 def test_a_state_file_damaged_in_both_copies_is_refused(tmp_path: Path) -> None:
@@ -396,7 +437,7 @@ def test_a_log_without_a_state_file_keeps_its_own_hard_state(tmp_path: Path) -> 
     wal, _ = RaftWal.open(str(path))
     assert wal.groups["a"].hard == WalHardState(4, 1, 1)
     wal.close()
-    assert KeptStates(str(tmp_path / "raft.state")).read() == {"a": KeptState(4, 1)}
+    assert groups_in(tmp_path / "raft.state") == {"a": KeptState(4, 1)}
 
 
 def test_a_group_whose_records_are_all_lost_is_known_lost(tmp_path: Path) -> None:

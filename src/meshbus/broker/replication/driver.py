@@ -16,6 +16,13 @@ So a thousand groups with an append each cost one fsync per turn, not a thousand
 nothing leaves this broker before what it depends on is durable: a follower has its
 entries on disk before it answers, a voter its vote before it grants it.
 
+Members are (node id, broker, incarnation) (meshbus.broker.replication.members): a
+message is taken from a node id only if it came from that member's broker as that
+member's incarnation. A broker holding no such group answers a group's messages as a
+*stranger*, with its incarnation; the leader replaces a voter whose broker answers so
+as another incarnation (its data dir was wiped), or that it has not heard from for
+``replace_after`` ticks, one membership change a tick at most (``members.next_step``).
+
 A log that fails (a full disk) stops the driver: no more sends, no more applies, every
 proposal refused with the log's error. The other replicas elect a leader without it.
 """
@@ -27,15 +34,16 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from meshbus.broker.replication.group import Group, GroupMeta, record_of, stored_of
+from meshbus.broker.replication.members import Member, encode_roster, next_step
 from meshbus.errors import MeshbusError
 from meshbus.raft import (
     Entry,
-    HardState,
     Membership,
     Message,
     NotLeader,
@@ -46,21 +54,20 @@ from meshbus.raft import (
     Randomness,
     Ready,
     Role,
-    Snapshot,
     Stored,
     bootstrap,
+    empty,
 )
 from meshbus.storage.raftlog import (
-    GroupLog,
     RaftLogFailed,
     RaftWal,
-    WalEntry,
-    WalHardState,
     WalRecord,
-    WalSnapshot,
 )
 
 log = logging.getLogger("meshbus.broker")
+
+# The brokers a group remembers as strangers (their incarnations), at most.
+_MAX_STRANGERS = 64
 
 T = TypeVar("T")
 RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
@@ -73,40 +80,25 @@ class ReplicationError(MeshbusError):
 
 class Transport(Protocol):
     def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
-        """Send ``messages`` of ``group`` to ``broker`` (dropped if it is not linked)."""
+        """Send ``messages`` of ``group`` to ``broker`` (dropped if it is not linked);
+        with none, a probe: a broker that holds no such group answers as a stranger."""
+
+    def stranger(self, broker: str, group: str) -> None:
+        """Tell ``broker`` this broker holds no group ``group``."""
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        """Tell ``broker`` it is added to ``group`` as ``member`` (``meta.members``:
+        the group's members with it)."""
 
 
 class StateMachine(Protocol):
     def apply(self, group: str, entries: Sequence[Entry]) -> None:
         """``entries`` are committed, in order (after a restart, again from the first one
-        not in a snapshot: the machine skips what it applied already)."""
+        not in a snapshot: the machine skips what it applied already). An entry with a
+        ``membership`` is the driver's: its data is the roster (members.py)."""
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """The leader this broker knows of ``group`` changed (None: none known)."""
-
-
-class GroupMeta(msgspec.Struct, array_like=True, frozen=True):
-    """What a group is, stored with its log: its replicas (node id = place + 1) and the
-    application's description of it (a stream's configuration)."""
-
-    replicas: list[str]
-    app: bytes = b""
-
-
-@dataclass
-class _Group:
-    name: str
-    meta: GroupMeta
-    node: RaftNode
-    leader: str | None = None
-    term: int = 0
-    # index -> (term, its future): proposals waiting for their entry to be applied here
-    proposals: dict[int, tuple[int, asyncio.Future[int]]] = field(default_factory=dict)
-    leader_changes: int = 0  # a leader known, other than the one before (none between)
-
-    def broker_of(self, node: int) -> str | None:
-        replicas = self.meta.replicas
-        return replicas[node - 1] if 0 < node <= len(replicas) else None
 
 
 @dataclass
@@ -131,9 +123,14 @@ class RaftDriver:
         settings: RaftSettings,
         randomness: Randomness,
         run_blocking: RunBlocking[None],
+        replace_after: int = 0,
+        candidates: Callable[[str], list[str]] = lambda group: [],
     ) -> None:
         """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
-        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``)."""
+        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``).
+        ``replace_after``: ticks of silence after which a leader replaces a voter (0:
+        never); ``candidates(group)``: the brokers that may take a replica of it, in
+        its placement order (ready, linked; members are skipped)."""
         self._name = name
         self._wal = wal
         self._transport = transport
@@ -141,7 +138,7 @@ class RaftDriver:
         self._settings = settings
         self._randomness = randomness
         self._run_blocking = run_blocking
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, Group] = {}
         self.stats = DriverStats()
         self.failed = ""
         self._ticks = 0
@@ -150,6 +147,17 @@ class RaftDriver:
         self._records: list[WalRecord] = []  # written with the next turn's Readys
         self._wake = asyncio.Event()
         self._handing_over = False  # hand_over asked: transfers at the next turn
+        self._replace_after = replace_after
+        self._candidates = candidates
+        self.incarnation = wal.incarnation
+        self.now = 0  # ticks stepped in so far: the clock of silences
+        # (broker, group) told "stranger" since the last election timeout: once each
+        self._told: set[tuple[str, str]] = set()
+        # Only once its groups are read back does this broker know which it holds: a
+        # stranger's answer before would make a member that restarts look wiped.
+        self._recovered = False
+        # members added, told so after the turn's sync (the change is durable here)
+        self._joins: list[tuple[Group, Member]] = []
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -157,6 +165,7 @@ class RaftDriver:
         """The groups the log holds, rebuilt as nodes; each with its meta."""
         found = []
         me = self._name()
+        self._recovered = True
         for group in self._wal.lost:
             log.error(
                 "damage to the Raft log took every record of a replicated stream; this "
@@ -166,14 +175,14 @@ class RaftDriver:
             )
         for group, state in self._wal.groups.items():
             meta = msgspec.msgpack.decode(state.meta, type=GroupMeta)
-            if me not in meta.replicas:
+            if not meta.node and me not in meta.replicas:
                 log.error(
                     "the Raft log names this broker's replicated stream under another broker "
                     "name; restart it with --name set to its name among the replicas",
                     extra={"stream": group, "replicas": meta.replicas, "name": me},
                 )
                 continue
-            self._add(group, meta, _stored(state))
+            self._add(group, meta, stored_of(state))
             found.append((group, meta))
         return found
 
@@ -184,7 +193,7 @@ class RaftDriver:
             return  # founded already (its log is read back at start: ``recover``)
         meta = GroupMeta(list(replicas), app)
         stored = bootstrap(Membership.of(range(1, len(replicas) + 1)))
-        record = _record(group, stored.hard_state, None, stored.entries)
+        record = record_of(group, stored.hard_state, None, stored.entries)
         self._records.append(msgspec.structs.replace(record, meta=msgspec.msgpack.encode(meta)))
         self._add(group, meta, stored)
         self._wake.set()
@@ -198,10 +207,29 @@ class RaftDriver:
         self._fail_proposals(state, ReplicationError(f"stream {group!r} was deleted"))
         self._wake.set()
 
+    def join(self, group: str, meta: GroupMeta) -> bool:
+        """Take part in ``group`` as the new member ``meta.node`` (its leader added
+        it): from an empty log, which the leader's appends fill. Whether it was taken:
+        not if this broker holds the group already as a member of it -- a join it took
+        before, or one from a leader that has not heard of its membership; the local
+        copy of a node that is no member now (its addition was never committed) gives
+        way, under its own node id, which is never used again."""
+        held = self.groups.get(group)
+        if held is not None:
+            me = held.current().get(held.node.id)
+            if held.node.id == meta.node or (me is not None and me.broker == self._name()):
+                return False
+            self.drop(group)
+        record = WalRecord(group, meta=msgspec.msgpack.encode(meta))
+        self._records.append(record)
+        self._add(group, meta, empty())
+        self._wake.set()
+        return True
+
     def _add(self, group: str, meta: GroupMeta, stored: Stored) -> None:
-        node_id = meta.replicas.index(self._name()) + 1
+        node_id = meta.node or meta.replicas.index(self._name()) + 1
         node = RaftNode(node_id, self._settings, stored, self._randomness)
-        self.groups[group] = _Group(group, meta, node)
+        self.groups[group] = Group(group, meta, node)
 
     def leader_of(self, group: str) -> str | None:
         state = self.groups.get(group)
@@ -212,30 +240,18 @@ class RaftDriver:
         return state is not None and state.node.role is Role.LEADER
 
     def replica_states(self, group: str) -> list[dict[str, Any]]:
-        """What the leader knows of each replica of ``group``: its broker, its state --
-        ``leader``, ``follower``, ``repairing`` (its log was damaged: it counts for
-        nothing until repaired) or ``silent`` (not heard from since the last
-        check-quorum, at most an election timeout ago) -- and its ``lag``, the entries
-        of the leader's log it is not known to hold. Empty where this broker does not
-        lead the group: only the leader knows."""
+        """What the leader knows of each replica of ``group`` (``Group.replica_states``);
+        empty where this broker does not lead it: only the leader knows."""
         state = self.groups.get(group)
         if state is None or state.node.role is not Role.LEADER:
             return []
-        node = state.node
-        last = node.log.last_index
-        states = []
-        for peer, progress in sorted(node.progress.items()):
-            if peer == node.id:
-                kind = "leader"
-            elif progress.repairing:
-                kind = "repairing"
-            elif not progress.recent_active:
-                kind = "silent"
-            else:
-                kind = "follower"
-            lag = 0 if peer == node.id else max(last - progress.match, 0)
-            states.append({"broker": state.broker_of(peer) or "", "state": kind, "lag": lag})
-        return states
+        return state.replica_states()
+
+    def members_of(self, group: str) -> tuple[list[str], list[str]]:
+        """The brokers of ``group``'s voters and of its learners, as this broker's log
+        says (the latest membership in it, committed or not)."""
+        state = self.groups.get(group)
+        return state.brokers() if state is not None else ([], [])
 
     def hand_over(self) -> list[str]:
         """Ask each group this broker leads to move its leadership to the follower that
@@ -274,20 +290,61 @@ class RaftDriver:
         self._ticks += 1
         self._wake.set()
 
-    def receive(self, sender: str, group: str, messages: Sequence[Message]) -> None:
-        """Messages of ``group`` from broker ``sender`` (checked against the group's
-        replicas: a message that does not come from the broker it names is dropped)."""
+    def receive(
+        self, sender: str, group: str, messages: Sequence[Message], incarnation: int = 0
+    ) -> None:
+        """Messages of ``group`` from broker ``sender`` as its ``incarnation``, checked
+        against the group's members: a message that does not come from the member it
+        names -- its broker, as its incarnation -- is dropped. A group this broker does
+        not hold is answered as a stranger (once an election timeout), so its leader
+        learns that this broker is not, or no longer, its member."""
         state = self.groups.get(group)
+        if state is None:
+            self.stats.dropped += len(messages)
+            if self._recovered and (sender, group) not in self._told:
+                self._told.add((sender, group))
+                self._transport.stranger(sender, group)
+            return
         for message in messages:
-            if (
-                state is None
-                or state.broker_of(message.sender) != sender
-                or message.to != state.node.id
-            ):
+            member = state.member(message.sender)
+            if member is None or member.broker != sender or message.to != state.node.id:
                 self.stats.dropped += 1
                 continue
+            known = state.incarnation_of(member)
+            if known and incarnation != known:
+                self.stats.dropped += 1  # from another self of the member's broker
+                continue
+            if not known and incarnation:
+                state.learned[member.node] = incarnation
+            state.heard[member.node] = self.now
             self.stats.received += 1
             self._inbox.append((group, message))
+        self._wake.set()
+
+    def stranger(self, sender: str, group: str, incarnation: int) -> None:
+        """Broker ``sender``, as ``incarnation``, holds no group ``group``: a member of
+        it there that is another incarnation is lost (replaced by the leader); a
+        learner that is this one has not had its join (sent again)."""
+        state = self.groups.get(group)
+        if state is None:
+            return
+        if len(state.strangers) >= _MAX_STRANGERS:
+            state.strangers.clear()
+        state.strangers[sender] = incarnation
+        learners = state.node.membership.learners
+        for member in state.current().of_broker(sender):
+            known = state.incarnation_of(member)
+            if known == incarnation and member.node in learners:
+                if state.node.role is Role.LEADER:
+                    self._joins.append((state, member))
+            elif known != incarnation or not known:
+                state.lost.add(member.node)
+            else:
+                log.warning(
+                    "a replica of a replicated stream lost its group and is replaced once "
+                    "silent for --replace-after",
+                    extra={"stream": group, "broker": sender},
+                )
         self._wake.set()
 
     def propose(self, group: str, data: bytes) -> asyncio.Future[int]:
@@ -323,7 +380,7 @@ class RaftDriver:
             return
         self.stats.turns += 1
         self._step_inputs()
-        readies: list[tuple[_Group, Ready]] = []
+        readies: list[tuple[Group, Ready]] = []
         records, self._records = self._records, []
         for state in self.groups.values():
             node = state.node
@@ -332,7 +389,7 @@ class RaftDriver:
                 ready = node.ready()
                 readies.append((state, ready))
                 if ready.must_sync:
-                    write = _record(state.name, ready.hard_state, ready.snapshot, ready.entries)
+                    write = record_of(state.name, ready.hard_state, ready.snapshot, ready.entries)
                     records.append(write)
         if records:
             try:
@@ -342,6 +399,10 @@ class RaftDriver:
                 return
             self.stats.syncs += 1
             self.stats.records += len(records)
+        joins, self._joins = self._joins, []
+        for state, member in joins:
+            if self.groups.get(state.name) is state and state.node.role is Role.LEADER:
+                self._transport.join(member.broker, state.name, self._meta_for(state), member)
         for state, ready in readies:
             self._send(state, ready.messages)
         for state, ready in readies:
@@ -374,6 +435,16 @@ class RaftDriver:
         for _ in range(ticks):
             for state in groups.values():
                 state.node.tick()
+        if ticks:
+            self.now += ticks
+            if (
+                self.now // self._settings.election_ticks
+                != (self.now - ticks) // self._settings.election_ticks
+            ):
+                self._told.clear()
+            for state in groups.values():
+                if state.node.role is Role.LEADER:
+                    self._replace(state)
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:
@@ -392,7 +463,55 @@ class RaftDriver:
                 continue
             leading.proposals[index] = (leading.node.term, future)
 
-    def _step(self, state: _Group, message: Message) -> None:
+    def _replace(self, state: Group) -> None:
+        """The leader's next step of a replacement, if one is due (members.next_step)."""
+        if not state.may_need_replacing(self.now, self._replace_after):
+            return  # the common case, each tick for every group it leads: kept cheap
+        node = state.node
+        step = next_step(
+            node.membership,
+            state.current(),
+            state.seen(self.now),
+            node.log.last_index,
+            leader=node.id,
+            active_within=2 * self._settings.election_ticks,
+            replace_after=self._replace_after,
+            gap=2 * self._settings.max_append_entries,
+            candidates=lambda: [b for b in self._candidates(state.name) if b != self._name()],
+            strangers=state.strangers,
+        )
+        if step is None:
+            return
+        if step.probe:
+            self._transport.send(step.probe, state.name, ())
+            return
+        assert step.change is not None
+        assert step.roster is not None
+        try:
+            node.propose_change(step.change, encode_roster(step.roster.known(state.learned)))
+        except ProposalRefused as exc:
+            log.debug("stream %s: membership change waits: %s", state.name, exc)
+            return
+        log.warning(
+            "replicated stream: membership change",
+            extra={
+                "stream": state.name,
+                "change": step.change.kind.value,
+                "node": step.change.node,
+                "broker": state.broker_of(step.change.node),
+            },
+        )
+        if step.joining is not None:
+            state.heard[step.joining.node] = self.now
+            state.strangers.pop(step.joining.broker, None)
+            self._joins.append((state, step.joining))
+
+    def _meta_for(self, state: Group) -> GroupMeta:
+        """The meta a new member is sent: the group's founding list and description,
+        and its members as of now (the latest roster in this leader's log)."""
+        return GroupMeta(state.meta.replicas, state.meta.app, 0, state.current().members)
+
+    def _step(self, state: Group, message: Message) -> None:
         try:
             state.node.step(message)
         except RaftError as exc:
@@ -405,7 +524,7 @@ class RaftDriver:
             self.groups.pop(state.name, None)
             self._fail_proposals(state, ReplicationError(f"stream {state.name!r}: {exc}"))
 
-    def _send(self, state: _Group, messages: Sequence[Message]) -> None:
+    def _send(self, state: Group, messages: Sequence[Message]) -> None:
         by_broker: dict[str, list[Message]] = defaultdict(list)
         for message in messages:
             broker = state.broker_of(message.to)
@@ -415,7 +534,7 @@ class RaftDriver:
             self.stats.sent += len(batch)
             self._transport.send(broker, state.name, batch)
 
-    def _apply(self, state: _Group, ready: Ready) -> None:
+    def _apply(self, state: Group, ready: Ready) -> None:
         if ready.committed:
             self._machine.apply(state.name, ready.committed)
         proposals = state.proposals
@@ -433,7 +552,7 @@ class RaftDriver:
             else:
                 future.set_exception(_moved(state))
 
-    def _note_leader(self, state: _Group) -> None:
+    def _note_leader(self, state: Group) -> None:
         node = state.node
         leader = state.broker_of(node.leader) if node.leader is not None else None
         if leader == state.leader and node.term == state.term:
@@ -442,6 +561,10 @@ class RaftDriver:
         was_leading = state.leader == me
         if leader is not None and leader != state.leader:
             state.leader_changes += 1
+        if leader == me and not was_leading:
+            # Silences are counted from now: as a follower it heard from the leader only.
+            state.heard = dict.fromkeys(node.membership.members, self.now)
+            state.lost.clear()
         state.leader, state.term = leader, node.term
         if was_leading and leader != me:
             # Proposals of the old term may yet be committed by the next leader (a
@@ -452,7 +575,7 @@ class RaftDriver:
             state.proposals.clear()
         self._machine.leader_changed(state.name, leader, node.term)
 
-    def _fail_proposals(self, state: _Group, error: Exception) -> None:
+    def _fail_proposals(self, state: Group, error: Exception) -> None:
         for _, future in state.proposals.values():
             if not future.done():
                 future.set_exception(error)
@@ -472,59 +595,9 @@ class RaftDriver:
         self._wal.close()
 
 
-def _moved(state: _Group) -> ReplicationError:
+def _moved(state: Group) -> ReplicationError:
     leader = state.leader or "not elected yet"
     return ReplicationError(
         f"stream {state.name!r}: leadership moved (now {leader}) before the append was "
         "committed; it may still be, so a reliable sender resends it and it is stored once"
-    )
-
-
-# -- between the core's values and the log's records ------------------------------------------
-
-
-def _record(
-    group: str, hard: HardState | None, snapshot: Snapshot | None, entries: Sequence[Entry]
-) -> WalRecord:
-    return WalRecord(
-        group,
-        hard=None
-        if hard is None
-        else WalHardState(hard.term, hard.vote or 0, hard.commit, hard.epoch, hard.repairing),
-        snapshot=None
-        if snapshot is None
-        else WalSnapshot(
-            snapshot.index,
-            snapshot.term,
-            sorted(snapshot.membership.voters),
-            sorted(snapshot.membership.learners),
-            snapshot.data,
-        ),
-        entries=[_wal_entry(e) for e in entries],
-    )
-
-
-def _wal_entry(entry: Entry) -> WalEntry:
-    membership = entry.membership
-    if membership is None:
-        return WalEntry(entry.term, entry.index, entry.data)
-    return WalEntry(
-        entry.term, entry.index, entry.data, sorted(membership.voters), sorted(membership.learners)
-    )
-
-
-def _stored(state: GroupLog) -> Stored:
-    hard, snap = state.hard, state.snapshot
-    return Stored(
-        HardState(hard.term, hard.vote or None, hard.commit, hard.epoch, hard.repairing),
-        Snapshot(snap.index, snap.term, Membership.of(snap.voters, snap.learners), snap.data),
-        tuple(
-            Entry(
-                e.term,
-                e.index,
-                e.data,
-                None if e.voters is None else Membership.of(e.voters, e.learners),
-            )
-            for e in state.entries
-        ),
     )

@@ -4,7 +4,10 @@ Placement (no meta group yet): the broker that adds the stream picks its replica
 rendezvous hashing of the stream's name over the mesh's ready brokers (``placement``),
 and sends each a RAFT frame that founds the group with that list as its first
 membership -- the same on every founding member, so no election is needed to agree on
-it. Membership never changes after that (no moves, no replacement of a lost broker).
+it. After that the group's leader changes it, one member at a time: it replaces a
+replica whose broker came back as another incarnation (a wiped data dir) or that it
+has not heard from for --replace-after, by the next broker in the same placement order
+(``placement_order``; meshbus.broker.replication.members).
 
 The leader alone captures: it holds the stream's member address -- a fixed one per
 stream (``member_address``), taken over by each new leader with the Raft term as its
@@ -34,11 +37,18 @@ import msgspec
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.registry import Peers
-from meshbus.broker.replication.driver import GroupMeta, RaftDriver
+from meshbus.broker.replication.driver import RaftDriver
+from meshbus.broker.replication.group import GroupMeta
+from meshbus.broker.replication.members import Member
 from meshbus.broker.replication.wire import from_body, to_bodies
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import MAX_RAFT_MESSAGES, RaftFrame
+from meshbus.protocol.control import (
+    MAX_RAFT_MESSAGES,
+    RaftFrame,
+    RaftJoinBody,
+    RaftMemberBody,
+)
 from meshbus.protocol.layout import ControlType
 from meshbus.raft import Entry, Message
 from meshbus.storage.errors import StoreError
@@ -69,11 +79,17 @@ def placement(stream: str, brokers: Sequence[str], replicas: int) -> list[str]:
     """Rendezvous hashing: the ``replicas`` brokers with the highest hash of (broker,
     stream). Every broker computes the same from the same list; adding a broker moves
     only the streams it now wins."""
+    return sorted(placement_order(stream, brokers)[:replicas])
+
+
+def placement_order(stream: str, brokers: Sequence[str]) -> list[str]:
+    """``brokers`` by their hash with ``stream``, highest first: the first R are its
+    replicas, the next ones those that take the place of a lost one."""
 
     def weight(broker: str) -> bytes:
         return hashlib.blake2b(f"{broker}\x00{stream}".encode(), digest_size=8).digest()
 
-    return sorted(sorted(brokers, key=weight, reverse=True)[:replicas])
+    return sorted(brokers, key=weight, reverse=True)
 
 
 class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
@@ -114,14 +130,19 @@ _decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 class PeerTransport:
     """The driver's messages as RAFT frames on the peer links."""
 
-    def __init__(self, peers: Peers, frame_limit: int) -> None:
+    def __init__(self, peers: Peers, frame_limit: int, incarnation: int) -> None:
+        """``incarnation``: this broker's, in every frame it sends."""
         self._peers = peers
         self._frame_limit = frame_limit
+        self._incarnation = incarnation
 
     def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
         link = self._peers.get(broker)
         if link is None:
             return  # not linked now: Raft sends again
+        if not messages:  # a probe: answered as a stranger by a broker without the group
+            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation))
+            return
         # Each frame well under the frame limit: entries are at most an eighth of it, and
         # an APPEND carries at most 4 (RaftSettings.max_append_entries).
         batch: list[Message] = []
@@ -139,15 +160,39 @@ class PeerTransport:
             self._send(link, group, batch)
 
     def _send(self, link: Link, group: str, batch: list[Message]) -> None:
-        body = RaftFrame(group=group, messages=to_bodies(batch))
+        body = RaftFrame(group=group, messages=to_bodies(batch), incarnation=self._incarnation)
+        link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
+
+    def _frame(self, link: Link, body: RaftFrame) -> None:
         link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
 
     def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> None:
         """Send ``broker`` the frame that founds ``group`` there (if it is linked)."""
         link = self._peers.get(broker)
         if link is not None:
-            body = RaftFrame(group=group, replicas=replicas, create=config)
-            link.send(encode_control(ControlType.RAFT, body))
+            body = RaftFrame(
+                group=group, replicas=replicas, create=config, incarnation=self._incarnation
+            )
+            self._frame(link, body)
+
+    def stranger(self, broker: str, group: str) -> None:
+        link = self._peers.get(broker)
+        if link is not None:
+            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, stranger=True))
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        link = self._peers.get(broker)
+        if link is None:
+            return  # not linked now: its stranger answer to the appends asks again
+        members = [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members]
+        body = RaftFrame(
+            group=group,
+            replicas=meta.replicas,
+            create=meta.app,
+            incarnation=self._incarnation,
+            join=RaftJoinBody(member.node, member.incarnation, members),
+        )
+        self._frame(link, body)
 
 
 class ReplicatedStreams:
@@ -233,6 +278,12 @@ class ReplicatedStreams:
 
     def on_frame(self, link: Link, correlation: int, body: RaftFrame) -> None:
         group = body.group
+        if body.join is not None:
+            self._join(link, body, body.join)
+            return
+        if body.stranger:
+            self.driver.stranger(link.name, group, body.incarnation)
+            return
         if body.replicas:
             if self._name() in body.replicas and group not in self.configs:
                 try:
@@ -248,7 +299,31 @@ class ReplicatedStreams:
         except ProtocolError as exc:
             log.warning("dropped a RAFT frame", extra={"from": link.name, "error": str(exc)})
             return
-        self.driver.receive(link.name, group, messages)
+        self.driver.receive(link.name, group, messages, body.incarnation)
+
+    def _join(self, link: Link, body: RaftFrame, join: RaftJoinBody) -> None:
+        """This broker is added to a group by its leader: it takes part, from an empty
+        log, if the join is for this incarnation of it (one for a wiped self is not)."""
+        group = body.group
+        if join.incarnation != self.driver.incarnation:
+            return
+        members = [Member(m.node, m.broker, m.incarnation) for m in join.members]
+        meta = GroupMeta(list(body.replicas), body.create, join.node, members)
+        try:
+            config = _decode_config(meta.app).config()
+            if config.name not in self._store:
+                self._store.add_stream(config)
+            if self.driver.join(group, meta):
+                self.configs[group] = config
+                log.warning(
+                    "joined a replicated stream as a new replica; it copies the log",
+                    extra={"stream": group, "from": link.name, "node": join.node},
+                )
+        except (msgspec.DecodeError, ValueError, StoreError) as exc:
+            log.error(
+                "could not join a replicated stream",
+                extra={"stream": group, "from": link.name, "error": str(exc)},
+            )
 
     # -- appends --------------------------------------------------------------------------
 
@@ -311,7 +386,7 @@ class ReplicatedStreams:
         store = self._store
         applied = store.applied(group) if group in store else 0
         for entry in entries:
-            if not entry.data or entry.index <= applied:
+            if not entry.data or entry.membership is not None or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
             kind, at, rows = _decode_entry(entry.data)
             if kind == _DELETE:
@@ -378,8 +453,10 @@ class ReplicatedStreams:
         state = self.driver.groups.get(name)
         if state is None:
             return {}
+        voters, learners = self.driver.members_of(name)
         return {
-            "replicas": list(state.meta.replicas),
+            "replicas": voters,
+            "learners": learners,
             "leader": state.leader or "",
             "term": state.node.term,
             "committed": state.node.log.committed,

@@ -1,6 +1,6 @@
-"""The Raft driver in one process: three brokers' drivers, each with its real log file,
-joined by a transport that hands messages over (or drops them for a broker that is
-down), and time given as ticks."""
+"""The Raft driver in one process: three brokers' drivers (a fourth in the mesh for the
+replacements), each with its real log file, joined by a transport that hands messages
+over (or drops them for a broker that is down), and time given as ticks."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ from pathlib import Path
 import pytest
 
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
+from meshbus.broker.replication.group import GroupMeta
+from meshbus.broker.replication.members import Member
 from meshbus.raft import Entry, Message, MessageType, NotLeader, RaftSettings
 from meshbus.storage.raftlog import MAGIC, RaftLogFailed, RaftWal
 
 NAMES = ("b1", "b2", "b3")
+SPARE = "b4"  # in the mesh, no replica until one is replaced
 SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1)
+REPLACE_AFTER = 50  # ticks
 
 
 class Machine:
@@ -28,7 +32,8 @@ class Machine:
         self.leaders: list[tuple[str, str | None]] = []
 
     def apply(self, group: str, entries: Sequence[Entry]) -> None:
-        self.applied.setdefault(group, []).extend(e.data for e in entries if e.data)
+        applied = self.applied.setdefault(group, [])
+        applied.extend(e.data for e in entries if e.data and e.membership is None)
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         self.leaders.append((group, leader))
@@ -39,18 +44,22 @@ async def inline(work: Callable[[], None]) -> None:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, replace_after: int = 0) -> None:
         self.tmp = tmp
+        self.replace_after = replace_after
         self.drivers: dict[str, RaftDriver] = {}
         self.machines: dict[str, Machine] = {}
         self.wals: dict[str, RaftWal] = {}
         self.down: set[str] = set()
-        self.in_flight: list[tuple[str, str, str, Sequence[Message]]] = []
-        for name in NAMES:
+        # (sender, to, what to do on the receiving driver)
+        self.in_flight: list[tuple[str, str, Callable[[RaftDriver], None]]] = []
+        self.incarnations = iter(range(100, 200))
+        for name in (*NAMES, SPARE):
             self.start(name)
 
     def start(self, name: str) -> RaftDriver:
-        wal, _ = RaftWal.open(str(self.tmp / f"{name}.wal"))
+        path = self.tmp / f"{name}.wal"
+        wal, _ = RaftWal.open(str(path), new_incarnation=lambda: next(self.incarnations))
         self.wals[name] = wal
         self.machines[name] = Machine()
         driver = RaftDriver(
@@ -59,12 +68,22 @@ class Cluster:
             transport=self.transport(name),
             machine=self.machines[name],
             settings=SETTINGS,
-            randomness=random.Random(NAMES.index(name)),
+            randomness=random.Random(int(name[1:])),
             run_blocking=inline,
+            replace_after=self.replace_after,
+            # the placement order: by name; the spare last
+            candidates=lambda group: [n for n in (*NAMES, SPARE) if n not in self.down],
         )
         self.drivers[name] = driver
         driver.recover()
         return driver
+
+    def wipe(self, name: str) -> RaftDriver:
+        """``name`` restarted with its data dir wiped: a new incarnation, no group."""
+        self.drivers[name].close()
+        (self.tmp / f"{name}.wal").unlink()
+        (self.tmp / f"{name}.state").unlink()
+        return self.start(name)
 
     def transport(self, sender: str) -> _Transport:
         return _Transport(self, sender)
@@ -76,9 +95,9 @@ class Cluster:
                 if name not in self.down:
                     await driver.turn()
             flying, self.in_flight = self.in_flight, []
-            for sender, to, group, messages in flying:
+            for sender, to, deliver in flying:
                 if to not in self.down and sender not in self.down:
-                    self.drivers[to].receive(sender, group, messages)
+                    deliver(self.drivers[to])
             if not flying and not self.in_flight:
                 return
 
@@ -95,9 +114,10 @@ class Cluster:
         return leaders[0] if leaders else None
 
     async def found(self, group: str, app: bytes = b"") -> str:
-        """``group`` founded on every broker, and its leader once one is elected."""
-        for driver in self.drivers.values():
-            driver.create(group, NAMES, app)
+        """``group`` founded on every broker but the spare, and its leader once one is
+        elected."""
+        for name in NAMES:
+            self.drivers[name].create(group, NAMES, app)
         return await self.elect(group)
 
     async def elect(self, group: str) -> str:
@@ -110,12 +130,35 @@ class Cluster:
 
 
 class _Transport:
+    """What meshbus.broker.replication.streams does with a RAFT frame, without the
+    frame: each call is handed to the receiving driver."""
+
     def __init__(self, cluster: Cluster, sender: str) -> None:
         self.cluster = cluster
         self.sender = sender
 
+    def _carry(self, broker: str, deliver: Callable[[RaftDriver, int], None]) -> None:
+        incarnation = self.cluster.drivers[self.sender].incarnation
+        self.cluster.in_flight.append(
+            (self.sender, broker, lambda driver: deliver(driver, incarnation))
+        )
+
     def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
-        self.cluster.in_flight.append((self.sender, broker, group, messages))
+        sender = self.sender
+        self._carry(broker, lambda d, i: d.receive(sender, group, messages, i))
+
+    def stranger(self, broker: str, group: str) -> None:
+        sender = self.sender
+        self._carry(broker, lambda d, i: d.stranger(sender, group, i))
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        joined = GroupMeta(meta.replicas, meta.app, member.node, meta.members)
+
+        def deliver(driver: RaftDriver, _: int) -> None:
+            if member.incarnation == driver.incarnation:
+                driver.join(group, joined)
+
+        self._carry(broker, deliver)
 
 
 @pytest.fixture
@@ -141,9 +184,9 @@ async def test_a_leader_is_elected_and_appends_are_committed_everywhere(cluster:
 
 async def test_many_groups_share_one_fsync_a_turn(cluster: Cluster) -> None:
     groups = [f"s{i}" for i in range(20)]
-    for driver in cluster.drivers.values():
+    for name in NAMES:
         for group in groups:
-            driver.create(group, NAMES, b"")
+            cluster.drivers[name].create(group, NAMES, b"")
     for group in groups:
         await cluster.elect(group)
     await cluster.tick(3)
@@ -352,3 +395,151 @@ async def test_hand_over_while_a_turn_waits_for_its_fsync(cluster: Cluster) -> N
     new = cluster.leader("orders")
     assert new is not None
     assert new != leader
+
+
+def membership_changes(driver: RaftDriver, group: str) -> list[tuple[list[int], list[int]]]:
+    """Every membership in ``group``'s log on ``driver``, in order: (voters, learners)."""
+    log = driver.groups[group].node.log
+    return [
+        (sorted(e.membership.voters), sorted(e.membership.learners))
+        for e in log.entries(log.first_index, log.last_index)
+        if e.membership is not None
+    ]
+
+
+async def test_a_message_from_another_incarnation_of_a_member_is_dropped(
+    cluster: Cluster,
+) -> None:
+    leader = await cluster.found("orders")
+    follower = next(n for n in NAMES if n != leader)
+    driver = cluster.drivers[leader]
+    node = cluster.drivers[follower].groups["orders"].node.id
+    answer = Message(MessageType.HEARTBEAT_RESPONSE, node, driver.groups["orders"].node.id, 2)
+    dropped, received = driver.stats.dropped, driver.stats.received
+    driver.receive(follower, "orders", [answer], incarnation=999)
+    assert (driver.stats.dropped, driver.stats.received) == (dropped + 1, received)
+    driver.receive(follower, "orders", [answer], cluster.drivers[follower].incarnation)
+    assert (driver.stats.dropped, driver.stats.received) == (dropped + 1, received + 1)
+
+
+async def test_a_wiped_follower_is_replaced_by_its_new_incarnation(cluster: Cluster) -> None:
+    """A follower's data dir wiped while it is down: back, it holds no group and says
+    so as a new incarnation. The leader adds it as a new member (a learner with a node
+    id never used), which copies the whole log; the old member, not heard from, is
+    removed first, then the new one promoted. Then it counts: with the other follower
+    down, the leader and it commit."""
+    leader = await cluster.found("orders")
+    wiped, other = (n for n in NAMES if n != leader)
+    driver = cluster.drivers[leader]
+    for i in range(10):
+        driver.propose("orders", f"a{i}".encode())
+    await cluster.turns()
+    old = cluster.drivers[wiped].groups["orders"].node.id
+    cluster.down.add(wiped)
+    await cluster.tick(3 * SETTINGS.election_ticks)
+    cluster.wipe(wiped)
+    assert "orders" not in cluster.drivers[wiped].groups
+    cluster.down.discard(wiped)
+    for i in range(5):
+        driver.propose("orders", f"b{i}".encode())
+    await cluster.tick(10)
+    voters, learners = driver.members_of("orders")
+    assert (sorted(voters), learners) == (sorted(NAMES), [])
+    rebuilt = cluster.drivers[wiped].groups["orders"].node
+    assert rebuilt.id == 4
+    assert membership_changes(driver, "orders") == [
+        ([1, 2, 3], []),
+        ([1, 2, 3], [4]),
+        (sorted({1, 2, 3, 4} - {old, 4}), [4]),
+        (sorted({1, 2, 3, 4} - {old}), []),
+    ]
+    everything = [f"a{i}".encode() for i in range(10)] + [f"b{i}".encode() for i in range(5)]
+    assert cluster.machines[wiped].applied["orders"] == everything
+    assert cluster.drivers[wiped].members_of("orders") == driver.members_of("orders")
+    cluster.down.add(other)
+    future = driver.propose("orders", b"c")
+    await cluster.turns()
+    await cluster.tick()
+    assert future.result() > 0
+    assert cluster.machines[wiped].applied["orders"][-1] == b"c"
+    # Restarted, the rebuilt replica is its new member still.
+    cluster.drivers[wiped].close()
+    assert cluster.start(wiped).groups["orders"].node.id == 4
+
+
+async def test_a_silent_voter_is_replaced_by_the_next_broker_in_placement_order(
+    tmp_path: Path,
+) -> None:
+    cluster = Cluster(tmp_path, replace_after=REPLACE_AFTER)
+    leader = await cluster.found("orders")
+    gone, other = (n for n in NAMES if n != leader)
+    driver = cluster.drivers[leader]
+    for i in range(10):
+        driver.propose("orders", f"a{i}".encode())
+    await cluster.turns()
+    cluster.down.add(gone)
+    await cluster.tick(REPLACE_AFTER - 5)
+    assert len(membership_changes(driver, "orders")) == 1  # not yet
+    await cluster.tick(15)
+    voters, learners = driver.members_of("orders")
+    assert (sorted(voters), learners) == (sorted({leader, other, SPARE}), [])
+    assert cluster.machines[SPARE].applied["orders"] == [f"a{i}".encode() for i in range(10)]
+    cluster.down.add(other)
+    future = driver.propose("orders", b"b")
+    await cluster.turns()
+    await cluster.tick()
+    assert future.result() > 0
+    # The removed voter, back, is no member: nothing it says counts (pre-vote and the
+    # lease keep it from disturbing the group).
+    cluster.down.discard(gone)
+    await cluster.tick(3 * SETTINGS.election_ticks)
+    assert cluster.leader("orders") == leader
+
+
+class Told:
+    """A transport that records whom this broker tells it holds no such group."""
+
+    def __init__(self) -> None:
+        self.strangers: list[tuple[str, str]] = []
+
+    def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
+        pass
+
+    def stranger(self, broker: str, group: str) -> None:
+        self.strangers.append((broker, group))
+
+    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
+        pass
+
+
+async def test_a_broker_says_it_holds_no_group_only_once_it_read_its_log_back(
+    tmp_path: Path,
+) -> None:
+    """A broker that restarts hears from its peers before its groups are read back (the
+    mesh's join comes first): saying then that it holds none would make their leader
+    replace it as if its data dir had been wiped. Once read back, it says so once an
+    election timeout for a group it does not hold."""
+    wal, _ = RaftWal.open(str(tmp_path / "b2.wal"))
+    told = Told()
+    driver = RaftDriver(
+        name=lambda: "b2",
+        wal=wal,
+        transport=told,
+        machine=Machine(),
+        settings=SETTINGS,
+        randomness=random.Random(2),
+        run_blocking=inline,
+    )
+    heartbeat = Message(MessageType.HEARTBEAT, 1, 2, 2)
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == []
+    driver.recover()
+    driver.receive("b1", "orders", [heartbeat])
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == [("b1", "orders")]
+    for _ in range(SETTINGS.election_ticks):
+        driver.tick()
+    await driver.turn()
+    driver.receive("b1", "orders", [heartbeat])
+    assert told.strangers == [("b1", "orders")] * 2
+    driver.close()
