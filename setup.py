@@ -56,4 +56,9 @@ def _extensions() -> list[Extension]:
     return extensions
 
 
-setup(ext_modules=_extensions())
+# pip runs this file three times for one install -- for the build's requirements, for
+# the metadata, and for the build itself -- and only the build compiles: mypyc's
+# type-check and C generation cost ~7 s each time, so they run for a build command only.
+_BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+setup(ext_modules=_extensions() if _BUILDS & set(sys.argv[1:]) else [])
