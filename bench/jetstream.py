@@ -16,19 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 
-from bench.servers import Server, nats_server
+from bench.cluster import Cluster, nats_cluster, nats_monitor, wait_until
+from bench.servers import BenchSetupError, Server, find_nats_server, free_port, nats_server
 
 STREAM = "BENCH"
 SUBJECT = "bench.append"
 # Bounds one wait on the server; only reached when it is broken or a check is about to fail.
 _IO_TIMEOUT = 10.0
+# How long a cluster that has just formed may take to place a replicated stream.
+_PLACE_TIMEOUT = 20.0
 
 
 class JetStreamError(Exception):
@@ -43,6 +49,66 @@ def jetstream_server(store_dir: str) -> Iterator[Server]:
         "-js", "-sd", store_dir, kind="nats-jetstream", after="Store Directory:"
     ) as server:
         yield server
+
+
+# Every write fsynced before its ack: nats-server's `sync_interval: always` (its default is
+# a sync every 2 minutes). Older servers (2.9) do not know the key.
+SYNC_ALWAYS = "jetstream { sync_interval: always }\n"
+
+
+def sync_always_refused() -> str:
+    """Why this machine's nats-server cannot fsync every write ("" if it can): what it says
+    of a config file with ``SYNC_ALWAYS`` when asked to check one (-t)."""
+    with tempfile.TemporaryDirectory(prefix="meshbus-bench-nats-conf-") as workdir:
+        path = os.path.join(workdir, "sync.conf")
+        with open(path, "w") as conf:
+            conf.write(SYNC_ALWAYS)
+        checked = subprocess.run(
+            [find_nats_server(), "-t", "-c", path], capture_output=True, text=True, timeout=10
+        )
+        version = subprocess.run(
+            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
+        )
+    if checked.returncode == 0:
+        return ""
+    said = (checked.stderr or checked.stdout).strip().replace(path, "the config file")
+    said = said.removeprefix("nats-server: ")
+    return f"{version.stdout.strip()}: {said}"
+
+
+@contextlib.contextmanager
+def jetstream_cluster(size: int, sync_always: bool) -> Iterator[Cluster]:
+    """``size`` clustered `nats-server -js` nodes, named n0, n1, ..., each storing in a
+    directory of its own; with ``sync_always``, each fsyncs every write (``SYNC_ALWAYS``).
+    Handed out once every node knows the JetStream meta leader."""
+
+    def each(workdir: str, index: int) -> list[str]:
+        args = ["-js", "-sd", os.path.join(workdir, f"js{index}"), "--server_name", f"n{index}"]
+        if index == 0:
+            # A clustered JetStream wants routes configured, the first node too: a route to
+            # itself (which nats-server ignores), so its route port is picked here.
+            route = f"nats://127.0.0.1:{free_port()}"
+            args += ["--cluster", route, "--routes", route]
+        if sync_always:
+            path = os.path.join(workdir, "sync.conf")
+            with open(path, "w") as conf:
+                conf.write(SYNC_ALWAYS)
+            args += ["-c", path]
+        return args
+
+    def meta_leader_known() -> bool:
+        for port in cluster.monitors:
+            meta = nats_monitor(port, "jsz").get("meta_cluster", {})
+            if not meta.get("leader") or meta.get("cluster_size") != size:
+                return False
+        return True
+
+    with nats_cluster(size, each) as cluster:
+        try:
+            wait_until(f"a JetStream meta leader known to {size} nats-servers", meta_leader_known)
+        except BenchSetupError as exc:
+            raise BenchSetupError(f"{exc} (are they JetStream-enabled?)") from exc
+        yield cluster
 
 
 class _Msg(msgspec.Struct):
@@ -166,14 +232,60 @@ class _Link:
                 return answer
 
 
-async def jetstream_append(host: str, port: int, count: int, size: int, window: int = 256) -> float:
-    """Store ``count`` messages of ``size`` bytes in a new stream; acknowledged messages/s."""
+def _stream_config(replicas: int) -> bytes:
+    config: dict[str, Any] = {"name": STREAM, "subjects": [SUBJECT], "storage": "file"}
+    if replicas > 1:
+        config["num_replicas"] = replicas
+    return msgspec.json.encode(config)
+
+
+async def jetstream_add(host: str, port: int, replicas: int) -> str:
+    """Create the stream with ``replicas`` replicas through the server at host:port, once
+    the cluster can place them; the name of the server that leads it."""
+    link = await _Link.open(host, port)
+    try:
+        deadline = time.monotonic() + _PLACE_TIMEOUT
+        while True:
+            try:
+                created = await link.request(
+                    f"$JS.API.STREAM.CREATE.{STREAM}", _stream_config(replicas)
+                )
+            except JetStreamError:
+                # A cluster that has just formed may not know all its JetStream peers yet
+                # ("insufficient resources"), or have no meta leader ("status 503").
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
+            leader: str = created.get("cluster", {}).get("leader", "")
+            if leader:
+                return leader
+            if time.monotonic() > deadline:
+                raise JetStreamError(f"stream {STREAM} has no leader after {_PLACE_TIMEOUT} s")
+            await asyncio.sleep(0.05)
+            # Creating it again with the same config answers its info, leader included.
+    finally:
+        link.close()
+
+
+async def jetstream_append(
+    host: str,
+    port: int,
+    count: int,
+    size: int,
+    window: int = 256,
+    *,
+    replicas: int = 1,
+    latencies: list[float] | None = None,
+) -> float:
+    """Store ``count`` messages of ``size`` bytes in a new stream (of ``replicas``: one made
+    by ``jetstream_add`` beforehand, still empty); acknowledged messages/s. ``latencies``:
+    filled with each publish's seconds from its write to its ack."""
     if count < 1 or window < 1:
         raise ValueError("count and window must be at least 1")
     link = await _Link.open(host, port)
     try:
-        config = {"name": STREAM, "subjects": [SUBJECT], "storage": "file"}
-        created = await link.request(f"$JS.API.STREAM.CREATE.{STREAM}", msgspec.json.encode(config))
+        created = await link.request(f"$JS.API.STREAM.CREATE.{STREAM}", _stream_config(replicas))
         # Creating an existing stream with the same config succeeds and keeps its messages.
         if created["state"]["messages"]:
             raise JetStreamError(f"stream {STREAM} already holds messages; start from a new store")
@@ -181,20 +293,29 @@ async def jetstream_append(host: str, port: int, count: int, size: int, window: 
         # Every ack goes to one subject: acks come back in publish order, so the n-th ack must
         # carry seq n, and one pre-encoded publish serves for all.
         one = b"PUB %s %s %d\r\n%s\r\n" % (SUBJECT.encode(), ack_subject, size, b"x" * size)
+        sent_at: list[float] = []
         start = time.perf_counter()
         sent = min(window, count)
         link.writer.write(one * sent)
+        if latencies is not None:
+            sent_at += [start] * sent
         acked = 0
         while acked < count:
-            for msg in await link.read():
+            msgs = await link.read()
+            now = time.perf_counter()
+            for msg in msgs:
                 if msg.subject != ack_subject or msg.status:
                     raise JetStreamError(f"not a PubAck: {msg}")
                 acked += 1
                 _check_ack(msg.payload, acked)
+            if latencies is not None:
+                latencies += [now - at for at in sent_at[acked - len(msgs) : acked]]
             more = min(count - sent, window - (sent - acked))
             if more > 0:
                 link.writer.write(one * more)
                 sent += more
+                if latencies is not None:
+                    sent_at += [now] * more
             await link.writer.drain()
         elapsed = time.perf_counter() - start
         state = (await link.request(f"$JS.API.STREAM.INFO.{STREAM}", b""))["state"]
