@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -35,6 +35,8 @@ SUBJECT = "bench.append"
 _IO_TIMEOUT = 10.0
 # How long a cluster that has just formed may take to place a replicated stream.
 _PLACE_TIMEOUT = 20.0
+# How long to wait for a stream's info before taking it that no leader answers.
+_LEADER_ASK_TIMEOUT = 0.25
 
 
 class JetStreamError(Exception):
@@ -268,6 +270,24 @@ async def jetstream_add(host: str, port: int, replicas: int) -> str:
         link.close()
 
 
+async def jetstream_leader(host: str, port: int) -> str:
+    """The name of the server that leads the stream, as the server at host:port knows it
+    ("" while there is none: no answer, or an error)."""
+    link: _Link | None = None
+    try:
+        # While the stream (or the meta group) has no leader, requests go unanswered.
+        async with asyncio.timeout(_LEADER_ASK_TIMEOUT):
+            link = await _Link.open(host, port)
+            info = await link.request(f"$JS.API.STREAM.INFO.{STREAM}", b"")
+    except (JetStreamError, TimeoutError):
+        return ""
+    finally:
+        if link is not None:
+            link.close()
+    leader: str = info.get("cluster", {}).get("leader", "")
+    return leader
+
+
 async def jetstream_append(
     host: str,
     port: int,
@@ -368,5 +388,100 @@ async def jetstream_fetch(host: str, port: int, count: int, batch: int = 100) ->
             raise JetStreamError(f"{tokens[8].decode()} messages left after {count}")
         await link.request(f"$JS.API.CONSUMER.DELETE.{STREAM}.{name}", b"")
         return count / elapsed
+    finally:
+        link.close()
+
+
+class JetStreamProducer:
+    """Unique values published on one link to the stream, ``window`` unacknowledged at
+    most, each with a reply subject of its own and a Nats-Msg-Id (the stream stores a
+    resend once, within its 2-minute dedupe window). An unacknowledged one -- no answer,
+    a 503 "no responders" while the stream has no leader, an error ack -- is published
+    again on the meshbus connector's schedule: 0.2 s after, then twice as long each
+    time, at most ``resend_max`` apart. Every acknowledged value is recorded with when."""
+
+    def __init__(self, link: _Link, window: int, resend_max: float) -> None:
+        self.acked: list[int] = []
+        self.acked_at: list[float] = []
+        self._link, self._window, self._resend_max = link, window, resend_max
+        self._acks = link.inbox + b".ack"
+        self._due: dict[int, tuple[float, float]] = {}  # value -> (resend at, wait)
+        self._next = 0
+
+    @classmethod
+    async def open(cls, host: str, port: int, window: int, resend_max: float) -> Self:
+        return cls(await _Link.open(host, port), window, resend_max)
+
+    async def run(self) -> None:
+        """Publish until cancelled (then the link is closed)."""
+        reading = asyncio.create_task(self._read())
+        try:
+            self._top_up()
+            while not reading.done():
+                now = time.monotonic()
+                for value, (at, wait) in list(self._due.items()):
+                    if at <= now:
+                        wait = min(wait * 2, self._resend_max)
+                        self._publish(value, now + wait, wait)
+                await asyncio.sleep(0.01)
+            reading.result()  # its error
+        finally:
+            reading.cancel()
+            self._link.close()
+
+    def _publish(self, value: int, resend_at: float, wait: float) -> None:
+        msg_id = b"%d" % value
+        headers = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id
+        self._link.writer.write(
+            b"HPUB %s %s.%s %d %d\r\n%s%s\r\n"
+            % (SUBJECT.encode(), self._acks, msg_id, len(headers),
+               len(headers) + len(msg_id), headers, msg_id)
+        )  # fmt: skip
+        self._due[value] = (resend_at, wait)
+
+    def _top_up(self) -> None:
+        now = time.monotonic()
+        while len(self._due) < self._window:
+            self._publish(self._next, now + 0.2, 0.2)
+            self._next += 1
+
+    async def _read(self) -> None:
+        skip = len(self._acks) + 1
+        while True:
+            for msg in await self._link.read():
+                value = int(msg.subject[skip:])
+                if msg.status or value not in self._due:
+                    continue  # no leader now (resent when due), or a resend's second ack
+                if _decode_ack(msg.payload).error is not None:
+                    continue
+                del self._due[value]
+                self.acked.append(value)
+                self.acked_at.append(time.monotonic())
+            self._top_up()
+
+
+async def jetstream_payloads(host: str, port: int) -> list[bytes]:
+    """Every message of the stream, read in order through a consumer of its own."""
+    link = await _Link.open(host, port)
+    name = "read-" + secrets.token_hex(4)
+    try:
+        config = {"durable_name": name, "ack_policy": "none", "deliver_policy": "all"}
+        request = {"stream_name": STREAM, "config": config}
+        await link.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.{name}", msgspec.json.encode(request))
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{name}".encode()
+        reply = link.inbox + b".read"
+        payloads: list[bytes] = []
+        while True:
+            link.publish(next_subject, reply, b'{"batch":1000,"no_wait":true}')
+            before = len(payloads)
+            ended = False
+            while not ended and len(payloads) - before < 1000:
+                for msg in await link.read():
+                    if msg.status:  # 404/408: nothing more for this request
+                        ended = True
+                    else:
+                        payloads.append(msg.payload)
+            if len(payloads) == before:
+                return payloads
     finally:
         link.close()

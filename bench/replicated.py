@@ -23,7 +23,10 @@ Two durability rows, each system's own words for the same thing:
 
 Failover: the producer (the client library: ``--window`` reliable sends in flight, each
 resent by the connector until acknowledged) on a broker that does not lead; once it has
-been acknowledged for a while, the leader is killed (SIGKILL). The figure is the time
+been acknowledged for a while, the leader is killed (SIGKILL). With ``--vs-nats`` the
+same on a JetStream R3 cluster, runs alternating: ``jetstream.JetStreamProducer``
+publishes on a node that does not lead, with a Nats-Msg-Id each and the connector's
+resend schedule. The figure is the time
 from the kill to appends acknowledged again (the end of the longest silence after the
 kill); beside it, when a survivor first named the new leader. At the end every
 acknowledged value must be in the stream, once.
@@ -36,6 +39,7 @@ import contextlib
 import functools
 import itertools
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 import click
 
 import meshbus
+from bench.cluster import Cluster
 from bench.report import key_values, new_table, print_tables
 from bench.runs import alternate
 from bench.servers import BenchSetupError
@@ -53,6 +58,8 @@ from bench.streams import CAPTURE, STREAM, StreamBenchError, wire_append
 REPLICAS = 3
 # How long a new stream may take to elect its leader and route its captures to it.
 _LEADER_TIMEOUT = 20.0
+# How long appends may stop after a leader's kill (JetStream's elections wait 4-9 s).
+_RESUME_TIMEOUT = 30.0
 
 
 @dataclass
@@ -247,7 +254,7 @@ def replicated_appends(count: int, size: int, window: int, runs: int, vs_nats: b
 @dataclass
 class Failover:
     """One run: seconds from the leader's kill to a survivor naming the new leader and to
-    the first acknowledgement after the kill; what was acknowledged and stored."""
+    appends acknowledged again; what was acknowledged and stored."""
 
     elected_s: float
     resumed_s: float
@@ -255,6 +262,40 @@ class Failover:
     stored: int
     lost: int  # acknowledged, and not in the stream
     duplicated: int  # stored more than once
+
+    @classmethod
+    def of(
+        cls,
+        killed_at: float,
+        elected_at: float,
+        acked: list[int],
+        acked_at: list[float],
+        stored: list[bytes],
+    ) -> Failover:
+        """``acked_at``: when each of ``acked`` was acknowledged; ``stored``: the stream."""
+        # Acknowledged again: the end of the longest silence after the kill. Not merely the
+        # first ack after it: one the dead leader sent just before its end may trail in.
+        times = [killed_at, *(at for at in acked_at if at > killed_at)]
+        gaps = [(later - earlier, later) for earlier, later in itertools.pairwise(times)]
+        values = {b"%d" % value for value in acked}
+        return cls(
+            elected_at - killed_at,
+            max(gaps)[1] - killed_at,
+            len(values),
+            len(stored),
+            len(values - set(stored)),
+            len(stored) - len(set(stored)),
+        )
+
+
+async def _acked_after(acked_at: list[float], moment: float) -> None:
+    """Until a producer recording into ``acked_at`` has an append acknowledged after
+    ``moment``."""
+    deadline = time.monotonic() + _RESUME_TIMEOUT
+    while not acked_at or acked_at[-1] <= moment:
+        if time.monotonic() > deadline:
+            raise StreamBenchError(f"no append acknowledged in the {_RESUME_TIMEOUT:.0f} s after")
+        await asyncio.sleep(0.005)
 
 
 class _Producer:
@@ -265,7 +306,6 @@ class _Producer:
     def __init__(self, conn: meshbus.Connector, window: int) -> None:
         self.acked: list[int] = []
         self.acked_at: list[float] = []
-        self.failed = 0
         self._conn, self._window = conn, window
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -279,30 +319,11 @@ class _Producer:
         from meshbus.errors import DeliveryFailed
 
         while True:
-            try:
+            with contextlib.suppress(DeliveryFailed):  # given up: the next value
                 await publisher.send_reliable(CAPTURE, b"%d" % value)
-            except DeliveryFailed:
-                self.failed += 1
-            else:
                 self.acked.append(value)
                 self.acked_at.append(time.monotonic())
             value += self._window
-
-    async def acked_after(self, moment: float, timeout: float) -> None:
-        """Until an append is acknowledged after ``moment``."""
-        deadline = time.monotonic() + timeout
-        while not self.acked_at or self.acked_at[-1] <= moment:
-            if time.monotonic() > deadline:
-                raise StreamBenchError(f"no append acknowledged in the {timeout:.0f} s after")
-            await asyncio.sleep(0.005)
-
-    def resumed_at(self, moment: float) -> float:
-        """When appends were acknowledged again after ``moment`` (the kill): the end of the
-        longest silence since. Not merely the first ack after it: an ack the dead leader
-        sent just before its end may still arrive after it."""
-        times = [moment, *(at for at in self.acked_at if at > moment)]
-        gaps = [(later - earlier, later) for earlier, later in itertools.pairwise(times)]
-        return max(gaps)[1]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -336,7 +357,7 @@ async def _stored(addresses: list[str]) -> list[bytes]:
     return payloads
 
 
-async def _failover_once(
+async def meshbus_failover(
     root: str, window: int, raft_tick: float, resend_max: float, before: float, after: float
 ) -> Failover:
     from bench.brokers import MeshbusProcesses
@@ -376,61 +397,118 @@ async def _failover_once(
             await _led(watch, not_by=leader)
             elected_at = time.monotonic()
             # The dead leader's acks may trail in just after the kill; not the new one's.
-            await producer.acked_after(elected_at, _LEADER_TIMEOUT)
+            await _acked_after(producer.acked_at, elected_at)
             await asyncio.sleep(after)
             await producer.stop()
-            resumed_at = producer.resumed_at(killed_at)
         stored = await _stored(survivors)
     finally:
         await brokers.close()
-    acked = {b"%d" % value for value in producer.acked}
-    return Failover(
-        elected_at - killed_at,
-        resumed_at - killed_at,
-        len(acked),
-        len(stored),
-        len(acked - set(stored)),
-        len(stored) - len(set(stored)),
+    return Failover.of(killed_at, elected_at, producer.acked, producer.acked_at, stored)
+
+
+async def nats_failover(
+    cluster: Cluster, window: int, resend_max: float, before: float, after: float
+) -> Failover:
+    from bench.jetstream import (
+        JetStreamError,
+        JetStreamProducer,
+        jetstream_add,
+        jetstream_leader,
+        jetstream_payloads,
     )
+
+    first = cluster.nodes[0]
+    leader = await jetstream_add(first.host, first.port, REPLICAS)
+    doomed = cluster.nodes[int(leader[1:])]  # n<i> is node i
+    producing, watching = (node for node in cluster.nodes if node is not doomed)
+    producer = await JetStreamProducer.open(producing.host, producing.port, window, resend_max)
+    publishing = asyncio.create_task(producer.run())
+    try:
+        await asyncio.sleep(before)
+        if not producer.acked:
+            raise StreamBenchError(f"nothing acknowledged in {before} s before the kill")
+        killed_at = time.monotonic()
+        os.kill(doomed.pid, signal.SIGKILL)
+        deadline = killed_at + _RESUME_TIMEOUT
+        while await jetstream_leader(watching.host, watching.port) in ("", leader):
+            if time.monotonic() > deadline:
+                raise StreamBenchError(f"JetStream elected no leader in {_RESUME_TIMEOUT} s")
+            await asyncio.sleep(0.02)
+        elected_at = time.monotonic()
+        await _acked_after(producer.acked_at, elected_at)
+        await asyncio.sleep(after)
+    finally:
+        publishing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await publishing
+    await asyncio.sleep(0.5)  # what the survivors committed reaches both
+    # A consumer to read with needs the meta group's leader, which may have died too.
+    deadline = time.monotonic() + _RESUME_TIMEOUT
+    while True:
+        try:
+            stored = await jetstream_payloads(watching.host, watching.port)
+            break
+        except (JetStreamError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+    return Failover.of(killed_at, elected_at, producer.acked, producer.acked_at, stored)
 
 
 def replicated_failover(
-    window: int, runs: int, raft_tick: float, resend_max: float, before: float, after: float
+    window: int,
+    runs: int,
+    raft_tick: float,
+    resend_max: float,
+    vs_nats: bool,
+    before: float = 1.0,
+    after: float = 0.5,
 ) -> None:
-    """``runs`` failovers, each on a fresh mesh; the last line has the medians and the sums
-    of what was lost and duplicated (both must be 0)."""
+    """``runs`` failovers, each on a fresh mesh (and, with ``vs_nats``, a fresh JetStream
+    cluster, the two alternating); the last line has the medians and the sums of what was
+    lost and duplicated (both must be 0)."""
     import uvloop
 
+    from bench.jetstream import JetStreamError, jetstream_cluster
     from meshbus.errors import MeshbusError
 
     table = new_table(
         f"stream, {REPLICAS} replicas: the leader killed under {window} appends in flight "
-        f"(--raft-tick {raft_tick}, resends at most {resend_max} s apart)",
-        ("run", "elected s", "acked again s", "acked", "stored", "lost", "duplicated"),
+        f"(meshbus --raft-tick {raft_tick}; resends 0.2 s, doubling, at most {resend_max} s "
+        "apart)",
+        ("run", "system", "elected s", "acked again s", "acked", "stored", "lost", "duplicated"),
     )
-    results: list[Failover] = []
+    results: dict[str, list[Failover]] = {}
+
+    def meshbus_run() -> Failover:
+        with tempfile.TemporaryDirectory(prefix="meshbus-bench-failover-") as root:
+            return uvloop.run(meshbus_failover(root, window, raft_tick, resend_max, before, after))
+
+    def nats_run() -> Failover:
+        with jetstream_cluster(REPLICAS, sync_always=False) as cluster:
+            return uvloop.run(nats_failover(cluster, window, resend_max, before, after))
+
+    systems = [("meshbus", meshbus_run)] + ([("nats", nats_run)] if vs_nats else [])
     load_before = _load()
     try:
         for run in range(1, runs + 1):
-            with tempfile.TemporaryDirectory(prefix="meshbus-bench-failover-") as root:
-                got = uvloop.run(_failover_once(root, window, raft_tick, resend_max, before, after))
-            results.append(got)
-            table.add_row(
-                str(run), f"{got.elected_s:.3f}", f"{got.resumed_s:.3f}", f"{got.acked:,}",
-                f"{got.stored:,}", str(got.lost), str(got.duplicated),
-            )  # fmt: skip
-    except (StreamBenchError, MeshbusError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    except BenchSetupError as exc:
+            for kind, measure in systems:
+                got = measure()
+                results.setdefault(kind, []).append(got)
+                table.add_row(
+                    str(run), kind, f"{got.elected_s:.3f}", f"{got.resumed_s:.3f}",
+                    f"{got.acked:,}", f"{got.stored:,}", str(got.lost), str(got.duplicated),
+                )  # fmt: skip
+    except (BenchSetupError, JetStreamError, StreamBenchError, MeshbusError) as exc:
         raise click.ClickException(str(exc)) from exc
     print_tables(table)
     click.echo(f"load average (1, 5, 15 min) before: {load_before}, after: {_load()}", err=True)
-    click.echo(
-        key_values(
-            failover_s=f"{statistics.median(r.resumed_s for r in results):.3f}",
-            elected_s=f"{statistics.median(r.elected_s for r in results):.3f}",
-            acked=str(sum(r.acked for r in results)),
-            lost=str(sum(r.lost for r in results)),
-            duplicated=str(sum(r.duplicated for r in results)),
-        )
-    )
+    pairs: dict[str, str] = {}
+    for kind, runs_of in results.items():
+        prefix = "" if kind == "meshbus" else f"{kind}_"
+        pairs[f"{prefix}failover_s"] = f"{statistics.median(r.resumed_s for r in runs_of):.3f}"
+        pairs[f"{prefix}elected_s"] = f"{statistics.median(r.elected_s for r in runs_of):.3f}"
+        pairs[f"{prefix}acked"] = str(sum(r.acked for r in runs_of))
+        pairs[f"{prefix}lost"] = str(sum(r.lost for r in runs_of))
+        pairs[f"{prefix}duplicated"] = str(sum(r.duplicated for r in runs_of))
+    click.echo(key_values(**pairs))

@@ -270,7 +270,9 @@ def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
     "with --vs-nats against JetStream R3, or with --failover.",
 )
 @click.option(
-    "--vs-nats", is_flag=True, help="--replicas 3: also measure JetStream R3 (1 always does)."
+    "--vs-nats",
+    is_flag=True,
+    help="--replicas 3: also measure JetStream R3, appends or --failover (1 always does).",
 )
 @click.option(
     "--failover",
@@ -297,7 +299,7 @@ def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
     default=2.0,
     show_default=True,
     help="--failover: the producer's RetryPolicy.max_interval (resends every 0.2 s, then "
-    "twice as long each time, up to this).",
+    "twice as long each time, up to this); the JetStream producer resends alike.",
 )
 def stream(
     count: int,
@@ -328,13 +330,13 @@ def stream(
     always_meshbus_p99_ms=<ms> [always_nats=... always_ratio=<r> always_p99_ratio=<r>]`
     and the same for `default_`; `always_nats=none` when nats-server has no
     `sync_interval: always`. With --failover: `failover_s=<s> elected_s=<s> acked=<n>
-    lost=<n> duplicated=<n>`.
+    lost=<n> duplicated=<n>` and, with --vs-nats, the same prefixed `nats_`.
     """
     if replicas == "3":
         from bench.replicated import replicated_appends, replicated_failover
 
         if failover:
-            replicated_failover(window, runs, raft_tick, resend_max, before=1.0, after=0.5)
+            replicated_failover(window, runs, raft_tick, resend_max, vs_nats)
         else:
             replicated_appends(count, size, window, runs, vs_nats)
         return

@@ -9,6 +9,8 @@ import re
 import pytest
 
 from bench.cli import bench
+from bench.jetstream import jetstream_cluster
+from bench.replicated import nats_failover
 from bench.servers import BenchSetupError, find_nats_server
 from tests.bench.helpers import run_bench
 
@@ -83,6 +85,18 @@ def test_failover_loses_nothing() -> None:
     assert failover_s > 0
     assert acked > 0
     assert (lost, duplicated) == (0, 0)
+
+
+@needs_nats
+async def test_jetstream_failover_loses_nothing() -> None:
+    # JetStream's own election takes 4-9 s: its side alone, in process.
+    with jetstream_cluster(3, sync_always=False) as cluster:
+        got = await nats_failover(cluster, window=64, resend_max=2.0, before=0.5, after=0.2)
+    assert got.elected_s > 0
+    assert got.resumed_s > 0
+    assert got.acked > 0
+    assert got.stored >= got.acked
+    assert (got.lost, got.duplicated) == (0, 0)
 
 
 def test_failover_needs_three_replicas() -> None:
