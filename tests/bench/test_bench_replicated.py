@@ -63,13 +63,6 @@ def test_replicated_appends_against_jetstream() -> None:
     assert len(always) in (3, 8)
 
 
-def test_replicated_appends_alone() -> None:
-    line = run_bench("stream", "--replicas", "3", "--count", "500", "--runs", "1")
-    assert "nats" not in line
-    for row in ("always", "default"):
-        assert min(_row(line, row)) > 0
-
-
 def test_failover_loses_nothing() -> None:
     # --raft-tick 0.04: elections after 0.4-0.8 s of silence, so the test stays short.
     line = run_bench(
