@@ -1,6 +1,6 @@
 """`python -m bench stream --replicas 3` end to end, tiny: real meshes of three brokers, a
 real 3-node JetStream cluster (skipped without nats-server), last lines that parse and add
-up, a failover that loses nothing, and no server left running (``run_bench``)."""
+up, failovers that lose nothing, and no server left running (``run_bench``)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,9 @@ _RATIOS = r" {row}_ratio=(\d+\.\d{{3}}) {row}_p99_ratio=(\d+\.\d{{3}})"
 
 def _row(line: str, row: str) -> list[float]:
     """The figures of one durability row: meshbus's three, then nats's three and the two
-    ratios when nats-server ran it (none of them without --vs-nats, or when it could not:
-    `<row>_nats=none`)."""
+    ratios when nats-server ran it (none of them when it could not: `<row>_nats=none`)."""
     meshbus = _FIGURES.format(row=row)
-    for shape in (
-        meshbus + (_NATS + _RATIOS).format(row=row),
-        f"{meshbus} {row}_nats=none",
-        meshbus,
-    ):
+    for shape in (meshbus + (_NATS + _RATIOS).format(row=row), f"{meshbus} {row}_nats=none"):
         match = re.search(rf"(?:^| ){row}_meshbus={shape}(?: |$)", line)
         if match:
             return [float(group) for group in match.groups()]
