@@ -15,8 +15,9 @@ Two durability rows, each system's own words for the same thing:
 - ``always``: every write fsynced before its ack. meshbus `--fsync always` (the Raft log
   is fsynced before every answer and every ack whatever --fsync says; `always` also
   fsyncs each replica's SQLite store at each group commit); nats-server
-  `jetstream { sync_interval: always }`, which only servers from 2.10 on know: an older
-  one gets no `always` row (the reason is printed) and meshbus is measured alone.
+  `jetstream { sync_interval: always }`, a key 2.9 servers do not know: one that refuses
+  it (asked with `nats-server -t`) gets no `always` row, the reason printed, and meshbus
+  is measured alone.
 - ``default``: each system's defaults. meshbus `--fsync normal`: the Raft log still
   fsynced before the ack, the replica's SQLite store not; nats-server: its files synced
   every 2 minutes, so an ack means "in the memory of a majority's processes".
@@ -26,10 +27,9 @@ resent by the connector until acknowledged) on a broker that does not lead; once
 been acknowledged for a while, the leader is killed (SIGKILL). With ``--vs-nats`` the
 same on a JetStream R3 cluster, runs alternating: ``jetstream.JetStreamProducer``
 publishes on a node that does not lead, with a Nats-Msg-Id each and the connector's
-resend schedule. The figure is the time
-from the kill to appends acknowledged again (the end of the longest silence after the
-kill); beside it, when a survivor first named the new leader. At the end every
-acknowledged value must be in the stream, once.
+resend schedule. The figure is the time from the kill to appends acknowledged again
+(the end of the longest silence after the kill); beside it, when a survivor first named
+the new leader. At the end every acknowledged value must be in the stream, once.
 """
 
 from __future__ import annotations
