@@ -9,7 +9,8 @@ The commands: ``cli`` (the group; unicast, request, tables; ``__main__`` runs it
 ``handshake`` (connect time with and without a sign-in), ``routes``, ``reliable`` and
 ``chaos`` (exactly-once sends and message groups while the mesh is shaken),
 ``streams`` (durable stream appends and reads against NATS JetStream, whose raw driver
-is ``jetstream``) and ``spark`` (Spark reading and writing the bus
+is ``jetstream``; with --replicas 3, ``replicated``: a stream of three replicas against
+JetStream R3, and the leader's failover) and ``spark`` (Spark reading and writing the bus
 against Parquet).
 
 The load drivers live in ``throughput`` (one producer -> one consumer, bytes

@@ -51,7 +51,7 @@ class Cluster:
     credentials: Credentials | None = None
 
 
-def _wait_until(what: str, check: Callable[[], bool], timeout: float = _FORM_TIMEOUT) -> None:
+def wait_until(what: str, check: Callable[[], bool], timeout: float = _FORM_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -110,7 +110,7 @@ def meshbus_mesh(
             nodes = [
                 Server(kind, *parse_hostport(broker.address), broker.process.pid) for broker in mesh
             ]
-            _wait_until(
+            wait_until(
                 f"a full mesh of {size} meshbus brokers",
                 lambda: _mesh_formed(nodes, credentials),
             )
@@ -145,11 +145,12 @@ def _port(url: str) -> int:
 
 @contextlib.contextmanager
 def _nats_node(
-    workdir: str, index: int, seed_route: str | None
+    workdir: str, index: int, seed_route: str | None, extra: Sequence[str] = ()
 ) -> Iterator[tuple[Server, int, int]]:
     """One clustered nats-server on random loopback ports: (server, monitor port, route
     port). Its ports come from the ports file it writes into ``workdir``, its log goes
-    to a file there; stopped on exit."""
+    to a file there; stopped on exit. ``extra`` arguments come last: they may set what the
+    others set (a flag given twice takes the last value)."""
     argv = [
         find_nats_server(),
         *("-a", "127.0.0.1", "-p", "-1", "-m", "-1", "--ports_file_dir", workdir),
@@ -157,6 +158,7 @@ def _nats_node(
     ]
     if seed_route is not None:
         argv += ["--routes", seed_route]
+    argv += extra
     log_path = os.path.join(workdir, f"nats-{index}.log")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
@@ -195,18 +197,25 @@ def _nats_formed(monitors: list[int]) -> bool:
 
 
 @contextlib.contextmanager
-def nats_cluster(size: int) -> Iterator[Cluster]:
+def nats_cluster(
+    size: int, each: Callable[[str, int], Sequence[str]] | None = None
+) -> Iterator[Cluster]:
     """``size`` nats-servers on random loopback ports, the others routed to the first one
-    (the cluster gossips the rest), every node routed to every other one; stopped on exit."""
+    (the cluster gossips the rest), every node routed to every other one; stopped on exit.
+    Node i also gets ``each(workdir, i)``: arguments that may name files of its own in the
+    cluster's temporary ``workdir`` (a JetStream store, a config file)."""
     with contextlib.ExitStack() as stack:
         workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="meshbus-bench-nats-"))
         nodes: list[Server] = []
         monitors: list[int] = []
         seed_route: str | None = None
         for index in range(size):
-            node, monitor, route = stack.enter_context(_nats_node(workdir, index, seed_route))
+            extra = each(workdir, index) if each is not None else ()
+            node, monitor, route = stack.enter_context(
+                _nats_node(workdir, index, seed_route, extra)
+            )
             seed_route = seed_route or f"nats://127.0.0.1:{route}"
             nodes.append(node)
             monitors.append(monitor)
-        _wait_until(f"a full cluster of {size} nats-servers", lambda: _nats_formed(monitors))
+        wait_until(f"a full cluster of {size} nats-servers", lambda: _nats_formed(monitors))
         yield Cluster("nats", nodes, monitors)

@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
-from bench.servers import Server, nats_server
+from bench.cluster import Cluster, nats_cluster, nats_monitor, wait_until
+from bench.servers import BenchSetupError, Server, find_nats_server, free_port, nats_server
 
 STREAM = "BENCH"
 SUBJECT = "bench.append"
 # Bounds one wait on the server; only reached when it is broken or a check is about to fail.
 _IO_TIMEOUT = 10.0
+# How long a cluster that has just formed may take to place a replicated stream.
+_PLACE_TIMEOUT = 20.0
+# How long to wait for a stream's info before taking it that no leader answers.
+_LEADER_ASK_TIMEOUT = 0.25
 
 
 class JetStreamError(Exception):
@@ -43,6 +51,66 @@ def jetstream_server(store_dir: str) -> Iterator[Server]:
         "-js", "-sd", store_dir, kind="nats-jetstream", after="Store Directory:"
     ) as server:
         yield server
+
+
+# Every write fsynced before its ack: nats-server's `sync_interval: always` (its default is
+# a sync every 2 minutes). Older servers (2.9) do not know the key.
+SYNC_ALWAYS = "jetstream { sync_interval: always }\n"
+
+
+def sync_always_refused() -> str:
+    """Why this machine's nats-server cannot fsync every write ("" if it can): what it says
+    of a config file with ``SYNC_ALWAYS`` when asked to check one (-t)."""
+    with tempfile.TemporaryDirectory(prefix="meshbus-bench-nats-conf-") as workdir:
+        path = os.path.join(workdir, "sync.conf")
+        with open(path, "w") as conf:
+            conf.write(SYNC_ALWAYS)
+        checked = subprocess.run(
+            [find_nats_server(), "-t", "-c", path], capture_output=True, text=True, timeout=10
+        )
+        version = subprocess.run(
+            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
+        )
+    if checked.returncode == 0:
+        return ""
+    said = (checked.stderr or checked.stdout).strip().replace(path, "the config file")
+    said = said.removeprefix("nats-server: ")
+    return f"{version.stdout.strip()}: {said}"
+
+
+@contextlib.contextmanager
+def jetstream_cluster(size: int, sync_always: bool) -> Iterator[Cluster]:
+    """``size`` clustered `nats-server -js` nodes, named n0, n1, ..., each storing in a
+    directory of its own; with ``sync_always``, each fsyncs every write (``SYNC_ALWAYS``).
+    Handed out once every node knows the JetStream meta leader."""
+
+    def each(workdir: str, index: int) -> list[str]:
+        args = ["-js", "-sd", os.path.join(workdir, f"js{index}"), "--server_name", f"n{index}"]
+        if index == 0:
+            # A clustered JetStream wants routes configured, the first node too: a route to
+            # itself (which nats-server ignores), so its route port is picked here.
+            route = f"nats://127.0.0.1:{free_port()}"
+            args += ["--cluster", route, "--routes", route]
+        if sync_always:
+            path = os.path.join(workdir, "sync.conf")
+            with open(path, "w") as conf:
+                conf.write(SYNC_ALWAYS)
+            args += ["-c", path]
+        return args
+
+    def meta_leader_known() -> bool:
+        for port in cluster.monitors:
+            meta = nats_monitor(port, "jsz").get("meta_cluster", {})
+            if not meta.get("leader") or meta.get("cluster_size") != size:
+                return False
+        return True
+
+    with nats_cluster(size, each) as cluster:
+        try:
+            wait_until(f"a JetStream meta leader known to {size} nats-servers", meta_leader_known)
+        except BenchSetupError as exc:
+            raise BenchSetupError(f"{exc} (are they JetStream-enabled?)") from exc
+        yield cluster
 
 
 class _Msg(msgspec.Struct):
@@ -166,14 +234,78 @@ class _Link:
                 return answer
 
 
-async def jetstream_append(host: str, port: int, count: int, size: int, window: int = 256) -> float:
-    """Store ``count`` messages of ``size`` bytes in a new stream; acknowledged messages/s."""
+def _stream_config(replicas: int) -> bytes:
+    config: dict[str, Any] = {"name": STREAM, "subjects": [SUBJECT], "storage": "file"}
+    if replicas > 1:
+        config["num_replicas"] = replicas
+    return msgspec.json.encode(config)
+
+
+async def jetstream_add(host: str, port: int, replicas: int) -> str:
+    """Create the stream with ``replicas`` replicas through the server at host:port, once
+    the cluster can place them; the name of the server that leads it."""
+    link = await _Link.open(host, port)
+    try:
+        deadline = time.monotonic() + _PLACE_TIMEOUT
+        while True:
+            try:
+                created = await link.request(
+                    f"$JS.API.STREAM.CREATE.{STREAM}", _stream_config(replicas)
+                )
+            except JetStreamError:
+                # A cluster that has just formed may not know all its JetStream peers yet
+                # ("insufficient resources"), or have no meta leader ("status 503").
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
+            leader: str = created.get("cluster", {}).get("leader", "")
+            if leader:
+                return leader
+            if time.monotonic() > deadline:
+                raise JetStreamError(f"stream {STREAM} has no leader after {_PLACE_TIMEOUT} s")
+            await asyncio.sleep(0.05)
+            # Creating it again with the same config answers its info, leader included.
+    finally:
+        link.close()
+
+
+async def jetstream_leader(host: str, port: int) -> str:
+    """The name of the server that leads the stream, as the server at host:port knows it
+    ("" while there is none: no answer, or an error)."""
+    link: _Link | None = None
+    try:
+        # While the stream (or the meta group) has no leader, requests go unanswered.
+        async with asyncio.timeout(_LEADER_ASK_TIMEOUT):
+            link = await _Link.open(host, port)
+            info = await link.request(f"$JS.API.STREAM.INFO.{STREAM}", b"")
+    except (JetStreamError, TimeoutError):
+        return ""
+    finally:
+        if link is not None:
+            link.close()
+    leader: str = info.get("cluster", {}).get("leader", "")
+    return leader
+
+
+async def jetstream_append(
+    host: str,
+    port: int,
+    count: int,
+    size: int,
+    window: int = 256,
+    *,
+    replicas: int = 1,
+    latencies: list[float] | None = None,
+) -> float:
+    """Store ``count`` messages of ``size`` bytes in a new stream (of ``replicas``: one made
+    by ``jetstream_add`` beforehand, still empty); acknowledged messages/s. ``latencies``:
+    filled with each publish's seconds from its write to its ack."""
     if count < 1 or window < 1:
         raise ValueError("count and window must be at least 1")
     link = await _Link.open(host, port)
     try:
-        config = {"name": STREAM, "subjects": [SUBJECT], "storage": "file"}
-        created = await link.request(f"$JS.API.STREAM.CREATE.{STREAM}", msgspec.json.encode(config))
+        created = await link.request(f"$JS.API.STREAM.CREATE.{STREAM}", _stream_config(replicas))
         # Creating an existing stream with the same config succeeds and keeps its messages.
         if created["state"]["messages"]:
             raise JetStreamError(f"stream {STREAM} already holds messages; start from a new store")
@@ -181,20 +313,29 @@ async def jetstream_append(host: str, port: int, count: int, size: int, window: 
         # Every ack goes to one subject: acks come back in publish order, so the n-th ack must
         # carry seq n, and one pre-encoded publish serves for all.
         one = b"PUB %s %s %d\r\n%s\r\n" % (SUBJECT.encode(), ack_subject, size, b"x" * size)
+        sent_at: list[float] = []
         start = time.perf_counter()
         sent = min(window, count)
         link.writer.write(one * sent)
+        if latencies is not None:
+            sent_at += [start] * sent
         acked = 0
         while acked < count:
-            for msg in await link.read():
+            msgs = await link.read()
+            now = time.perf_counter()
+            for msg in msgs:
                 if msg.subject != ack_subject or msg.status:
                     raise JetStreamError(f"not a PubAck: {msg}")
                 acked += 1
                 _check_ack(msg.payload, acked)
+            if latencies is not None:
+                latencies += [now - at for at in sent_at[acked - len(msgs) : acked]]
             more = min(count - sent, window - (sent - acked))
             if more > 0:
                 link.writer.write(one * more)
                 sent += more
+                if latencies is not None:
+                    sent_at += [now] * more
             await link.writer.drain()
         elapsed = time.perf_counter() - start
         state = (await link.request(f"$JS.API.STREAM.INFO.{STREAM}", b""))["state"]
@@ -247,5 +388,100 @@ async def jetstream_fetch(host: str, port: int, count: int, batch: int = 100) ->
             raise JetStreamError(f"{tokens[8].decode()} messages left after {count}")
         await link.request(f"$JS.API.CONSUMER.DELETE.{STREAM}.{name}", b"")
         return count / elapsed
+    finally:
+        link.close()
+
+
+class JetStreamProducer:
+    """Unique values published on one link to the stream, ``window`` unacknowledged at
+    most, each with a reply subject of its own and a Nats-Msg-Id (the stream stores a
+    resend once, within its 2-minute dedupe window). An unacknowledged one -- no answer,
+    a 503 "no responders" while the stream has no leader, an error ack -- is published
+    again on the meshbus connector's schedule: 0.2 s after, then twice as long each
+    time, at most ``resend_max`` apart. Every acknowledged value is recorded with when."""
+
+    def __init__(self, link: _Link, window: int, resend_max: float) -> None:
+        self.acked: list[int] = []
+        self.acked_at: list[float] = []
+        self._link, self._window, self._resend_max = link, window, resend_max
+        self._acks = link.inbox + b".ack"
+        self._due: dict[int, tuple[float, float]] = {}  # value -> (resend at, wait)
+        self._next = 0
+
+    @classmethod
+    async def open(cls, host: str, port: int, window: int, resend_max: float) -> Self:
+        return cls(await _Link.open(host, port), window, resend_max)
+
+    async def run(self) -> None:
+        """Publish until cancelled (then the link is closed)."""
+        reading = asyncio.create_task(self._read())
+        try:
+            self._top_up()
+            while not reading.done():
+                now = time.monotonic()
+                for value, (at, wait) in list(self._due.items()):
+                    if at <= now:
+                        wait = min(wait * 2, self._resend_max)
+                        self._publish(value, now + wait, wait)
+                await asyncio.sleep(0.01)
+            reading.result()  # its error
+        finally:
+            reading.cancel()
+            self._link.close()
+
+    def _publish(self, value: int, resend_at: float, wait: float) -> None:
+        msg_id = b"%d" % value
+        headers = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id
+        self._link.writer.write(
+            b"HPUB %s %s.%s %d %d\r\n%s%s\r\n"
+            % (SUBJECT.encode(), self._acks, msg_id, len(headers),
+               len(headers) + len(msg_id), headers, msg_id)
+        )  # fmt: skip
+        self._due[value] = (resend_at, wait)
+
+    def _top_up(self) -> None:
+        now = time.monotonic()
+        while len(self._due) < self._window:
+            self._publish(self._next, now + 0.2, 0.2)
+            self._next += 1
+
+    async def _read(self) -> None:
+        skip = len(self._acks) + 1
+        while True:
+            for msg in await self._link.read():
+                value = int(msg.subject[skip:])
+                if msg.status or value not in self._due:
+                    continue  # no leader now (resent when due), or a resend's second ack
+                if _decode_ack(msg.payload).error is not None:
+                    continue
+                del self._due[value]
+                self.acked.append(value)
+                self.acked_at.append(time.monotonic())
+            self._top_up()
+
+
+async def jetstream_payloads(host: str, port: int) -> list[bytes]:
+    """Every message of the stream, read in order through a consumer of its own."""
+    link = await _Link.open(host, port)
+    name = "read-" + secrets.token_hex(4)
+    try:
+        config = {"durable_name": name, "ack_policy": "none", "deliver_policy": "all"}
+        request = {"stream_name": STREAM, "config": config}
+        await link.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.{name}", msgspec.json.encode(request))
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{name}".encode()
+        reply = link.inbox + b".read"
+        payloads: list[bytes] = []
+        while True:
+            link.publish(next_subject, reply, b'{"batch":1000,"no_wait":true}')
+            before = len(payloads)
+            ended = False
+            while not ended and len(payloads) - before < 1000:
+                for msg in await link.read():
+                    if msg.status:  # 404/408: nothing more for this request
+                        ended = True
+                    else:
+                        payloads.append(msg.payload)
+            if len(payloads) == before:
+                return payloads
     finally:
         link.close()

@@ -115,16 +115,32 @@ async def meshbus_fetch(host: str, port: int, count: int, size: int, batch: int)
 async def meshbus_append_wire(host: str, port: int, count: int, size: int, window: int) -> float:
     """``count`` reliable frames straight on the wire, ``window`` unacknowledged at most;
     acknowledged messages per second. The stream is made and checked by the client."""
+    import meshbus
+
+    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
+        await conn.streams.add(STREAM, CAPTURE)
+    per_s = await wire_append(host, port, count, size, window)
+    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
+        info = await conn.streams.info(STREAM)
+    if info.messages != count or info.bytes != count * size:
+        raise StreamBenchError(f"the stream holds {info} after {count} acknowledged publishes")
+    return per_s
+
+
+async def wire_append(
+    host: str, port: int, count: int, size: int, window: int, latencies: list[float] | None = None
+) -> float:
+    """Send ``count`` reliable frames to ``CAPTURE`` on one raw link to the broker at
+    host:port, ``window`` unacknowledged at most, every frame encoded before the clock
+    starts; acknowledged messages per second. ``latencies``: filled with each frame's
+    seconds from its write to its ack."""
     import asyncio
 
-    import meshbus
     from bench.wire import PRODUCER, MeshbusWire
     from meshbus.address import Address
     from meshbus.protocol import DataFlags, DataFrame, FrameDecoder, encode_data
     from meshbus.protocol.ext import unpack_acks
 
-    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
-        await conn.streams.add(STREAM, CAPTURE)
     sock = MeshbusWire().open_producer(host, port)
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock)
@@ -136,30 +152,36 @@ async def meshbus_append_wire(host: str, port: int, count: int, size: int, windo
         ]
         decoder = FrameDecoder()
         acked: set[int] = set()
+        sent_at: list[float] = []
         start = time.perf_counter()
         sent = min(window, count)
         writer.write(b"".join(frames[:sent]))
+        if latencies is not None:
+            sent_at += [start] * sent
         while len(acked) < count:
             data = await reader.read(1 << 16)
             if not data:
                 raise StreamBenchError(f"the broker closed the link after {len(acked)} acks")
+            now = time.perf_counter()
             decoder.feed(data)
             while (frame := decoder.next_frame()) is not None:
                 if isinstance(frame, DataFrame) and frame.flags & DataFlags.ACK:
-                    acked.update(unpack_acks(frame.payload))
+                    ids = unpack_acks(frame.payload)
+                    if latencies is not None:
+                        # msg ids run from 1: id i was written at sent_at[i - 1].
+                        latencies += [now - sent_at[i - 1] for i in ids if i not in acked]
+                    acked.update(ids)
             more = min(count - sent, window - (sent - len(acked)))
             if more > 0:
                 writer.write(b"".join(frames[sent : sent + more]))
                 sent += more
+                if latencies is not None:
+                    sent_at += [now] * more
         elapsed = time.perf_counter() - start
     finally:
         writer.close()
     if acked != set(range(1, count + 1)):
         raise StreamBenchError(f"{len(acked)} acks for {count} publishes, ids out of range")
-    async with await meshbus.connect(f"{host}:{port}", server="benchadmin") as conn:
-        info = await conn.streams.info(STREAM)
-    if info.messages != count or info.bytes != count * size:
-        raise StreamBenchError(f"the stream holds {info} after {count} acknowledged publishes")
     return count / elapsed
 
 
@@ -239,7 +261,58 @@ def _run_once(count: int, size: int, batch: int) -> dict[str, float]:
     show_default=True,
     help="Runs; each starts fresh servers and stores. Medians are reported.",
 )
-def stream(count: int, size: int, batch: int, runs: int) -> None:
+@click.option(
+    "--replicas",
+    type=click.Choice(["1", "3"]),
+    default="1",
+    show_default=True,
+    help="3: a stream of three replicas on a mesh of three brokers (bench/replicated.py), "
+    "with --vs-nats against JetStream R3, or with --failover.",
+)
+@click.option(
+    "--vs-nats",
+    is_flag=True,
+    help="--replicas 3: also measure JetStream R3, appends or --failover (1 always does).",
+)
+@click.option(
+    "--failover",
+    is_flag=True,
+    help="--replicas 3: kill -9 the stream's leader under appends; seconds until acked again.",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(1, 10_000),
+    default=_NATS_WINDOW,
+    show_default=True,
+    help="--replicas 3: appends in flight.",
+)
+@click.option(
+    "--raft-tick",
+    type=click.FloatRange(0.005, 10.0),
+    default=0.1,
+    show_default=True,
+    help="--failover: the brokers' --raft-tick (elections after 10-20 ticks of silence).",
+)
+@click.option(
+    "--resend-max",
+    type=click.FloatRange(0.01, 60.0),
+    default=2.0,
+    show_default=True,
+    help="--failover: the producer's RetryPolicy.max_interval (resends every 0.2 s, then "
+    "twice as long each time, up to this); the JetStream producer resends alike.",
+)
+def stream(
+    count: int,
+    size: int,
+    batch: int,
+    runs: int,
+    replicas: str,
+    vs_nats: bool,
+    failover: bool,
+    window: int,
+    raft_tick: float,
+    resend_max: float,
+) -> None:
     """Durable streams: acknowledged appends and fetches per second, meshbus against
     nats-server -js (both file-backed, no fsync per write); then meshbus appends with
     --fsync always (an fsync per group commit: survives power loss).
@@ -252,7 +325,23 @@ def stream(count: int, size: int, batch: int, runs: int) -> None:
     `append=<msgs/s> nats_append=<msgs/s> append_ratio=<meshbus/nats> append_wire=<msgs/s>
     wire_ratio=<wire/nats> fetch=<msgs/s> nats_fetch=<msgs/s> fetch_ratio=<meshbus/nats>
     append_always=<msgs/s>`.
+
+    With --replicas 3: `always_meshbus=<msgs/s> always_meshbus_p50_ms=<ms>
+    always_meshbus_p99_ms=<ms> [always_nats=... always_ratio=<r> always_p99_ratio=<r>]`
+    and the same for `default_`; `always_nats=none` when nats-server has no
+    `sync_interval: always`. With --failover: `failover_s=<s> elected_s=<s> acked=<n>
+    lost=<n> duplicated=<n>` and, with --vs-nats, the same prefixed `nats_`.
     """
+    if replicas == "3":
+        from bench.replicated import replicated_appends, replicated_failover
+
+        if failover:
+            replicated_failover(window, runs, raft_tick, resend_max, vs_nats)
+        else:
+            replicated_appends(count, size, window, runs, vs_nats)
+        return
+    if failover:
+        raise click.UsageError("--failover needs --replicas 3")
     from bench.jetstream import JetStreamError
     from meshbus.errors import MeshbusError
 

@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from bench.cluster import nats_monitor, wait_until
 from bench.jetstream import (
     JetStreamError,
     _check_ack,
+    jetstream_add,
     jetstream_append,
+    jetstream_cluster,
     jetstream_fetch,
     jetstream_server,
+    sync_always_refused,
 )
 from bench.servers import BenchSetupError, Server
 
@@ -93,3 +97,42 @@ def test_no_server_is_left_after_an_exception(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="the bench failed"):
         crash()
     assert not _servers_storing_in(tmp_path)
+
+
+async def test_a_stream_of_three_replicas_on_a_cluster() -> None:
+    with jetstream_cluster(3, sync_always=False) as cluster:
+        first = cluster.nodes[0]
+        leader = await jetstream_add(first.host, first.port, 3)
+        assert leader in {"n0", "n1", "n2"}
+        on_leader = cluster.nodes[int(leader[1:])]
+        latencies: list[float] = []
+        appended = await jetstream_append(
+            on_leader.host, on_leader.port, COUNT, 100, replicas=3, latencies=latencies
+        )
+        assert appended > 0
+        assert len(latencies) == COUNT
+        assert min(latencies) > 0
+
+        # Every node holds a replica (an ack needs two of three: the third may lag a little).
+        def held(port: int) -> list[tuple[str, int]]:
+            streams = nats_monitor(port, "jsz?streams=true")["account_details"][0]["stream_detail"]
+            return [(s["name"], s["state"]["messages"]) for s in streams]
+
+        wait_until(
+            "every node holding the stream",
+            lambda: all(held(port) == [("BENCH", COUNT)] for port in cluster.monitors),
+        )
+
+
+def test_sync_always_is_refused_when_the_server_cannot_start_with_it() -> None:
+    refused = sync_always_refused()
+    if refused:  # nats-server 2.9 and older
+        assert "sync_interval" in refused
+        with (
+            pytest.raises(BenchSetupError, match="sync_interval"),
+            jetstream_cluster(3, sync_always=True),
+        ):
+            pass
+    else:
+        with jetstream_cluster(3, sync_always=True) as cluster:
+            assert len(cluster.nodes) == 3
