@@ -30,7 +30,7 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     ``publish_id``: a stream stores a frame with a given id once per dedupe window.
     ``priority``: the sender's priority, carried to the receiver. ``batch``: the
     payload is many rows (meshbus.protocol.batch). ``headers``: the message's header
-    block (meshbus.protocol.headers)."""
+    block (meshbus.protocol.headers). ``subject``: the subject it was published on."""
 
     origin: bytes = b""
     group: bytes = b""
@@ -47,6 +47,9 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     # delivered and stored as a message of its own.
     batch: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
     headers: bytes = b""
+    # The subject a service published on (to the broker's SUBJECTS address), or a message
+    # a service's subject subscription matched was published on (docs/nats.md).
+    subject: bytes = b""
 
 
 _encode = msgspec.msgpack.Encoder().encode
