@@ -42,9 +42,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     brokers = [first]
     conns: list[meshbus.Connector] = []
     try:
-        brokers.append(
-            await start_broker("--nats-listen", "127.0.0.1:0", "--seed", first.address)
-        )
+        brokers.append(await start_broker("--nats-listen", "127.0.0.1:0", "--seed", first.address))
         for i, broker in enumerate(brokers):
             conns.append(await meshbus.connect(broker.address, server=f"s{i}", failover=False))
         yield Mesh(brokers, conns, [f"nats://{b.nats_address}" for b in brokers])
@@ -118,7 +116,11 @@ async def test_nats_clients_and_services_share_one_topic_space(mesh: Mesh) -> No
             return bool(got)
 
         await wait_until(arrived, "the NATS subscriber to get the service's message", IO_TIMEOUT)
-        assert (got[0].subject, got[0].data, got[0].headers) == ("metrics.cpu", b"42", {"Host": "a"})
+        assert (got[0].subject, got[0].data, got[0].headers) == (
+            "metrics.cpu",
+            b"42",
+            {"Host": "a"},
+        )
 
         await nc.publish("orders.eu.new", b"order", headers={"Id": "7"})
         await nc.flush()

@@ -352,6 +352,10 @@ class ServiceSubjects:
         if run:
             self._publish_run(run_src, run_echo, run)
         self._flush_nats()
+        # Now, inside the flush of the read that brought them, so that what they queued
+        # for connectors leaves ahead of that read's later frames to the same links (a
+        # publish, then a request to a subscriber: in that order).
+        self._outbox.flush()
 
     def _message(self, src: bytes, flags: int, payload: bytes) -> Message | None:
         """The message of one frame; None, counted, for a frame no connector of this
