@@ -572,7 +572,9 @@ class Service:
         ``msg.subject`` is the subject it was published on. ``queue``: in that queue group,
         one member mesh-wide gets each message, as NATS's queue subscribers. Returns once
         every broker knows it; a bad pattern raises ``meshbus.InvalidArgument`` before any
-        is subscribed, and a refusal of the broker ``meshbus.JoinFailed``."""
+        is subscribed, a refusal of the broker ``meshbus.JoinFailed`` (past its
+        ``--max-subjects``, say), and one of the user's permissions
+        ``meshbus.PermissionDenied``."""
         await self._subjects(self._parts.memberships.subscribe, subjects, queue)
 
     async def unsubscribe(self, subjects: str | Iterable[str], *, queue: str | None = None) -> None:

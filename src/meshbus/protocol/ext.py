@@ -40,7 +40,8 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     priority: int = 0
     publish_id: bytes = b""
     # Postina's subscribe_other/unsubscribe_other: "subscribe" or "unsubscribe" the
-    # receiving service to the topic named by the payload; not delivered as a message.
+    # receiving service to the subject pattern that is the payload; not delivered as a
+    # message.
     command: str = ""
     sent_at: float = 0.0  # with the TRACE flag: when the sending connector sent it
     # Not 0: the payload is a batch of rows in this format (meshbus.protocol.batch), each
