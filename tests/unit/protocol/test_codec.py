@@ -61,7 +61,6 @@ from meshbus.protocol.control import (
     MembersRequest,
     Move,
     NatsMessages,
-    SubjectInterest,
     RaftEntryBody,
     RaftFrame,
     RaftMessageBody,
@@ -76,6 +75,7 @@ from meshbus.protocol.control import (
     Stats,
     StreamReply,
     StreamRequest,
+    SubjectInterest,
     TraceReport,
     Welcome,
 )

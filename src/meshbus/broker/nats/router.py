@@ -21,6 +21,10 @@ routes:
    it (nats-server's rule), at once.
 5. Meshbus's own services meet NATS clients through the bridge (meshbus.broker.nats.bridge):
    a message published here also goes where the bridge maps its subject.
+6. Services subscribe to subjects too (meshbus.broker.nats.services): their
+   subscriptions are rows of the same table, and a service gets one copy of a message
+   however many of its patterns match (``_one_per_service``); what services publish is
+   routed here as a client's PUBs are (``publish_from_service``).
 
 What keeps it cheap: messages come in runs -- the PUBs of one read of a client, the rows
 of one frame from a peer -- and the messages of a run mostly share a subject. Where a
