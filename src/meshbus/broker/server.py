@@ -299,6 +299,19 @@ class Broker:
             self.subjects, self.local_interest, self.sync.announce,
             self.sync.after_confirmed, self.nats_bridge.interest_changed,
         )  # fmt: skip
+        # Meshbus services on subjects, beside the NATS clients (docs/nats.md).
+        self.service_subjects = ServiceSubjects(
+            max_subjects=config.max_subjects,
+            routing=self.routing,
+            interest=self.nats_interest,
+            outbox=self.outbox,
+            answer=lambda link, type_, body, correlation, changed: self.services.answer(
+                link, type_, body, correlation, changed
+            ),
+            publish=self.nats_router.publish_from_service,
+            flush_nats=self.nats_router.flushes.flush,
+            source=self.nats_bridge.source,
+        )
         self.nats: NatsListener | None = None
         if config.nats_listen:
             nats_sign_in = NatsSignIn(
@@ -329,6 +342,7 @@ class Broker:
                 router=self.nats_router,
                 peer_stats=self.nats_peers.stats,
                 bridge_stats=self.nats_bridge.stats,
+                services=self.service_subjects,
             ),
         )
         self.admission = Admission(
@@ -350,18 +364,7 @@ class Broker:
             outbox=self.outbox,
             usage=self.usage,
             rng=rng,
-            service_left=lambda link, address: self.service_subjects.service_left(link, address),
-        )
-        # Meshbus services on subjects, beside the NATS clients (docs/nats.md).
-        self.service_subjects = ServiceSubjects(
-            max_subjects=config.max_subjects,
-            routing=self.routing,
-            interest=self.nats_interest,
-            outbox=self.outbox,
-            answer=self.services.answer,
-            publish=self.nats_router.publish_from_service,
-            flush_nats=self.nats_router.flushes.flush,
-            source=self.nats_bridge.source,
+            service_left=self.service_subjects.service_left,
         )
         self.operator = OperatorCommands(
             outbox=self.outbox,

@@ -147,7 +147,6 @@ class NatsRouter:
         self.no_responders = 0
         self.from_peers = 0
         self.dropped_from_peers = 0  # invalid rows, or a queue group with no member left
-        self.from_services = 0  # messages meshbus services here published on subjects
 
     def publish(self, publisher: NatsConnection, event: Publish) -> None:
         """A message from a client of this broker."""
@@ -171,8 +170,7 @@ class NatsRouter:
         (meshbus.broker.nats.services): delivered as a client's are; ``publisher`` (the
         service's subscriptions, None without any) gets none of them back unless
         ``echo``."""
-        routed, _ = self._publish_run(publisher, echo, None, messages)
-        self.from_services += routed
+        self._publish_run(publisher, echo, None, messages)
 
     def _publish_run(
         self,

@@ -83,7 +83,6 @@ Publish = Callable[[Subscriber | None, bool, Sequence[Message]], None]
 
 @dataclass
 class SubjectStats:
-    subscriptions: int = 0  # services' subscriptions held now
     published: int = 0  # messages services here published on subjects
     delivered: int = 0  # messages handed to services here
     dropped: int = 0  # publishes refused (a bad subject or block, permissions), too large
@@ -170,9 +169,10 @@ class ServiceSubjects:
         self._flush_scheduled = False
         self.stats = SubjectStats()
 
-    def subscriptions_of(self, link: Link) -> int:
-        """The subject subscriptions of ``link``'s services."""
-        return self._counts.get(link, 0)
+    @property
+    def subscriptions(self) -> int:
+        """The subject subscriptions services here hold."""
+        return sum(self._counts.values())
 
     # -- SUBSCRIBE and UNSUBSCRIBE ---------------------------------------------------
 
@@ -201,7 +201,6 @@ class ServiceSubjects:
                 raise Refused(ErrorCode.INVALID_SUBJECT, f"cannot subscribe: {exc}") from None
             subscriber.subs[subject, queue] = sub
             self._counts[link] = self._counts.get(link, 0) + 1
-            self.stats.subscriptions += 1
         self._answer(link, ControlType.OK, Empty(), correlation, True)
 
     def on_unsubscribe(self, link: Link, correlation: int, body: SubjectInterest) -> None:
@@ -286,7 +285,6 @@ class ServiceSubjects:
             self._counts[link] = count
         else:
             del self._counts[link]
-        self.stats.subscriptions -= 1
 
     def _forget(self, subscriber: ServiceSubscriber) -> None:
         subscriber.closed = True

@@ -96,7 +96,7 @@ async def test_interest_reaches_the_peers_and_goes_with_its_service(network: Fak
     client.close()
     await network.settle()
     assert interest_at(a, b"game.x.y") == 0
-    assert b.service_subjects.stats.subscriptions == 0
+    assert b.service_subjects.subscriptions == 0
 
 
 async def test_a_message_to_subjects_reaches_the_subscribers_once(network: FakeNetwork) -> None:
