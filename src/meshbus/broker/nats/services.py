@@ -29,9 +29,10 @@ link's own), and a connector's subscriptions are bounded (``--max-subjects``). A
 SUBSCRIBE is an ERROR for that request alone; a refused publish is dropped and counted
 (another connector's bytes cannot close a link).
 
-A service's subscriptions end when it unsubscribes, unregisters (``service_left``), or its
-link closes (``link_closed``); its connector subscribes again on the broker it fails over
-to, as it joins its groups again.
+A service's subscriptions end when it unsubscribes, unregisters (``service_left``), its
+link closes (``link_closed``), or its address is found owned by another link (its
+connector moved it to another broker: at the next message for it); its connector
+subscribes again on the broker it fails over or moves to, as it joins its groups again.
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ class ServiceSubjects:
         self, subscriber: ServiceSubscriber, subject: bytes, header_size: int, data: bytes
     ) -> None:
         link = subscriber.link
+        if self._routing.owner(subscriber.address) is not link:
+            # Its connector took it to another broker (a move, a failover this broker has
+            # not noticed yet), where it subscribed again: its subscriptions here end, as
+            # its group memberships did with the take-over.
+            self._drop(subscriber)
+            return
         source = self._source()
         if not source or len(subject) > MAX_SUBJECT or header_size > MAX_HEADER_BYTES:
             self.stats.dropped += 1  # no extension block can carry it

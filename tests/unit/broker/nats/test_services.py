@@ -6,7 +6,7 @@ subscribers with its subject, and permissions read for subjects."""
 
 from __future__ import annotations
 
-from meshbus.address import SUBJECTS, Multicast
+from meshbus.address import SUBJECTS, Multicast, Unicast
 from meshbus.auth import Credentials
 from meshbus.broker.security.users import UserTable
 from meshbus.broker.server import Broker
@@ -163,3 +163,50 @@ async def test_a_subject_too_long_for_a_frame_is_not_sent_to_services(
     await network.settle()
     assert client.take_data() == []
     assert broker.service_subjects.stats.dropped == 1
+
+
+async def test_a_service_taken_to_another_broker_is_no_subscriber_here(
+    network: FakeNetwork,
+) -> None:
+    """A connector that moved its service to broker b (same session, a later link) and
+    subscribed there gets each message once, through b: the subscription its old link
+    still held at a ends when a finds the address owned by b."""
+    a, b = await build_mesh(network, 2)
+    session = b"s" * 16
+    old = await connector(network, a, "old", session=session, epoch=0)
+    svc = await old.register()
+    await subscribe(old, svc, b"t.>")
+    new = await connector(network, b, "new", session=session, epoch=1)
+    address = Unicast.from_bytes(svc)
+    assert await new.register(address.server, address.instance) == svc
+    await subscribe(new, svc, b"t.>")
+    await network.settle()
+    pub = await connector(network, a, "pub")
+    src = await pub.register()
+    old.take()
+    new.take()
+    publish(pub, src, b"t.x", b"once")
+    publish(pub, src, b"t.y", b"again")
+    await network.settle()
+    assert old.take_data() == []
+    assert messages(new) == [(svc, b"t.x", b"once"), (svc, b"t.y", b"again")]
+    assert a.service_subjects.subscriptions == 0
+
+
+async def test_a_queue_group_of_services_gets_each_message_once(network: FakeNetwork) -> None:
+    a, b = await build_mesh(network, 2)
+    here, there = await connector(network, a, "here"), await connector(network, b, "there")
+    members = [(here, await here.register()), (there, await there.register())]
+    for client, member in members:
+        await subscribe(client, member, b"jobs.*", b"workers")
+    await network.settle()
+    pub = await connector(network, a, "pub")
+    src = await pub.register()
+    for client, _ in members:
+        client.take()
+    for i in range(40):
+        publish(pub, src, b"jobs.%d" % i, b"job")
+    await network.settle()
+    got = [len(messages(client)) for client, _ in members]
+    assert sum(got) == 40
+    assert all(got), f"each member gets some: {got}"
