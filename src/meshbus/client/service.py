@@ -8,6 +8,7 @@ dispatcher fills with ``Message`` values (meshbus.client.message).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -35,7 +36,7 @@ from meshbus.errors import (
 from meshbus.protocol.batch import BATCH_ROWS, FRAME_OVERHEAD, RowTuple, pack_rows
 from meshbus.protocol.codec import BytesLike, payload_bytes
 from meshbus.protocol.control import AddressBody, Empty
-from meshbus.protocol.ext import Ext, wrap
+from meshbus.protocol.ext import Ext, prefix, wrap
 from meshbus.protocol.headers import encode_headers
 from meshbus.protocol.layout import (
     FLAG_ECHO,
@@ -70,6 +71,8 @@ def _exact(group: G) -> G:
     return group
 
 
+# A publisher uses few subjects many times: each is checked once (bounded).
+@functools.lru_cache(maxsize=1024)
 def _subject(subject: str, *, pattern: bool) -> bytes:
     """``subject`` as it travels, checked as the broker checks it: a subscription's
     pattern, or (not ``pattern``) a literal subject to publish on."""
@@ -92,6 +95,12 @@ def _subject(subject: str, *, pattern: bool) -> bytes:
             "'*' and '>' are for subscribe"
         )
     return raw
+
+
+@functools.lru_cache(maxsize=1024)
+def _subject_block(subject: bytes) -> bytes:
+    """The extension block of a message on ``subject`` without headers, made once."""
+    return prefix(Ext(subject=subject))
 
 
 def _queue(queue: str | None) -> bytes:
@@ -556,9 +565,11 @@ class Service:
             )
         if payload is None or json is not NO_JSON:
             payload = body(payload, json)
-        block = Ext(subject=raw, headers=encode_headers(headers))
         flags = FLAG_EXT | (FLAG_ECHO if echo else 0)
-        framed = wrap(block, payload)
+        if headers:
+            framed = wrap(Ext(subject=raw, headers=encode_headers(headers)), payload)
+        else:
+            framed = _subject_block(raw) + payload_bytes(payload)
         outbound = self._outbound
         return outbound.try_send(self._raw, SUBJECTS, framed, flags) or await outbound.send_data(
             self._raw, SUBJECTS, framed, flags

@@ -86,8 +86,14 @@ def unpack_acks(payload: bytes) -> tuple[int, ...]:
 
 def wrap(ext: Ext, payload: bytes | bytearray | memoryview) -> bytes:
     """The frame payload: the block, then the application's payload."""
+    return prefix(ext) + payload_bytes(payload)
+
+
+def prefix(ext: Ext) -> bytes:
+    """What goes before the application's payload: the block's length and the block (a
+    sender of many payloads with one block makes it once)."""
     block = _encode(ext)
-    return len(block).to_bytes(_LENGTH, "big") + block + payload_bytes(payload)
+    return len(block).to_bytes(_LENGTH, "big") + block
 
 
 def split(payload: bytes | memoryview) -> tuple[Ext, bytes]:

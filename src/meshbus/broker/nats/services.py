@@ -74,6 +74,7 @@ log = logging.getLogger("meshbus.broker.nats")
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
 _FRAMES_BIGGER_THAN_ANY = 1 << 40
+_BLOCKS_CACHED = 1024
 
 # answer(link, type, body, correlation, changed): the OK now, SYNCED once the mesh knows
 # (meshbus.broker.handlers.services.ServiceCommands.answer).
@@ -168,6 +169,10 @@ class ServiceSubjects:
         self._counts: dict[Link, int] = {}
         self._permissions: dict[Link, SubjectPermissions] = {}
         self._flush_scheduled = False
+        # subject -> the extension block of a message on it without headers (bounded).
+        self._blocks: dict[bytes, bytes] = {}
+        # The last subject a service published on that passed the checks, and for whom.
+        self._checked: tuple[bytes, bytes] = (b"", b"")
         self.stats = SubjectStats()
 
     @property
@@ -311,10 +316,19 @@ class ServiceSubjects:
         if not source or len(subject) > MAX_SUBJECT or header_size > MAX_HEADER_BYTES:
             self.stats.dropped += 1  # no extension block can carry it
             return
-        block = ext.Ext(subject=subject, headers=data[:header_size])
+        if header_size:
+            block = ext.prefix(ext.Ext(subject=subject, headers=data[:header_size]))
+        else:
+            # A subject's messages mostly come in runs: its block is made once.
+            cached = self._blocks.get(subject)
+            if cached is None:
+                if len(self._blocks) >= _BLOCKS_CACHED:
+                    self._blocks.clear()
+                cached = self._blocks[subject] = ext.prefix(ext.Ext(subject=subject))
+            block = cached
         try:
             frame = encode_data(
-                subscriber.address, source, ext.wrap(block, data[header_size:]),
+                subscriber.address, source, block + data[header_size:],
                 flags=FLAG_EXT, max_frame=link.max_frame,
             )  # fmt: skip
         except FrameTooLarge:
@@ -336,6 +350,7 @@ class ServiceSubjects:
     def _from_services(self, data: bytes) -> None:
         """The frames services here sent to ``SUBJECTS`` in one read: routed in runs of
         one sender's, each message as a NATS client's PUB."""
+        self._checked = (b"", b"")
         run: list[Message] = []
         run_src = b""
         run_echo = False
@@ -372,14 +387,20 @@ class ServiceSubjects:
         except ProtocolError as exc:
             return self._refused(src, str(exc))
         subject = block.subject
-        if not (is_valid_subject(subject) and is_literal(subject)):
-            return self._refused(src, f"a message to {_shown(subject)}, no literal subject")
-        owner = self._routing.owner(src)
-        if not isinstance(owner, Link):
-            return self._refused(src, "a message from a service that left")
-        permissions = self._subject_permissions(owner)
-        if permissions is not None and not permissions.may_publish(subject):
-            return self._refused(src, f"{permissions.user!r} may not publish to {_shown(subject)}")
+        if self._checked != (src, subject):
+            # Checked once for a run of one service's messages on one subject (a read's
+            # frames are routed before anything can change who owns the service).
+            if not (is_valid_subject(subject) and is_literal(subject)):
+                return self._refused(src, f"a message to {_shown(subject)}, no literal subject")
+            owner = self._routing.owner(src)
+            if not isinstance(owner, Link):
+                return self._refused(src, "a message from a service that left")
+            permissions = self._subject_permissions(owner)
+            if permissions is not None and not permissions.may_publish(subject):
+                return self._refused(
+                    src, f"{permissions.user!r} may not publish to {_shown(subject)}"
+                )
+            self._checked = (src, subject)
         headers = block.headers
         return (subject, b"", len(headers), headers + payload if headers else payload)
 
