@@ -35,7 +35,7 @@ class Shard:
             self.players.append(player)
 
     def _heard(self, msg: meshbus.Message) -> None:
-        if msg.dst.is_group:
+        if msg.subject is not None:
             self.chat += 1
         else:
             self.positions += 1

@@ -228,6 +228,8 @@ def describe_address(raw: bytes) -> str:
     (for logs and error messages about bytes a peer sent, and the broker's stat). It
     leaves the address cache alone: a stat of 50,000 services filled it with as many
     objects, which the broker's memory and its garbage collector then carried."""
+    if raw == SUBJECTS:
+        return "subjects"
     try:
         return str(Address.from_bytes_uncached(raw))
     except InvalidArgument:
@@ -262,3 +264,9 @@ def dynamic_instance(broker_slot: int, sequence: int) -> int:
 # The multicast group every service of the reference client joins, so that
 # ``Service.broadcast`` reaches it.
 BROADCAST_GROUP = Multicast("$all")
+
+# Where a service's message to a subject goes (its subject in the frame's extension
+# block; docs/protocol.md §4.8): a multicast address no group can have -- its name holds
+# a ":" -- so no service can join it, and the entry broker hands its frames to the
+# subject layer (meshbus.broker.nats.services) rather than to members.
+SUBJECTS = bytes((CAST_MULTICAST,)) + b":subjects" + bytes(GROUP_NAME_MAX - len(b":subjects"))

@@ -90,20 +90,23 @@ CALLS: dict[str, Callable[[Bus], Awaitable[object]]] = {
     "request, negative timeout": lambda b: b.svc.request(NOBODY, b"x", timeout=-1),
     "request, NaN timeout": lambda b: b.svc.request(NOBODY, b"x", timeout=math.nan),
     "request, address without ':'": lambda b: b.svc.request("nocolon", b"x"),
-    "publish, topic with ':'": lambda b: b.svc.publish("a:b", b"x"),
-    "publish, empty topic": lambda b: b.svc.publish("", b"x"),
-    "publish, priority out of range": lambda b: b.svc.publish("t", b"x", priority=1 << 40),
+    "publish, wildcard subject": lambda b: b.svc.publish("a.*", b"x"),
+    "publish, empty subject": lambda b: b.svc.publish("", b"x"),
+    "publish, reliable to a subject with ':'": lambda b: b.svc.publish("a:b", b"x", reliable=True),
+    "publish, priority out of range": lambda b: b.svc.publish(
+        "t", b"x", priority=1 << 40, reliable=True
+    ),
     "broadcast, priority out of range": lambda b: b.svc.broadcast(b"x", priority=1 << 40),
     "subscribe_other, address without ':'": lambda b: b.svc.subscribe_other("t", "nocolon"),
-    "subscribe_other, topic too long": lambda b: b.svc.subscribe_other("t" * 16, NOBODY),
-    "unsubscribe_other, empty topic": lambda b: b.svc.unsubscribe_other("", NOBODY),
+    "subscribe_other, subject too long": lambda b: b.svc.subscribe_other("t" * 20000, NOBODY),
+    "unsubscribe_other, empty subject": lambda b: b.svc.unsubscribe_other("", NOBODY),
     # Service: membership
     "join, a unicast address": lambda b: b.svc.join(NOBODY),
     "join, address without ':'": lambda b: b.svc.join("nocolon"),
     "leave, a unicast address": lambda b: b.svc.leave("game01:1"),
-    "subscribe, topic too long": lambda b: b.svc.subscribe("x" * 16),
-    "subscribe, one bad topic of several": lambda b: b.svc.subscribe(["fine", "a:b"]),
-    "unsubscribe, empty topic": lambda b: b.svc.unsubscribe(""),
+    "subscribe, subject too long": lambda b: b.svc.subscribe("x" * 20000),
+    "subscribe, one bad subject of several": lambda b: b.svc.subscribe(["fine", "a..b"]),
+    "unsubscribe, empty subject": lambda b: b.svc.unsubscribe(""),
 }
 
 

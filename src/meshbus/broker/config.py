@@ -323,6 +323,12 @@ class BrokerConfig:
         min=1,
         help="Group memberships of all the services of one connector; past it JOIN is refused.",
     )
+    max_subjects: int = setting(
+        10_000,
+        min=1,
+        help="Subject subscriptions of all the services of one connector; past it SUBSCRIBE "
+        "is refused (LIMIT_EXCEEDED).",
+    )
     max_requests: int = setting(
         10_000,
         min=1,

@@ -23,6 +23,7 @@ import ssl
 import time
 from collections.abc import Callable
 
+from meshbus.address import SUBJECTS
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
@@ -53,6 +54,7 @@ from meshbus.broker.nats.interest import NatsInterest
 from meshbus.broker.nats.listener import NatsListener
 from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.router import NatsRouter
+from meshbus.broker.nats.services import ServiceSubjects
 from meshbus.broker.observe.lag import LoopLag
 from meshbus.broker.observe.nats import NatsView
 from meshbus.broker.observe.stat import StatView
@@ -90,6 +92,7 @@ from meshbus.protocol.control import (
     Routes,
     StatRequest,
     StreamRequest,
+    SubjectInterest,
     TraceReport,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -263,7 +266,7 @@ class Broker:
             self._deadline,
             self.telemetry.hop,
             self.usage,
-            multicast_tap=self.nats_bridge.tap_for,
+            multicast_tap=self._multicast_tap,
         )
         self.dispatch = ControlDispatch(self.outbox)
         self.mesh = Mesh(
@@ -290,19 +293,36 @@ class Broker:
             reread=reread_users,
             reloaded=self._reloaded,
         )
+        # The subscriptions of NATS clients and of meshbus services, into the subject
+        # table and to the peers.
+        self.nats_interest = NatsInterest(
+            self.subjects, self.local_interest, self.sync.announce,
+            self.sync.after_confirmed, self.nats_bridge.interest_changed,
+        )  # fmt: skip
+        # Meshbus services on subjects, beside the NATS clients (docs/nats.md).
+        self.service_subjects = ServiceSubjects(
+            max_subjects=config.max_subjects,
+            routing=self.routing,
+            interest=self.nats_interest,
+            outbox=self.outbox,
+            answer=lambda link, type_, body, correlation, changed: self.services.answer(
+                link, type_, body, correlation, changed
+            ),
+            publish=self.nats_router.publish_from_service,
+            flush_nats=self.nats_router.flushes.flush,
+            source=self.nats_bridge.source,
+        )
         self.nats: NatsListener | None = None
         if config.nats_listen:
-            interest = NatsInterest(
-                self.subjects, self.local_interest, self.sync.announce,
-                self.sync.after_confirmed, self.nats_bridge.interest_changed,
-            )  # fmt: skip
             nats_sign_in = NatsSignIn(
                 self.sign_in,
                 tls=tls_context,
                 tls_verify=config.tls_verify_clients,
                 timeout=config.handshake_timeout,
             )
-            self.nats = NatsListener(config, interest, self.nats_router, nats_sign_in, rng)
+            self.nats = NatsListener(
+                config, self.nats_interest, self.nats_router, nats_sign_in, rng
+            )
         self.stat = StatView(
             config=config,
             routing=self.routing,
@@ -322,6 +342,7 @@ class Broker:
                 router=self.nats_router,
                 peer_stats=self.nats_peers.stats,
                 bridge_stats=self.nats_bridge.stats,
+                services=self.service_subjects,
             ),
         )
         self.admission = Admission(
@@ -343,6 +364,7 @@ class Broker:
             outbox=self.outbox,
             usage=self.usage,
             rng=rng,
+            service_left=self.service_subjects.service_left,
         )
         self.operator = OperatorCommands(
             outbox=self.outbox,
@@ -384,6 +406,8 @@ class Broker:
         on(_CONNECTOR, _C.GROUP_BIND, GroupBind, guarantees.on_bind)
         on(_CONNECTOR, _C.GROUP_END, GroupEnd, guarantees.on_end)
         on(_CONNECTOR, _C.TRACE, TraceReport, self.telemetry.on_trace)
+        on(_CONNECTOR, _C.SUBSCRIBE, SubjectInterest, self.service_subjects.on_subscribe)
+        on(_CONNECTOR, _C.UNSUBSCRIBE, SubjectInterest, self.service_subjects.on_unsubscribe)
         # Peer brokers.
         on(_PEER, _C.HELLO, Hello, admission.on_second_hello)
         on(_PEER, _C.LOAD, Load, self._on_load)
@@ -593,6 +617,7 @@ class Broker:
         self.usage.link_closed(link)
         self.outbox.forget(link)
         if was_connector:
+            self.service_subjects.link_closed(link)
             self.mesh.connector_left()
         if self.mesh.link_closed(link, reason):
             self.sync.peer_lost(link)
@@ -642,6 +667,14 @@ class Broker:
         slices = Slices()
         while self.peer_interest.drop(link, _WITHDRAW_STEP):
             await slices.turn()
+
+    def _multicast_tap(self, group: bytes) -> Endpoint | None:
+        """Where a connector's multicast to ``group`` also goes: a message to subjects to
+        the subject layer; one to a group the mesh's NATS subscriptions want to the
+        bridge (meshbus.broker.core.forward)."""
+        if group == SUBJECTS:
+            return self.service_subjects.endpoint
+        return self.nats_bridge.tap_for(group)
 
     def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)

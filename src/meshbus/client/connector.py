@@ -378,10 +378,10 @@ class Connector:
         return await (await self._sender()).send(dst, payload, **options)
 
     async def publish(
-        self, topic: str, payload: BytesLike | None = None, **options: Unpack[PublishOptions]
+        self, subject: str, payload: BytesLike | None = None, **options: Unpack[PublishOptions]
     ) -> int:
         """``Service.publish`` from this connector's own address (see ``send``)."""
-        return await (await self._sender()).publish(topic, payload, **options)
+        return await (await self._sender()).publish(subject, payload, **options)
 
     async def request(
         self, dst: AddressLike, payload: BytesLike | None = None, **options: Unpack[RequestOptions]

@@ -6,8 +6,9 @@ BROKERS frames). When its broker dies, it drops that broker from the list and
 reconnects -- to the others in random order, then to those it was given and the
 one it lost (a broker that restarts comes back there), round after round with a
 jittered, growing pause, until ``failover_timeout`` -- and registers every service
-again *with the same address* and the same group memberships: the broker sees the
-connector's session id and lets it take its own addresses back, and a restarted
+again *with the same address*, the same group memberships and subject subscriptions:
+the broker sees the connector's session id and lets it take its own addresses back,
+and a restarted
 broker, which knows nothing of them, takes them as new. Meanwhile sends wait;
 requests that were in flight through the dead broker fail with ``ConnectionLost``,
 since their pending entries died with it. Only when ``failover_timeout`` passes is
@@ -458,8 +459,8 @@ class LinkKeeper:
         return link
 
     async def _restore(self, link: BrokerLink) -> None:
-        """Register every service on ``link`` with its own address, then its groups, and
-        wait until the whole mesh knows them (SYNCED).
+        """Register every service on ``link`` with its own address, then its groups and
+        subject subscriptions, and wait until the whole mesh knows them (SYNCED).
 
         Requests go out together and are answered in order; a service whose address
         was taken meanwhile by another session is closed (it cannot come back). Waiting
@@ -508,6 +509,10 @@ class LinkKeeper:
                 joins.extend(
                     change(ControlType.JOIN, join, Empty)
                     for join in self._memberships.rejoins(mailbox)
+                )
+                joins.extend(
+                    change(ControlType.SUBSCRIBE, subscription, Empty)
+                    for subscription in self._memberships.resubscribes(mailbox)
                 )
             if self._inbound.left.handlers:
                 joins.append(ask(ControlType.WATCH, Empty(), Empty, link=link))

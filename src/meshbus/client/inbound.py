@@ -12,7 +12,7 @@ a waiting request or brings news: TIMEOUT and NO_ROUTE for a request or a notifi
 send, LEFT for the ``on_service_left`` handlers. The rest -- what the broker says
 to one link, the broker list, MOVE -- is the link's and the keeper's
 (meshbus.client.link, meshbus.client.failover). A ``subscribe_other`` from another
-service joins through ``Memberships`` (meshbus.client.memberships).
+service subscribes through ``Memberships`` (meshbus.client.memberships).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from meshbus.address import (
     CAST_ANYCAST,
     CAST_MULTICAST,
     CAST_UNICAST,
-    Multicast,
     describe_address,
 )
 from meshbus.client.callbacks import Callbacks
@@ -314,14 +313,14 @@ class Inbound:
             handler(report)
 
     async def _obey(self, member: Mailbox, command: str, topic: bytes) -> None:
-        """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``."""
+        """A ``subscribe_other`` / ``unsubscribe_other`` for ``member``: the payload is the
+        subject (the broker refuses one that is no valid pattern)."""
         try:
-            group = Multicast(topic.decode())
             if command == "subscribe":
-                await self._memberships.join(member, group)
+                await self._memberships.subscribe(member, topic, b"")
             elif command == "unsubscribe":
-                await self._memberships.leave(member, group)
-        except (MeshbusError, UnicodeDecodeError) as exc:
+                await self._memberships.unsubscribe(member, topic, b"")
+        except MeshbusError as exc:
             log.warning(
                 "could not %s %s for %s: %s",
                 command,

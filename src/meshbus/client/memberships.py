@@ -9,6 +9,10 @@ that is gone. After a failover or a move the copy of the services to the new bro
 inbound dispatcher is told to subscribe to a topic (``subscribe_other``) joins here
 too, so nothing below the public ``Service`` calls up into it.
 
+Each service's subject subscriptions (``subscribe``: patterns the broker's subject layer
+matches, docs/nats.md) are kept here the same way, and subscribed again after a
+failover (``resubscribes``).
+
 It also keeps one service of the connector in the broadcast group, so the mesh sends
 the connector one copy of each broadcast, which it hands to every service.
 """
@@ -23,7 +27,7 @@ from meshbus.client.changes import Changes
 from meshbus.client.link import Links
 from meshbus.client.mailboxes import Mailbox, Services
 from meshbus.errors import MeshbusError
-from meshbus.protocol.control import Empty, Membership
+from meshbus.protocol.control import Empty, Membership, SubjectInterest
 from meshbus.protocol.layout import ControlType
 from meshbus.util import BackgroundTasks
 
@@ -40,9 +44,15 @@ class Memberships:
         self._links = links
         self._tasks = tasks
         self._broadcast_member: Mailbox | None = None
+        # Each service's subject subscriptions (service address -> (pattern, queue)).
+        self._subjects: dict[bytes, dict[tuple[bytes, bytes], None]] = {}
 
     def members(self, group: bytes) -> Sequence[Mailbox]:
         return self._members.get(group, ())
+
+    def subjects(self, mailbox: Mailbox) -> list[tuple[bytes, bytes]]:
+        """``mailbox``'s subject subscriptions: (pattern, queue group), in the order made."""
+        return list(self._subjects.get(mailbox.raw, ()))
 
     # -- joining and leaving ----------------------------------------------------------
 
@@ -63,9 +73,46 @@ class Memberships:
             lambda _: self._left(mailbox, group),
         )
 
+    async def subscribe(self, mailbox: Mailbox, subject: bytes, queue: bytes) -> None:
+        """Subscribe ``mailbox`` to the subject pattern ``subject`` (in queue group
+        ``queue``, b"" for none); returns once the mesh knows it."""
+        await self._changes.change(
+            ControlType.SUBSCRIBE,
+            SubjectInterest(member=mailbox.raw, subject=subject, queue=queue),
+            Empty,
+            lambda _: self._subscribed(mailbox, subject, queue),
+        )
+
+    async def unsubscribe(self, mailbox: Mailbox, subject: bytes, queue: bytes) -> None:
+        await self._changes.change(
+            ControlType.UNSUBSCRIBE,
+            SubjectInterest(member=mailbox.raw, subject=subject, queue=queue),
+            Empty,
+            lambda _: self._unsubscribed(mailbox, subject, queue),
+        )
+
     def rejoins(self, mailbox: Mailbox) -> list[Membership]:
         """The JOINs that bring ``mailbox``'s groups back on a new broker."""
         return [Membership(member=mailbox.raw, group=group.to_bytes()) for group in mailbox.groups]
+
+    def resubscribes(self, mailbox: Mailbox) -> list[SubjectInterest]:
+        """The SUBSCRIBEs that bring ``mailbox``'s subject subscriptions back on a new
+        broker."""
+        return [
+            SubjectInterest(member=mailbox.raw, subject=subject, queue=queue)
+            for subject, queue in self._subjects.get(mailbox.raw, ())
+        ]
+
+    def _subscribed(self, mailbox: Mailbox, subject: bytes, queue: bytes) -> None:
+        if not mailbox.closed:
+            self._subjects.setdefault(mailbox.raw, {})[subject, queue] = None
+
+    def _unsubscribed(self, mailbox: Mailbox, subject: bytes, queue: bytes) -> None:
+        subjects = self._subjects.get(mailbox.raw)
+        if subjects is not None:
+            subjects.pop((subject, queue), None)
+            if not subjects:
+                del self._subjects[mailbox.raw]
 
     def _joined(self, mailbox: Mailbox, group: Address) -> None:
         # A mailbox is in a group's members exactly when the group is in its groups (both
@@ -93,6 +140,7 @@ class Memberships:
         its place."""
         for group in list(mailbox.groups):
             self._left(mailbox, group)
+        self._subjects.pop(mailbox.raw, None)
         self._services.remove(mailbox, error)
         if mailbox is self._broadcast_member and not self._links.closed:
             self._broadcast_member = None

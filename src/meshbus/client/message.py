@@ -86,6 +86,13 @@ class Message:
         return self._ext.group.decode() if self._ext.group else None
 
     @property
+    def subject(self) -> str | None:
+        """The subject it was published on, for a message a subject subscription of the
+        service got (``Service.subscribe``); None for any other."""
+        subject = self._ext.subject
+        return subject.decode("utf-8", "surrogateescape") if subject else None
+
+    @property
     def final(self) -> bool:
         """The last message of its group."""
         return self._ext.final

@@ -14,12 +14,12 @@ class PublishOptions(TypedDict, total=False):
     headers: Mapping[str, str] | None
     priority: int
     reliable: bool
+    echo: bool
 
 
 class SendOptions(PublishOptions, total=False):
     """``Service.send``'s options."""
 
-    echo: bool
     notify: bool
     group: str | bytes | None
     final: bool

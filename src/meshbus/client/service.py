@@ -8,13 +8,14 @@ dispatcher fills with ``Message`` values (meshbus.client.message).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
-from meshbus.address import BROADCAST_GROUP, Address, Anycast, Multicast, Unicast
+from meshbus.address import BROADCAST_GROUP, SUBJECTS, Address, Anycast, Multicast, Unicast
 from meshbus.client.addressing import AddressLike, as_address
 from meshbus.client.changes import Changes
 from meshbus.client.link import Links
@@ -35,7 +36,7 @@ from meshbus.errors import (
 from meshbus.protocol.batch import BATCH_ROWS, FRAME_OVERHEAD, RowTuple, pack_rows
 from meshbus.protocol.codec import BytesLike, payload_bytes
 from meshbus.protocol.control import AddressBody, Empty
-from meshbus.protocol.ext import Ext, wrap
+from meshbus.protocol.ext import Ext, prefix, wrap
 from meshbus.protocol.headers import encode_headers
 from meshbus.protocol.layout import (
     FLAG_ECHO,
@@ -44,6 +45,7 @@ from meshbus.protocol.layout import (
     FLAG_TRACE,
     ControlType,
 )
+from meshbus.protocol.subjects import MAX_SUBJECT, is_literal, is_valid_queue, is_valid_subject
 from meshbus.util import BackgroundTasks
 
 G = TypeVar("G", bound=Multicast | Anycast)
@@ -59,14 +61,69 @@ def _group_address(value: AddressLike) -> Address:
 
 
 def _exact(group: G) -> G:
-    """A group to join or publish to, never one named like a wildcard subject: it would be
-    matched by its literal name and silently reach nobody."""
+    """A group to join, never one named like a wildcard subject: it would be matched by
+    its literal name and silently reach nobody."""
     if "*" in group.name or ">" in group.name:
         raise InvalidArgument(
-            f"{group}: group names are matched exactly, '*' and '>' are not wildcards "
-            "(subjects with wildcards are not supported yet); name the group itself"
+            f"{group}: group names are matched exactly, '*' and '>' are not wildcards; "
+            "subscribe to a subject pattern instead (Service.subscribe)"
         )
     return group
+
+
+# A publisher uses few subjects many times: each is checked once (bounded).
+@functools.lru_cache(maxsize=1024)
+def _subject(subject: str, *, pattern: bool) -> bytes:
+    """``subject`` as it travels, checked as the broker checks it: a subscription's
+    pattern, or (not ``pattern``) a literal subject to publish on."""
+    if not isinstance(subject, str):
+        raise InvalidArgument(f"a subject is text, not {type(subject).__name__}")
+    try:
+        raw = subject.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"subject {subject!r} is no UTF-8 text: {exc}") from None
+    if len(raw) > MAX_SUBJECT:
+        raise InvalidArgument(f"a subject is at most {MAX_SUBJECT} bytes, got {len(raw)}")
+    if not is_valid_subject(raw):
+        raise InvalidArgument(
+            f"{subject!r} is no valid subject: tokens separated by '.', none empty, no "
+            "whitespace, '>' only as the last token"
+        )
+    if not pattern and not is_literal(raw):
+        raise InvalidArgument(
+            f"{subject!r}: a message is published on a subject without wildcards; "
+            "'*' and '>' are for subscribe"
+        )
+    return raw
+
+
+@functools.lru_cache(maxsize=1024)
+def _subject_block(subject: bytes) -> bytes:
+    """The extension block of a message on ``subject`` without headers, made once."""
+    return prefix(Ext(subject=subject))
+
+
+def _queue(queue: str | None) -> bytes:
+    """A queue group's name as it travels (b"" for none)."""
+    if queue is None:
+        return b""
+    raw = queue.encode()
+    if not is_valid_queue(raw) or len(raw) > MAX_SUBJECT:
+        raise InvalidArgument(
+            f"queue group {queue!r}: a name of 1 to {MAX_SUBJECT} bytes without whitespace"
+        )
+    return raw
+
+
+def _reliable_group(subject: str) -> Multicast:
+    """The group a reliable publish on ``subject`` goes to: the multicast of its name."""
+    try:
+        return Multicast(subject)
+    except InvalidArgument as exc:
+        raise InvalidArgument(
+            f"publish(reliable=True) on {subject!r}: a reliable publish goes to the members "
+            f"of multicast:{subject}, and {exc}; subject subscriptions acknowledge nothing"
+        ) from None
 
 
 # A priority reaches stream readers as a 32-bit signed integer (Spark's IntegerType).
@@ -464,65 +521,117 @@ class Service:
             sent.append((msg_id, count))
         return sent
 
-    # -- the Postina verbs (docs/architecture.md) ------------------------------------------
+    # -- the Postina verbs on subjects (docs/nats.md, "NATS and meshbus services") ---------
 
     async def publish(
         self,
-        topic: str,
+        subject: str,
         payload: BytesLike | None = None,
         *,
         json: object = NO_JSON,
         headers: Mapping[str, str] | None = None,
         priority: int = 0,
         reliable: bool = False,
+        echo: bool = False,
     ) -> int:
-        """Send to every subscriber of ``topic`` (the multicast address of that name);
-        ``json`` and ``headers`` as ``send`` takes them."""
-        return await self.send(
-            _exact(Multicast(topic)),
-            payload,
-            json=json,
-            headers=headers,
-            priority=priority,
-            reliable=reliable,
+        """Publish on ``subject`` (any length up to 16 KiB, tokens separated by ``.``, no
+        wildcard): every subscription matching it anywhere in the mesh gets it -- the
+        services' (``subscribe``) and the NATS clients' -- and, when ``subject`` is a group
+        name, the members of ``multicast:SUBJECT``. At most once, like ``send``; ``json``
+        and ``headers`` as ``send`` takes them; ``echo``: this service gets it too if it
+        subscribed. Returns the message id.
+
+        ``reliable=True`` is the reliable multicast to ``multicast:SUBJECT`` (``send``'s):
+        only for a subject that is a group name (at most 15 bytes, no ``:``). Its members
+        acknowledge it; subject subscriptions get it once, unacknowledged, and only when
+        the group has a member. ``priority`` travels with a reliable publish only (a
+        subject carries none). A value it cannot use raises ``meshbus.InvalidArgument``
+        before anything is sent."""
+        raw = _subject(subject, pattern=False)
+        if reliable:
+            return await self.send(
+                _reliable_group(subject),
+                payload,
+                json=json,
+                headers=headers,
+                priority=priority,
+                reliable=True,
+                echo=echo,
+            )
+        if priority:
+            raise InvalidArgument(
+                "a subject carries no priority; publish(..., reliable=True) to a group name "
+                "does, or send(Multicast(name), priority=...)"
+            )
+        if payload is None or json is not NO_JSON:
+            payload = body(payload, json)
+        flags = FLAG_EXT | (FLAG_ECHO if echo else 0)
+        if headers:
+            framed = wrap(Ext(subject=raw, headers=encode_headers(headers)), payload)
+        else:
+            framed = _subject_block(raw) + payload_bytes(payload)
+        outbound = self._outbound
+        return outbound.try_send(self._raw, SUBJECTS, framed, flags) or await outbound.send_data(
+            self._raw, SUBJECTS, framed, flags
         )
 
-    async def subscribe(self, topics: str | Iterable[str]) -> None:
-        """Receive what is published to ``topics`` (one name or several; a bad name fails
-        before any is subscribed)."""
-        await self._membership(self.join, topics)
+    async def subscribe(self, subjects: str | Iterable[str], *, queue: str | None = None) -> None:
+        """Receive what is published on ``subjects`` (one pattern or several: ``*`` is any
+        one token, a last ``>`` one or more, as in NATS) anywhere in the mesh -- by
+        services and NATS clients -- and what is sent to ``multicast:NAME`` for a group
+        name they match. Each message comes once, however many of the patterns match it;
+        ``msg.subject`` is the subject it was published on. ``queue``: in that queue group,
+        one member mesh-wide gets each message, as NATS's queue subscribers. Returns once
+        every broker knows it; a bad pattern raises ``meshbus.InvalidArgument`` before any
+        is subscribed, a refusal of the broker ``meshbus.JoinFailed`` (past its
+        ``--max-subjects``, say), and one of the user's permissions
+        ``meshbus.PermissionDenied``."""
+        await self._subjects(self._parts.memberships.subscribe, subjects, queue)
 
-    async def unsubscribe(self, topics: str | Iterable[str]) -> None:
-        """Receive no more of what is published to ``topics`` (one name or several)."""
-        await self._membership(self.leave, topics)
+    async def unsubscribe(self, subjects: str | Iterable[str], *, queue: str | None = None) -> None:
+        """Receive no more of what is published on ``subjects`` (the patterns, and queue
+        group, as subscribed)."""
+        await self._subjects(self._parts.memberships.unsubscribe, subjects, queue)
 
-    @staticmethod
-    async def _membership(
-        change: Callable[[Multicast], Awaitable[None]], topics: str | Iterable[str]
+    @property
+    def subjects(self) -> frozenset[str]:
+        """The subject patterns this service is subscribed to (in a queue group or not)."""
+        return frozenset(
+            subject.decode() for subject, _ in self._parts.memberships.subjects(self._mailbox)
+        )
+
+    async def _subjects(
+        self,
+        change: Callable[[Mailbox, bytes, bytes], Awaitable[None]],
+        subjects: str | Iterable[str],
+        queue: str | None,
     ) -> None:
-        topics = [topics] if isinstance(topics, str) else topics
-        groups = [_exact(Multicast(topic)) for topic in topics]
-        for group in groups:
+        subjects = [subjects] if isinstance(subjects, str) else subjects
+        patterns = [_subject(subject, pattern=True) for subject in subjects]
+        group = _queue(queue)
+        for pattern in patterns:
             try:
-                await change(group)
+                await change(self._mailbox, pattern, group)
             except RegistrationError as exc:
                 raise JoinFailed(str(exc), exc.code) from exc
 
-    async def subscribe_other(self, topic: str, address: AddressLike) -> None:
-        """Make the service at ``address`` subscribe to ``topic`` (interest management by a
-        master service). Returns once its connector has the request; reliable."""
-        await self._command("subscribe", topic, address)
+    async def subscribe_other(self, subject: str, address: AddressLike) -> None:
+        """Make the service at ``address`` subscribe to the subject pattern ``subject``
+        (interest management by a master service). Returns once its connector has the
+        request; reliable."""
+        await self._command("subscribe", subject, address)
 
-    async def unsubscribe_other(self, topic: str, address: AddressLike) -> None:
-        """Make the service at ``address`` leave ``topic`` (``subscribe_other``'s undo)."""
-        await self._command("unsubscribe", topic, address)
+    async def unsubscribe_other(self, subject: str, address: AddressLike) -> None:
+        """Make the service at ``address`` unsubscribe from ``subject``
+        (``subscribe_other``'s undo)."""
+        await self._command("unsubscribe", subject, address)
 
-    async def _command(self, command: str, topic: str, address: AddressLike) -> None:
-        _exact(Multicast(topic))  # a bad topic fails here
+    async def _command(self, command: str, subject: str, address: AddressLike) -> None:
+        pattern = _subject(subject, pattern=True)  # a bad subject fails here
         await self._parts.reliable.send(
             self._raw,
             as_address(address).to_bytes(),
-            topic.encode(),
+            pattern,
             echo=False,
             group=b"",
             final=False,

@@ -135,8 +135,8 @@ async def _answer_logins(login: Service) -> None:
 async def _play(world: World, name: str, player: Service) -> None:
     """A player's inbox: chat, zone updates, whispers and rewards, each counted."""
     async for msg in player:
-        if isinstance(msg.dst, Multicast):
-            world.received["chat" if msg.dst.name.startswith("chat.") else "zone"] += 1
+        if msg.subject is not None:
+            world.received["chat" if msg.subject.startswith("chat.") else "zone"] += 1
         elif msg.payload.startswith(b"reward "):
             world.rewards[int(msg.payload.split()[1])] += 1
         else:

@@ -13,6 +13,7 @@ import msgspec
 
 from meshbus.protocol.blocks import BlockSlice
 from meshbus.protocol.layout import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, ControlType
+from meshbus.protocol.subjects import MAX_SUBJECT
 
 # Bounds on what a body's numbers may be: a value outside them is a decode error (the
 # sender's PROTOCOL_ERROR), never an OverflowError deep in the broker or a number SQLite
@@ -170,6 +171,20 @@ class Membership(Body):
 
     member: bytes
     group: bytes
+
+
+ServiceSubject = Annotated[bytes, msgspec.Meta(max_length=MAX_SUBJECT)]
+
+
+class SubjectInterest(Body):
+    """SUBSCRIBE / UNSUBSCRIBE: ``member`` (a unicast the link owns) subscribes to, or
+    unsubscribes from, the subject pattern ``subject``, in queue group ``queue`` (b"":
+    none). The lengths are bounded here; whether they are a valid pattern and queue
+    group, the broker checks (INVALID_SUBJECT)."""
+
+    member: bytes
+    subject: ServiceSubject
+    queue: ServiceSubject = b""
 
 
 class Empty(Body):
@@ -642,6 +657,8 @@ BODY_TYPES: dict[ControlType, type[Body]] = {
     ControlType.AUTH: Auth,
     ControlType.RAFT: RaftFrame,
     ControlType.NATS_MSGS: NatsMessages,
+    ControlType.SUBSCRIBE: SubjectInterest,
+    ControlType.UNSUBSCRIBE: SubjectInterest,
 }
 
 DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {

@@ -30,7 +30,7 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     ``publish_id``: a stream stores a frame with a given id once per dedupe window.
     ``priority``: the sender's priority, carried to the receiver. ``batch``: the
     payload is many rows (meshbus.protocol.batch). ``headers``: the message's header
-    block (meshbus.protocol.headers)."""
+    block (meshbus.protocol.headers). ``subject``: the subject it was published on."""
 
     origin: bytes = b""
     group: bytes = b""
@@ -40,13 +40,17 @@ class Ext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     priority: int = 0
     publish_id: bytes = b""
     # Postina's subscribe_other/unsubscribe_other: "subscribe" or "unsubscribe" the
-    # receiving service to the topic named by the payload; not delivered as a message.
+    # receiving service to the subject pattern that is the payload; not delivered as a
+    # message.
     command: str = ""
     sent_at: float = 0.0  # with the TRACE flag: when the sending connector sent it
     # Not 0: the payload is a batch of rows in this format (meshbus.protocol.batch), each
     # delivered and stored as a message of its own.
     batch: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
     headers: bytes = b""
+    # The subject a service published on (to the broker's SUBJECTS address), or a message
+    # a service's subject subscription matched was published on (docs/nats.md).
+    subject: bytes = b""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -82,8 +86,14 @@ def unpack_acks(payload: bytes) -> tuple[int, ...]:
 
 def wrap(ext: Ext, payload: bytes | bytearray | memoryview) -> bytes:
     """The frame payload: the block, then the application's payload."""
+    return prefix(ext) + payload_bytes(payload)
+
+
+def prefix(ext: Ext) -> bytes:
+    """What goes before the application's payload: the block's length and the block (a
+    sender of many payloads with one block makes it once)."""
     block = _encode(ext)
-    return len(block).to_bytes(_LENGTH, "big") + block + payload_bytes(payload)
+    return len(block).to_bytes(_LENGTH, "big") + block
 
 
 def split(payload: bytes | memoryview) -> tuple[Ext, bytes]:

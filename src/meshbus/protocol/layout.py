@@ -134,6 +134,10 @@ class ControlType(IntEnum):
     # broker <-> broker: NATS messages for the receiver's NATS clients, delivered there and
     # never forwarded again (docs/nats.md, "Across the mesh")
     NATS_MSGS = 44
+    # connector -> broker: a service subscribes to, or unsubscribes from, a subject pattern
+    # (docs/nats.md, "NATS and meshbus services"); answered with OK, then SYNCED
+    SUBSCRIBE = 45
+    UNSUBSCRIBE = 46
 
 
 class ErrorCode(IntEnum):
@@ -179,6 +183,9 @@ class ErrorCode(IntEnum):
     # moment ago, re-linking after a stall, or gone before it answered -- and will soon:
     # the same request asked again shortly is answered. The client asks again itself.
     TRY_AGAIN = 25
+    # A SUBSCRIBE or UNSUBSCRIBE naming no valid subject pattern or queue group; the link
+    # stays open.
+    INVALID_SUBJECT = 26
 
 
 # Errors after which the sender of the offending frame is disconnected.

@@ -42,6 +42,7 @@ from meshbus.protocol.control import (
     Revoked,
     Routed,
     StreamRequest,
+    SubjectInterest,
     Welcome,
 )
 from meshbus.protocol.layout import ControlType, ErrorCode
@@ -219,6 +220,8 @@ _SAMPLES: dict[ControlType, Body] = {
     ControlType.CHALLENGE: Challenge(nonce=bytes(NONCE_SIZE)),
     ControlType.AUTH: Auth(user="sample", token_proof=bytes(TOKEN_PROOF_SIZE)),
     ControlType.RAFT: RaftFrame(group="sample"),
+    ControlType.SUBSCRIBE: SubjectInterest(member=_SAMPLE_ADDRESS, subject=b"sample"),
+    ControlType.UNSUBSCRIBE: SubjectInterest(member=_SAMPLE_ADDRESS, subject=b"sample"),
 }
 
 

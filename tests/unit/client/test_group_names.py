@@ -1,6 +1,7 @@
 """Group names are matched exactly: a name with ``*`` or ``>`` (a wildcard subject in
-NATS) would join or reach only its literal self, so every verb that names a group to
-join, leave or publish to refuses it, before anything is sent; exact names work."""
+NATS) would join only its literal self, so every verb that names a group to join or
+leave refuses it, before anything is sent; exact names work. Subjects take wildcards
+(``subscribe``), and a publish refuses them (a message has one subject)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,6 @@ VERBS: dict[str, Callable[[Service, str], Awaitable[object]]] = {
     "join anycast": lambda s, name: s.join(f"anycast:{name}"),
     "join an Address": lambda s, name: s.join(Multicast(name)),
     "leave": lambda s, name: s.leave(f"multicast:{name}"),
-    "subscribe": lambda s, name: s.subscribe(name),
-    "subscribe several": lambda s, name: s.subscribe(["fine", name]),
-    "unsubscribe": lambda s, name: s.unsubscribe(name),
-    "publish": lambda s, name: s.publish(name, b"x"),
-    "subscribe_other": lambda s, name: s.subscribe_other(name, s.address),
 }
 
 
@@ -43,7 +39,14 @@ async def test_wildcard_names_are_refused(service: Service, verb: str, name: str
     assert service.groups == frozenset()
 
 
-async def test_exact_names_are_joined_and_reached(service: Service) -> None:
-    await service.subscribe("chat.lobby")
-    await service.publish("chat.lobby", b"hello")  # not to itself (no echo): nothing queued
+async def test_exact_names_are_joined_and_wildcards_subscribed(service: Service) -> None:
+    await service.join("multicast:chat.lobby")
+    await service.subscribe(["chat.*", ">"])
     assert service.groups == {Multicast("chat.lobby")}
+    assert service.subjects == {"chat.*", ">"}
+
+
+@pytest.mark.parametrize("name", ["chat.*", "chat.>", "*", ">"])
+async def test_a_publish_on_a_wildcard_is_refused(service: Service, name: str) -> None:
+    with pytest.raises(InvalidArgument, match="without wildcards"):
+        await service.publish(name, b"x")

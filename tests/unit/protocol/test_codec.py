@@ -77,6 +77,7 @@ from meshbus.protocol.control import (
     Stats,
     StreamReply,
     StreamRequest,
+    SubjectInterest,
     TraceReport,
     Welcome,
 )
@@ -349,6 +350,12 @@ SAMPLE_BODIES: dict[ControlType, Body] = {
     ),
     ControlType.NATS_MSGS: NatsMessages(
         msgs=[(b"orders.new", b"_INBOX.x.1", 12, b"NATS/1.0\r\n\r\nhi", False, [b"workers"])]
+    ),
+    ControlType.SUBSCRIBE: SubjectInterest(
+        member=Unicast("game01", 5).to_bytes(), subject=b"game.*.chat", queue=b"chatters"
+    ),
+    ControlType.UNSUBSCRIBE: SubjectInterest(
+        member=Unicast("game01", 5).to_bytes(), subject=b"game.eu-west-zone7.>"
     ),
 }
 

@@ -15,7 +15,7 @@ its local subscribers, its queue groups' members wherever they are -- the member
 at the origin -- and the brokers to forward it to.
 
 Subjects are bytes, as they came off the wire: the table is byte-exact and never
-decodes them.
+decodes them. What a valid subject is, both ends check alike (meshbus.protocol.subjects).
 
 ``version`` moves with every insert and remove that changed the table, so that a caller
 may keep what it worked out from a match for as long as the version stays (the NATS
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from meshbus.errors import InvalidArgument
+from meshbus.protocol.subjects import is_literal, is_valid_queue, is_valid_subject
 
 __all__ = [
     "DEFAULT_CACHE_SIZE",
@@ -55,34 +56,11 @@ DEFAULT_CACHE_SIZE = 1024
 _SEPARATOR = b"."
 _ONE = b"*"
 _REST = b">"
-# What no token may hold (nats-server's IsValidSubject).
-_WHITESPACE = frozenset(b" \t\r\n\f")
 
 
 class InvalidSubject(InvalidArgument):
     """A subject or pattern the table cannot take: empty, an empty token, whitespace,
     or a ``>`` that is not the last token."""
-
-
-def is_valid_subject(subject: bytes) -> bool:
-    """Whether ``subject`` is a valid subscription pattern (a literal subject is one):
-    non-empty tokens, no whitespace, ``>`` only as the last token."""
-    if not subject or not _WHITESPACE.isdisjoint(subject):
-        return False
-    tokens = subject.split(_SEPARATOR)
-    return all(tokens) and _REST not in tokens[:-1]
-
-
-def is_valid_queue(queue: bytes) -> bool:
-    """Whether ``queue`` is a queue group's name as a SUB carries one: not empty, no
-    whitespace."""
-    return bool(queue) and _WHITESPACE.isdisjoint(queue)
-
-
-def is_literal(subject: bytes) -> bool:
-    """Whether a valid ``subject`` has no wildcard token (a publish subject must not;
-    nats-server checks it only for a pedantic client)."""
-    return not any(token in (_ONE, _REST) for token in subject.split(_SEPARATOR))
 
 
 def pattern_matches(pattern: list[bytes], subject: list[bytes]) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 from meshbus.address import Address, Unicast, describe_address, server_name_bytes
 from meshbus.broker.config import BrokerConfig
@@ -68,9 +69,11 @@ class ServiceCommands:
         outbox: Outbox,
         usage: UsageTable,
         rng: random.Random,
+        service_left: Callable[[Link, bytes], None] = lambda link, address: None,
     ) -> None:
         """``usage`` is what each user holds, against its quotas; ``rng`` draws the pause
-        before a lost claim is tried again."""
+        before a lost claim is tried again; ``service_left`` hears of each service
+        unregistered (its subject subscriptions end: meshbus.broker.nats.services)."""
         self._config = config
         self._routing = routing
         self._sync = sync
@@ -79,8 +82,9 @@ class ServiceCommands:
         self._outbox = outbox
         self._usage = usage
         self._rng = rng
+        self._service_left = service_left
 
-    def _answer(
+    def answer(
         self, link: Link, type_: ControlType, body: Body, correlation: int, changed: bool
     ) -> None:
         """Answer now -- before any frame routed by the change, so the connector knows the
@@ -117,7 +121,7 @@ class ServiceCommands:
                     server_name_bytes(body.server), link, link.session, link.epoch
                 )
                 self._sync.announce(OP_ADD, address, owner_of(link.session, link.epoch))
-                self._answer(
+                self.answer(
                     link, ControlType.REGISTERED, AddressBody(address=address), correlation, True
                 )
                 return
@@ -139,7 +143,7 @@ class ServiceCommands:
         # failed over before this broker dropped it): no claim. A rival claim needs this
         # broker's grant too, and here the address is the session's, so it is refused.
         self._take(link, raw)
-        self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
+        self.answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
 
     def _claim(self, link: Link, wanted: Unicast, correlation: int, attempt: int) -> None:
         if link.state is not LinkState.OPEN:
@@ -180,7 +184,7 @@ class ServiceCommands:
             return
         if granted and (owner is None or self._may_take(link, raw)):
             self._take(link, raw)
-            self._answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
+            self.answer(link, ControlType.REGISTERED, AddressBody(address=raw), correlation, True)
         else:
             exc = _in_use(wanted)
             self._outbox.reply(
@@ -207,20 +211,21 @@ class ServiceCommands:
         self._routing.remove_service(body.address, link)
         self._sync.announce(OP_REMOVE, body.address)
         self._watch.services_left([body.address])
-        self._answer(link, ControlType.OK, Empty(), correlation, True)
+        self._service_left(link, body.address)
+        self.answer(link, ControlType.OK, Empty(), correlation, True)
 
     def on_join(self, link: Link, correlation: int, body: Membership) -> None:
         self._check_membership(link, body, "join")
         self._check_group_limits(link, body)
         self._routing.join(body.member, body.group)
         self._sync.announce(OP_JOIN, body.member, body.group)
-        self._answer(link, ControlType.OK, Empty(), correlation, True)
+        self.answer(link, ControlType.OK, Empty(), correlation, True)
 
     def on_leave(self, link: Link, correlation: int, body: Membership) -> None:
         self._check_membership(link, body, "leave")
         self._routing.leave(body.member, body.group)
         self._sync.announce(OP_LEAVE, body.member, body.group)
-        self._answer(link, ControlType.OK, Empty(), correlation, True)
+        self.answer(link, ControlType.OK, Empty(), correlation, True)
 
     def _check_owned(self, link: Link, address: bytes, verb: str) -> None:
         if self._routing.owner(address) is not link:

@@ -65,6 +65,15 @@ class SubjectPermissions:
     def user(self) -> str:
         return self._permissions.user
 
+    def reads(self, permissions: Permissions) -> bool:
+        """Whether these are ``permissions`` read for subjects (a reload replaces a
+        link's permissions with new ones)."""
+        return self._permissions is permissions
+
+    def denial(self, action: str, permission: str) -> str:
+        """The message of a refusal (``Permissions.denial``)."""
+        return self._permissions.denial(action, permission)
+
     def may_publish(self, subject: bytes) -> bool:
         known = self._published.get(subject)
         if known is None:

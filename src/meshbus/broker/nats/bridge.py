@@ -162,7 +162,7 @@ class MeshbusBridge:
         self._flush_scheduled = False
         self.stats = BridgeStats()
 
-    def _source(self) -> bytes:
+    def source(self) -> bytes:
         """The bridge's address, the source of what it sends: taken the first time it
         sends (a dynamic id of this broker's, announced like a service), so a broker
         whose NATS clients never reach meshbus shows none; b"" before the broker has
@@ -236,7 +236,7 @@ class MeshbusBridge:
         if group[0] == CAST_ANYCAST:
             return self._to_anycast(subject, group, message)
         targets = self._routing.route_multicast(group, b"", self.endpoint, False)
-        if not self._source():
+        if not self.source():
             return 0
         frame = self._frame(group, message, 0, 0)
         delivered = sum(self._outbox.deliver(target, frame) for target in targets)
@@ -254,7 +254,7 @@ class MeshbusBridge:
         if target is None:
             self._quiet_now(subject)
             return 0
-        if not self._source():
+        if not self.source():
             return 0
         reply = message[1]
         if not reply:

@@ -43,7 +43,7 @@ import ssl
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from meshbus.broker.core.slices import SLICE
 from meshbus.broker.core.subjects import InvalidSubject, is_literal, is_valid_subject
@@ -109,12 +109,24 @@ class NatsError(enum.Enum):
 AUTHORIZATION_VIOLATION = "Authorization Violation"
 
 
+class Subscriber(Protocol):
+    """Whom a subscription's messages are handed to: a NATS client's connection, or a
+    meshbus service (meshbus.broker.nats.services)."""
+
+    closed: bool
+
+    def deliver(
+        self, sub: Subscription, subject: bytes, reply: bytes, header_size: int, data: bytes
+    ) -> None: ...
+
+
 class Subscription:
-    """One SUB of one connection: what the subject table holds. Compared by identity."""
+    """One SUB of one connection (or one subject subscription of a meshbus service): what
+    the subject table holds. Compared by identity."""
 
     __slots__ = ("conn", "delivered", "max_msgs", "queue", "sid", "subject")
 
-    def __init__(self, conn: NatsConnection, subject: bytes, queue: bytes, sid: bytes) -> None:
+    def __init__(self, conn: Subscriber, subject: bytes, queue: bytes, sid: bytes) -> None:
         self.conn = conn
         self.subject = subject
         self.queue = queue

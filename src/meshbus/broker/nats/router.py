@@ -21,6 +21,10 @@ routes:
    it (nats-server's rule), at once.
 5. Meshbus's own services meet NATS clients through the bridge (meshbus.broker.nats.bridge):
    a message published here also goes where the bridge maps its subject.
+6. Services subscribe to subjects too (meshbus.broker.nats.services): their
+   subscriptions are rows of the same table, and a service gets one copy of a message
+   however many of its patterns match (``_one_per_service``); what services publish is
+   routed here as a client's PUBs are (``publish_from_service``).
 
 What keeps it cheap: messages come in runs -- the PUBs of one read of a client, the rows
 of one frame from a peer -- and the messages of a run mostly share a subject. Where a
@@ -44,17 +48,33 @@ from meshbus.broker.core.link import Link
 from meshbus.broker.core.subjects import SubjectTable, is_valid_queue
 from meshbus.broker.nats.connection import Flushes
 from meshbus.broker.nats.peers import PeerMessages
+from meshbus.broker.nats.services import ServiceSubscription
 from meshbus.protocol.control import NatsMessages, NatsRow
 from meshbus.protocol.nats import Message, Publish, no_responders_header
 
 if TYPE_CHECKING:
-    from meshbus.broker.nats.connection import NatsConnection, Subscription
+    from meshbus.broker.nats.connection import NatsConnection, Subscriber, Subscription
 
 __all__ = ["NatsRouter"]
 
 log = logging.getLogger("meshbus.broker.nats")
 
 _BLANK = re.compile(rb"[ \t\r\n\f]").search
+
+
+def _one_per_service(local: list[Subscription]) -> list[Subscription]:
+    """``local`` with one subscription of each meshbus service: a service gets a message
+    once, however many of its subject patterns match it (a NATS client gets one copy per
+    subscription, each being its own sid)."""
+    seen: set[object] = set()
+    kept: list[Subscription] = []
+    for sub in local:
+        if type(sub) is ServiceSubscription:
+            if sub.conn in seen:
+                continue
+            seen.add(sub.conn)
+        kept.append(sub)
+    return kept
 
 
 class _Group:
@@ -137,12 +157,36 @@ class NatsRouter:
         PUBs. None goes on once the client's connection closed (a slow consumer of its
         own messages)."""
         options = publisher.options
-        echo, answer = options.echo, options.no_responders
+        requester = publisher if options.no_responders else None
+        routed, size = self._publish_run(publisher, options.echo, requester, messages)
+        self.msgs_in += routed
+        publisher.msgs_in += routed
+        publisher.bytes_in += size
+
+    def publish_from_service(
+        self, publisher: Subscriber | None, echo: bool, messages: Sequence[Message]
+    ) -> None:
+        """Messages a meshbus service here published on subjects, in order
+        (meshbus.broker.nats.services): delivered as a client's are; ``publisher`` (the
+        service's subscriptions, None without any) gets none of them back unless
+        ``echo``."""
+        self._publish_run(publisher, echo, None, messages)
+
+    def _publish_run(
+        self,
+        publisher: Subscriber | None,
+        echo: bool,
+        requester: NatsConnection | None,
+        messages: Sequence[Message],
+    ) -> tuple[int, int]:
+        """Route ``messages``, a plan per subject; a request that reached nobody is
+        answered no responders when ``requester`` (the publisher) asked for it. How many
+        were routed (all but those after the publisher closed), and their size."""
         table, to_meshbus = self._table, self._to_meshbus
         plan: _Plan | None = None
         routed = size = 0
         for message in messages:
-            if publisher.closed:
+            if publisher is not None and publisher.closed:
                 break
             routed += 1
             size += len(message[3])
@@ -153,11 +197,9 @@ class NatsRouter:
             delivered = self._send(plan, message)
             if plan.meshbus:
                 delivered += to_meshbus(message)
-            if not delivered and message[1] and answer:
-                self._no_responders(publisher, message)
-        self.msgs_in += routed
-        publisher.msgs_in += routed
-        publisher.bytes_in += size
+            if not delivered and message[1] and requester is not None:
+                self._no_responders(requester, message)
+        return routed, size
 
     def route(
         self, event: Publish, publisher: NatsConnection | None = None, echo: bool = True
@@ -167,17 +209,21 @@ class NatsRouter:
         message = (event.subject, event.reply, event.header_size, event.data)
         return self._send(self._plan(event.subject, publisher, echo), message)
 
-    def _plan(self, subject: bytes, publisher: NatsConnection | None, echo: bool) -> _Plan:
+    def _plan(self, subject: bytes, publisher: Subscriber | None, echo: bool) -> _Plan:
         """Where a message on ``subject`` goes, from ``publisher``: without echo, never to
         one of its own subscriptions (nor is one picked in a queue group)."""
         interest = self._table.match(subject)
         local: list[Subscription] = []
         peers: dict[Link, None] = {}
+        services = False
         for sub in interest.plain:
             if isinstance(sub, PeerSubscription):
                 peers[sub.peer] = None
             elif echo or sub.conn is not publisher:
                 local.append(sub)
+                services = services or type(sub) is ServiceSubscription
+        if services:
+            local = _one_per_service(local)
         groups: dict[bytes, _Group] = {}
         for name, members in interest.queues:
             eligible = [
@@ -292,7 +338,9 @@ class NatsRouter:
     def _plan_here(self, subject: bytes) -> _Plan:
         """Where a peer's message on ``subject`` goes: the subscriptions here only."""
         interest = self._table.match(subject)
-        local = [sub for sub in interest.plain if not isinstance(sub, PeerSubscription)]
+        local = _one_per_service(
+            [sub for sub in interest.plain if not isinstance(sub, PeerSubscription)]
+        )
         groups: dict[bytes, _Group] = {}
         for name, members in interest.queues:
             here: list[Subscription | PeerSubscription[Link]] = [

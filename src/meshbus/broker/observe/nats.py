@@ -17,6 +17,7 @@ from meshbus.broker.nats.connection import NatsCloseReason, NatsError
 from meshbus.broker.nats.listener import NatsListener, NatsTraffic
 from meshbus.broker.nats.peers import PeerMessageStats
 from meshbus.broker.nats.router import NatsRouter
+from meshbus.broker.nats.services import ServiceSubjects
 
 # The closes that are errors (all but the client's own and the broker's stop): with the
 # -ERRs that leave a connection open, the kinds of ``errors``, every one listed.
@@ -36,13 +37,16 @@ class NatsView:
         router: NatsRouter,
         peer_stats: PeerMessageStats,
         bridge_stats: BridgeStats,
+        services: ServiceSubjects,
     ) -> None:
         """``listener`` is None without --nats-listen; the rest is the mesh's NATS
-        traffic: the router's, the messages to peers, the bridge's."""
+        traffic: the router's, the messages to peers, the bridge's, meshbus services'
+        on subjects."""
         self._listener = listener
         self._router = router
         self._peer_stats = peer_stats
         self._bridge_stats = bridge_stats
+        self._services = services
 
     def snapshot(self) -> dict[str, Any]:
         """The ``nats`` part of ``meshbus stat``."""
@@ -73,7 +77,7 @@ class NatsView:
                 for reason, count in sorted(closed.items(), key=lambda item: item[0].value)
             },
             # Across the mesh: messages to and from peer brokers, the no responders
-            # answered here, and the bridge to meshbus's services.
+            # answered here, the bridge to meshbus's services, and services on subjects.
             "mesh": {
                 "msgs_to_peers": self._peer_stats.msgs_out,
                 "frames_to_peers": self._peer_stats.frames_out,
@@ -82,7 +86,10 @@ class NatsView:
                 "dropped_from_peers": router.dropped_from_peers,
                 "no_responders": router.no_responders,
             }
-            | {f"bridge_{k}": v for k, v in dataclasses.asdict(self._bridge_stats).items()},
+            | {f"bridge_{k}": v for k, v in dataclasses.asdict(self._bridge_stats).items()}
+            | {f"services_{k}": v for k, v in dataclasses.asdict(self._services.stats).items()},
+            # Meshbus services' subject subscriptions here (docs/nats.md).
+            "service_subscriptions": self._services.subscriptions,
             "connections": [
                 {
                     "id": conn.client_id,

@@ -24,7 +24,13 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import translate
 
-from meshbus.address import BROADCAST_GROUP, Address, describe_address, server_name_bytes
+from meshbus.address import (
+    BROADCAST_GROUP,
+    SUBJECTS,
+    Address,
+    describe_address,
+    server_name_bytes,
+)
 from meshbus.errors import InvalidArgument
 
 REGISTER, SEND, REQUEST, JOIN, STREAMS, OPERATOR = (
@@ -183,7 +189,9 @@ class Permissions:
         return self.register.permits(server)
 
     def may_send(self, dst: bytes) -> bool:
-        return self._permits(self.send, dst)
+        """A message to a subject (``SUBJECTS``) passes here: its subject, in the frame's
+        extension block, is checked where it is read (meshbus.broker.nats.services)."""
+        return dst == SUBJECTS or self._permits(self.send, dst)
 
     def may_request(self, dst: bytes) -> bool:
         return self._permits(self.request, dst)
