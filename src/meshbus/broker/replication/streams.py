@@ -34,6 +34,13 @@ import msgspec
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.registry import Peers
+from meshbus.broker.replication.consumers import (
+    CommandBatch,
+    ConsumerCommand,
+    ConsumerCommands,
+    Outcome,
+    apply_commands,
+)
 from meshbus.broker.replication.driver import GroupMeta, RaftDriver
 from meshbus.broker.replication.wire import from_body, to_bodies
 from meshbus.errors import ProtocolError
@@ -49,6 +56,7 @@ log = logging.getLogger("meshbus.broker")
 _SERVER = b"rstream".ljust(11, b"\x00")  # the server name of replicated streams' members
 _APPEND = 0
 _DELETE = 1
+_CONSUMERS = 2
 
 
 def member_address(stream: str) -> bytes:
@@ -104,10 +112,13 @@ class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
         )
 
 
-# An entry's data: (kind, the leader's clock when it captured them, the messages).
-_EntryData = tuple[int, float, list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]]
+# An entry's data: (kind, the leader's clock when it made it, what it holds): for
+# _APPEND the messages captured, for _CONSUMERS a CommandBatch, for _DELETE nothing.
+_Rows = list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]
 _encode = msgspec.msgpack.Encoder().encode
-_decode_entry = msgspec.msgpack.Decoder(_EntryData).decode
+_decode_entry = msgspec.msgpack.Decoder(tuple[int, float, msgspec.Raw]).decode
+_decode_rows = msgspec.msgpack.Decoder(_Rows).decode
+_decode_batch = msgspec.msgpack.Decoder(CommandBatch).decode
 _decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 
 
@@ -182,6 +193,7 @@ class ReplicatedStreams:
         self._entry_limit = entry_limit
         self._linked = linked
         self.driver = driver(self)
+        self._consumers = ConsumerCommands(self._propose_commands, entry_limit)
         self.configs: dict[str, StreamConfig] = {}
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
         self.refused = 0  # captured messages never proposed (too large, no leader)
@@ -258,7 +270,7 @@ class ReplicatedStreams:
         """A turn's captures of ``name``: proposed as entries of at most the entry limit;
         the reliable frames are acknowledged once every entry is committed and applied."""
         now = time.time()
-        entries: list[list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]] = [[]]
+        entries: list[_Rows] = [[]]
         size = 0
         for message in messages:
             weight = len(message.payload) + len(message.headers) + 128
@@ -288,6 +300,17 @@ class ReplicatedStreams:
 
         futures[-1].add_done_callback(committed)
 
+    # -- durable consumers ------------------------------------------------------------------
+
+    def consume(self, name: str, command: ConsumerCommand) -> asyncio.Future[Outcome]:
+        """A change of one of the stream's consumers (the leader only), proposed with the
+        others of this turn as one entry; its outcome once committed and applied here
+        (meshbus.broker.replication.consumers)."""
+        return self._consumers.submit(name, command)
+
+    def _propose_commands(self, name: str, batch: CommandBatch) -> asyncio.Future[int]:
+        return self.driver.propose(name, _encode((_CONSUMERS, time.time(), batch)))
+
     def _not_stored(self, name: str, failed: asyncio.Future[int]) -> None:
         """Say once per term why captures of ``name`` are not acknowledged here."""
         state = self.driver.groups.get(name)
@@ -313,7 +336,7 @@ class ReplicatedStreams:
         for entry in entries:
             if not entry.data or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
-            kind, at, rows = _decode_entry(entry.data)
+            kind, at, held = _decode_entry(entry.data)
             if kind == _DELETE:
                 self.configs.pop(group, None)
                 if self.capturing.pop(group, 0):
@@ -324,7 +347,17 @@ class ReplicatedStreams:
                 self._deleted(group)
                 return
             try:
-                store.append_entry(group, [NewMessage(*row) for row in rows], at, entry.index)
+                if kind == _CONSUMERS:
+                    batch = _decode_batch(held)
+                    mine = self._consumers.waits_for(batch)
+                    outcomes = apply_commands(
+                        store, group, batch.commands, at, entry.index, read=mine
+                    )
+                    if mine:
+                        self._consumers.settle(batch, outcomes)
+                    continue
+                messages = [NewMessage(*row) for row in _decode_rows(held)]
+                store.append_entry(group, messages, at, entry.index)
             except StoreError as exc:
                 # The replica cannot hold what the others do: it stops taking part (it
                 # would answer with a log it does not apply).
