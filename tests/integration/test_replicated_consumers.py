@@ -30,6 +30,7 @@ from tests.integration.test_replicated_streams import (
     Producer,
     Replicas,
     check_copies,
+    led,
     replicated_stream,
 )
 
@@ -240,3 +241,38 @@ async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> No
         # The consumer's state is the same on every replica, the restarted one included.
         await replicas.restart(leader)
         await same_everywhere(replicas, "work", (last + 1, last, 0))
+
+
+async def test_retention_by_age_is_applied_alike_by_every_replica(tmp_path) -> None:
+    """A replicated stream's retention by age is an entry of its log, trimmed at the
+    leader's clock by every replica: the same first seq everywhere, and a consumer's
+    pending deliveries of what it removed gone alike."""
+    replicas = await Replicas.start(tmp_path, 3, *FAST)
+    try:
+        first = replicas[replicas.names[0]]
+        async with await meshbus.connect(first.address, server="c") as conn:
+            await conn.streams.add(STREAM, f"multicast:{STREAM}", replicas=3, max_age=1.0)
+            await led(conn, STREAM)
+            publisher = await conn.register()
+            for i in range(10):
+                await publisher.send_reliable(f"multicast:{STREAM}", b"old%d" % i)
+            work = await conn.streams.consumer(STREAM, "work")
+            assert [m.seq for m in await work.next(3)] == [1, 2, 3]
+            assert await work.ack([1]) == 1
+
+            async def trimmed_everywhere() -> bool:
+                seen = set()
+                for name in replicas.names:
+                    async with await meshbus.connect(replicas[name].address, server="k") as c:
+                        info = await c.streams.info(STREAM)
+                        seen.add((info.first_seq, info.messages))
+                return seen == {(11, 0)}
+
+            await wait_until(trimmed_everywhere, "every replica trimmed", timeout=10)
+            await same_everywhere(replicas, "work", (11, 10, 0))  # 2 and 3 went with them
+            for i in range(5):
+                await publisher.send_reliable(f"multicast:{STREAM}", b"new%d" % i)
+            assert [m.payload for m in await work.next(10)] == [b"new%d" % i for i in range(5)]
+        await same_everywhere(replicas, "work", (16, 10, 5))
+    finally:
+        await replicas.close()

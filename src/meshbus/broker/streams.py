@@ -845,8 +845,18 @@ class StreamHost:
         }
 
     def expire(self) -> None:
+        """Retention by age; a replicated stream's goes through its log (its leader
+        proposes it: ReplicatedStreams.expire)."""
+        now = time.time()
+        replicated = self.replicated
         try:
-            self.store.expire(time.time())
+            if replicated is None:
+                self.store.expire(now)
+                return
+            self.store.expire(
+                now, [c.name for c in self.store.streams() if c.name not in replicated]
+            )
+            replicated.expire(now)
         except StoreError as exc:
             log.error("stream retention failed", extra={"error": str(exc)})
 

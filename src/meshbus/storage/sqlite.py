@@ -33,7 +33,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block
@@ -463,10 +463,11 @@ class SqliteStreamStore(MirroredStore):
             for seq, message in enumerate(fields, block_first + start):
                 yield StoredMessage(name, seq, at, *message)
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
         removed = 0
+        selected = self._selected(streams)
         with self._tx() as db:
-            for st in self._streams.values():
+            for st in selected:
                 st.ids.expire(now)
                 trimmed = self._trim(db, st, now)
                 if trimmed:

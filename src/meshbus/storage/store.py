@@ -234,7 +234,10 @@ class StreamStore(abc.ABC):
         return slices_of(m[1:] for m in self.read(name, from_seq, max_count, max_bytes))
 
     @abc.abstractmethod
-    def expire(self, now: float) -> int: ...
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
+        """Apply every stream's limits at ``now`` (or only those of ``streams``); the
+        messages removed."""
+
     @abc.abstractmethod
     def add_consumer(self, stream: str, config: ConsumerConfig) -> ConsumerInfo: ...
     @abc.abstractmethod
@@ -357,6 +360,17 @@ class MirroredStore(StreamStore):
 
     def streams(self) -> list[StreamConfig]:
         return [self._streams[name].config for name in sorted(self._streams)]
+
+    def _selected(self, streams: Iterable[str] | None) -> list[StreamState]:
+        if streams is None:
+            return list(self._streams.values())
+        return [self._stream(name) for name in streams]
+
+    def aged(self, name: str, now: float) -> bool:
+        """Stream ``name`` holds a message older than its ``max_age`` at ``now``."""
+        st = self._stream(name)
+        max_age = st.config.max_age
+        return bool(max_age and st.count and st.first_at <= now - max_age)
 
     def __contains__(self, name: object) -> bool:
         return name in self._streams
@@ -613,9 +627,9 @@ class MemoryStreamStore(MirroredStore):
         stop = min(st.last_seq + 1, start + max(0, max_count))
         return fit_bytes((bodies[seq] for seq in range(start, stop)), max_bytes)
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
         removed = 0
-        for st in self._streams.values():
+        for st in self._selected(streams):
             st.ids.expire(now)
             removed += self._trim(st, now)
         return removed

@@ -23,6 +23,7 @@ prefix to a fetch made on it; any other broker relays a request to the leader.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -57,6 +58,7 @@ _SERVER = b"rstream".ljust(11, b"\x00")  # the server name of replicated streams
 _APPEND = 0
 _DELETE = 1
 _CONSUMERS = 2
+_EXPIRE = 3
 
 
 def member_address(stream: str) -> bytes:
@@ -113,7 +115,8 @@ class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
 
 
 # An entry's data: (kind, the leader's clock when it made it, what it holds): for
-# _APPEND the messages captured, for _CONSUMERS a CommandBatch, for _DELETE nothing.
+# _APPEND the messages captured, for _CONSUMERS a CommandBatch, for _DELETE and _EXPIRE
+# (retention by age, at that clock) nothing.
 _Rows = list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]
 _encode = msgspec.msgpack.Encoder().encode
 _decode_entry = msgspec.msgpack.Decoder(tuple[int, float, msgspec.Raw]).decode
@@ -199,6 +202,7 @@ class ReplicatedStreams:
         self.refused = 0  # captured messages never proposed (too large, no leader)
         self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
         self.leader_moved = asyncio.Event()  # set whenever a group's leader changes
+        self._expiring: set[str] = set()  # streams whose expiry entry is not applied yet
 
     def __contains__(self, name: object) -> bool:
         return name in self.configs
@@ -311,6 +315,24 @@ class ReplicatedStreams:
     def _propose_commands(self, name: str, batch: CommandBatch) -> asyncio.Future[int]:
         return self.driver.propose(name, _encode((_CONSUMERS, time.time(), batch)))
 
+    def expire(self, now: float) -> None:
+        """Retention by age, as an entry: each stream led here that holds a message past
+        its max_age gets one, and every replica trims at its clock -- not at its own, so
+        that every replica holds the same messages, and its consumers the same
+        positions, at each index."""
+        for name in self.configs:
+            if name in self._expiring or not self.leads(name) or name not in self._store:
+                continue
+            if self._store.aged(name, now):
+                self._expiring.add(name)
+                proposed = self.driver.propose(name, _encode((_EXPIRE, now, None)))
+                proposed.add_done_callback(functools.partial(self._expired, name))
+
+    def _expired(self, name: str, done: asyncio.Future[int]) -> None:
+        self._expiring.discard(name)
+        if not done.cancelled():
+            done.exception()  # read: the next heartbeat proposes it again if need be
+
     def _not_stored(self, name: str, failed: asyncio.Future[int]) -> None:
         """Say once per term why captures of ``name`` are not acknowledged here."""
         state = self.driver.groups.get(name)
@@ -347,6 +369,10 @@ class ReplicatedStreams:
                 self._deleted(group)
                 return
             try:
+                if kind == _EXPIRE:
+                    with store.raft_entry(group, entry.index):
+                        store.expire(at, [group])
+                    continue
                 if kind == _CONSUMERS:
                     batch = _decode_batch(held)
                     mine = self._consumers.waits_for(batch)
