@@ -85,6 +85,8 @@ async def test_a_durable_consumer_of_a_replicated_stream(tmp_path) -> None:
             # The same consumer again: its state as it is.
             again = await conn.streams.consumer(STREAM, "work", ack_wait=30.0, max_deliver=3)
             assert [m.seq for m in await again.next(2)] == [5, 6]
+            state = await again.info(current=True)  # the leader's
+            assert (state["next_seq"], state["ack_floor"], state["pending"]) == (7, 2, 4)
         await same_everywhere(replicas, "work", (7, 2, 4))
         # The CLI, asked of the other follower.
         other = replicas[followers(replicas, info.leader)[1]]
