@@ -15,9 +15,13 @@ entry is committed -- fsynced on a majority of the voters, the leader's own disk
 included -- and applied here. Sequence numbers and publish-id dedupe are the store's,
 applied in log order on every replica: a resend across a leader change is stored once.
 
-Every replica applies the committed entries to its own store (``append_entry`` records
-the entry's index with it, so a restart applies each once) and serves its committed
-prefix to a fetch made on it; any other broker relays a request to the leader.
+Every replica applies the committed entries to its own store (``raft_entry`` records
+the entry's index with what it changed, so a restart applies each once), at the clock of
+the leader that made the entry, and serves its committed prefix to a fetch made on it;
+any other broker relays a request to the leader. Besides appends the log holds the
+stream's delete, its durable consumers' changes (``consume``:
+meshbus.broker.replication.consumers) and its retention by age (``expire``), so that
+every replica holds the same state at each index.
 """
 
 from __future__ import annotations
