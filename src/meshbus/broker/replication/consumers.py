@@ -28,10 +28,12 @@ import asyncio
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Annotated
 
 import msgspec
 
 from meshbus.broker.replication.driver import ReplicationError
+from meshbus.protocol.control import MAX_USER_NAME, Count, Seconds, Seq
 from meshbus.storage.errors import StoreError
 from meshbus.storage.store import ConsumerConfig, ConsumerInfo, Delivery, StreamStore
 
@@ -43,16 +45,17 @@ _SEQ_BYTES = 9
 
 
 class ConsumerCommand(msgspec.Struct, array_like=True, frozen=True):
-    """One change of a consumer: ``op`` (ADD, DELETE, NEXT, ACK) and what it uses."""
+    """One change of a consumer: ``op`` (ADD, DELETE, NEXT, ACK) and what it uses. The
+    bounds are the STREAM request's it comes from, checked again when an entry is read."""
 
-    op: int
+    op: Count
     consumer: str
-    max_count: int = 0  # NEXT
-    seqs: list[int] = msgspec.field(default_factory=list)  # ACK
-    ack_wait: float = 30.0  # ADD: the consumer's configuration
-    max_deliver: int = 5
-    start_seq: int = 0
-    owner: str = ""
+    max_count: Count = 0  # NEXT
+    seqs: list[Seq] = msgspec.field(default_factory=list)  # ACK
+    ack_wait: Seconds = 30.0  # ADD: the consumer's configuration
+    max_deliver: Count = 5
+    start_seq: Seq = 0
+    owner: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)] = ""
 
     @classmethod
     def add(cls, config: ConsumerConfig) -> ConsumerCommand:

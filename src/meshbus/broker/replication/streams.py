@@ -362,17 +362,17 @@ class ReplicatedStreams:
         for entry in entries:
             if not entry.data or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
-            kind, at, held = _decode_entry(entry.data)
-            if kind == _DELETE:
-                self.configs.pop(group, None)
-                if self.capturing.pop(group, 0):
-                    self._release(group)
-                # Dropped after this turn of the driver, which settles the delete's own
-                # proposal first (a drop fails the proposals still waiting).
-                asyncio.get_running_loop().call_soon(self.driver.drop, group)
-                self._deleted(group)
-                return
             try:
+                kind, at, held = _decode_entry(entry.data)
+                if kind == _DELETE:
+                    self.configs.pop(group, None)
+                    if self.capturing.pop(group, 0):
+                        self._release(group)
+                    # Dropped after this turn of the driver, which settles the delete's
+                    # own proposal first (a drop fails the proposals still waiting).
+                    asyncio.get_running_loop().call_soon(self.driver.drop, group)
+                    self._deleted(group)
+                    return
                 if kind == _EXPIRE:
                     with store.raft_entry(group, entry.index):
                         store.expire(at, [group])
@@ -388,15 +388,19 @@ class ReplicatedStreams:
                     continue
                 messages = [NewMessage(*row) for row in _decode_rows(held)]
                 store.append_entry(group, messages, at, entry.index)
-            except StoreError as exc:
-                # The replica cannot hold what the others do: it stops taking part (it
-                # would answer with a log it does not apply).
-                log.error(
-                    "a replicated stream's entry could not be stored here; it stops here",
-                    extra={"stream": group, "index": entry.index, "error": str(exc)},
-                )
-                self.driver.drop(group)
+            except (StoreError, msgspec.DecodeError) as exc:
+                self._not_applied(group, entry.index, exc)
                 return
+
+    def _not_applied(self, group: str, index: int, error: Exception) -> None:
+        """The replica cannot hold what the others do (its store failed, or the entry is
+        not one this broker reads): it stops taking part -- it would answer with a log it
+        does not apply."""
+        log.error(
+            "a replicated stream's entry could not be stored here; it stops here",
+            extra={"stream": group, "index": index, "error": str(error)},
+        )
+        self.driver.drop(group)
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """Who captures: the leader, as the stream's member with epoch 2 * term + 1; while

@@ -217,3 +217,12 @@ async def test_consumers_and_retention_go_through_the_log_to_every_replica(
     await replicas.turns()
     with pytest.raises(ReplicationError, match="not the leader"):
         refused.result()
+
+
+async def test_an_entry_a_replica_cannot_read_stops_the_stream_there(replicas: Replicas) -> None:
+    leader = await replicas.found(StreamConfig("ledger", (GROUP,)))
+    bad = ConsumerCommand.ack("work", [2**41])  # past any seq: not what a leader proposes
+    leader.streams.driver.propose("ledger", msgspec.msgpack.encode((2, 0.0, [1, 1, [bad]])))
+    await replicas.turns()
+    for replica in replicas.by_name.values():  # logged; the broker goes on without it
+        assert "ledger" not in replica.streams.driver.groups, replica.name
