@@ -32,6 +32,7 @@ _ELSEWHERE = {
     "bursts": "bench.bursts:bursts",
     "handshake": "bench.handshake:handshake",
     "stream": "bench.streams:stream",
+    "consumer": "bench.consumers:consumer",
     "spark": "bench.spark:spark",
     "game": "bench.game:game",
     "client": "bench.client:client",

@@ -43,7 +43,8 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
-from meshbus.broker.replication.driver import RaftDriver
+from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
+from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.streams import (
     PeerTransport,
     ReplicatedStreams,
@@ -82,6 +83,7 @@ from meshbus.storage.raftlog import RaftWal
 from meshbus.storage.sqlite import SqliteStreamStore
 from meshbus.storage.store import (
     ConsumerConfig,
+    ConsumerInfo,
     MemoryStreamStore,
     MirroredStore,
     NewMessage,
@@ -91,6 +93,13 @@ from meshbus.storage.store import (
 )
 
 log = logging.getLogger("meshbus.broker")
+
+# The requests a replica of a replicated stream sends on to its leader: they change the
+# stream's state (a consumer's is in its Raft log too). And the reads that go there too
+# when asked with ``current``.
+_CONSUMER_CHANGES = frozenset({"consumer_add", "consumer_delete", "next", "ack"})
+_LEADER_ONLY = _CONSUMER_CHANGES | {"delete"}
+_READS = frozenset({"fetch", "info", "consumer_info"})
 
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
@@ -577,18 +586,17 @@ class StreamHost:
         if not_theirs:
             self._refuse(link, ErrorCode.PERMISSION_DENIED, not_theirs, correlation)
             return
-        if body.op == "delete" and replicated is not None and name in replicated:
-            self._delete_replicated(link, correlation, replicated.delete(name))
-            return
+        if replicated is not None and name in replicated:
+            if body.op == "delete":
+                self._delete_replicated(link, correlation, replicated.delete(name))
+                return
+            if body.op in _CONSUMER_CHANGES:
+                self._consume_replicated(link, correlation, body, replicated)
+                return
         try:
             reply = self._handle(link, body)
-        except StoreError as exc:
-            missing = isinstance(exc, (StreamNotFound, ConsumerNotFound))
-            code = ErrorCode.NO_STREAM if missing else ErrorCode.STREAM_ERROR
-            self._refuse(link, code, str(exc), correlation)
-            return
-        except (ValueError, TypeError, OverflowError) as exc:
-            self._refuse(link, ErrorCode.STREAM_ERROR, str(exc), correlation)
+        except (StoreError, ValueError, TypeError, OverflowError) as exc:
+            self._refuse_for(link, exc, correlation)
             return
         if body.op != "add" or body.replicas > 1:
             # A replicated stream captures once its leader is elected (``info`` shows it),
@@ -623,19 +631,58 @@ class StreamHost:
 
         committed.add_done_callback(done)
 
+    def _refuse_for(self, link: Link, error: BaseException, correlation: int) -> None:
+        """The ERROR for a request the store or its checks refused."""
+        if isinstance(error, (StreamNotFound, ConsumerNotFound)):
+            code = ErrorCode.NO_STREAM
+        elif isinstance(error, ReplicationError):
+            code = ErrorCode.UNAVAILABLE
+        else:
+            code = ErrorCode.STREAM_ERROR
+        self._refuse(link, code, str(error), correlation)
+
+    def _consume_replicated(
+        self, link: Link, correlation: int, body: StreamRequest, replicated: ReplicatedStreams
+    ) -> None:
+        """A change of a replicated stream's consumer, on its leader: answered as the
+        R=1 store's once its entry is committed and applied here (every replica applies
+        it; meshbus.broker.replication.consumers)."""
+        op, name = body.op, body.stream
+        try:
+            if op == "consumer_add":
+                command = ConsumerCommand.add(_consumer_config(body))
+            elif op == "consumer_delete":
+                command = ConsumerCommand.delete(body.consumer)
+            elif op == "next":
+                command = ConsumerCommand.next(body.consumer, body.max_count)
+            else:
+                command = ConsumerCommand.ack(body.consumer, list(body.seqs))
+        except ValueError as exc:
+            self._refuse_for(link, exc, correlation)
+            return
+
+        def applied(future: asyncio.Future[Outcome]) -> None:
+            error = future.exception()  # read, even when nobody waits for it now
+            if link.state is not LinkState.OPEN:
+                return
+            if error is not None:
+                self._refuse_for(link, error, correlation)
+            else:
+                reply = _consumer_reply(op, future.result(), link.max_frame)
+                self._relay.answer(link, ControlType.STREAM_REPLY, reply, correlation)
+            self._outbox.flush()
+
+        replicated.consume(name, command).add_done_callback(applied)
+
     def _replica_refusal(self, body: StreamRequest) -> str | None:
         """Why this replica of a replicated stream does not answer ``body`` itself (None:
-        it does -- a read of its committed prefix); the leader may (a delete, a current
-        read)."""
+        it does -- a read of its committed prefix); the leader may (a delete, a change of a
+        consumer, a current read)."""
         replicated = self.replicated
         assert replicated is not None
         name = body.stream
-        if stream_operation(body.op) == "consume" or body.op.startswith("consumer"):
-            return (
-                f"stream {name!r} is replicated: durable consumers of replicated streams "
-                "are not supported yet; fetch by sequence number instead"
-            )
-        leader_only = body.op == "delete" or (body.current and body.op in ("fetch", "info"))
+        op = body.op
+        leader_only = op in _LEADER_ONLY or (body.current and op in _READS)
         if not leader_only or replicated.leads(name):
             return None
         leader = replicated.leader(name)
@@ -737,28 +784,20 @@ class StreamHost:
             limit = max(1, link.max_frame - 4096)
             rows = store.read(name, body.from_seq, body.max_count, limit)
             return StreamReply(messages=_fit([_row(m, 1) for m in rows], limit))
-        if op == "consumer_add":
-            config_c = ConsumerConfig(
-                name=body.consumer,
-                ack_wait=body.ack_wait,
-                max_deliver=body.max_deliver,
-                start_seq=body.start_seq,
-                owner=body.user,
-            )
-            return StreamReply(info=_consumer(store.add_consumer(name, config_c)))
         if op == "consumer_info":
             return StreamReply(info=_consumer(store.consumer_info(name, body.consumer)))
-        if op == "consumer_delete":
-            store.delete_consumer(name, body.consumer)
-            return StreamReply()
-        if op == "next":
-            deliveries = store.consumer_next(name, body.consumer, body.max_count, time.time())
-            limit = max(1, link.max_frame - 4096)
-            rows_d = [_row(d.message, d.delivery) for d in deliveries]
-            return StreamReply(messages=_fit(rows_d, limit))
-        if op == "ack":
-            return StreamReply(acked=store.consumer_ack(name, body.consumer, body.seqs))
-        raise ValueError(f"unknown stream request {op!r}")
+        outcome: Outcome
+        if op == "consumer_add":
+            outcome = store.add_consumer(name, _consumer_config(body))
+        elif op == "consumer_delete":
+            outcome = store.delete_consumer(name, body.consumer)
+        elif op == "next":
+            outcome = store.consumer_next(name, body.consumer, body.max_count, time.time())
+        elif op == "ack":
+            outcome = store.consumer_ack(name, body.consumer, body.seqs)
+        else:
+            raise ValueError(f"unknown stream request {op!r}")
+        return _consumer_reply(op, outcome, link.max_frame)
 
     def _add_replicated(self, body: StreamRequest) -> StreamReply:
         """Place the stream on ``body.replicas`` ready brokers and found its group there
@@ -821,8 +860,18 @@ class StreamHost:
         }
 
     def expire(self) -> None:
+        """Retention by age; a replicated stream's goes through its log (its leader
+        proposes it: ReplicatedStreams.expire)."""
+        now = time.time()
+        replicated = self.replicated
         try:
-            self.store.expire(time.time())
+            if replicated is None:
+                self.store.expire(now)
+                return
+            self.store.expire(
+                now, [c.name for c in self.store.streams() if c.name not in replicated]
+            )
+            replicated.expire(now)
         except StoreError as exc:
             log.error("stream retention failed", extra={"error": str(exc)})
 
@@ -905,6 +954,29 @@ def _fit(rows: list[StoredRow], limit: int) -> list[StoredRow]:
         if size > limit and i:
             return rows[:i]
     return rows
+
+
+def _consumer_config(body: StreamRequest) -> ConsumerConfig:
+    """The consumer a ``consumer_add`` asks for; ValueError if it is not one."""
+    return ConsumerConfig(
+        name=body.consumer,
+        ack_wait=body.ack_wait,
+        max_deliver=body.max_deliver,
+        start_seq=body.start_seq,
+        owner=body.user,
+    )
+
+
+def _consumer_reply(op: str, outcome: Outcome, max_frame: int) -> StreamReply:
+    """The answer to a change of a consumer (``op``), from what the store gave."""
+    if isinstance(outcome, ConsumerInfo):  # consumer_add
+        return StreamReply(info=_consumer(outcome))
+    if isinstance(outcome, list):  # next
+        rows = [_row(d.message, d.delivery) for d in outcome]
+        return StreamReply(messages=_fit(rows, max(1, max_frame - 4096)))
+    if isinstance(outcome, int):  # ack
+        return StreamReply(acked=outcome)
+    return StreamReply()  # consumer_delete
 
 
 def _consumer(info: Any) -> dict[str, Any]:

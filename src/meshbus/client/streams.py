@@ -204,7 +204,14 @@ class StreamClient:
         start_seq: int = 0,
     ) -> Consumer:
         """A durable consumer (created, or the existing one of that name): a cursor the
-        stream's broker keeps, with acks and redelivery, so it resumes where it stopped."""
+        stream's broker keeps, with acks and redelivery, so it resumes where it stopped.
+
+        Of a replicated stream the cursor is in the stream's Raft log: its leader answers
+        ``next`` and ``ack`` once they are committed, and a new leader goes on from there
+        -- a message delivered whose ack was not committed comes again after its
+        ``ack_wait``, one acknowledged does not (docs/guarantees.md, "Durable
+        consumers"). A call that fails with ``StreamError`` (code UNAVAILABLE) while
+        the leadership moves may be asked again."""
         await self._ask(
             StreamRequest(
                 op="consumer_add",
@@ -250,10 +257,14 @@ class Consumer:
         )
         return reply.acked
 
-    async def info(self) -> dict[str, Any]:
-        """Its state: ``next_seq``, ``ack_floor``, ``pending`` and its settings."""
+    async def info(self, *, current: bool = False) -> dict[str, Any]:
+        """Its state: ``next_seq``, ``ack_floor``, ``pending`` and its settings. Of a
+        replicated stream, from the replica asked (its committed state); ``current``:
+        from the leader."""
         reply = await self._ask(
-            StreamRequest(op="consumer_info", stream=self.stream, consumer=self.name)
+            StreamRequest(
+                op="consumer_info", stream=self.stream, consumer=self.name, current=current
+            )
         )
         return reply.info
 

@@ -33,7 +33,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block
@@ -300,7 +300,10 @@ class SqliteStreamStore(MirroredStore):
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One transaction; on any failure roll back and reload the mirror, which the
-        caller may already have changed."""
+        caller may already have changed. Inside another (``raft_entry``), part of it."""
+        if self._db.in_transaction:
+            yield self._db
+            return
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield self._db
@@ -385,18 +388,16 @@ class SqliteStreamStore(MirroredStore):
         with self._tx() as db:
             return self._write(db, st, messages, now)
 
-    def append_entry(
-        self, name: str, messages: Sequence[NewMessage], now: float, index: int
-    ) -> list[Appended]:
+    @contextmanager
+    def raft_entry(self, name: str, index: int) -> Iterator[None]:
         st = self._stream(name)
         with self._tx() as db:
-            results = self._write(db, st, messages, now)
+            yield
             db.execute(
                 "INSERT OR REPLACE INTO raft_applied (stream_id, raft_index) VALUES (?, ?)",
                 (st.key, index),
             )
         st.applied = index
-        return results
 
     def _write(
         self, db: sqlite3.Connection, st: StreamState, messages: Sequence[NewMessage], now: float
@@ -462,10 +463,11 @@ class SqliteStreamStore(MirroredStore):
             for seq, message in enumerate(fields, block_first + start):
                 yield StoredMessage(name, seq, at, *message)
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
         removed = 0
+        selected = self._selected(streams)
         with self._tx() as db:
-            for st in self._streams.values():
+            for st in selected:
                 st.ids.expire(now)
                 trimmed = self._trim(db, st, now)
                 if trimmed:
@@ -499,7 +501,9 @@ class SqliteStreamStore(MirroredStore):
             db.execute("DELETE FROM consumers WHERE id = ?", (cs.key,))
             del st.consumers[name]
 
-    def consumer_next(self, stream: str, name: str, max_count: int, now: float) -> list[Delivery]:
+    def consumer_next(
+        self, stream: str, name: str, max_count: int, now: float, *, read: bool = True
+    ) -> list[Delivery]:
         st, cs = self._consumer(stream, name)
         with self._tx() as db:
             plan = self._plan_next(st, cs, max_count, now)
@@ -516,6 +520,8 @@ class SqliteStreamStore(MirroredStore):
                     "UPDATE consumers SET next_seq = ?, dropped = ? WHERE id = ?",
                     (cs.next_seq, cs.dropped, cs.key),
                 )
+        if not read:
+            return []
         out = [
             Delivery(msg, count)
             for (_, count), msg in zip(

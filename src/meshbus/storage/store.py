@@ -30,6 +30,7 @@ import math
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
 from operator import itemgetter
@@ -203,15 +204,22 @@ class StreamStore(abc.ABC):
         self, name: str, messages: Sequence[NewMessage], now: float
     ) -> list[Appended]: ...
     @abc.abstractmethod
+    def raft_entry(self, name: str, index: int) -> AbstractContextManager[None]:
+        """What the store is asked inside is one transaction with Raft entry ``index``
+        of replicated stream ``name`` recorded as applied (``applied``): a restart
+        applies each entry once. A call refused inside (a StoreError raised before it
+        changed anything) leaves the others in; a failure of the store undoes them all."""
+
     def append_entry(
         self, name: str, messages: Sequence[NewMessage], now: float, index: int
     ) -> list[Appended]:
-        """``append_batch`` of a replicated stream's Raft entry ``index``, recorded with
-        it in one transaction (``applied``): a restart applies each entry once."""
+        """``append_batch`` of a replicated stream's Raft entry ``index``."""
+        with self.raft_entry(name, index):
+            return self.append_batch(name, messages, now)
 
     @abc.abstractmethod
     def applied(self, name: str) -> int:
-        """The last Raft entry ``append_entry`` applied to ``name`` (0: none)."""
+        """The last Raft entry ``raft_entry`` applied to ``name`` (0: none)."""
 
     @abc.abstractmethod
     def read(
@@ -226,7 +234,10 @@ class StreamStore(abc.ABC):
         return slices_of(m[1:] for m in self.read(name, from_seq, max_count, max_bytes))
 
     @abc.abstractmethod
-    def expire(self, now: float) -> int: ...
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
+        """Apply every stream's limits at ``now`` (or only those of ``streams``); the
+        messages removed."""
+
     @abc.abstractmethod
     def add_consumer(self, stream: str, config: ConsumerConfig) -> ConsumerInfo: ...
     @abc.abstractmethod
@@ -235,8 +246,11 @@ class StreamStore(abc.ABC):
     def consumer_info(self, stream: str, name: str) -> ConsumerInfo: ...
     @abc.abstractmethod
     def consumer_next(
-        self, stream: str, name: str, max_count: int, now: float
-    ) -> list[Delivery]: ...
+        self, stream: str, name: str, max_count: int, now: float, *, read: bool = True
+    ) -> list[Delivery]:
+        """The consumer's next deliveries, recorded as pending; with ``read`` False they
+        are recorded alike and not read (a replica applying a leader's delivery)."""
+
     @abc.abstractmethod
     def consumer_ack(self, stream: str, name: str, seqs: Sequence[int]) -> int: ...
     @abc.abstractmethod
@@ -346,6 +360,17 @@ class MirroredStore(StreamStore):
 
     def streams(self) -> list[StreamConfig]:
         return [self._streams[name].config for name in sorted(self._streams)]
+
+    def _selected(self, streams: Iterable[str] | None) -> list[StreamState]:
+        if streams is None:
+            return list(self._streams.values())
+        return [self._stream(name) for name in streams]
+
+    def aged(self, name: str, now: float) -> bool:
+        """Stream ``name`` holds a message older than its ``max_age`` at ``now``."""
+        st = self._stream(name)
+        max_age = st.config.max_age
+        return bool(max_age and st.count and st.first_at <= now - max_age)
 
     def __contains__(self, name: object) -> bool:
         return name in self._streams
@@ -562,12 +587,11 @@ class MemoryStreamStore(MirroredStore):
         self._stream(name)
         del self._streams[name], self._bodies[name]
 
-    def append_entry(
-        self, name: str, messages: Sequence[NewMessage], now: float, index: int
-    ) -> list[Appended]:
-        results = self.append_batch(name, messages, now)
-        self._stream(name).applied = index
-        return results
+    @contextmanager
+    def raft_entry(self, name: str, index: int) -> Iterator[None]:
+        st = self._stream(name)
+        yield
+        st.applied = index
 
     def append_batch(self, name: str, messages: Sequence[NewMessage], now: float) -> list[Appended]:
         st = self._stream(name)
@@ -603,9 +627,9 @@ class MemoryStreamStore(MirroredStore):
         stop = min(st.last_seq + 1, start + max(0, max_count))
         return fit_bytes((bodies[seq] for seq in range(start, stop)), max_bytes)
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, streams: Iterable[str] | None = None) -> int:
         removed = 0
-        for st in self._streams.values():
+        for st in self._selected(streams):
             st.ids.expire(now)
             removed += self._trim(st, now)
         return removed
@@ -622,9 +646,13 @@ class MemoryStreamStore(MirroredStore):
         st, _ = self._consumer(stream, name)
         del st.consumers[name]
 
-    def consumer_next(self, stream: str, name: str, max_count: int, now: float) -> list[Delivery]:
+    def consumer_next(
+        self, stream: str, name: str, max_count: int, now: float, *, read: bool = True
+    ) -> list[Delivery]:
         st, cs = self._consumer(stream, name)
         plan = self._plan_next(st, cs, max_count, now)
+        if not read:
+            return []
         bodies = self._bodies[stream]
         out = [Delivery(bodies[seq], count) for seq, count in plan.redeliver]
         out += [Delivery(bodies[seq], 1) for seq in plan.new]

@@ -24,6 +24,7 @@ from meshbus.storage.store import (
     Appended,
     ConsumerConfig,
     MemoryStreamStore,
+    MirroredStore,
     NewMessage,
     StreamConfig,
     StreamStore,
@@ -227,6 +228,22 @@ def test_max_age_on_expire_and_on_append(store: StreamStore) -> None:
     info = store.info("orders")
     assert (info.first_seq, info.last_seq, info.messages, info.bytes) == (7, 6, 0, 0)
     assert store.append_batch("orders", [msg()], 201.0) == [Appended(7, False)]
+
+
+def test_expire_of_some_streams_leaves_the_others(store: MirroredStore) -> None:
+    store.add_stream(cfg(max_age=10.0))
+    store.add_stream(cfg("replicated", max_age=10.0))
+    fill(store, 2, now=100.0)
+    fill(store, 2, now=100.0, name="replicated")
+    assert not store.aged("orders", 109.9)
+    assert store.aged("orders", 110.0)
+    assert store.aged("replicated", 110.0)
+    assert store.expire(110.0, ["orders"]) == 2
+    assert (store.info("orders").messages, store.info("replicated").messages) == (0, 2)
+    assert not store.aged("orders", 500.0)  # nothing left to age
+    assert store.aged("replicated", 110.0)
+    with pytest.raises(StreamNotFound):
+        store.expire(110.0, ["nowhere"])
 
 
 # -- dedupe -----------------------------------------------------------------------------

@@ -18,14 +18,19 @@ entry is committed -- fsynced on a majority of the voters, the leader's own disk
 included -- and applied here. Sequence numbers and publish-id dedupe are the store's,
 applied in log order on every replica: a resend across a leader change is stored once.
 
-Every replica applies the committed entries to its own store (``append_entry`` records
-the entry's index with it, so a restart applies each once) and serves its committed
-prefix to a fetch made on it; any other broker relays a request to the leader.
+Every replica applies the committed entries to its own store (``raft_entry`` records
+the entry's index with what it changed, so a restart applies each once), at the clock of
+the leader that made the entry, and serves its committed prefix to a fetch made on it;
+any other broker relays a request to the leader. Besides appends the log holds the
+stream's delete, its durable consumers' changes (``consume``:
+meshbus.broker.replication.consumers) and its retention by age (``expire``), so that
+every replica holds the same state at each index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -37,6 +42,13 @@ import msgspec
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.registry import Peers
+from meshbus.broker.replication.consumers import (
+    CommandBatch,
+    ConsumerCommand,
+    ConsumerCommands,
+    Outcome,
+    apply_commands,
+)
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
@@ -59,6 +71,8 @@ log = logging.getLogger("meshbus.broker")
 _SERVER = b"rstream".ljust(11, b"\x00")  # the server name of replicated streams' members
 _APPEND = 0
 _DELETE = 1
+_CONSUMERS = 2
+_EXPIRE = 3
 
 
 def member_address(stream: str) -> bytes:
@@ -120,10 +134,14 @@ class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
         )
 
 
-# An entry's data: (kind, the leader's clock when it captured them, the messages).
-_EntryData = tuple[int, float, list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]]
+# An entry's data: (kind, the leader's clock when it made it, what it holds): for
+# _APPEND the messages captured, for _CONSUMERS a CommandBatch, for _DELETE and _EXPIRE
+# (retention by age, at that clock) nothing.
+_Rows = list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]
 _encode = msgspec.msgpack.Encoder().encode
-_decode_entry = msgspec.msgpack.Decoder(_EntryData).decode
+_decode_entry = msgspec.msgpack.Decoder(tuple[int, float, msgspec.Raw]).decode
+_decode_rows = msgspec.msgpack.Decoder(_Rows).decode
+_decode_batch = msgspec.msgpack.Decoder(CommandBatch).decode
 _decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 
 
@@ -227,11 +245,13 @@ class ReplicatedStreams:
         self._entry_limit = entry_limit
         self._linked = linked
         self.driver = driver(self)
+        self._consumers = ConsumerCommands(self._propose_commands, entry_limit)
         self.configs: dict[str, StreamConfig] = {}
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
         self.refused = 0  # captured messages never proposed (too large, no leader)
         self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
         self.leader_moved = asyncio.Event()  # set whenever a group's leader changes
+        self._expiring: set[str] = set()  # streams whose expiry entry is not applied yet
 
     def __contains__(self, name: object) -> bool:
         return name in self.configs
@@ -333,7 +353,7 @@ class ReplicatedStreams:
         """A turn's captures of ``name``: proposed as entries of at most the entry limit;
         the reliable frames are acknowledged once every entry is committed and applied."""
         now = time.time()
-        entries: list[list[tuple[bytes, bytes, bytes, bytes, int, bytes, bytes]]] = [[]]
+        entries: list[_Rows] = [[]]
         size = 0
         for message in messages:
             weight = len(message.payload) + len(message.headers) + 128
@@ -363,6 +383,35 @@ class ReplicatedStreams:
 
         futures[-1].add_done_callback(committed)
 
+    # -- durable consumers ------------------------------------------------------------------
+
+    def consume(self, name: str, command: ConsumerCommand) -> asyncio.Future[Outcome]:
+        """A change of one of the stream's consumers (the leader only), proposed with the
+        others of this turn as one entry; its outcome once committed and applied here
+        (meshbus.broker.replication.consumers)."""
+        return self._consumers.submit(name, command)
+
+    def _propose_commands(self, name: str, batch: CommandBatch) -> asyncio.Future[int]:
+        return self.driver.propose(name, _encode((_CONSUMERS, time.time(), batch)))
+
+    def expire(self, now: float) -> None:
+        """Retention by age, as an entry: each stream led here that holds a message past
+        its max_age gets one, and every replica trims at its clock -- not at its own, so
+        that every replica holds the same messages, and its consumers the same
+        positions, at each index."""
+        for name in self.configs:
+            if name in self._expiring or not self.leads(name) or name not in self._store:
+                continue
+            if self._store.aged(name, now):
+                self._expiring.add(name)
+                proposed = self.driver.propose(name, _encode((_EXPIRE, now, None)))
+                proposed.add_done_callback(functools.partial(self._expired, name))
+
+    def _expired(self, name: str, done: asyncio.Future[int]) -> None:
+        self._expiring.discard(name)
+        if not done.cancelled():
+            done.exception()  # read: the next heartbeat proposes it again if need be
+
     def _not_stored(self, name: str, failed: asyncio.Future[int]) -> None:
         """Say once per term why captures of ``name`` are not acknowledged here."""
         state = self.driver.groups.get(name)
@@ -388,27 +437,45 @@ class ReplicatedStreams:
         for entry in entries:
             if not entry.data or entry.membership is not None or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
-            kind, at, rows = _decode_entry(entry.data)
-            if kind == _DELETE:
-                self.configs.pop(group, None)
-                if self.capturing.pop(group, 0):
-                    self._release(group)
-                # Dropped after this turn of the driver, which settles the delete's own
-                # proposal first (a drop fails the proposals still waiting).
-                asyncio.get_running_loop().call_soon(self.driver.drop, group)
-                self._deleted(group)
-                return
             try:
-                store.append_entry(group, [NewMessage(*row) for row in rows], at, entry.index)
-            except StoreError as exc:
-                # The replica cannot hold what the others do: it stops taking part (it
-                # would answer with a log it does not apply).
-                log.error(
-                    "a replicated stream's entry could not be stored here; it stops here",
-                    extra={"stream": group, "index": entry.index, "error": str(exc)},
-                )
-                self.driver.drop(group)
+                kind, at, held = _decode_entry(entry.data)
+                if kind == _DELETE:
+                    self.configs.pop(group, None)
+                    if self.capturing.pop(group, 0):
+                        self._release(group)
+                    # Dropped after this turn of the driver, which settles the delete's
+                    # own proposal first (a drop fails the proposals still waiting).
+                    asyncio.get_running_loop().call_soon(self.driver.drop, group)
+                    self._deleted(group)
+                    return
+                if kind == _EXPIRE:
+                    with store.raft_entry(group, entry.index):
+                        store.expire(at, [group])
+                    continue
+                if kind == _CONSUMERS:
+                    batch = _decode_batch(held)
+                    mine = self._consumers.waits_for(batch)
+                    outcomes = apply_commands(
+                        store, group, batch.commands, at, entry.index, read=mine
+                    )
+                    if mine:
+                        self._consumers.settle(batch, outcomes)
+                    continue
+                messages = [NewMessage(*row) for row in _decode_rows(held)]
+                store.append_entry(group, messages, at, entry.index)
+            except (StoreError, msgspec.DecodeError) as exc:
+                self._not_applied(group, entry.index, exc)
                 return
+
+    def _not_applied(self, group: str, index: int, error: Exception) -> None:
+        """The replica cannot hold what the others do (its store failed, or the entry is
+        not one this broker reads): it stops taking part -- it would answer with a log it
+        does not apply."""
+        log.error(
+            "a replicated stream's entry could not be stored here; it stops here",
+            extra={"stream": group, "index": index, "error": str(error)},
+        )
+        self.driver.drop(group)
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """Who captures: the leader, as the stream's member with epoch 2 * term + 1; while
