@@ -75,7 +75,7 @@ ANYCAST_PREFIX = b"anycast."
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
 _CONTROL_TYPE = struct.Struct(">H")
-_FRAMES_BIGGER_THAN_ANY = 1 << 40
+FRAMES_BIGGER_THAN_ANY = 1 << 40
 _GROUPS_CACHED = 1024
 
 
@@ -106,13 +106,14 @@ class BridgeStats:
     headers_dropped: int = 0  # a header block past what a meshbus frame carries
 
 
-class BridgeEndpoint(Endpoint):
-    """Where the forwarder hands the bridge its frames: no socket; the outbox gives it
-    each read's frames as one block of bytes."""
+class FrameSink(Endpoint):
+    """Where the forwarder hands a part of this broker its frames -- the bridge, the
+    services' subject publishes: no socket; the outbox gives it each read's frames as one
+    block of bytes."""
 
-    def __init__(self, receive: Callable[[bytes], None]) -> None:
-        super().__init__(0, LinkRole.NATS, max_frame=_FRAMES_BIGGER_THAN_ANY)
-        self.name = "nats"
+    def __init__(self, name: str, receive: Callable[[bytes], None]) -> None:
+        super().__init__(0, LinkRole.NATS, max_frame=FRAMES_BIGGER_THAN_ANY)
+        self.name = name
         self._receive = receive
 
     def send(self, data: bytes | bytearray) -> None:
@@ -148,7 +149,7 @@ class MeshbusBridge:
         self._flush = flush
         self._deadline = deadline
         self._announce = announce
-        self.endpoint = BridgeEndpoint(self._from_meshbus)
+        self.endpoint = FrameSink("nats", self._from_meshbus)
         self.address = b""
         self._replies: dict[int, bytes] = {}  # request msg_id -> the NATS reply subject
         self._next_id = 0
@@ -286,13 +287,13 @@ class MeshbusBridge:
                 block = ext.Ext(headers=data[:header_size])
                 return encode_data(
                     group, self.address, ext.wrap(block, data[header_size:]),
-                    msg_id=msg_id, flags=flags | FLAG_EXT, max_frame=_FRAMES_BIGGER_THAN_ANY,
+                    msg_id=msg_id, flags=flags | FLAG_EXT, max_frame=FRAMES_BIGGER_THAN_ANY,
                 )  # fmt: skip
             self.stats.headers_dropped += 1
             data = data[header_size:]
         return encode_data(
             group, self.address, data,
-            msg_id=msg_id, flags=flags, max_frame=_FRAMES_BIGGER_THAN_ANY,
+            msg_id=msg_id, flags=flags, max_frame=FRAMES_BIGGER_THAN_ANY,
         )  # fmt: skip
 
     def _flush_soon(self) -> None:

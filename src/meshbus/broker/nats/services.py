@@ -43,12 +43,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshbus.broker.core.dispatch import Refused
-from meshbus.broker.core.endpoint import Endpoint, LinkRole
+from meshbus.broker.core.endpoint import Endpoint
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.subjects import InvalidSubject
 from meshbus.broker.nats.auth import SubjectPermissions
+from meshbus.broker.nats.bridge import FrameSink
 from meshbus.broker.nats.connection import Subscriber, Subscription
 from meshbus.broker.nats.interest import NatsInterest
 from meshbus.errors import FrameTooLarge, ProtocolError
@@ -73,7 +74,6 @@ log = logging.getLogger("meshbus.broker.nats")
 
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size
-_FRAMES_BIGGER_THAN_ANY = 1 << 40
 _BLOCKS_CACHED = 1024
 
 # answer(link, type, body, correlation, changed): the OK now, SYNCED once the mesh knows
@@ -122,19 +122,6 @@ class ServiceSubscriber:
         self._deliver(self, subject, header_size, data)
 
 
-class SubjectsEndpoint(Endpoint):
-    """Where the forwarder hands the frames services send to ``SUBJECTS``: no socket; the
-    outbox gives it a read's frames as one block of bytes."""
-
-    def __init__(self, receive: Callable[[bytes], None]) -> None:
-        super().__init__(0, LinkRole.NATS, max_frame=_FRAMES_BIGGER_THAN_ANY)
-        self.name = "subjects"
-        self._receive = receive
-
-    def send(self, data: bytes | bytearray) -> None:
-        self._receive(bytes(data))
-
-
 class ServiceSubjects:
     """Services' subject subscriptions and publishes (module docstring)."""
 
@@ -163,7 +150,7 @@ class ServiceSubjects:
         self._publish = publish
         self._flush_nats = flush_nats
         self._source = source
-        self.endpoint = SubjectsEndpoint(self._from_services)
+        self.endpoint = FrameSink("subjects", self._from_services)
         self._services: dict[bytes, ServiceSubscriber] = {}
         self._by_link: dict[Link, dict[bytes, ServiceSubscriber]] = {}
         self._counts: dict[Link, int] = {}
