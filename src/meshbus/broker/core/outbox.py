@@ -20,6 +20,7 @@ each, and its answer a few bytes each, not a frame.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,7 @@ class Outbox:
         self.stats = stats
         self._queued: dict[Endpoint, list[Frames]] = {}
         self._batches: list[_Batch] = []  # NO_ROUTE batches queued, written by ``flush``
+        self._flush_scheduled = False
 
     def deliver(self, link: Endpoint, frame: Frames) -> bool:
         """Queue one frame for ``link``, stamped for it when it is a peer.
@@ -194,6 +196,18 @@ class Outbox:
         self._queued.clear()
         for link, parts in batches:
             link.send(b"".join(parts))
+
+    def flush_soon(self) -> None:
+        """``flush`` at the end of this loop turn: for a part whose input has no flush of
+        its own (a NATS client's read, a peer's frame), so what it queues in one turn
+        still leaves in one write per link."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_scheduled_now)
+
+    def _flush_scheduled_now(self) -> None:
+        self._flush_scheduled = False
+        self.flush()
 
     def forget(self, link: Endpoint) -> None:
         """Drop what is queued for a link that closed."""

@@ -37,7 +37,6 @@ could match a group name touches the routing table (``interest_changed``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import struct
 from collections.abc import Callable
@@ -160,7 +159,6 @@ class MeshbusBridge:
         # NATS-only subject takes no routing decision.
         self._quiet: set[bytes] = set()
         self._quiet_version = -1
-        self._flush_scheduled = False
         self.stats = BridgeStats()
 
     def source(self) -> bytes:
@@ -242,7 +240,7 @@ class MeshbusBridge:
         frame = self._frame(group, message, 0, 0)
         delivered = sum(self._outbox.deliver(target, frame) for target in targets)
         self.stats.to_meshbus += 1
-        self._flush_soon()
+        self._outbox.flush_soon()
         return delivered
 
     def _quiet_now(self, subject: bytes) -> None:
@@ -261,7 +259,7 @@ class MeshbusBridge:
         if not reply:
             delivered = self._outbox.deliver(target, self._frame(group, message, 0, 0))
             self.stats.to_meshbus += delivered
-            self._flush_soon()
+            self._outbox.flush_soon()
             return int(delivered)
         self._next_id += 1
         msg_id = self._next_id
@@ -277,7 +275,7 @@ class MeshbusBridge:
         self._replies[msg_id] = reply
         self.stats.to_meshbus += 1
         self.stats.requests += 1
-        self._flush_soon()
+        self._outbox.flush_soon()
         return 1
 
     def _frame(self, group: bytes, message: Message, msg_id: int, flags: int) -> bytes:
@@ -295,17 +293,6 @@ class MeshbusBridge:
             group, self.address, data,
             msg_id=msg_id, flags=flags, max_frame=FRAMES_BIGGER_THAN_ANY,
         )  # fmt: skip
-
-    def _flush_soon(self) -> None:
-        """The frames queued in the outbox leave at the end of this loop turn (a NATS
-        client's read has no outbox flush of its own)."""
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_outbox)
-
-    def _flush_outbox(self) -> None:
-        self._flush_scheduled = False
-        self._outbox.flush()
 
     # -- meshbus to NATS -----------------------------------------------------------------
 

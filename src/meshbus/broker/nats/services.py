@@ -37,7 +37,6 @@ subscribes again on the broker it fails over or moves to, as it joins its groups
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -155,7 +154,6 @@ class ServiceSubjects:
         self._by_link: dict[Link, dict[bytes, ServiceSubscriber]] = {}
         self._counts: dict[Link, int] = {}
         self._permissions: dict[Link, SubjectPermissions] = {}
-        self._flush_scheduled = False
         # subject -> the extension block of a message on it without headers (bounded).
         self._blocks: dict[bytes, bytes] = {}
         # The last subject a service published on that passed the checks, and for whom.
@@ -323,14 +321,7 @@ class ServiceSubjects:
             return
         self._outbox.deliver(link, frame)
         self.stats.delivered += 1
-        if not self._flush_scheduled:
-            # A NATS client's read or a peer's frame has no outbox flush of its own.
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_outbox)
-
-    def _flush_outbox(self) -> None:
-        self._flush_scheduled = False
-        self._outbox.flush()
+        self._outbox.flush_soon()  # a NATS client's read or a peer's frame has no flush
 
     # -- messages from services -------------------------------------------------------
 
