@@ -26,6 +26,7 @@ import trustme
 
 import meshbus
 from meshbus.auth import Credentials
+from meshbus.cli.common import EXIT_TIMEOUT
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import free_port, start_secure_broker, user_with
 
@@ -146,6 +147,45 @@ async def test_listen_send_multicast_to_two_members(broker: Broker) -> None:
         assert message["request"] is False
         assert message["headers"] == {"Trace": "7"}
         assert re.fullmatch(r"cli:\d+", message["src"])
+
+
+def subscriptions(count: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda data: data["nats"]["service_subscriptions"] >= count
+
+
+async def test_subscribe_with_wildcards_gets_what_publish_sends(broker: Broker) -> None:
+    at = ("--broker", broker.address)
+    async with (
+        cli_process("subscribe", *at, "game.*.chat", "game.eu.>", "--count", "2") as text,
+        cli_process("subscribe", *at, "--json", "game.>", "--count", "1") as as_json,
+    ):
+        await wait_for_stat(broker.address, subscriptions(3), "three subject subscriptions")
+        # Matches both of the first subscriber's patterns: it gets one copy.
+        sent = await run_cli("publish", *at, "-H", "Trace: 7", "game.eu.chat", "gg")
+        assert (sent.code, sent.out) == (0, ""), sent.err
+        assert (await run_cli("publish", *at, "game.us.chat", "hi")).code == 0
+        printed = await finish(text)
+        assert printed.code == 0, printed.err
+        lines = printed.out.splitlines()
+        assert len(lines) == 2, printed.out
+        assert lines[0].endswith("-> game.eu.chat] gg"), lines
+        assert lines[1].endswith("-> game.us.chat] hi"), lines
+        assert "subscribed to game.*.chat game.eu.>" in printed.err
+        message = json.loads((await finish(as_json)).out)
+        assert (message["subject"], message["payload"]) == ("game.eu.chat", "gg")
+        assert message["headers"] == {"Trace": "7"}
+
+
+async def test_subscribe_and_publish_refuse_what_is_not_a_subject(broker: Broker) -> None:
+    at = ("--broker", broker.address)
+    bad = await run_cli("subscribe", *at, "game..chat", "--timeout", "5")
+    assert bad.code == 1, bad
+    assert "game..chat" in bad.err
+    wild = await run_cli("publish", *at, "game.*", "x")
+    assert wild.code == 1, wild
+    assert "game.*" in wild.err
+    quiet = await run_cli("subscribe", *at, "nobody.here", "--count", "1", "--timeout", "0.3")
+    assert quiet.code == EXIT_TIMEOUT, quiet
 
 
 async def test_listen_prints_each_line_as_it_arrives(broker: Broker) -> None:

@@ -98,8 +98,9 @@ def main(verbose: int) -> None:
 
     Start a broker with `meshbus broker` (or a local mesh of several with
     `meshbus mesh up -n 3`), then talk to it with `send`, `listen`, `request`,
-    `reply` and `stat`. Addresses are written SERVER:INSTANCE (unicast),
-    multicast:NAME or anycast:NAME.
+    `reply`, `publish`, `subscribe` and `stat`. Addresses are written
+    SERVER:INSTANCE (unicast), multicast:NAME or anycast:NAME; subjects as NATS
+    writes them (game.eu.chat, game.*.chat, game.>).
     """
     _setup_logging(verbose)
 
@@ -133,6 +134,7 @@ def _print_message(msg: Message, as_json: bool) -> None:
             {
                 "src": str(msg.src),
                 "dst": str(msg.dst),
+                "subject": msg.subject,
                 "payload": payload,
                 "encoding": encoding,
                 "request": msg.is_request,
@@ -141,7 +143,8 @@ def _print_message(msg: Message, as_json: bool) -> None:
             }
         )
     else:
-        line = f"[{msg.src} -> {msg.dst}] {_text(msg.payload)}"
+        where = msg.dst if msg.subject is None else msg.subject
+        line = f"[{msg.src} -> {where}] {_text(msg.payload)}"
     click.echo(line)  # click.echo flushes, so a reader on a pipe sees each line at once
 
 
@@ -176,6 +179,21 @@ async def _bind(conn: Connector, address: Address) -> Service:
     service = await conn.register()
     await service.join(address)
     return service
+
+
+async def _print_messages(
+    service: Service, count: int | None, timeout: float | None, as_json: bool
+) -> None:
+    """Print the messages to ``service`` until ``count`` came or ``timeout`` passed;
+    ``TimedOut`` when fewer than ``count`` came in time."""
+    received = 0
+    async for msg in _messages(service, timeout):
+        _print_message(msg, as_json)
+        received += 1
+        if received == count:
+            return
+    if count is not None:
+        raise TimedOut(f"received {received} of {count} messages within {timeout} s")
 
 
 async def _messages(service: Service, timeout: float | None) -> AsyncIterator[Message]:
@@ -345,17 +363,128 @@ async def _listen(
     as_json: bool,
 ) -> None:
 
-    received = 0
     async with await access.connect(broker_address, server=server) as conn:
         service = await _bind(conn, address)
         click.echo(f"listening on {address} as {service.address}", err=True)
-        async for msg in _messages(service, timeout):
-            _print_message(msg, as_json)
-            received += 1
-            if received == count:
-                break
-    if count is not None and received < count:
-        raise TimedOut(f"received {received} of {count} messages within {timeout} s")
+        await _print_messages(service, count, timeout, as_json)
+
+
+# -- publish and subscribe ---------------------------------------------------------
+
+
+@main.command()
+@connection_options
+@click.option(
+    "--file",
+    "payload_file",
+    type=click.File("rb"),
+    default=None,
+    help="Publish the bytes of this file (- for stdin) instead of TEXT.",
+)
+@click.option(
+    "--header",
+    "-H",
+    "headers",
+    multiple=True,
+    metavar="NAME:VALUE",
+    help="A header the subscribers read as msg.headers; repeat for more.",
+)
+@click.argument("subject")
+@click.argument("text", required=False)
+def publish(
+    broker_address: str,
+    server: str,
+    access: Access,
+    payload_file: BinaryIO | None,
+    headers: tuple[str, ...],
+    subject: str,
+    text: str | None,
+) -> None:
+    """Publish TEXT (UTF-8) on SUBJECT, at most once, and exit.
+
+    Every subscription matching SUBJECT anywhere in the mesh gets it: services'
+    (`meshbus subscribe`, `Service.subscribe`) and NATS clients'. SUBJECT is
+    tokens separated by '.', with no wildcard, e.g. game.eu.zone7.chat. The
+    payload is TEXT, the bytes of --file PATH, or stdin (TEXT `-`, or no TEXT
+    and stdin not a terminal).
+
+    \b
+    Exit codes: 0 published, 1 error (e.g. no broker), 2 bad arguments.
+    """
+    payload = _send_payload(text, payload_file)
+    run(_publish(broker_address, server, access, subject, payload, _headers(headers)))
+
+
+async def _publish(
+    broker_address: str,
+    server: str,
+    access: Access,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str],
+) -> None:
+    async with await access.connect(broker_address, server=server) as conn:
+        await conn.publish(subject, payload, headers=headers)
+        await conn.ping()  # answered after the publish was routed: it has left this process
+
+
+@main.command()
+@connection_options
+@click.option("--queue", default=None, help="Join this queue group: one member gets each message.")
+@click.option(
+    "--count", type=click.IntRange(1), default=None, help="Stop after N messages (default: never)."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help=f"Stop after S seconds; with --count, exit {EXIT_TIMEOUT} if fewer than N came.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
+@click.argument("subjects", nargs=-1, required=True)
+def subscribe(
+    broker_address: str,
+    server: str,
+    access: Access,
+    queue: str | None,
+    count: int | None,
+    timeout: float | None,
+    as_json: bool,
+    subjects: tuple[str, ...],
+) -> None:
+    """Print what is published on SUBJECTS, one message per line:
+    [SOURCE -> SUBJECT] PAYLOAD.
+
+    Each of SUBJECTS is a pattern as NATS writes them: '*' matches one token, a
+    last '>' one or more (game.*.chat, game.>). A dynamic service SERVER:N
+    subscribes to all of them; each message comes once however many match.
+    Runs until --count messages came, --timeout passed, or Ctrl-C.
+
+    \b
+    Exit codes: 0 done, 1 error (e.g. no broker, a refused pattern),
+    2 bad arguments, 3 --timeout passed before --count messages.
+    """
+    run(
+        _subscribe(broker_address, server, access, subjects, queue, count, timeout, as_json),
+        interruptible=True,
+    )
+
+
+async def _subscribe(
+    broker_address: str,
+    server: str,
+    access: Access,
+    subjects: tuple[str, ...],
+    queue: str | None,
+    count: int | None,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
+    async with await access.connect(broker_address, server=server) as conn:
+        service = await conn.register()
+        await service.subscribe(subjects, queue=queue)
+        click.echo(f"subscribed to {' '.join(subjects)} as {service.address}", err=True)
+        await _print_messages(service, count, timeout, as_json)
 
 
 # -- request ---------------------------------------------------------------------
