@@ -49,7 +49,8 @@ Addresses:
   anycast:NAME      a pool: exactly one member gets each message,
                     e.g. anycast:login
   Group names are at most 15 bytes; names may not contain ':'. They are
-  matched exactly: '*' and '>' are not wildcards, and are refused."""
+  matched exactly: '*' and '>' are not wildcards, and are refused. For
+  wildcards and longer names use subjects: `meshbus subscribe 'chat.>'`."""
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
