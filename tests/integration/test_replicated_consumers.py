@@ -122,7 +122,8 @@ class Taker:
     committed). Records every delivery, and when each ack was answered."""
 
     conn: meshbus.Connector
-    delivered: list[tuple[int, bytes, int, float]] = field(default_factory=list)
+    # (seq, payload, delivery count, when it was asked for, when it came)
+    delivered: list[tuple[int, bytes, int, float, float]] = field(default_factory=list)
     acked_at: dict[int, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
@@ -155,9 +156,12 @@ class Taker:
                     for seq in to_ack:
                         self.acked_at.setdefault(seq, now)
                     to_ack = []
+                # The leader starts a delivery's ack wait when it proposes it: after the
+                # ask, before the answer's commit and its way back here.
+                asked = time.monotonic()
                 taken: list[StreamMessage] = await consumer.next(20)
-                now = time.monotonic()
-                self.delivered += [(m.seq, m.payload, m.delivery, now) for m in taken]
+                got = time.monotonic()
+                self.delivered += [(m.seq, m.payload, m.delivery, asked, got) for m in taken]
                 to_ack = [m.seq for m in taken]
                 if taken and self.forget:
                     self.forget, self.forgotten, to_ack = False, to_ack, []
@@ -217,26 +221,26 @@ async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> No
         await taker.stop()
         payloads = {m.seq: m.payload for m in stored}
         # At least once: every message delivered, as stored.
-        assert {seq for seq, _, _, _ in taker.delivered} == set(payloads)
-        assert all(payload == payloads[seq] for seq, payload, _, _ in taker.delivered)
+        assert {seq for seq, *_ in taker.delivered} == set(payloads)
+        assert all(payload == payloads[seq] for seq, payload, *_ in taker.delivered)
         # Never again once its ack was answered: before the kill or after it.
         again = [
             (seq, delivery)
-            for seq, _, delivery, at in taker.delivered
+            for seq, _, delivery, _, at in taker.delivered
             if seq in taker.acked_at and at > taker.acked_at[seq]
         ]
         assert not again, f"delivered after its ack was answered: {again[:10]}"
         # What was delivered and not acknowledged before the kill came again from the
         # new leader, once its ack wait was over.
-        first_at = {seq: at for seq, _, _, at in reversed(taker.delivered)}
+        first_at = {seq: asked for seq, _, _, asked, _ in reversed(taker.delivered)}
         for seq in taker.forgotten:
-            again_at = [at for s, _, _, at in taker.delivered if s == seq and at > killed_at]
+            again_at = [at for s, *_, at in taker.delivered if s == seq and at > killed_at]
             assert again_at, f"{seq}, delivered and not acknowledged, never came again"
             assert again_at[0] - first_at[seq] >= ACK_WAIT, (seq, first_at[seq], again_at)
         # What was delivered more than once came again with a higher delivery count
         # (higher by more than one when an answer was lost with the leader).
         counts: dict[int, int] = {}
-        for seq, _, delivery, _ in taker.delivered:
+        for seq, _, delivery, *_ in taker.delivered:
             assert delivery > counts.get(seq, 0), (seq, delivery, counts.get(seq))
             counts[seq] = delivery
         assert any(at > killed_at for at in taker.acked_at.values())
