@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js nats-core prometheus tmux clean
 
 # Where PYTHONDONTWRITEBYTECODE is set (many containers and CI images set it) no process
 # keeps the bytecode it compiles: each of the ~1,000 brokers and commands the tests start
@@ -56,6 +56,13 @@ nats-js:
 	@[ tests/nats_js/node_modules/.package-lock.json -nt tests/nats_js/package-lock.json ] || \
 	  npm ci --prefix tests/nats_js --no-audit --no-fund --silent
 
+# The nats-core tests (tests/integration/test_nats_core.py) run the NATS project's new
+# Python client, which needs Python >= 3.13: where one is found (python3.13 on PATH, or
+# installed by pyenv), in a venv of its own, tests/nats_core/.venv, made once from the pins
+# in tests/nats_core/requirements.txt; where none is, those tests skip.
+nats-core:
+	@$(PYTHON) -m tests.nats_core.venv
+
 # The monitoring tests scrape a mesh with a real Prometheus server, a Debian package.
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
@@ -83,7 +90,7 @@ PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled
 
 # The checks and the extension's build, side by side (mypy and mypyc each take most of a
 # minute on a fresh clone; the Debian installs before them stay one at a time: dpkg's lock).
-test: nats-server nats-js prometheus tmux $(STAMP)
+test: nats-server nats-js nats-core prometheus tmux $(STAMP)
 	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
 	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
@@ -91,7 +98,7 @@ test: nats-server nats-js prometheus tmux $(STAMP)
 unit: $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
 
-integration: $(COMPILED) nats-server nats-js prometheus tmux
+integration: $(COMPILED) nats-server nats-js nats-core prometheus tmux
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/integration
 
 demo: $(COMPILED)

@@ -1,13 +1,15 @@
-"""`bench nats-clients`: nats.py on both sides, through a meshbus broker's NATS listener
-(``--nats-listen``) and through nats-server, in the same run.
+"""`bench nats-clients`: one NATS client on both sides, through a meshbus broker's NATS
+listener (``--nats-listen``) and through nats-server, in the same run.
 
 What a NATS client gets from the broker's listener against the server it stands in for:
-the same two nats.py worker processes as ``bench client`` (a receiver or responder, a
-sender or requester), the same code on both systems -- only the server differs:
+two worker processes (a receiver or responder, a sender or requester), the same code on
+both systems -- only the server differs. ``--client nats.py`` (the default): the nats.py
+workers of ``bench client``; ``--client nats.js``: Node.js processes running the same
+scenarios with nats.js (``bench.nats_js``, tests/nats_js/bench.mjs):
 
-* one way: ``await nc.publish`` -> a subscription callback, messages per second at the
-  receiver from the end of a warm-up (a tenth of the messages) to the last;
-* request/response: ``await nc.request`` against a callback that ``msg.respond``s, with
+* one way: ``publish`` -> a subscription callback, messages per second at the receiver
+  from the end of a warm-up (a tenth of the messages) to the last;
+* request/response: ``request`` against a callback that ``respond``s, with
   ``--concurrency`` requests in flight (requests per second), and at concurrency 1 (p50).
 
 With ``--brokers 3`` both systems are three servers linked as one -- a meshbus mesh of
@@ -25,16 +27,31 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import click
 
-from bench.client import Job, Workers, ratio_figures, workers
+from bench.client import Job, ratio_figures, workers
 from bench.cluster import meshbus_mesh, nats_cluster
+from bench.nats_js import node_workers
 from bench.report import key_values
 from bench.runs import alternate, request_options, runs_options
 from bench.servers import BenchSetupError, Server, free_port, meshbus_broker, nats_server
 
 _MESH_ATTEMPTS = 3
+
+
+class Pool(Protocol):
+    """The two worker processes of a scenario, in one client's language."""
+
+    def run(self, serve: Job, drive: Job, *, stop_serving: bool) -> dict[str, float]: ...
+
+
+# --client: the workers of each NATS client measured.
+_POOLS: dict[str, Callable[[], contextlib.AbstractContextManager[Pool]]] = {
+    "nats.py": workers,
+    "nats.js": node_workers,
+}
 
 
 @dataclass
@@ -94,7 +111,8 @@ def _systems(brokers: int) -> list[contextlib.AbstractContextManager[Ends]]:
 
 
 def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1) -> Job:
-    # "nats": nats.py on both systems; the server is what differs.
+    # "nats": a NATS client on both systems (the nats.js workers know no other); the
+    # server is what differs.
     return Job(role, "nats", server.host, server.port, count, size, concurrency)
 
 
@@ -115,6 +133,13 @@ def _job(role: str, server: Server, count: int, size: int, concurrency: int = 1)
     help="1: one broker against one nats-server; 3: a mesh of three against a cluster of "
     "three, the two sides on different ones.",
 )
+@click.option(
+    "--client",
+    type=click.Choice(sorted(_POOLS)),
+    default="nats.py",
+    show_default=True,
+    help="The NATS client of both sides: nats.py, or nats.js on Node.js (make nats-js).",
+)
 @runs_options
 def nats_clients(
     count: int,
@@ -122,11 +147,13 @@ def nats_clients(
     size: int,
     concurrency: int,
     brokers: str,
+    client: str,
     runs: int,
     vs_nats: bool,
 ) -> None:
-    """nats.py through meshbus's NATS listener vs through nats-server (always both:
-    --vs-nats is implied), on one server each or (--brokers 3) across three.
+    """A NATS client (nats.py or nats.js) through meshbus's NATS listener vs through
+    nats-server (always both: --vs-nats is implied), on one server each or (--brokers 3)
+    across three.
 
     Last line: `meshbus_msgs=<msgs/s> nats_msgs=<msgs/s> ratio_msgs=<r> meshbus_rps=<req/s>
     nats_rps=<req/s> ratio_rps=<r> meshbus_p50_us=<us> nats_p50_us=<us> ratio_p50=<r>`:
@@ -135,11 +162,15 @@ def nats_clients(
     figures: dict[str, str] = {}
     size_of = int(brokers)
     across = " across 3 servers" if size_of > 1 else ""
-    with workers() as pool:
+    with contextlib.ExitStack() as stack:
+        try:
+            pool = stack.enter_context(_POOLS[client]())
+        except BenchSetupError as exc:
+            raise click.ClickException(str(exc)) from exc
         one_way = alternate(
             _systems(size_of),
             runs,
-            f"nats.py one way{across}: {count:,} x {size} B, publish -> callback",
+            f"{client} one way{across}: {count:,} x {size} B, publish -> callback",
             ("msgs/s",),
             _one_way(pool, count, size),
         )
@@ -148,7 +179,7 @@ def nats_clients(
             medians = alternate(
                 _systems(size_of),
                 runs,
-                f"nats.py request/response{across}: {requests:,} x {size} B, concurrency {at}",
+                f"{client} request/response{across}: {requests:,} x {size} B, concurrency {at}",
                 ("req/s", "p50 µs"),
                 _requests(pool, requests, size, at),
             )
@@ -156,7 +187,7 @@ def nats_clients(
     click.echo(key_values(**figures))
 
 
-def _one_way(pool: Workers, count: int, size: int) -> Callable[[Ends], tuple[float, tuple[str]]]:
+def _one_way(pool: Pool, count: int, size: int) -> Callable[[Ends], tuple[float, tuple[str]]]:
     def measure(ends: Ends) -> tuple[float, tuple[str]]:
         done = pool.run(
             _job("receive", ends.exit, count, size),
@@ -169,7 +200,7 @@ def _one_way(pool: Workers, count: int, size: int) -> Callable[[Ends], tuple[flo
 
 
 def _requests(
-    pool: Workers, requests: int, size: int, concurrency: int
+    pool: Pool, requests: int, size: int, concurrency: int
 ) -> Callable[[Ends], tuple[float, tuple[str, str]]]:
     def measure(ends: Ends) -> tuple[float, tuple[str, str]]:
         done = pool.run(

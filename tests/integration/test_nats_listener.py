@@ -204,6 +204,10 @@ async def test_info_has_what_clients_read(server: Server) -> None:
     assert isinstance(info["client_id"], int)
     assert info["client_ip"] == "127.0.0.1"
     assert str(info["version"]).startswith("2.")
+    # nats-core reads these three as required (the protocol reference lists them).
+    assert isinstance(info["go"], str)
+    assert info["host"] == "127.0.0.1"
+    assert isinstance(info["port"], int)
     await raw.close()
 
 

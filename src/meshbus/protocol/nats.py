@@ -537,7 +537,10 @@ def _unsub(args: list[bytes], line: bytes) -> Unsubscribe:
 class ServerInfo(msgspec.Struct):
     """The INFO a server sends first (and again, as an async INFO, when what it says
     changes): the fields clients read (nats.go, nats.py, ...). ``version`` is the
-    nats-server version whose client protocol the server speaks. The optional fields
+    nats-server version whose client protocol the server speaks; ``go`` is where
+    nats-server names the runtime it was built with (its Go version), here the
+    server's own -- clients only show it, but nats-core refuses an INFO without it,
+    as without ``host`` and ``port``. The optional fields
     are left out when unset or false, as nats-server leaves them out:
     ``connect_urls`` (the other servers a client may reconnect to), ``auth_required``
     (CONNECT must carry credentials), ``tls_required`` (the client starts TLS right
@@ -548,6 +551,7 @@ class ServerInfo(msgspec.Struct):
     server_id: str
     server_name: str
     version: str
+    go: str
     host: str
     port: int
     max_payload: int

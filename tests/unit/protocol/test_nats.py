@@ -396,7 +396,8 @@ def test_encoders() -> None:
 
 def test_info_carries_what_clients_read() -> None:
     info = ServerInfo(
-        server_id="ID", server_name="b1", version="2.10.0", host="127.0.0.1", port=4222,
+        server_id="ID", server_name="b1", version="2.10.0", go="python3.11.7",
+        host="127.0.0.1", port=4222,
         max_payload=1024, client_id=7, client_ip="127.0.0.1",
     )  # fmt: skip
     line = encode_info(info)
@@ -404,6 +405,7 @@ def test_info_carries_what_clients_read() -> None:
     assert line.endswith(b"}\r\n")
     fields = json.loads(line[5:])
     assert fields["proto"] == 1
+    assert fields["go"] == "python3.11.7"
     assert fields["headers"] is True
     assert fields["max_payload"] == 1024
     assert fields["client_id"] == 7
@@ -414,7 +416,8 @@ def test_info_carries_what_clients_read() -> None:
 
 def test_info_of_a_server_with_auth_tls_in_lame_duck_mode() -> None:
     info = ServerInfo(
-        server_id="ID", server_name="b1", version="2.10.0", host="127.0.0.1", port=4222,
+        server_id="ID", server_name="b1", version="2.10.0", go="python3.11.7",
+        host="127.0.0.1", port=4222,
         max_payload=1024, client_id=7, client_ip="127.0.0.1", auth_required=True,
         tls_required=True, nonce="abc", ldm=True, connect_urls=["127.0.0.1:4223"],
     )  # fmt: skip

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import platform
 import random
 from collections import Counter
 
@@ -45,6 +46,8 @@ log = logging.getLogger("meshbus.broker.nats")
 # The nats-server version whose client protocol this listener speaks: clients read
 # INFO's version to know what the server does (headers since 2.2, no responders).
 NATS_VERSION = "2.10.0"
+# INFO's "go" (nats-server's Go version): the runtime that serves the clients.
+_RUNTIME = f"python{platform.python_version()}"
 _ID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 
 
@@ -232,6 +235,7 @@ class NatsListener:
             server_id=self.server_id,
             server_name=config.name,
             version=NATS_VERSION,
+            go=_RUNTIME,
             host=host,
             port=port,
             max_payload=config.nats_max_payload,
