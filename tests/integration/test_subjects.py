@@ -166,8 +166,18 @@ async def test_subscribe_other_takes_a_subject(mesh: Mesh) -> None:
         return player.subjects == {"zone.7.>"}
 
     await wait_until(subscribed, "the player to be subscribed", IO_TIMEOUT)
-    await master.publish("zone.7.dragon", b"roar")
-    assert (await player.recv(timeout=IO_TIMEOUT)).subject == "zone.7.dragon"
+
+    # The player's connector has subscribed once its broker answered; the master's
+    # broker knows it once the interest came over the peer link (subscribe_other
+    # returns before either): publish until one arrives.
+    async def roared() -> bool:
+        await master.publish("zone.7.dragon", b"roar")
+        try:
+            return (await player.recv(timeout=0.1)).subject == "zone.7.dragon"
+        except meshbus.Timeout:
+            return False
+
+    await wait_until(roared, "a publish to reach the player", IO_TIMEOUT)
     await master.unsubscribe_other("zone.7.>", player.address)
 
     async def unsubscribed() -> bool:
