@@ -542,6 +542,7 @@ SOAK = int(os.environ.get("MESHBUS_RAFT_SOAK", "0"))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)  # as long as the seeds asked for take (the suite's 120 s is not)
 @pytest.mark.skipif(not SOAK, reason="a long soak: MESHBUS_RAFT_SOAK=<seeds> runs it")
 @pytest.mark.parametrize("size", [3, 5])
 def test_soak(size: int) -> None:
