@@ -132,7 +132,9 @@ class RaftDriver:
         candidates: Callable[[str], list[str]] = lambda group: [],
     ) -> None:
         """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
-        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``).
+        ``fn`` (the disk's work) off the loop, what it returns awaited for it -- best
+        started at once (``loop.run_in_executor``), so the turn's applies on the loop
+        overlap it.
         ``replace_after``: ticks of silence after which a leader replaces a voter (0:
         never); ``candidates(group)``: the brokers that may take a replica of it, in
         its placement order (ready, linked; members are skipped)."""
@@ -400,15 +402,19 @@ class RaftDriver:
                     must_sync |= ready.must_sync
         # The leaders' appends go out while their own write is synced, and what is
         # committed already -- on a majority's disks -- is applied and acknowledged
-        # without waiting for it (meshbus.raft.Ready, steps 1 and 4).
+        # while it runs, not after (meshbus.raft.Ready, steps 1 and 4): the write is
+        # started first, so the state machine's own writes overlap its fsync.
         for state, ready in readies:
             self._send(state, ready.early_messages)
+        persisted = (
+            self._run_blocking(lambda: self._persist(records, must_sync)) if records else None
+        )
         for state, ready in readies:
             if ready.snapshot is None:
                 self._apply(state, ready)
-        if records:
+        if persisted is not None:
             try:
-                await self._run_blocking(lambda: self._persist(records, must_sync))
+                await persisted
             except RaftLogFailed as exc:
                 self._stop(str(exc))
                 return
