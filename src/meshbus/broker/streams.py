@@ -212,8 +212,9 @@ class StreamHost:
         config = self._config
         transport = PeerTransport(peers, config.max_frame, wal.incarnation)
 
-        async def run_blocking(work: Callable[[], None]) -> None:
-            await asyncio.get_running_loop().run_in_executor(None, work)
+        def run_blocking(work: Callable[[], None]) -> asyncio.Future[None]:
+            # Submitted now, not when awaited: the driver applies while its log syncs.
+            return asyncio.get_running_loop().run_in_executor(None, work)
 
         def driver(machine: ReplicatedStreams) -> RaftDriver:
             return RaftDriver(

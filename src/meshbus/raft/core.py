@@ -21,7 +21,9 @@ message that depends on it may leave (docs/raft.md). Shaped like etcd's raft:
   it holds all that may have been committed (docs/raft.md, "Corruption").
 
 One Ready at a time: after ``ready()``, the driver calls ``advance()`` before it steps,
-ticks or proposes again (messages that arrive meanwhile wait in its queue).
+ticks or proposes again (messages that arrive meanwhile wait in its queue). A leader's
+appends and heartbeats may leave before its own write is durable (``early_messages``):
+it counts itself toward a commit only at ``advance()``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ from meshbus.raft.messages import (
 from meshbus.raft.progress import Mode, Progress
 
 T = MessageType
+
+# What only a leader sends (docs/raft.md, "The driver's contract": early messages).
+_LEADING = frozenset((T.APPEND, T.HEARTBEAT, T.SNAPSHOT, T.TIMEOUT_NOW))
 
 
 class Role(enum.Enum):
@@ -117,6 +122,7 @@ class RaftNode:
         self._reads: list[_PendingRead] = []
         self._read_states: list[ReadState] = []
         self._outbox: list[Message] = []
+        self._early: list[Message] = []  # may leave before the Ready's write is durable
         self._term_start = 0  # as leader: the index of the first entry of its term
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
@@ -143,6 +149,7 @@ class RaftNode:
     def has_ready(self) -> bool:
         return bool(
             self._outbox
+            or self._early
             or self._read_states
             or self._snapshot_to_persist is not None
             or self.log.persisted < self.log.last_index
@@ -154,15 +161,27 @@ class RaftNode:
         """The work to do now, in the order the Ready's docstring says."""
         self._idle()
         hard = self._hard_state()
+        durable = self._durable
+        entries = self.log.unpersisted()
         ready = Ready(
-            hard_state=hard if hard != self._durable else None,
+            hard_state=hard if hard != durable else None,
             snapshot=self._snapshot_to_persist,
-            entries=self.log.unpersisted(),
+            entries=entries,
             messages=tuple(self._outbox),
             committed=self.log.unapplied(),
             read_states=tuple(self._read_states),
+            early_messages=tuple(self._early),
+            must_sync=bool(
+                entries
+                or self._snapshot_to_persist is not None
+                or hard.term != durable.term
+                or hard.vote != durable.vote
+                or hard.epoch != durable.epoch
+                or hard.repairing != durable.repairing
+            ),
         )
         self._outbox.clear()
+        self._early.clear()
         self._read_states.clear()
         self._handed_out = ready
         return ready
@@ -659,7 +678,20 @@ class RaftNode:
         )
 
     def _send(self, message: Message) -> None:
-        self._outbox.append(message)
+        if (
+            message.kind in _LEADING
+            and self.role is Role.LEADER
+            and self._durable.term == self.term
+        ):
+            # What a leader sends in a term it made durable (its vote for itself with
+            # it) depends on no write of this Ready: its own new entries count toward
+            # a commit only once durable (advance), and a crash that loses them loses
+            # nothing acknowledged -- they are committed only if a majority fsynced
+            # them without it (the Raft thesis, 10.2.1). A single voter that wins at
+            # once has its term still to make durable: its appends wait.
+            self._early.append(message)
+        else:
+            self._outbox.append(message)
 
     def _hard_state(self) -> HardState:
         return HardState(self.term, self.vote, self.log.committed, self.epoch, self.repairing)

@@ -175,13 +175,20 @@ class Ready:
     """The core's work for the driver, in this order (docs/raft.md, "The driver's
     contract"):
 
-    1. make ``snapshot`` (it replaces the whole log), ``entries`` (they replace the
-       log from ``entries[0].index`` on) and ``hard_state`` durable, as one atomic
-       write, and fsync it;
-    2. only then send ``messages``;
-    3. apply ``snapshot`` then ``committed`` to the state machine, answer
+    1. ``early_messages`` may be sent at once, before or while step 2 runs: the
+       leader's appends, heartbeats, snapshots and TIMEOUT_NOW, in a term already
+       durable -- nothing in them depends on this Ready's write (the leader counts its
+       own entries toward a commit only at ``advance()``). Without a ``snapshot``,
+       ``committed`` may be applied now too: a committed entry is durable on a
+       majority already, and this node's copy adds nothing to that;
+    2. write ``snapshot`` (it replaces the whole log), ``entries`` (they replace the
+       log from ``entries[0].index`` on) and ``hard_state`` as one atomic record, and
+       fsync it if ``must_sync`` (a change of the commit index alone need not be: it is
+       learnt again from the quorum);
+    3. only then send ``messages``;
+    4. apply ``snapshot`` then ``committed`` (unless applied in step 1), answer
        ``read_states`` once their index is applied;
-    4. call ``advance()``.
+    5. call ``advance()``.
     """
 
     hard_state: HardState | None = None
@@ -190,8 +197,7 @@ class Ready:
     messages: tuple[Message, ...] = ()
     committed: tuple[Entry, ...] = ()
     read_states: tuple[ReadState, ...] = ()
-
-    @property
-    def must_sync(self) -> bool:
-        """Whether step 1 has anything to write."""
-        return self.hard_state is not None or self.snapshot is not None or bool(self.entries)
+    early_messages: tuple[Message, ...] = ()
+    # Whether step 2's write must be fsynced before ``messages`` leave: entries, a
+    # snapshot, or a term, vote, epoch or repairing flag to make durable.
+    must_sync: bool = False

@@ -1,7 +1,10 @@
 """A driver for the Raft core in one process: a disk per node, a network of queued
 messages with cuts, and nodes that crash and restart -- what the interaction tests
 (test_interaction.py) script by hand and the simulation (test_simulation.py) draws
-at random. It follows the driver's contract of docs/raft.md to the letter."""
+at random. It follows the driver's contract of docs/raft.md to the letter, the
+freedom it gives too: a Ready is started (its early messages sent, its committed
+entries applied) and its write finished apart, so other nodes act while the write is
+in flight, and a crash then loses it after those messages left."""
 
 from __future__ import annotations
 
@@ -159,6 +162,9 @@ class Disk:
             self.log_hard_state = record.hard_state
 
 
+OnApply = Callable[["SimNode", Ready], None]
+
+
 class SimNode:
     def __init__(
         self,
@@ -173,6 +179,9 @@ class SimNode:
         self.randomness = randomness
         self.disk = Disk(stored, keeps_apart)
         self.core: RaftNode | None = None
+        # The Ready whose write is in flight (started, not finished), and whether it
+        # was applied at its start.
+        self.writing: tuple[Ready, bool] | None = None
         self.restart()
 
     def restart(self) -> None:
@@ -181,6 +190,13 @@ class SimNode:
     def crash(self) -> None:
         """Gone: all it held in memory, and every write not yet fsynced."""
         self.core = None
+        self.writing = None
+
+    @property
+    def busy(self) -> bool:
+        """A write is in flight: the node takes nothing until it is finished (the
+        driver keeps what comes meanwhile in its queue)."""
+        return self.writing is not None
 
     @property
     def up(self) -> RaftNode:
@@ -219,27 +235,53 @@ class Cluster:
         )
         return self.nodes[node]
 
-    def process(self, node: int, on_apply: Callable[[SimNode, Ready], None] | None = None) -> Ready:
-        """One Ready of ``node``, handled as docs/raft.md says: durable, then sent,
-        then applied, then advanced."""
+    def process(self, node: int, on_apply: OnApply | None = None) -> Ready:
+        """One Ready of ``node``, handled as docs/raft.md says, its write at once."""
+        self.start(node, on_apply)
+        return self.finish(node, on_apply)
+
+    def start(self, node: int, on_apply: OnApply | None = None) -> Ready:
+        """Take ``node``'s Ready and do what may precede its write's fsync: send its
+        early messages, apply it (unless it installs a snapshot). The write is then in
+        flight until ``finish`` (a crash before loses it)."""
         sim = self.nodes[node]
-        core = sim.up
-        ready = core.ready()
+        ready = sim.up.ready()
+        self.in_flight.extend(ready.early_messages)
+        applied = ready.snapshot is None
+        if applied and on_apply is not None:
+            on_apply(sim, ready)
+        sim.writing = (ready, applied)
+        return ready
+
+    def finish(self, node: int, on_apply: OnApply | None = None) -> Ready:
+        """The write in flight is durable: send the other messages, apply (if not at
+        the start), advance."""
+        sim = self.nodes[node]
+        assert sim.writing is not None, f"node {node} has no write in flight"
+        ready, applied = sim.writing
+        sim.writing = None
         sim.disk.write(ready)
         self.in_flight.extend(ready.messages)
-        if on_apply is not None:
+        if not applied and on_apply is not None:
             on_apply(sim, ready)
-        core.advance()
+        sim.up.advance()
         return ready
 
     def connected(self, a: int, b: int) -> bool:
         return frozenset((a, b)) not in self.cut
 
+    def waits(self, message: Message) -> bool:
+        """Whether ``message`` must wait: its node has a write in flight."""
+        target = self.nodes.get(message.to)
+        return target is not None and target.busy
+
     def deliver(self, message: Message) -> bool:
-        """Step ``message`` into its node; False if it was lost (cut, or node down)."""
+        """Step ``message`` into its node; False if it was lost (cut, or node down).
+        Not for a message that ``waits``."""
         target = self.nodes.get(message.to)
         if target is None or target.core is None or not self.connected(message.sender, message.to):
             return False
+        assert not target.busy, f"{message}: node {message.to} has a write in flight"
         target.core.step(message)
         return True
 

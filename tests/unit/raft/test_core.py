@@ -90,13 +90,13 @@ def test_a_repairing_node_counts_toward_no_commit_and_is_repaired_by_one_without
     core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=3, epoch=1, repairing=True))
     assert core.progress[2].match == 3
     assert core.log.committed == 1
-    sent = core.ready().messages
+    sent = core.ready().early_messages  # a leader's appends: sent before its write
     assert all(m.epoch == 0 for m in sent if m.kind is T.APPEND)  # nothing repairs it yet
     core.advance()
     # ... until node 3 holds it: committed without node 2, which that append repairs.
     core.step(Message(T.APPEND_RESPONSE, 3, 1, 2, index=3))
     assert core.log.committed == 3
-    (append,) = [m for m in core.ready().messages if m.to == 2]
+    (append,) = [m for m in core.ready().early_messages if m.to == 2]
     assert (append.kind, append.commit, append.epoch) == (T.APPEND, 3, 1)
     core.advance()
     # Once it says it is repaired, its answers count again.
@@ -191,6 +191,60 @@ def test_the_leader_counts_its_own_entry_once_it_is_durable() -> None:
     cluster.nodes[1].disk.write(ready)
     core.advance()
     assert core.log.committed == 2
+
+
+def test_a_leaders_appends_leave_before_its_write_and_its_followers_answers_after() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    elect(core)
+    for voter in (2, 3):  # they hold the term's entry: appends go back to back now
+        core.step(Message(T.APPEND_RESPONSE, voter, 1, 2, index=2))
+    core.ready()
+    core.advance()
+    core.propose(b"a")
+    ready = core.ready()
+    assert ready.must_sync
+    assert {(m.kind, m.to) for m in ready.early_messages} == {(T.APPEND, 2), (T.APPEND, 3)}
+    assert not ready.messages
+    core.advance()
+    # A follower answers only once the entries it acknowledges are durable.
+    stored = Stored(HardState(2, 1, 1), Snapshot(0, 0, Membership()), (Entry(1, 1, b"", MEMBERS),))
+    follower = RaftNode(2, RaftSettings(), stored, Fixed(0))
+    follower.step(Message(T.APPEND, 1, 2, 2, index=1, log_term=1, entries=(Entry(2, 2),)))
+    ready = follower.ready()
+    assert ready.must_sync
+    assert not ready.early_messages
+    assert [m.kind for m in ready.messages] == [T.APPEND_RESPONSE]
+
+
+def test_a_commit_index_alone_is_written_without_an_fsync() -> None:
+    core = node([(1, 1)], term=1, commit=1)
+    elect(core)
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, 2, index=2))
+    ready = core.ready()
+    assert ready.hard_state is not None
+    assert ready.hard_state.commit == 2
+    assert not ready.must_sync
+    assert [e.index for e in ready.committed] == [2]
+    assert all(m.commit == 2 for m in ready.early_messages)
+
+
+def test_a_leader_whose_term_is_not_durable_yet_sends_after_its_write() -> None:
+    # A single voter wins at once: its term and vote are in this very Ready, and an
+    # append of that term must not reach the learner before they are durable.
+    cluster = Cluster([1], RaftSettings(), lambda n: Fixed(0), learners=[2])
+    core = cluster.nodes[1].up
+    core.campaign()
+    assert core.role is Role.LEADER
+    ready = core.ready()
+    assert ready.must_sync
+    assert not ready.early_messages
+    assert [(m.kind, m.to) for m in ready.messages] == [(T.APPEND, 2)]
+    core.advance()
+    core.step(Message(T.APPEND_RESPONSE, 2, 1, core.term, index=2))
+    core.ready()
+    core.advance()
+    core.propose(b"a")
+    assert [m.to for m in core.ready().early_messages] == [2]  # the term is durable now
 
 
 def test_settings_are_checked() -> None:

@@ -17,7 +17,11 @@ The commands (``N`` a node id):
     add-node N                a new, empty node (it waits for the leader)
     campaign N | tick N [count] | propose N data | change N add-voter|add-learner|remove M
     transfer N M | read N request-id | compact N index
-    process N...              handle each node's Ready: durable, send, apply, advance
+    process N...              handle each node's Ready: early sends, durable, send,
+                              apply, advance
+    start N                   take N's Ready: send its early messages, apply it (no
+                              snapshot); its write is in flight (a crash loses it)
+    finish N                  that write is durable: send the rest, advance
     deliver [N...]            step the messages in flight to those nodes (all: none named)
     drop [N...]               lose the messages in flight to those nodes
     stabilize [quiet]         process and deliver until nothing is left to do
@@ -146,6 +150,23 @@ class Script:
             lines += self.ready_lines(node, self.c.process(node))
         return lines or ["ok"]
 
+    def do_start(self, args: list[str]) -> list[str]:
+        node = int(args[0])
+        ready = self.c.start(node)
+        lines = [f"{node}: send early {m}" for m in ready.early_messages]
+        if ready.snapshot is None:
+            lines += self.applied_lines(node, ready)
+        return lines or ["ok"]
+
+    def do_finish(self, args: list[str]) -> list[str]:
+        node = int(args[0])
+        ready = self.c.finish(node)
+        lines = self.persisted_lines(node, ready)
+        lines += [f"{node}: send {m}" for m in ready.messages]
+        if ready.snapshot is not None:
+            lines += self.applied_lines(node, ready)
+        return lines or ["ok"]
+
     def do_deliver(self, args: list[str]) -> list[str]:
         lines = []
         for message in self.take(args):
@@ -160,7 +181,9 @@ class Script:
         lines: list[str] = []
         while True:
             ready = [
-                n for n, node in sorted(self.c.nodes.items()) if node.core and node.up.has_ready()
+                n
+                for n, node in sorted(self.c.nodes.items())
+                if node.core and not node.busy and node.up.has_ready()
             ]
             for node in ready:
                 lines += self.ready_lines(node, self.c.process(node))
@@ -235,11 +258,18 @@ class Script:
 
     def take(self, args: list[str]) -> list:  # type: ignore[type-arg]
         targets = {int(a) for a in args} or set(self.c.nodes)
+        targets = {n for n in targets if n not in self.c.nodes or not self.c.nodes[n].busy}
         taken = [m for m in self.c.in_flight if m.to in targets]
         self.c.in_flight = [m for m in self.c.in_flight if m.to not in targets]
         return taken
 
     def ready_lines(self, node: int, ready: Ready) -> list[str]:
+        lines = [f"{node}: send early {m}" for m in ready.early_messages]
+        lines += self.persisted_lines(node, ready)
+        lines += [f"{node}: send {m}" for m in ready.messages]
+        return lines + self.applied_lines(node, ready)
+
+    def persisted_lines(self, node: int, ready: Ready) -> list[str]:
         lines = []
         if ready.hard_state is not None:
             hard = ready.hard_state
@@ -250,8 +280,12 @@ class Script:
         if ready.snapshot is not None:
             lines.append(f"{node}: install snapshot {describe_snapshot(ready.snapshot)}")
         lines += [f"{node}: persist {describe_entry(e)}" for e in ready.entries]
-        lines += [f"{node}: send {m}" for m in ready.messages]
-        lines += [f"{node}: apply {describe_entry(e)}" for e in ready.committed]
+        if lines and not ready.must_sync:
+            lines.append(f"{node}: (no fsync: the commit index alone)")
+        return lines
+
+    def applied_lines(self, node: int, ready: Ready) -> list[str]:
+        lines = [f"{node}: apply {describe_entry(e)}" for e in ready.committed]
         lines += [f"{node}: read {r.request} at {r.index}" for r in ready.read_states]
         return lines
 

@@ -5,16 +5,21 @@ One *turn* (``turn``), the contract of docs/raft.md for every group at once:
 
 1. step what arrived since the last turn -- ticks, messages, proposals -- into the
    nodes (never between a node's ``ready()`` and ``advance()``: they wait here);
-2. take every group's Ready; append all their records to the log and fsync it **once**,
-   in a worker thread (``run_blocking``) so the loop is never held by the disk (and, in
-   a turn where a term, vote, epoch or repairing flag changed, the state file the log
-   keeps them in apart: meshbus.storage.raftlog);
-3. only then send each Ready's messages (``transport``), apply its committed entries
-   (``machine``), resolve the proposals they settle, and ``advance()``.
+2. take every group's Ready; send the leaders' early messages (their appends and
+   heartbeats) and apply the entries already committed -- durable on a majority --,
+   resolving the proposals they settle (acks to the senders);
+3. meanwhile append all their records to the log and fsync it **once**, in a worker
+   thread (``run_blocking``) so the loop is never held by the disk (and, in a turn
+   where a term, vote, epoch or repairing flag changed, the state file the log keeps
+   them in apart: meshbus.storage.raftlog); a turn that only moved commit indexes
+   writes them and syncs nothing;
+4. only then send each Ready's other messages (``transport``), and ``advance()``.
 
-So a thousand groups with an append each cost one fsync per turn, not a thousand, and
-nothing leaves this broker before what it depends on is durable: a follower has its
-entries on disk before it answers, a voter its vote before it grants it.
+So a thousand groups with an append each cost one fsync per turn, not a thousand; a
+leader's fsync runs while its followers' do; and nothing leaves this broker before what
+it depends on is durable: a follower has its entries on disk before it answers, a
+voter its vote before it grants it, and a leader counts its own entries toward a
+commit only once its fsync is done (docs/raft.md, "The driver's contract").
 
 Members are (node id, broker, incarnation) (meshbus.broker.replication.members): a
 message is taken from a node id only if it came from that member's broker as that
@@ -127,7 +132,9 @@ class RaftDriver:
         candidates: Callable[[str], list[str]] = lambda group: [],
     ) -> None:
         """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
-        ``fn`` (the disk's work) off the loop and awaits it (``loop.run_in_executor``).
+        ``fn`` (the disk's work) off the loop, what it returns awaited for it -- best
+        started at once (``loop.run_in_executor``), so the turn's applies on the loop
+        overlap it.
         ``replace_after``: ticks of silence after which a leader replaces a voter (0:
         never); ``candidates(group)``: the brokers that may take a replica of it, in
         its placement order (ready, linked; members are skipped)."""
@@ -382,22 +389,35 @@ class RaftDriver:
         self._step_inputs()
         readies: list[tuple[Group, Ready]] = []
         records, self._records = self._records, []
+        must_sync = bool(records)  # a group founded, joined or dropped
         for state in self.groups.values():
             node = state.node
             self._note_leader(state)  # a leader that stepped down at a tick has no Ready
             if node.has_ready():
                 ready = node.ready()
                 readies.append((state, ready))
-                if ready.must_sync:
+                if ready.hard_state is not None or ready.snapshot is not None or ready.entries:
                     write = record_of(state.name, ready.hard_state, ready.snapshot, ready.entries)
                     records.append(write)
-        if records:
+                    must_sync |= ready.must_sync
+        # The leaders' appends go out while their own write is synced, and what is
+        # committed already -- on a majority's disks -- is applied and acknowledged
+        # while it runs, not after (meshbus.raft.Ready, steps 1 and 4): the write is
+        # started first, so the state machine's own writes overlap its fsync.
+        for state, ready in readies:
+            self._send(state, ready.early_messages)
+        persisted = (
+            self._run_blocking(lambda: self._persist(records, must_sync)) if records else None
+        )
+        for state, ready in readies:
+            if ready.snapshot is None:
+                self._apply(state, ready)
+        if persisted is not None:
             try:
-                await self._run_blocking(lambda: self._persist(records))
+                await persisted
             except RaftLogFailed as exc:
                 self._stop(str(exc))
                 return
-            self.stats.syncs += 1
             self.stats.records += len(records)
         joins, self._joins = self._joins, []
         for state, member in joins:
@@ -408,19 +428,23 @@ class RaftDriver:
         for state, ready in readies:
             if self.groups.get(state.name) is not state:
                 continue  # dropped while its write was in flight
-            self._apply(state, ready)
+            if ready.snapshot is not None:
+                self._apply(state, ready)
             state.node.advance()
             self._note_leader(state)
             if state.node.has_ready():
                 self._wake.set()
 
-    def _persist(self, records: list[WalRecord]) -> None:
-        """In the worker thread: the turn's records, one fsync, a rewrite when due."""
+    def _persist(self, records: list[WalRecord], must_sync: bool) -> None:
+        """In the worker thread: the turn's records, one fsync if one needs it (a turn
+        that only moved commit indexes needs none), a rewrite when due."""
         wal = self._wal
         started = time.perf_counter()
         wal.append(records)
-        wal.sync()
-        self.stats.sync_seconds += time.perf_counter() - started
+        if must_sync:
+            wal.sync()
+            self.stats.syncs += 1
+            self.stats.sync_seconds += time.perf_counter() - started
         if wal.should_rewrite():
             wal.rewrite()
 

@@ -15,8 +15,9 @@ epoch, so a reliable sender's resends reach whichever broker leads now and its a
 come from the address it expects. A turn's captures become one entry (or a few, each at
 most ``entry_limit`` bytes); the reliable frames among them are acknowledged once the
 entry is committed -- fsynced on a majority of the voters, the leader's own disk
-included -- and applied here. Sequence numbers and publish-id dedupe are the store's,
-applied in log order on every replica: a resend across a leader change is stored once.
+counted only once its fsync is done -- and applied here. Sequence numbers and
+publish-id dedupe are the store's, applied in log order on every replica: a resend
+across a leader change is stored once.
 
 Every replica applies the committed entries to its own store (``raft_entry`` records
 the entry's index with what it changed, so a restart applies each once), at the clock of

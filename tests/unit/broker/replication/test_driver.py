@@ -543,3 +543,81 @@ async def test_a_broker_says_it_holds_no_group_only_once_it_read_its_log_back(
     driver.receive("b1", "orders", [heartbeat])
     assert told.strangers == [("b1", "orders")] * 2
     driver.close()
+
+
+async def test_a_leaders_appends_leave_while_its_fsync_runs(cluster: Cluster) -> None:
+    """The leader's fsync and its followers' run at once: its appends leave before its
+    own write is durable; the followers answer once theirs is; the answers wait for
+    the leader's turn to end, and the commit they make needs no fsync."""
+    leader = await cluster.found("orders")
+    await cluster.tick(2)
+    driver = cluster.drivers[leader]
+    fsync_done = asyncio.Event()
+
+    async def slow_fsync(work: Callable[[], None]) -> None:
+        await fsync_done.wait()
+        work()
+
+    driver._run_blocking = slow_fsync
+    future = driver.propose("orders", b"m")
+    turn = asyncio.create_task(driver.turn())
+    await asyncio.sleep(0)  # the turn took its Ready and waits for the disk
+    sent = [(sender, to) for sender, to, _ in cluster.in_flight]
+    assert sorted(sent) == [(leader, n) for n in NAMES if n != leader]
+    flying, cluster.in_flight = cluster.in_flight, []
+    for _, to, deliver in flying:
+        deliver(cluster.drivers[to])
+    for name in NAMES:
+        if name != leader:
+            await cluster.drivers[name].turn()  # fsyncs, then answers
+    for _, to, deliver in cluster.in_flight:
+        assert to == leader
+        deliver(driver)
+    cluster.in_flight.clear()
+    assert not future.done()
+    fsync_done.set()
+    await turn
+    driver._run_blocking = inline
+    syncs = driver.stats.syncs
+    await driver.turn()  # the answers: committed, applied, acknowledged
+    assert future.result() > 0
+    assert driver.stats.syncs == syncs  # a commit index alone is not fsynced
+
+
+async def test_committed_entries_are_acknowledged_before_the_turns_fsync(
+    cluster: Cluster,
+) -> None:
+    leader = await cluster.found("orders")
+    await cluster.tick(2)
+    driver = cluster.drivers[leader]
+    first = driver.propose("orders", b"first")
+    await driver.turn()
+    flying, cluster.in_flight = cluster.in_flight, []
+    for _, to, deliver in flying:
+        deliver(cluster.drivers[to])
+    for name in NAMES:
+        if name != leader:
+            await cluster.drivers[name].turn()
+    flying, cluster.in_flight = cluster.in_flight, []
+    for _, _, deliver in flying:
+        deliver(driver)
+    # One turn steps the answers that commit the first and takes the second: its
+    # write of the second must be synced, the first is durable on a majority already.
+    second = driver.propose("orders", b"second")
+    fsync_done = asyncio.Event()
+
+    async def slow_fsync(work: Callable[[], None]) -> None:
+        await fsync_done.wait()
+        work()
+
+    driver._run_blocking = slow_fsync
+    turn = asyncio.create_task(driver.turn())
+    await asyncio.sleep(0)
+    assert first.done()
+    assert cluster.machines[leader].applied["orders"] == [b"first"]
+    assert not second.done()
+    fsync_done.set()
+    await turn
+    driver._run_blocking = inline
+    await cluster.turns()
+    assert second.result() == first.result() + 1
