@@ -30,6 +30,7 @@ COMMANDS = (
     "game",
     "client",
     "nats-clients",
+    "consumer",
 )
 
 

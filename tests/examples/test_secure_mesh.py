@@ -58,6 +58,7 @@ async def test_setup_then_two_brokers_then_the_client(tmp_path: Path) -> None:
     assert re.fullmatch(r"signed in over TLS to broker [ab]", lines[0]), lines
     assert lines[1:] == [
         "received {'player': 'ann', 'score': 7}",
-        "refused: permission denied: user 'game' may not join multicast:admin (permissions.join)",
+        "refused: permission denied: user 'game' may not subscribe to subject 'admin'"
+        " (permissions.join)",
         "received {'player': 'bob', 'score': 9}",
     ]

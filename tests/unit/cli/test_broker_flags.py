@@ -80,6 +80,7 @@ FLAGS = {
     "--nats-max-control-line",
     "--nats-ping-interval",
     "--nats-max-pings-out",
+    "--max-subjects",
 }
 
 
