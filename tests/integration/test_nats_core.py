@@ -8,14 +8,16 @@ the tests skip."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.servers import nats_server
-from tests.integration.test_nats_listener import Server, start_meshbus, stop
+from tests.integration import test_nats_listener
+from tests.integration.test_nats_listener import Server
 from tests.nats_core.venv import HERE, ensure_venv
+
+# The server under test: the broker's NATS listener, or nats-server (one per module).
+server = test_nats_listener.server
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +29,6 @@ def core_python() -> Path:
             "nats-core needs it"
         )
     return python
-
-
-@pytest.fixture(scope="module", params=["meshbus", "nats-server"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    if request.param == "nats-server":
-        with nats_server(kind="nats-server") as peer:
-            yield Server(peer.kind, peer.port)
-        return
-    process, port = start_meshbus()
-    try:
-        yield Server(request.param, port)
-    finally:
-        stop(process)
 
 
 @pytest.mark.parametrize("check", ["wildcards", "queues", "headers", "requests", "no_responders"])

@@ -13,8 +13,8 @@ import base64
 import json
 import logging
 import sys
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, BinaryIO
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import click
 
@@ -212,6 +212,28 @@ async def _messages(service: Service, timeout: float | None) -> AsyncIterator[Me
         yield msg
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _payload_options(command: F) -> F:
+    """``--file`` and ``--header``, as send and publish take them."""
+    command = click.option(
+        "--header",
+        "-H",
+        "headers",
+        multiple=True,
+        metavar="NAME:VALUE",
+        help="A header the receivers read as msg.headers; repeat for more.",
+    )(command)
+    return click.option(
+        "--file",
+        "payload_file",
+        type=click.File("rb"),
+        default=None,
+        help="The bytes of this file (- for stdin) instead of TEXT.",
+    )(command)
+
+
 # -- send ------------------------------------------------------------------------
 
 
@@ -222,21 +244,7 @@ async def _messages(service: Service, timeout: float | None) -> AsyncIterator[Me
     is_flag=True,
     help=f"Ask the broker to report a missing route; exit {EXIT_NO_ROUTE} if it does.",
 )
-@click.option(
-    "--file",
-    "payload_file",
-    type=click.File("rb"),
-    default=None,
-    help="Send the bytes of this file (- for stdin) instead of TEXT.",
-)
-@click.option(
-    "--header",
-    "-H",
-    "headers",
-    multiple=True,
-    metavar="NAME:VALUE",
-    help="A header the receiver reads as msg.headers; repeat for more.",
-)
+@_payload_options
 @click.argument("address", type=ADDRESS)
 @click.argument("text", required=False)
 def send(
@@ -374,21 +382,7 @@ async def _listen(
 
 @main.command()
 @connection_options
-@click.option(
-    "--file",
-    "payload_file",
-    type=click.File("rb"),
-    default=None,
-    help="Publish the bytes of this file (- for stdin) instead of TEXT.",
-)
-@click.option(
-    "--header",
-    "-H",
-    "headers",
-    multiple=True,
-    metavar="NAME:VALUE",
-    help="A header the subscribers read as msg.headers; repeat for more.",
-)
+@_payload_options
 @click.argument("subject")
 @click.argument("text", required=False)
 def publish(
