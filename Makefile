@@ -88,10 +88,10 @@ PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 # where no extension could be built.
 PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled.py
 
-# The checks and the extension's build, side by side (mypy and mypyc each take most of a
-# minute on a fresh clone; the Debian installs before them stay one at a time: dpkg's lock).
-test: nats-server nats-js nats-core prometheus tmux $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED)
+# The checks, the extension's freshness and the nats-core venv side by side: none needs
+# another (the Debian installs before them stay one at a time: dpkg's lock).
+test: nats-server nats-js prometheus tmux $(STAMP)
+	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED) nats-core
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
 	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
 
