@@ -234,6 +234,25 @@ def _payload_options(command: F) -> F:
     )(command)
 
 
+def _print_options(command: F) -> F:
+    """``--count``, ``--timeout`` and ``--json``, as listen and subscribe take them."""
+    command = click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")(
+        command
+    )
+    command = click.option(
+        "--timeout",
+        type=click.FloatRange(0, min_open=True),
+        default=None,
+        help=f"Stop after S seconds; with --count, exit {EXIT_TIMEOUT} if fewer than N came.",
+    )(command)
+    return click.option(
+        "--count",
+        type=click.IntRange(1),
+        default=None,
+        help="Stop after N messages (default: never).",
+    )(command)
+
+
 # -- send ------------------------------------------------------------------------
 
 
@@ -321,16 +340,7 @@ async def _send(
 
 @main.command(epilog=ADDRESS_HELP)
 @connection_options
-@click.option(
-    "--count", type=click.IntRange(1), default=None, help="Stop after N messages (default: never)."
-)
-@click.option(
-    "--timeout",
-    type=click.FloatRange(0, min_open=True),
-    default=None,
-    help=f"Stop after S seconds; with --count, exit {EXIT_TIMEOUT} if fewer than N came.",
-)
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
+@_print_options
 @click.argument("address", type=ADDRESS)
 def listen(
     broker_address: str,
@@ -425,16 +435,7 @@ async def _publish(
 @main.command()
 @connection_options
 @click.option("--queue", default=None, help="Join this queue group: one member gets each message.")
-@click.option(
-    "--count", type=click.IntRange(1), default=None, help="Stop after N messages (default: never)."
-)
-@click.option(
-    "--timeout",
-    type=click.FloatRange(0, min_open=True),
-    default=None,
-    help=f"Stop after S seconds; with --count, exit {EXIT_TIMEOUT} if fewer than N came.",
-)
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
+@_print_options
 @click.argument("subjects", nargs=-1, required=True)
 def subscribe(
     broker_address: str,
