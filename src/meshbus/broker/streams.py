@@ -879,13 +879,13 @@ class StreamHost:
             return
         try:
             reply = await self._decide_add(config, body.replicas)
-        except (StoreError, ValueError, ReplicationError) as exc:
+        except (StoreError, ValueError, StreamTaken) as exc:
             error: BaseException = exc
-        except RaftError as exc:
+        except (RaftError, ReplicationError):
             error = ReplicationError(
                 f"stream {body.stream!r}: the meta group's leadership moved before the add "
-                f"was committed ({exc}); ask `meshbus stream info {body.stream}` whether it "
-                "was, and add it again if not"
+                f"was committed; it may still be: ask `meshbus stream info {body.stream}` "
+                "in a moment, and add it again if there is no such stream"
             )
         else:
             if link.state is LinkState.OPEN:

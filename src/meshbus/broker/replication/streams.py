@@ -599,7 +599,8 @@ class ReplicatedStreams:
             "meta": {
                 "voters": self.meta.voters(),
                 "leader": self.meta.leader_name(),
-                "streams": len(self.meta.state.streams) if self.meta.holds() else None,
+                # its record, where this broker holds a copy
+                "streams": sorted(self.meta.state.streams) if self.meta.holds() else None,
             },
         }
 
