@@ -27,7 +27,11 @@ async def ready_everywhere(brokers: list[BrokerProcess]) -> None:
     """Until every broker is linked to every other: each sees the same ready brokers."""
 
     async def linked() -> bool:
-        return all(len((await stat(b))["peers"]) == len(brokers) - 1 for b in brokers)
+        for broker in brokers:
+            shown = await stat(broker)
+            if not shown["ready"] or len(shown["peers"]) != len(brokers) - 1:
+                return False
+        return True
 
     await wait_until(linked, "a whole mesh", timeout=20)
 
@@ -122,9 +126,13 @@ async def test_replicas_are_spread_over_zones(tmp_path: Path) -> None:
         await stop_all(brokers)
 
 
+@pytest.mark.parametrize("after", [0.0, 0.01])
 async def test_an_add_while_the_meta_leader_is_killed_is_done_or_refused(
-    tmp_path: Path,
+    tmp_path: Path, after: float
 ) -> None:
+    """Killed as the add is relayed to it, or just after. Seen in runs of this test:
+    the add refused ("left the mesh before it answered; try again") and not committed;
+    refused so though committed, then founded by the next leader; done and answered."""
     async with four(tmp_path) as replicas:
         brokers = list(replicas.brokers.values())
         async with await meshbus.connect(brokers[0].address, server="op") as op:
@@ -133,7 +141,7 @@ async def test_an_add_while_the_meta_leader_is_killed_is_done_or_refused(
         asker = next(b for b in brokers if b is not leader)
         async with await meshbus.connect(asker.address, server="op") as op:
             adding = asyncio.create_task(op.streams.add("ledger", "multicast:ledger", replicas=3))
-            await asyncio.sleep(0.01)  # relayed to the leader, maybe committed
+            await asyncio.sleep(after)  # relayed to the leader, maybe committed
             await replicas.kill(leader.name)
             (outcome,) = await asyncio.gather(adding, return_exceptions=True)
             if not isinstance(outcome, StreamInfo):

@@ -836,7 +836,7 @@ class StreamHost:
         one (founded here if the mesh has none yet: meshbus.broker.replication.metagroup)."""
         try:
             config = self._replicated_config(body)
-        except (StoreError, ValueError) as exc:
+        except (StoreError, ValueError, StreamTaken) as exc:
             self._refuse_for(link, exc, correlation)
             return
         task = asyncio.create_task(self._add_through_meta(link, correlation, body, config))
