@@ -74,7 +74,7 @@ from meshbus.protocol.layout import (
     ControlType,
     ErrorCode,
 )
-from meshbus.raft import RaftError, RaftSettings, Randomness
+from meshbus.raft import ProposalRefused, RaftError, RaftSettings, Randomness
 from meshbus.storage.data_dir import lock_data_dir
 from meshbus.storage.errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.storage.raftlog import RaftWal
@@ -883,9 +883,10 @@ class StreamHost:
             error: BaseException = exc
         except (RaftError, ReplicationError):
             error = ReplicationError(
-                f"stream {body.stream!r}: the meta group's leadership moved before the add "
-                f"was committed; it may still be: ask `meshbus stream info {body.stream}` "
-                "in a moment, and add it again if there is no such stream"
+                f"stream {body.stream!r}: the meta group did not commit the add here (its "
+                "leadership moved, or it took no proposal for an election timeout); it may "
+                f"still be: ask `meshbus stream info {body.stream}` in a moment, and add it "
+                "again if there is no such stream"
             )
         else:
             if link.state is LinkState.OPEN:
@@ -914,8 +915,19 @@ class StreamHost:
             )
         replicas = spread(name, ready, count)
         command = MetaCommand(ADD, name, _encode_config(config), meta.placed(replicas))
-        if await meta.propose(command) == EXISTS:
-            raise StreamTaken(name)
+        for _ in range(2 * RAFT_SETTINGS.election_ticks):
+            try:
+                outcome = await meta.propose(command)
+            except ProposalRefused:
+                # A new leader takes proposals once it committed an entry of its term
+                # (a round trip), and none while its membership changes: a tick later.
+                await asyncio.sleep(self._config.raft_tick)
+                continue
+            if outcome == EXISTS:
+                raise StreamTaken(name)
+            break
+        else:
+            raise ReplicationError(f"stream {name!r}: the meta group takes no proposal now")
         info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
         info.update(replicas=replicas, leader="")
         info["zones"] = [ready.get(b, "") for b in replicas]

@@ -458,6 +458,7 @@ class ReplicatedStreams:
                 if kind == _DELETE:
                     if self.leads(group):  # the name is free once the meta group knows
                         self._tell_meta(MetaCommand(DELETED, group))
+                    self._reported.pop(group, None)
                     self.configs.pop(group, None)
                     if self.capturing.pop(group, 0):
                         self._release(group)
