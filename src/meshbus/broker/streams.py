@@ -46,7 +46,7 @@ from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand, check_voters
-from meshbus.broker.replication.placement import placement_order, spread
+from meshbus.broker.replication.placement import replacement_order, spread
 from meshbus.broker.replication.streams import ConfigBody, PeerTransport, ReplicatedStreams
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
@@ -240,11 +240,11 @@ class StreamHost:
             )
 
         def candidates(stream: str) -> list[str]:
-            return [
-                b
-                for b in placement_order(stream, list(self._ready_brokers()))
-                if peers.get(b) is not None
-            ]
+            replicated = self.replicated
+            assert replicated is not None
+            voters, learners = replicated.driver.members_of(stream)
+            order = replacement_order(stream, self._ready_brokers(), [*voters, *learners])
+            return [b for b in order if peers.get(b) is not None]
 
         return ReplicatedStreams(
             name=lambda: config.name,

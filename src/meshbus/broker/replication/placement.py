@@ -3,7 +3,7 @@ ready brokers, spread over their zones (--zone). Pure functions: every broker co
 the same from the same list, and adding a broker moves only the streams it now wins.
 
 The meta group's leader places each stream it adds (``spread``) and commits the result;
-no broker computes a placement of its own after that. ``placement_order`` is also the
+no broker computes a placement of its own after that. ``replacement_order`` is the
 order in which a stream's leader picks a broker to replace a lost replica
 (meshbus.broker.replication.members).
 """
@@ -11,7 +11,7 @@ order in which a stream's leader picks a broker to replace a lost replica
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 
 def placement(stream: str, brokers: Sequence[str], replicas: int) -> list[str]:
@@ -50,3 +50,13 @@ def spread(stream: str, zones: Mapping[str, str], replicas: int) -> list[str]:
         if broker not in chosen:
             chosen.append(broker)
     return sorted(chosen)
+
+
+def replacement_order(stream: str, zones: Mapping[str, str], members: Collection[str]) -> list[str]:
+    """The brokers of ``zones`` (the ready ones, broker -> zone) in the order a lost
+    replica of ``stream`` is replaced: those of a zone no member among them is in
+    first, each part in placement order -- so a replacement keeps the replicas spread
+    over the zones as ``spread`` placed them, where it can."""
+    held = {zones[m] for m in members if m in zones}
+    order = placement_order(stream, list(zones))
+    return sorted(order, key=lambda broker: zones[broker] in held)  # stable

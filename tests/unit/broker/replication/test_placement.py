@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from meshbus.broker.replication.placement import placement, placement_order, spread
+from meshbus.broker.replication.placement import (
+    placement,
+    placement_order,
+    replacement_order,
+    spread,
+)
 
 BROKERS = [f"broker-{i}" for i in range(8)]
 STREAMS = [f"s{i}" for i in range(200)]
@@ -80,3 +85,28 @@ def test_the_only_broker_of_a_zone_holds_a_replica_of_every_stream() -> None:
     without = {b: z for b, z in zones.items() if b != "broker-2"}
     for stream in STREAMS:
         assert Counter(without[b] for b in spread(stream, without, 3)).keys() == {"a", "b"}
+
+
+def test_a_lost_replica_is_replaced_in_a_zone_the_others_are_not_in() -> None:
+    zones = {b: "abc"[i % 3] for i, b in enumerate(BROKERS)}
+    for stream in STREAMS:
+        placed = spread(stream, zones, 3)
+        lost = placed[0]
+        up = {b: z for b, z in zones.items() if b != lost}
+        order = replacement_order(stream, up, placed)
+        assert sorted(order) == sorted(up)
+        others = [b for b in placed if b != lost]
+        first = next(b for b in order if b not in placed)
+        assert zones[first] == zones[lost]  # the only zone no replica left is in
+        # and within it, the placement order
+        assert first == next(
+            b for b in placement_order(stream, list(up)) if zones[b] == zones[lost]
+        )
+        assert sorted(zones[b] for b in [*others, first]) == ["a", "b", "c"]
+
+
+def test_without_zones_a_replacement_follows_the_placement_order() -> None:
+    zones = dict.fromkeys(BROKERS, "")
+    for stream in STREAMS[:20]:
+        placed = placement(stream, BROKERS, 3)
+        assert replacement_order(stream, zones, placed) == placement_order(stream, BROKERS)
