@@ -510,6 +510,17 @@ class BrokerConfig:
         # A config built in code is held to the declarations as a flag is: a choice given
         # as its text becomes its enum member, a misspelt one is a BadSetting.
         check_fields(self)
+        try:  # a flag's text is parsed; a zone given in code is checked alike (LOAD's bound)
+            _zone(self.zone)
+        except ValueError as exc:
+            raise BadSetting("zone", f"zone = {self.zone!r}: {exc}") from None
+        voters = self.meta_voters
+        if voters and (len(voters) not in (1, 3, 5) or len(set(voters)) != len(voters)):
+            raise BadSetting(
+                "meta-voter",
+                f"meta-voter = {voters!r}: name 1, 3 or 5 distinct brokers (a meta group of "
+                "an even size tolerates no more failures than one smaller)",
+            )
 
     def check_monitor(self) -> tuple[str, int] | None:
         """Where the monitor listens, or None without one. A monitor beyond loopback

@@ -45,7 +45,7 @@ from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
-from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand, check_voters
+from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand
 from meshbus.broker.replication.placement import replacement_order, spread
 from meshbus.broker.replication.streams import ConfigBody, PeerTransport, ReplicatedStreams
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
@@ -219,7 +219,6 @@ class StreamHost:
                 extra={"path": wal.path, "bytes": recovery.torn_bytes},
             )
         config = self._config
-        check_voters(config.meta_voters)
         transport = PeerTransport(peers, config.max_frame, wal.incarnation)
 
         def run_blocking(work: Callable[[], None]) -> asyncio.Future[None]:

@@ -24,8 +24,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-from meshbus.errors import InvalidArgument
-
 # The meta group's name among the driver's groups: '$' is in no stream name
 # (meshbus.storage.store.check_name).
 META_GROUP = "$meta"
@@ -138,13 +136,3 @@ def meta_voters(configured: Sequence[str], ready: Sequence[str]) -> list[str]:
         return []
     count = MANY_VOTERS if len(ready) >= MANY_VOTERS else DEFAULT_VOTERS
     return sorted(ready)[:count]
-
-
-def check_voters(configured: Sequence[str]) -> None:
-    """InvalidArgument unless ``configured`` (--meta-voter) is empty or 1, 3 or 5
-    distinct names."""
-    if configured and (len(configured) not in (1, 3, 5) or len(set(configured)) != len(configured)):
-        raise InvalidArgument(
-            f"--meta-voter names 1, 3 or 5 distinct brokers, not {', '.join(configured)}: a "
-            "meta group of an even size tolerates no more failures than one smaller"
-        )

@@ -7,9 +7,10 @@ record, and sends each replica a RAFT frame that founds the group with that list
 first membership -- the same on every founding member, so no election is needed to
 agree on it. After that the group's leader changes it, one member at a time: it
 replaces a replica whose broker came back as another incarnation (a wiped data dir) or
-that it has not heard from for --replace-after, by the next broker in the same
-placement order (``placement_order``; meshbus.broker.replication.members), and reports
-the members to the meta group, whose record follows.
+that it has not heard from for --replace-after, by the next broker in the stream's
+placement order, one of a zone no other replica is in first (placement.replacement_order;
+meshbus.broker.replication.members), and reports the members to the meta group, whose
+record follows.
 
 The leader alone captures: it holds the stream's member address -- a fixed one per
 stream (``member_address``), taken over by each new leader with the Raft term as its

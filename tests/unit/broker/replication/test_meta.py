@@ -3,8 +3,6 @@ records at each index, and a name is taken by the first add that commits it."""
 
 from __future__ import annotations
 
-import pytest
-
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
@@ -18,12 +16,10 @@ from meshbus.broker.replication.meta import (
     MetaCommand,
     MetaState,
     Placed,
-    check_voters,
     decode_command,
     encode_command,
     meta_voters,
 )
-from meshbus.errors import InvalidArgument
 
 ABC = [Placed("a", 11), Placed("b", 12), Placed("c", 13)]
 
@@ -101,14 +97,3 @@ def test_the_voters_are_configured_or_the_first_ready_brokers_by_name() -> None:
     assert meta_voters([], ready) == ["b1", "b2", "b3", "b4", "b5"]
     assert meta_voters([], list(reversed(ready))) == meta_voters([], ready)
     assert meta_voters(["z", "x", "y"], ready) == ["x", "y", "z"]
-
-
-@pytest.mark.parametrize("configured", [["a", "b"], ["a", "a", "b"], list("abcdef")])
-def test_a_configured_meta_group_has_1_3_or_5_distinct_voters(configured: list[str]) -> None:
-    with pytest.raises(InvalidArgument, match="1, 3 or 5 distinct"):
-        check_voters(configured)
-
-
-def test_a_configured_meta_group_of_1_3_or_5_is_taken() -> None:
-    for configured in ([], ["a"], ["a", "b", "c"], list("abcde")):
-        check_voters(configured)
