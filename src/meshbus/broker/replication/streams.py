@@ -504,10 +504,10 @@ class ReplicatedStreams:
         a leader takes what is sent to the stream and acknowledges none of it (it cannot
         commit), so a reliable sender gets no acknowledgement rather than the "no member,
         nothing lost" a multicast to nobody would be."""
+        self.leader_moved.set()  # a drain waits for the meta group's leadership too
         if group == META_GROUP:
             self.meta.leader_changed(leader, term)
             return
-        self.leader_moved.set()
         config = self.configs.get(group)
         if config is None:
             return
