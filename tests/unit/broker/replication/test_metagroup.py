@@ -311,3 +311,19 @@ async def test_a_deleted_stream_frees_its_name(mesh: Mesh) -> None:
     again = leader.meta.propose(add("ledger"))
     await mesh.turns()
     assert again.result() == ADDED
+
+
+async def test_a_drain_hands_the_meta_leadership_over_and_hears_of_it(mesh: Mesh) -> None:
+    mesh["b1"].meta.found_if_none(list(NAMES))
+    leader = await mesh.meta_leader()
+    leader.streams.leader_moved.clear()  # what a drain waits on (hand_over_leaderships)
+    assert leader.streams.driver.hand_over() == [META_GROUP]
+    for _ in range(30):
+        if not leader.meta.leads():
+            break
+        await mesh.turns(1)
+    assert not leader.meta.leads()
+    assert leader.streams.leader_moved.is_set()
+    new = await mesh.meta_leader()
+    assert new is not leader
+    assert leader.meta.leader_name() == new.name
