@@ -85,7 +85,7 @@ async def inline(work: Callable[[], None]) -> None:
 
 
 class Broker:
-    def __init__(self, name: str, tmp: Path, mesh: Mesh) -> None:
+    def __init__(self, name: str, tmp: Path, mesh: Mesh, voters: Sequence[str]) -> None:
         self.name = name
         self.store = SqliteStreamStore(tmp / f"{name}.db")
         self.wal, _ = RaftWal.open(str(tmp / f"{name}.wal"))
@@ -113,18 +113,20 @@ class Broker:
             acknowledge=lambda *_: None,
             entry_limit=16 * 1024,
             linked=lambda _: True,
+            meta_voters=voters,
         )
         self.meta = self.streams.meta
         self.streams.restore()
 
 
 class Mesh:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, voters: Sequence[str] = ()) -> None:
+        """``voters``: every broker's --meta-voter."""
         self.messages: list[tuple[str, str, str, Sequence[Message]]] = []
         self.frames: list[tuple[str, str, RaftFrame]] = []
         self.down: set[str] = set()  # brokers whose sends and receives are lost
         self.drop_founding = False  # lose every frame that founds a stream's group
-        self.brokers = {name: Broker(name, tmp, self) for name in NAMES}
+        self.brokers = {name: Broker(name, tmp, self, voters) for name in NAMES}
 
     def __getitem__(self, name: str) -> Broker:
         return self.brokers[name]
@@ -327,3 +329,19 @@ async def test_a_drain_hands_the_meta_leadership_over_and_hears_of_it(mesh: Mesh
     new = await mesh.meta_leader()
     assert new is not leader
     assert leader.meta.leader_name() == new.name
+
+
+async def test_configured_voters_found_it_at_start_and_nobody_else_does(tmp_path: Path) -> None:
+    mesh = Mesh(tmp_path, voters=["b4", "b2", "b3"])
+    try:
+        assert [n for n, b in mesh.brokers.items() if b.meta.holds()] == ["b2", "b3", "b4"]
+        leader = await mesh.meta_leader()
+        assert mesh["b1"].meta.advertised() == (["b2", "b3", "b4"], leader.name)
+        assert mesh["b1"].meta.found_if_none(list(NAMES))  # one is known: none founded
+        await mesh.turns()
+        assert not mesh["b1"].meta.holds()
+        added = leader.meta.propose(add("ledger", ["b1", "b2", "b3"]))
+        await mesh.turns()
+        assert added.result() == ADDED
+    finally:
+        mesh.close()
