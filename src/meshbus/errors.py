@@ -28,6 +28,7 @@
     ├── WouldBlock                        send_nowait/send_many... could not send without
     │                                     waiting (a full write buffer, a failover)
     ├── StreamError                       a stream request was refused (.code)
+    │   └── StreamExists                  a replicated stream of that name exists already
     ├── SparkSetupError                   Spark's Python workers cannot run meshbus's
     │                                     data source (meshbus.spark.register's check)
     ├── PermissionDenied (PermissionError) the broker's permissions for this user
@@ -230,6 +231,11 @@ class StreamError(MeshbusError):
         self.code = code
         """The broker's error code: NO_STREAM, STREAM_ERROR, UNAVAILABLE (its host is
         unreachable), PERMISSION_DENIED, TRY_AGAIN (docs/protocol.md)."""
+
+
+class StreamExists(StreamError):
+    """A replicated stream of that name exists already in the mesh: the meta group
+    committed another add of it first (docs/raft.md, "The meta group")."""
 
 
 class SparkSetupError(MeshbusError):

@@ -21,6 +21,7 @@ Not declared as settings, and why:
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -92,6 +93,15 @@ def is_loopback(host: str) -> bool:
 def _hostport(text: str) -> str:
     parse_hostport(text)
     return text
+
+
+def _zone(text: str) -> str:
+    if text and _ZONE.fullmatch(text) is None:
+        raise ValueError(f"{text!r} is not a zone: use 1 to 64 characters from A-Z a-z 0-9 _ . -")
+    return text
+
+
+_ZONE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _monitor_address(text: str) -> str:
@@ -243,6 +253,24 @@ class BrokerConfig:
         "order (added as a learner, which copies the log; once caught up, the silent one "
         "removed and the new one promoted). 0: never. A replica whose data dir was wiped "
         "is replaced at once.",
+    )
+    zone: str = setting(
+        "",
+        help="Replicated streams: this broker's zone (a rack, a data centre: 1 to 64 "
+        "characters from A-Z a-z 0-9 _ . -). The meta group spreads a stream's replicas "
+        "over distinct zones before it puts two in one. Empty: none.",
+        parse=_zone,
+        metavar="NAME",
+    )
+    meta_voters: list[str] = setting(
+        [],  # none: the first replicated stream's broker picks them (docs/raft.md)
+        key="meta-voter",
+        help="Replicated streams: a voter of the mesh's meta group, which commits every "
+        "replicated stream's add, placement and delete (repeat: 1, 3 or 5 broker names, "
+        "the same on every broker). Without it, the broker that adds the mesh's first "
+        "replicated stream picks the first 3 (5 in a mesh of 5 or more) ready brokers by "
+        "name.",
+        metavar="NAME",
     )
     max_streams: int = setting(
         1000,
@@ -482,6 +510,17 @@ class BrokerConfig:
         # A config built in code is held to the declarations as a flag is: a choice given
         # as its text becomes its enum member, a misspelt one is a BadSetting.
         check_fields(self)
+        try:  # a flag's text is parsed; a zone given in code is checked alike (LOAD's bound)
+            _zone(self.zone)
+        except ValueError as exc:
+            raise BadSetting("zone", f"zone = {self.zone!r}: {exc}") from None
+        voters = self.meta_voters
+        if voters and (len(voters) not in (1, 3, 5) or len(set(voters)) != len(voters)):
+            raise BadSetting(
+                "meta-voter",
+                f"meta-voter = {voters!r}: name 1, 3 or 5 distinct brokers (a meta group of "
+                "an even size tolerates no more failures than one smaller)",
+            )
 
     def check_monitor(self) -> tuple[str, int] | None:
         """Where the monitor listens, or None without one. A monitor beyond loopback

@@ -244,9 +244,9 @@ class Broker:
             hosted_changed=lambda: self.mesh.gossip.load_changed(),
             may_capture=lambda owner, group: self.sign_in.may_capture(owner, group),
             peers=self.peers,
-            ready_brokers=lambda: [
-                b.name for b in self.mesh.brokers() if b.ready and not b.draining
-            ],
+            ready_brokers=lambda: {
+                b.name: b.zone for b in self.mesh.brokers() if b.ready and not b.draining
+            },
             randomness=rng,
         )
         self.telemetry = Telemetry(
@@ -284,6 +284,7 @@ class Broker:
             on_event=self.telemetry.mesh_event,
             hosted_streams=self.streams.names,
             nats_changed=self._nats_peers_changed,
+            replication=self.streams.advertised,
             dialer=dialer or dial_tcp,
             rng=rng,
         )
@@ -679,6 +680,7 @@ class Broker:
     def _on_load(self, link: Link, correlation: int, body: Load) -> None:
         self.mesh.on_load(link, body)
         self.streams.peer_streams(link, body.streams)
+        self.streams.peer_meta(link, body)
 
     # -- timers --------------------------------------------------------------------
 

@@ -45,12 +45,9 @@ from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
-from meshbus.broker.replication.streams import (
-    PeerTransport,
-    ReplicatedStreams,
-    placement,
-    placement_order,
-)
+from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand
+from meshbus.broker.replication.placement import replacement_order, spread
+from meshbus.broker.replication.streams import ConfigBody, PeerTransport, ReplicatedStreams
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
@@ -60,6 +57,7 @@ from meshbus.protocol.control import (
     OP_JOIN,
     OP_LEAVE,
     OP_REMOVE,
+    Load,
     RaftFrame,
     StoredRow,
     StreamReply,
@@ -76,7 +74,7 @@ from meshbus.protocol.layout import (
     ControlType,
     ErrorCode,
 )
-from meshbus.raft import RaftSettings, Randomness
+from meshbus.raft import ProposalRefused, RaftError, RaftSettings, Randomness
 from meshbus.storage.data_dir import lock_data_dir
 from meshbus.storage.errors import ConsumerNotFound, StoreError, StoreFull, StreamNotFound
 from meshbus.storage.raftlog import RaftWal
@@ -118,6 +116,15 @@ RAFT_SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1, max_append_en
 _COLUMN_OVERHEAD = 128
 
 
+class StreamTaken(ReplicationError):
+    """A replicated stream's add of a name the mesh has a stream of (ERROR STREAM_EXISTS)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"stream {name!r} exists already in the mesh; delete it first or choose another name"
+        )
+
+
 class StreamSink(Endpoint):
     """Where a stream's member is attached: what is routed to it is stored. It has no
     socket; the outbox hands it a read's frames as one block of bytes."""
@@ -148,15 +155,16 @@ class StreamHost:
         hosted_changed: Callable[[], None],
         may_capture: Callable[[str, bytes], bool],
         peers: Peers,
-        ready_brokers: Callable[[], list[str]],
+        ready_brokers: Callable[[], dict[str, str]],
         randomness: Randomness,
     ) -> None:
         """``usage`` counts the bytes of the streams each user adds (its quota);
-        ``hosted_changed`` tells the peers at once that the streams hosted here changed.
+        ``hosted_changed`` tells the peers at once that the streams hosted here (or what
+        this broker knows of the meta group) changed.
         ``may_capture(owner, group)``: a stream added by user ``owner`` may capture
         ``group`` now (asked at start and after every reload). ``peers``, the mesh's
-        ``ready_brokers`` (this one included) and ``randomness`` (election timeouts) are
-        for replicated streams."""
+        ``ready_brokers`` (this one included, each with its zone) and ``randomness``
+        (election timeouts) are for replicated streams."""
         self._config = config
         self._routing = routing
         self._sync = sync
@@ -194,6 +202,7 @@ class StreamHost:
         self.stored = 0
         self.dropped = 0
         self._purging: asyncio.Handle | None = None
+        self._adding: set[asyncio.Task[None]] = set()  # replicated adds waiting for the meta group
 
     def _replication(
         self, data_dir: str, peers: Peers, randomness: Randomness
@@ -230,11 +239,11 @@ class StreamHost:
             )
 
         def candidates(stream: str) -> list[str]:
-            return [
-                b
-                for b in placement_order(stream, self._ready_brokers())
-                if peers.get(b) is not None
-            ]
+            replicated = self.replicated
+            assert replicated is not None
+            voters, learners = replicated.driver.members_of(stream)
+            order = replacement_order(stream, self._ready_brokers(), [*voters, *learners])
+            return [b for b in order if peers.get(b) is not None]
 
         return ReplicatedStreams(
             name=lambda: config.name,
@@ -247,7 +256,23 @@ class StreamHost:
             acknowledge=self._acknowledge,
             entry_limit=config.max_frame // 8,
             linked=lambda broker: peers.get(broker) is not None,
+            meta_voters=config.meta_voters,
+            meta_changed=self._hosted_changed,
         )
+
+    def advertised(self) -> tuple[int, list[str], str]:
+        """What this broker's LOAD says for replicated streams: its incarnation, the meta
+        group's voters and leader as it knows them."""
+        replicated = self.replicated
+        if replicated is None:
+            return 0, [], ""
+        voters, leader = replicated.meta.advertised()
+        return replicated.driver.incarnation, voters, leader
+
+    def peer_meta(self, peer: Link, load: Load) -> None:
+        if self.replicated is not None:
+            meta = self.replicated.meta
+            meta.peer_loaded(peer.name, load.meta_voters, load.meta_leader, load.incarnation)
 
     def names(self) -> list[str]:
         return list(self.members)
@@ -405,6 +430,7 @@ class StreamHost:
 
     def peer_lost(self, peer: Link) -> None:
         if self.replicated is not None:
+            self.replicated.meta.peer_lost(peer.name)
             self.replicated.links_changed()
         now = time.time()
         for name, link in list(self.elsewhere.items()):
@@ -587,6 +613,9 @@ class StreamHost:
         if not_theirs:
             self._refuse(link, ErrorCode.PERMISSION_DENIED, not_theirs, correlation)
             return
+        if body.op == "add" and body.replicas > 1:
+            self._add_replicated(link, correlation, body)
+            return
         if replicated is not None and name in replicated:
             if body.op == "delete":
                 self._delete_replicated(link, correlation, replicated.delete(name))
@@ -599,9 +628,7 @@ class StreamHost:
         except (StoreError, ValueError, TypeError, OverflowError) as exc:
             self._refuse_for(link, exc, correlation)
             return
-        if body.op != "add" or body.replicas > 1:
-            # A replicated stream captures once its leader is elected (``info`` shows it),
-            # so there is no capture to wait for here.
+        if body.op != "add":
             answer(link, ControlType.STREAM_REPLY, reply, correlation)
             return
 
@@ -636,6 +663,8 @@ class StreamHost:
         """The ERROR for a request the store or its checks refused."""
         if isinstance(error, (StreamNotFound, ConsumerNotFound)):
             code = ErrorCode.NO_STREAM
+        elif isinstance(error, StreamTaken):
+            code = ErrorCode.STREAM_EXISTS
         elif isinstance(error, ReplicationError):
             code = ErrorCode.UNAVAILABLE
         else:
@@ -725,8 +754,6 @@ class StreamHost:
         store = self.store
         name = body.stream
         op = body.op
-        if op == "add" and body.replicas > 1:
-            return self._add_replicated(body)
         if op == "add":
             if name in self.elsewhere:
                 raise ValueError(f"stream {name!r} is hosted by broker {self.elsewhere[name].name}")
@@ -755,9 +782,11 @@ class StreamHost:
             here = [{"name": n, "broker": self._config.name} for n in self.members]
             replicated = self.replicated
             if replicated is not None:
+                # The meta group's record, where this broker holds a copy of it
+                held = [*replicated.configs, *replicated.meta.state.streams]
                 here += [
                     {"name": n, "broker": replicated.leader(n) or ""}
-                    for n in replicated.configs
+                    for n in dict.fromkeys(held)
                     if n not in self.members and n not in self.elsewhere
                 ]
             there = [{"name": n, "broker": peer.name} for n, peer in self.elsewhere.items()]
@@ -800,26 +829,124 @@ class StreamHost:
             raise ValueError(f"unknown stream request {op!r}")
         return _consumer_reply(op, outcome, link.max_frame)
 
-    def _add_replicated(self, body: StreamRequest) -> StreamReply:
-        """Place the stream on ``body.replicas`` ready brokers and found its group there
-        (meshbus.broker.replication.streams)."""
-        name, count = body.stream, body.replicas
+    def _add_replicated(self, link: Link, correlation: int, body: StreamRequest) -> None:
+        """A replicated stream's add: decided by the meta group's leader -- here if this
+        broker leads it, else relayed there (a connector's request), once the group has
+        one (founded here if the mesh has none yet: meshbus.broker.replication.metagroup)."""
+        try:
+            config = self._replicated_config(body)
+        except (StoreError, ValueError, StreamTaken) as exc:
+            self._refuse_for(link, exc, correlation)
+            return
+        task = asyncio.create_task(self._add_through_meta(link, correlation, body, config))
+        self._adding.add(task)
+        task.add_done_callback(self._adding.discard)
+
+    async def _add_through_meta(
+        self, link: Link, correlation: int, body: StreamRequest, config: StreamConfig
+    ) -> None:
         replicated = self.replicated
-        if replicated is None:
-            raise ValueError(
-                f"stream {name!r}: --replicas {count} needs a broker with --data-dir (the "
-                "Raft log and the replicas' stores are files); this one keeps streams in memory"
+        assert replicated is not None
+        meta = replicated.meta
+        me = self._config.name
+        longest_election = 2 * RAFT_SETTINGS.election_ticks * self._config.raft_tick
+        if not link.is_peer:
+            meta.found_if_none(sorted(self._ready_brokers()))
+            # A new meta group elects its leader first (one election timeout or two).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3 * longest_election):
+                    while not meta.leads() and self._peers.get(meta.leader_name()) is None:
+                        meta.leader_moved.clear()
+                        await meta.leader_moved.wait()
+        leader = meta.leader_name()
+        if not meta.leads():
+            peer = self._peers.get(leader) if leader != me else None
+            if peer is not None and not link.is_peer and link.state is LinkState.OPEN:
+                self._relay.relay(peer, ControlType.STREAM, body, link, correlation)
+                self._outbox.flush()
+                return
+            why = f"broker {leader} leads it now" if leader else "it has no leader now"
+            self._refuse(
+                link,
+                ErrorCode.UNAVAILABLE,
+                f"stream {body.stream!r}: the mesh's meta group, which adds replicated "
+                f"streams, cannot decide here ({why}: an election is under way, or fewer than "
+                "a majority of its voters are up); ask again in a moment",
+                correlation,
             )
-        if count not in (3, 5):
-            raise ValueError(f"stream {name!r}: --replicas is 1, 3 or 5, not {count}")
-        if name in replicated or name in self.members or name in self.elsewhere:
-            raise ValueError(f"stream {name!r} exists already; delete it first")
+            self._outbox.flush()
+            return
+        try:
+            reply = await self._decide_add(config, body.replicas)
+        except (StoreError, ValueError, StreamTaken) as exc:
+            error: BaseException = exc
+        except (RaftError, ReplicationError):
+            error = ReplicationError(
+                f"stream {body.stream!r}: the meta group did not commit the add here (its "
+                "leadership moved, or it took no proposal for an election timeout); it may "
+                f"still be: ask `meshbus stream info {body.stream}` in a moment, and add it "
+                "again if there is no such stream"
+            )
+        else:
+            if link.state is LinkState.OPEN:
+                self._relay.answer(link, ControlType.STREAM_REPLY, reply, correlation)
+                self._outbox.flush()
+            return
+        if link.state is LinkState.OPEN:
+            self._refuse_for(link, error, correlation)
+            self._outbox.flush()
+
+    async def _decide_add(self, config: StreamConfig, count: int) -> StreamReply:
+        """On the meta leader: the name is free, the replicas are placed (spread over the
+        ready brokers' zones), and the record is committed; its members found the group
+        from it (MetaGroup.apply)."""
+        replicated = self.replicated
+        assert replicated is not None
+        meta = replicated.meta
+        name = config.name
+        if name in meta.state.streams:
+            raise StreamTaken(name)
         ready = self._ready_brokers()
         if len(ready) < count:
             raise ValueError(
                 f"stream {name!r}: --replicas {count} needs {count} ready brokers in the mesh, "
                 f"and it has {len(ready)} ({', '.join(sorted(ready))})"
             )
+        replicas = spread(name, ready, count)
+        command = MetaCommand(ADD, name, _encode_config(config), meta.placed(replicas))
+        for _ in range(2 * RAFT_SETTINGS.election_ticks):
+            try:
+                outcome = await meta.propose(command)
+            except ProposalRefused:
+                # A new leader takes proposals once it committed an entry of its term
+                # (a round trip), and none while its membership changes: a tick later.
+                await asyncio.sleep(self._config.raft_tick)
+                continue
+            if outcome == EXISTS:
+                raise StreamTaken(name)
+            break
+        else:
+            raise ReplicationError(f"stream {name!r}: the meta group takes no proposal now")
+        info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
+        info.update(replicas=replicas, leader="")
+        info["zones"] = [ready.get(b, "") for b in replicas]
+        if self._config.name not in replicas:
+            info["store"] = ""  # this broker placed it and holds no copy
+        return StreamReply(info=info)
+
+    def _replicated_config(self, body: StreamRequest) -> StreamConfig:
+        """The checks the broker asked makes of a replicated add (the meta leader makes
+        the mesh-wide ones)."""
+        name, count = body.stream, body.replicas
+        if self.replicated is None:
+            raise ValueError(
+                f"stream {name!r}: --replicas {count} needs a broker with --data-dir (the "
+                "Raft log and the replicas' stores are files); this one keeps streams in memory"
+            )
+        if count not in (3, 5):
+            raise ValueError(f"stream {name!r}: --replicas is 1, 3 or 5, not {count}")
+        if name in self.replicated or name in self.members or name in self.elsewhere:
+            raise StreamTaken(name)
         cap = self._config.max_stream_bytes
         config = _stream_config(body, min(body.max_bytes or cap, cap))
         hosted = len(self.store.streams())
@@ -829,13 +956,7 @@ class StreamHost:
                 "--max-streams); delete one first or add the stream on another broker"
             )
         self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
-        replicas = placement(name, ready, count)
-        replicated.add(config, replicas)
-        info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
-        info.update(replicas=replicas, leader="")
-        if self._config.name not in replicas:
-            info["store"] = ""  # this broker placed it and holds no copy
-        return StreamReply(info=info)
+        return config
 
     def _info(self, info: StreamStatus) -> dict[str, Any]:
         config = info.config
@@ -904,7 +1025,10 @@ class StreamHost:
     def close(self) -> None:
         if self._purging is not None:
             self._purging.cancel()  # the rest goes after the next start
+        for task in self._adding:
+            task.cancel()
         if self.replicated is not None:
+            self.replicated.meta.close()
             self.replicated.driver.close()
         self.store.close()
         if self._lock is not None:
@@ -993,6 +1117,10 @@ def _consumer(info: Any) -> dict[str, Any]:
         "pending": info.pending,
         "dropped": info.dropped,
     }
+
+
+def _encode_config(config: StreamConfig) -> bytes:
+    return msgspec.msgpack.encode(ConfigBody.of(config))
 
 
 def _stream_config(body: StreamRequest, max_bytes: int) -> StreamConfig:

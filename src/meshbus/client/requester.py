@@ -41,6 +41,7 @@ from meshbus.errors import (
     RegistrationError,
     RemoteProtocolError,
     StreamError,
+    StreamExists,
     Timeout,
     TryAgain,
 )
@@ -261,6 +262,8 @@ def _error_from(body: Error, request: ControlType, subject: str) -> MeshbusError
         return RemoteProtocolError(code, body.message)
     if code == ErrorCode.PERMISSION_DENIED:
         return PermissionDenied(body.message)
+    if request == ControlType.STREAM and code == ErrorCode.STREAM_EXISTS:
+        return StreamExists(body.message, code)
     if request == ControlType.STREAM:
         return StreamError(body.message, code)
     if code == ErrorCode.TRY_AGAIN:

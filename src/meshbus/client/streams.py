@@ -127,9 +127,11 @@ class StreamClient:
         no-op. Limits of 0 mean none; the oldest messages go first.
 
         ``replicas=3`` or ``5``: the stream is held by that many brokers of the mesh (each
-        with --data-dir), chosen by the broker asked; a reliable send to it is acknowledged
-        once a majority has it on disk (docs/guarantees.md). Its leader is elected just
-        after: ``info`` shows it."""
+        with --data-dir), placed by the mesh's meta group over the brokers' zones; a
+        reliable send to it is acknowledged once a majority has it on disk
+        (docs/guarantees.md). Its leader is elected just after: ``info`` shows it. A
+        name the mesh has a replicated stream of raises ``StreamExists``, also for the
+        second of two adds made at once through different brokers."""
         captures = [capture] if isinstance(capture, (Address, str)) else list(capture)
         reply = await self._ask(
             StreamRequest(

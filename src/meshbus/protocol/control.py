@@ -58,6 +58,12 @@ MAX_ALSO = 1023
 # characters, or a bracketed IPv6 address, and a port, with room to spare.
 MAX_NATS_ADDRESS = 300
 NatsAddress = Annotated[str, msgspec.Meta(max_length=MAX_NATS_ADDRESS)]
+# Replicated streams: a broker's --zone, a broker name in a LOAD, and the voters of the
+# mesh's meta group (docs/raft.md, "The meta group").
+MAX_ZONE = 64
+Zone = Annotated[str, msgspec.Meta(max_length=MAX_ZONE)]
+BrokerName = Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)]
+MAX_META_VOTERS = 5
 
 
 class Hello(Body):
@@ -134,6 +140,7 @@ class BrokerInfo(Body):
     ready: bool = False
     draining: bool = False
     nats: NatsAddress = ""
+    zone: Zone = ""  # its --zone ("": none)
 
 
 class Welcome(Body):
@@ -336,6 +343,15 @@ class Load(Body):
     sent_at: Seconds = 0.0
     echo: Seconds = 0.0
     held: Seconds = 0.0
+    # Replicated streams (docs/raft.md, "The meta group"): the sender's --zone, the
+    # incarnation of its Raft state (0: no --data-dir), the voters of the mesh's meta
+    # group and its leader as the sender knows them (empty: none known).
+    zone: Zone = ""
+    incarnation: Counter = 0
+    meta_voters: Annotated[list[BrokerName], msgspec.Meta(max_length=MAX_META_VOTERS)] = (
+        msgspec.field(default_factory=list)
+    )
+    meta_leader: BrokerName = ""
 
 
 class Ready(Body):
@@ -484,6 +500,7 @@ MAX_NODE_ID = 0xFFFF_FFFF
 MAX_RAFT_ENTRIES = 64
 MAX_RAFT_MESSAGES = 256
 MAX_GROUP_NAME = 255
+MAX_META_COMMAND = 64 * 1024  # a stream's configuration and its members, with room
 RaftNodeId = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODE_ID)]
 NodeIds = Annotated[list[RaftNodeId], msgspec.Meta(max_length=MAX_MEMBERS)]
 
@@ -569,6 +586,17 @@ class RaftFrame(Body):
     incarnation: Counter = 0
     stranger: bool = False
     join: RaftJoinBody | None = None
+    # Founding: the incarnation each of ``replicas`` must be to found the group (0: any),
+    # as the meta group committed them; a broker that is another self founds nothing.
+    incarnations: Annotated[list[Counter], msgspec.Meta(max_length=MAX_REPLICAS)] = msgspec.field(
+        default_factory=list
+    )
+    # The meta group (``group`` is its name): a command for its leader to commit, sent
+    # by the broker that needs it with its ``serial``; the leader's answer, once it is
+    # applied there, carries the same serial and the ``outcome``.
+    command: Annotated[bytes, msgspec.Meta(max_length=MAX_META_COMMAND)] = b""
+    serial: Counter = 0
+    outcome: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count, header block

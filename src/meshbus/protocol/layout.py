@@ -186,6 +186,9 @@ class ErrorCode(IntEnum):
     # A SUBSCRIBE or UNSUBSCRIBE naming no valid subject pattern or queue group; the link
     # stays open.
     INVALID_SUBJECT = 26
+    # A replicated stream of that name exists already in the mesh (the meta group's
+    # record: docs/raft.md, "The meta group"); the link stays open.
+    STREAM_EXISTS = 27
 
 
 # Errors after which the sender of the offending frame is disconnected.

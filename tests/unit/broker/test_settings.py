@@ -137,6 +137,9 @@ def held(declared: Declared, value: Any) -> Any:
         ({"max_connectors": True}, "max-connectors = True: True is not a valid integer"),
         ({"max_connectors": 7.0}, "max-connectors = 7.0: 7.0 is not a valid integer"),
         ({"capacity_boost": None}, "capacity-boost = None: None is not a valid float"),
+        ({"zone": "rack 1"}, "zone = 'rack 1': 'rack 1' is not a zone"),
+        ({"meta_voters": ["a", "b"]}, "meta-voter = ['a', 'b']: name 1, 3 or 5 distinct"),
+        ({"meta_voters": ["a", "a", "b"]}, "meta-voter = ['a', 'a', 'b']: name 1, 3 or 5"),
     ],
 )
 def test_a_value_that_does_not_fit_is_a_bad_setting_never_a_default(

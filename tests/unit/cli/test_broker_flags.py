@@ -59,6 +59,8 @@ FLAGS = {
     "--max-groups",
     "--raft-tick",
     "--replace-after",
+    "--zone",
+    "--meta-voter",
     "--max-requests",
     "--max-request-timeout",
     "--max-handshaking",

@@ -30,6 +30,10 @@ log = logging.getLogger("meshbus.broker")
 # as something else.
 _ADDRESS = re.compile(r"([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]+").fullmatch
 
+# What a LOAD says for replicated streams: the sender's incarnation, the meta group's
+# voters and leader as it knows them (meshbus.broker.replication.metagroup).
+Replication = tuple[int, list[str], str]
+
 
 class Gossip:
     def __init__(
@@ -40,15 +44,19 @@ class Gossip:
         brokers: Callable[[], list[BrokerInfo]],
         hosted_streams: Callable[[], list[str]],
         nats_changed: Callable[[list[str]], None] = lambda urls: None,
+        replication: Callable[[], Replication] = lambda: (0, [], ""),
     ) -> None:
         """``brokers`` is this broker (first) and its peers as they last told it;
         ``hosted_streams`` are announced in LOAD; ``nats_changed`` hears the peers'
-        NATS addresses whenever that list changes (the NATS listener's connect_urls)."""
+        NATS addresses whenever that list changes (the NATS listener's connect_urls);
+        ``replication`` is what LOAD says for replicated streams: this broker's
+        incarnation, the meta group's voters and leader as it knows them."""
         self._peers = peers
         self._links = links
         self._brokers = brokers
         self._hosted_streams = hosted_streams
         self._nats_changed = nats_changed
+        self._replication = replication
         self._scheduled = False
         self._pushed: tuple[str, ...] = ()  # the connectors' list, as last sent
         self.nats_urls: list[str] = []  # as last told to ``nats_changed``
@@ -114,6 +122,7 @@ class Gossip:
 
     def _load(self) -> Load:
         s = self._brokers()[0]
+        incarnation, meta_voters, meta_leader = self._replication()
         return Load(
             connectors=s.connectors,
             capacity=s.capacity,
@@ -121,6 +130,10 @@ class Gossip:
             ready=s.ready,
             draining=s.draining,
             streams=self._hosted_streams(),
+            zone=s.zone,
+            incarnation=incarnation,
+            meta_voters=meta_voters,
+            meta_leader=meta_leader,
         )
 
 

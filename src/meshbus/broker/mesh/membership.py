@@ -32,7 +32,7 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.mesh.balance import incoming_link_wins, redirect_target
 from meshbus.broker.mesh.dialer import Dialer, dial_tcp
 from meshbus.broker.mesh.fence import Fence, MinorityRule, OutOfReach
-from meshbus.broker.mesh.gossip import Gossip, checked_nats_address
+from meshbus.broker.mesh.gossip import Gossip, Replication, checked_nats_address
 from meshbus.broker.mesh.moves import Moves
 from meshbus.broker.mesh.redial import RedialTable
 from meshbus.broker.mesh.sync import RouteSync
@@ -109,6 +109,7 @@ class Mesh:
         on_event: Callable[[MeshEvent], None],
         hosted_streams: Callable[[], list[str]],
         nats_changed: Callable[[list[str]], None] = lambda urls: None,
+        replication: Callable[[], Replication] = lambda: (0, [], ""),
         dialer: Dialer = dial_tcp,
         rng: random.Random | None = None,
     ) -> None:
@@ -119,7 +120,8 @@ class Mesh:
         ``on_ready`` runs once the broker takes connectors; ``on_event`` hears of every
         ``MeshEvent``; ``hosted_streams`` are announced in LOAD; ``nats_changed`` hears
         the NATS addresses of the peers that take NATS clients, whenever they change
-        (meshbus.broker.mesh.gossip.nats_urls)."""
+        (meshbus.broker.mesh.gossip.nats_urls); ``replication`` is what LOAD says for
+        replicated streams (meshbus.broker.mesh.gossip.Gossip)."""
         self.config = config
         self._clock = clock
         self.peers = peers
@@ -167,6 +169,7 @@ class Mesh:
             brokers=self.brokers,
             hosted_streams=hosted_streams,
             nats_changed=nats_changed,
+            replication=replication,
         )
         self._gossip = asyncio.Event()
         self._boost_until = 0.0
@@ -198,6 +201,7 @@ class Mesh:
             ready=self.ready,
             draining=self.draining,
             nats=self.config.nats_advertise,
+            zone=self.config.zone,
         )
 
     def brokers(self) -> list[BrokerInfo]:
@@ -441,6 +445,7 @@ class Mesh:
         state.capacity = body.capacity
         state.ready = body.ready
         state.draining = body.draining
+        state.zone = body.zone
         state.slot = link.peer.slot = body.slot
         link.peer.loaded(body)
         if changed:

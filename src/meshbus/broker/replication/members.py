@@ -13,9 +13,10 @@ each index, committed or not, as it says which membership applies. The founding 
 is the founding list of brokers (node id = place + 1) with incarnations unknown (0):
 each founding member's is learned from its first message.
 
-The replacement, decided by the group's leader (there is no meta group: the decision
-is ``next_step``'s, on what the leader knows, so a meta group could make it instead),
-one membership change at a time (docs/raft.md, "Replacing a replica"):
+The replacement, decided by the group's leader -- not by the meta group, which is told
+the members after each change: the decision is ``next_step``'s, on what the leader knows
+first hand (docs/raft.md, "Replacing a replica", says why) --, one membership change at
+a time:
 
 1. add the replacement as a **learner** (it counts toward nothing), marked with the
    node id it ``replaces``; it receives the whole log by ordinary appends;

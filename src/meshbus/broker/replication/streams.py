@@ -1,13 +1,16 @@
 """Replicated streams: a stream held by 3 or 5 brokers, one Raft group each.
 
-Placement (no meta group yet): the broker that adds the stream picks its replicas by
-rendezvous hashing of the stream's name over the mesh's ready brokers (``placement``),
-and sends each a RAFT frame that founds the group with that list as its first
-membership -- the same on every founding member, so no election is needed to agree on
-it. After that the group's leader changes it, one member at a time: it replaces a
-replica whose broker came back as another incarnation (a wiped data dir) or that it
-has not heard from for --replace-after, by the next broker in the same placement order
-(``placement_order``; meshbus.broker.replication.members).
+Placement: the mesh's meta group (meshbus.broker.replication.metagroup) decides it. Its
+leader checks the name is free, picks the replicas (placement.spread: rendezvous hashing
+of the stream's name over the ready brokers, spread over their zones), commits the
+record, and sends each replica a RAFT frame that founds the group with that list as its
+first membership -- the same on every founding member, so no election is needed to
+agree on it. After that the group's leader changes it, one member at a time: it
+replaces a replica whose broker came back as another incarnation (a wiped data dir) or
+that it has not heard from for --replace-after, by the next broker in the stream's
+placement order, one of a zone no other replica is in first (placement.replacement_order;
+meshbus.broker.replication.members), and reports the members to the meta group, whose
+record follows.
 
 The leader alone captures: it holds the stream's member address -- a fixed one per
 stream (``member_address``), taken over by each new leader with the Raft term as its
@@ -53,6 +56,8 @@ from meshbus.broker.replication.consumers import (
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
+from meshbus.broker.replication.meta import DELETED, MEMBERS, META_GROUP, MetaCommand, Placed
+from meshbus.broker.replication.metagroup import MetaGroup
 from meshbus.broker.replication.wire import from_body, to_bodies
 from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import encode_control
@@ -88,23 +93,6 @@ def member_session(stream: str) -> bytes:
     """The session its member address is registered with: every leader's is the same,
     so a new leader's ADD (with a higher epoch, its term) takes the address over."""
     return b"rstream:" + hashlib.blake2b(stream.encode(), digest_size=16).digest()
-
-
-def placement(stream: str, brokers: Sequence[str], replicas: int) -> list[str]:
-    """Rendezvous hashing: the ``replicas`` brokers with the highest hash of (broker,
-    stream). Every broker computes the same from the same list; adding a broker moves
-    only the streams it now wins."""
-    return sorted(placement_order(stream, brokers)[:replicas])
-
-
-def placement_order(stream: str, brokers: Sequence[str]) -> list[str]:
-    """``brokers`` by their hash with ``stream``, highest first: the first R are its
-    replicas, the next ones those that take the place of a lost one."""
-
-    def weight(broker: str) -> bytes:
-        return hashlib.blake2b(f"{broker}\x00{stream}".encode(), digest_size=8).digest()
-
-    return sorted(brokers, key=weight, reverse=True)
 
 
 class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
@@ -185,14 +173,32 @@ class PeerTransport:
     def _frame(self, link: Link, body: RaftFrame) -> None:
         link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
 
-    def found(self, broker: str, group: str, replicas: list[str], config: bytes) -> None:
-        """Send ``broker`` the frame that founds ``group`` there (if it is linked)."""
+    def found(
+        self,
+        broker: str,
+        group: str,
+        replicas: list[str],
+        config: bytes,
+        incarnations: Sequence[int] = (),
+    ) -> None:
+        """Send ``broker`` the frame that founds ``group`` there (if it is linked); with
+        ``incarnations``, only the self of each replica placed founds it."""
         link = self._peers.get(broker)
         if link is not None:
             body = RaftFrame(
-                group=group, replicas=replicas, create=config, incarnation=self._incarnation
+                group=group,
+                replicas=replicas,
+                create=config,
+                incarnation=self._incarnation,
+                incarnations=list(incarnations),
             )
             self._frame(link, body)
+
+    def frame(self, broker: str, body: RaftFrame) -> None:
+        """Send ``broker`` a RAFT frame (if it is linked): the meta group's commands."""
+        link = self._peers.get(broker)
+        if link is not None:
+            self._frame(link, msgspec.structs.replace(body, incarnation=self._incarnation))
 
     def stranger(self, broker: str, group: str) -> None:
         link = self._peers.get(broker)
@@ -230,12 +236,16 @@ class ReplicatedStreams:
         acknowledge: Callable[[bytes, dict[bytes, list[int]]], None],
         entry_limit: int,
         linked: Callable[[str], bool],
+        meta_voters: Sequence[str] = (),
+        meta_changed: Callable[[], None] = lambda: None,
     ) -> None:
         """``capture(config, member, session, epoch)`` makes this broker capture the
         stream (it leads it); ``release(name)`` stops that; ``deleted(name)`` deletes it
         from the store (its deletion is committed); ``acknowledge(member, acks)``
         sends the ACKs of what a commit stored. ``driver(self)`` builds the driver with
-        this as its state machine. ``linked(broker)``: a peer link to it is open now."""
+        this as its state machine. ``linked(broker)``: a peer link to it is open now.
+        ``meta_voters`` (--meta-voter) and ``meta_changed`` (tell the peers what this
+        broker knows of the meta group) are the meta group's (``MetaGroup``)."""
         self._name = name
         self._store = store
         self._transport = transport
@@ -253,6 +263,15 @@ class ReplicatedStreams:
         self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
         self.leader_moved = asyncio.Event()  # set whenever a group's leader changes
         self._expiring: set[str] = set()  # streams whose expiry entry is not applied yet
+        self._reported: dict[str, int] = {}  # stream -> the term its members were reported in
+        self.meta = MetaGroup(
+            name=name,
+            driver=self.driver,
+            transport=transport,
+            configured=meta_voters,
+            found=self.found,
+            changed=meta_changed,
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.configs
@@ -260,7 +279,9 @@ class ReplicatedStreams:
     def restore(self) -> None:
         """The groups of the log, back with their streams (at start)."""
         for group, meta in self.driver.recover():
-            self._hold(group, meta)
+            if group != META_GROUP:
+                self._hold(group, meta)
+        self.meta.start()
 
     def _hold(self, group: str, meta: GroupMeta) -> None:
         config = _decode_config(meta.app).config()
@@ -269,23 +290,6 @@ class ReplicatedStreams:
         self.configs[group] = config
 
     # -- lifecycle ----------------------------------------------------------------------
-
-    def add(self, config: StreamConfig, replicas: list[str]) -> None:
-        """Found the stream's group on ``replicas``: here if this broker is one, by a RAFT
-        frame on each other. ValueError if one is not linked."""
-        app = _encode(ConfigBody.of(config))
-        me = self._name()
-        missing = [b for b in replicas if b != me and not self._linked(b)]
-        if missing:  # checked before any is founded: no group is left on some of them
-            raise ValueError(
-                f"stream {config.name!r}: brokers {', '.join(missing)} are not linked to "
-                f"{me} now; add it again once the mesh is whole"
-            )
-        for broker in replicas:
-            if broker != me:
-                self._transport.found(broker, config.name, replicas, app)
-        if me in replicas:
-            self.found(config.name, replicas, app)
 
     def found(self, group: str, replicas: list[str], app: bytes) -> None:
         meta = GroupMeta(list(replicas), app)
@@ -299,6 +303,9 @@ class ReplicatedStreams:
 
     def on_frame(self, link: Link, correlation: int, body: RaftFrame) -> None:
         group = body.group
+        if group == META_GROUP and not (body.messages or body.stranger or body.join):
+            self.meta.on_frame(link, body)
+            return
         if body.join is not None:
             self._join(link, body, body.join)
             return
@@ -307,6 +314,10 @@ class ReplicatedStreams:
             return
         if body.replicas:
             if self._name() in body.replicas and group not in self.configs:
+                place = body.replicas.index(self._name())
+                placed = body.incarnations[place] if place < len(body.incarnations) else 0
+                if placed not in (0, self.driver.incarnation):
+                    return  # placed on this broker's former self (a wiped data dir)
                 try:
                     self.found(group, body.replicas, body.create)
                 except (msgspec.DecodeError, ValueError, StoreError) as exc:
@@ -430,17 +441,25 @@ class ReplicatedStreams:
     # -- the state machine -------------------------------------------------------------------
 
     def apply(self, group: str, entries: Sequence[Entry]) -> None:
+        if group == META_GROUP:
+            self.meta.apply(entries)
+            return
         config = self.configs.get(group)
         if config is None:
             return
         store = self._store
         applied = store.applied(group) if group in store else 0
         for entry in entries:
+            if entry.membership is not None and self.leads(group):
+                self._report(group)  # the meta group's record follows the group
             if not entry.data or entry.membership is not None or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
             try:
                 kind, at, held = _decode_entry(entry.data)
                 if kind == _DELETE:
+                    if self.leads(group):  # the name is free once the meta group knows
+                        self._tell_meta(MetaCommand(DELETED, group))
+                    self._reported.pop(group, None)
                     self.configs.pop(group, None)
                     if self.capturing.pop(group, 0):
                         self._release(group)
@@ -485,10 +504,16 @@ class ReplicatedStreams:
         a leader takes what is sent to the stream and acknowledges none of it (it cannot
         commit), so a reliable sender gets no acknowledgement rather than the "no member,
         nothing lost" a multicast to nobody would be."""
-        self.leader_moved.set()
+        self.leader_moved.set()  # a drain waits for the meta group's leadership too
+        if group == META_GROUP:
+            self.meta.leader_changed(leader, term)
+            return
         config = self.configs.get(group)
         if config is None:
             return
+        if leader == self._name() and self._reported.get(group) != term:
+            self._reported[group] = term
+            self._report(group)
         if leader == self._name():
             epoch = 2 * term + 1
         elif leader is None or not self._linked(leader):
@@ -506,10 +531,31 @@ class ReplicatedStreams:
             self.capturing[group] = epoch
             self._capture(config, member_address(group), member_session(group), epoch)
 
+    def _report(self, group: str) -> None:
+        """Tell the meta group the members of ``group`` now (this broker leads it)."""
+        state = self.driver.groups.get(group)
+        if state is not None:
+            members = [Placed(m.broker, state.incarnation_of(m)) for m in state.current().members]
+            self._tell_meta(MetaCommand(MEMBERS, group, members=members))
+
+    def _tell_meta(self, command: MetaCommand) -> None:
+        def told(outcome: asyncio.Future[str]) -> None:
+            if not outcome.cancelled() and (error := outcome.exception()) is not None:
+                log.warning(
+                    "the meta group did not commit a replicated stream's change; it is "
+                    "sent again in a second",
+                    extra={"stream": command.stream, "error": str(error)},
+                )
+                asyncio.get_running_loop().call_later(1.0, self._tell_meta, command)
+
+        self.meta.request(command).add_done_callback(told)
+
     def links_changed(self) -> None:
         """A peer link opened or closed: the captures follow (``leader_changed``)."""
         for group, state in self.driver.groups.items():
             self.leader_changed(group, state.leader, state.term)
+            if group == META_GROUP:
+                continue
             epoch = self.capturing.get(group)
             if epoch:  # taken over by a peer that may be gone: take it back
                 config = self.configs[group]
@@ -550,6 +596,13 @@ class ReplicatedStreams:
                     "replicas": driver.replica_states(name),
                 }
                 for name, state in sorted(driver.groups.items())
+                if name != META_GROUP
+            },
+            "meta": {
+                "voters": self.meta.voters(),
+                "leader": self.meta.leader_name(),
+                # its record, where this broker holds a copy
+                "streams": sorted(self.meta.state.streams) if self.meta.holds() else None,
             },
         }
 

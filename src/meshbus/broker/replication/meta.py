@@ -1,0 +1,138 @@
+"""The meta group's state machine: which replicated streams the mesh has, each with its
+configuration and its members as (broker, incarnation). Plain values and a pure
+``apply``, no I/O: the broker side is meshbus.broker.replication.metagroup.
+
+The meta group is a Raft group like a stream's, on the same driver (its group name,
+``META_GROUP``, is no valid stream name), whose log holds ``MetaCommand`` entries. Every
+voter applies them in log order, so every voter holds the same records at each index,
+and a decision -- this name is free, these brokers hold it -- is made once, by the
+entry that commits it, never by two brokers that each saw the mesh their own way:
+
+- ``ADD``: the stream, its configuration and the members its leader picked. Applied
+  where the name is free; refused (``EXISTS``) where an entry before it took it.
+- ``MEMBERS``: the stream's members now, as its own group's leader reports them (at its
+  election and after each membership change): the record follows the group.
+- ``DELETED``: the stream's group committed its deletion; the name is free again.
+
+The state is rebuilt at start by applying the log again (``dump``/``load`` hold it
+whole, for a snapshot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+# The meta group's name among the driver's groups: '$' is in no stream name
+# (meshbus.storage.store.check_name).
+META_GROUP = "$meta"
+# Its voters when none are configured: the first of the ready brokers, by name.
+DEFAULT_VOTERS = 3
+MANY_VOTERS = 5  # in a mesh of at least this many ready brokers
+
+ADD = 0
+MEMBERS = 1
+DELETED = 2
+
+# What applying a command did (the proposer's answer).
+ADDED = "added"
+EXISTS = "exists"
+UPDATED = "updated"
+REMOVED = "deleted"
+NO_STREAM = "no stream"
+REFUSED = "refused"  # not a command this broker reads
+
+
+class Placed(msgspec.Struct, array_like=True, frozen=True):
+    """A member of a stream: its broker, as the incarnation it was when chosen (0: not
+    known then; any self of the broker will do)."""
+
+    broker: str
+    incarnation: int = 0
+
+
+class MetaCommand(msgspec.Struct, array_like=True, frozen=True):
+    op: int
+    stream: str
+    config: bytes = b""  # ADD: the stream's configuration (replication.streams.ConfigBody)
+    members: list[Placed] = msgspec.field(default_factory=list)
+
+
+class StreamRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One replicated stream as the meta group knows it."""
+
+    config: bytes
+    founding: list[Placed]  # the members it was founded on (the group's node ids 1..R)
+    members: list[Placed]  # its members now, as its group's leader last reported them
+    index: int  # the entry that added it
+    confirmed: bool = False  # a leader of its group reported its members: it is founded
+
+    @property
+    def brokers(self) -> list[str]:
+        return [m.broker for m in self.members]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+encode_command = _encode
+decode_command = msgspec.msgpack.Decoder(MetaCommand).decode
+_decode_records = msgspec.msgpack.Decoder(dict[str, StreamRecord]).decode
+
+
+class MetaState:
+    """The records, as the entries applied so far made them."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, StreamRecord] = {}
+        self.applied = 0
+
+    def apply(self, index: int, command: MetaCommand) -> str:
+        """Apply the entry at ``index``; what it did (the module docstring)."""
+        self.applied = index
+        streams = self.streams
+        name = command.stream
+        record = streams.get(name)
+        if command.op == ADD:
+            if record is not None:
+                return EXISTS
+            members = list(command.members)
+            streams[name] = StreamRecord(command.config, members, members, index)
+            return ADDED
+        if command.op == MEMBERS:
+            if record is None:
+                return NO_STREAM
+            streams[name] = msgspec.structs.replace(
+                record, members=list(command.members), confirmed=True
+            )
+            return UPDATED
+        if command.op == DELETED:
+            return REMOVED if streams.pop(name, None) is not None else NO_STREAM
+        return REFUSED
+
+    def unconfirmed(self) -> list[tuple[str, StreamRecord]]:
+        """The streams no leader of their group has reported yet: maybe never founded
+        (the meta leader that committed them stopped before it told their members)."""
+        return [(name, r) for name, r in sorted(self.streams.items()) if not r.confirmed]
+
+    def dump(self) -> bytes:
+        return _encode(self.streams)
+
+    @classmethod
+    def load(cls, data: bytes, applied: int) -> MetaState:
+        state = cls()
+        state.streams = _decode_records(data)
+        state.applied = applied
+        return state
+
+
+def meta_voters(configured: Sequence[str], ready: Sequence[str]) -> list[str]:
+    """The brokers that found the meta group, sorted (a group's node ids are places in
+    its founding list, so every founder must use the same): the configured ones, else
+    the first 3 ready brokers by name (5 in a mesh of 5 or more); none while fewer than
+    3 are ready."""
+    if configured:
+        return sorted(configured)
+    if len(ready) < DEFAULT_VOTERS:
+        return []
+    count = MANY_VOTERS if len(ready) >= MANY_VOTERS else DEFAULT_VOTERS
+    return sorted(ready)[:count]
