@@ -43,6 +43,7 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.streams import (
@@ -175,8 +176,8 @@ class StreamHost:
             os.makedirs(data_dir, exist_ok=True)
             self._lock = lock_data_dir(data_dir)
             path = os.path.join(data_dir, "streams.db")
-            self.store = SqliteStreamStore(path, fsync=config.fsync)
-            self.replicated = self._replication(data_dir, peers, randomness)
+            self.store = store = SqliteStreamStore(path, fsync=config.fsync)
+            self.replicated = self._replication(data_dir, store, peers, randomness)
         else:
             self.store = MemoryStreamStore()
         self.sink = StreamSink(self._captured)
@@ -196,7 +197,7 @@ class StreamHost:
         self._purging: asyncio.Handle | None = None
 
     def _replication(
-        self, data_dir: str, peers: Peers, randomness: Randomness
+        self, data_dir: str, store: SqliteStreamStore, peers: Peers, randomness: Randomness
     ) -> ReplicatedStreams:
         wal, recovery = RaftWal.open(os.path.join(data_dir, "raft.wal"))
         if recovery.damage:
@@ -227,6 +228,10 @@ class StreamHost:
                 run_blocking=run_blocking,
                 replace_after=math.ceil(config.replace_after / config.raft_tick),
                 candidates=candidates,
+                compaction=CompactionPolicy(config.raft_compact_entries, config.raft_compact_bytes),
+                # The log file is rewritten once past twice its live records and this:
+                # with compaction, a few snapshots' worth.
+                rewrite_slack=8 * config.raft_compact_bytes,
             )
 
         def candidates(stream: str) -> list[str]:
@@ -238,7 +243,7 @@ class StreamHost:
 
         return ReplicatedStreams(
             name=lambda: config.name,
-            store=self.store,
+            store=store,
             transport=transport,
             driver=driver,
             capture=self._lead,
@@ -247,6 +252,7 @@ class StreamHost:
             acknowledge=self._acknowledge,
             entry_limit=config.max_frame // 8,
             linked=lambda broker: peers.get(broker) is not None,
+            copy_retry=RAFT_SETTINGS.election_ticks,
         )
 
     def names(self) -> list[str]:

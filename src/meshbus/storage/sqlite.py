@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block
+from meshbus.storage import images
 from meshbus.storage.blocks import (
     ADD_OWNERS,
     INSERT_BLOCK,
@@ -165,6 +166,9 @@ class SqliteStreamStore(MirroredStore):
                     db.execute(statement)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._load()
+        with self._tx() as db:
+            for st in self._streams.values():
+                images.discard_staged(db, st)  # a copy a restart cut short starts again
         self._verify_newest()
         self._find_orphans()
 
@@ -198,15 +202,23 @@ class SqliteStreamStore(MirroredStore):
                 self._purge.append(sid)
             key = block_key(sid, SEQ_MASK)
 
-    def _load(self) -> None:
-        """(Re)build the mirror from the database, the truth."""
+    def _load(self, only: StreamState | None = None) -> None:
+        """(Re)build the mirror from the database, the truth: of every stream, or of
+        stream ``only`` alone (a copy installed in it)."""
         db = self._db
-        self._streams = {}
         self._decoded: dict[int, Block] = {}
+        params: tuple[int, ...] = ()
+        if only is None:
+            self._streams = {}
+            where = ""
+        else:
+            del self._streams[only.config.name]
+            where, params = " WHERE stream_id = ?", (only.key,)
         by_id: dict[int, StreamState] = {}
         for row in db.execute(
             "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
-            " first_seq, last_seq, bytes, owner FROM streams"
+            " first_seq, last_seq, bytes, owner FROM streams" + where.replace("stream_id", "id"),
+            params,
         ):
             sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, size, owner = row
             captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
@@ -219,7 +231,8 @@ class SqliteStreamStore(MirroredStore):
         by_cid: dict[int, ConsumerState] = {}
         for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped, owner in db.execute(
             "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped,"
-            " owner FROM consumers"
+            " owner FROM consumers" + where,
+            params,
         ):
             cs = ConsumerState(
                 ConsumerConfig(name, ack_wait, max_deliver, start, owner), next_seq, dropped
@@ -227,12 +240,17 @@ class SqliteStreamStore(MirroredStore):
             cs.key = cid
             by_id[sid].consumers[name] = by_cid[cid] = cs
         for cid, seq, count, deadline in db.execute(
-            "SELECT consumer_id, seq, delivery, deadline FROM pending ORDER BY consumer_id, seq"
+            "SELECT consumer_id, seq, delivery, deadline FROM pending"
+            + (where and " WHERE consumer_id IN (SELECT id FROM consumers" + where + ")")
+            + " ORDER BY consumer_id, seq",
+            params,
         ):
             cs = by_cid[cid]
             cs.pending[seq] = (count, deadline)
             cs.earliest = min(cs.earliest, deadline)
-        for sid, index in db.execute("SELECT stream_id, raft_index FROM raft_applied"):
+        for sid, index in db.execute(
+            "SELECT stream_id, raft_index FROM raft_applied" + where, params
+        ):
             if sid in by_id:
                 by_id[sid].applied = index
 
@@ -248,6 +266,8 @@ class SqliteStreamStore(MirroredStore):
             " WHERE key >= ? AND key <= ? ORDER BY key DESC",
             (block_key(st.key, 0), block_key(st.key, SEQ_MASK)),
         ):
+            if key & SEQ_MASK > st.last_seq:
+                continue  # a copy staged past the stream (meshbus.storage.images)
             if young and at < young[0][1] - window:
                 break
             check_block(self.path, st.config.name, key, last, crc, block)
@@ -552,6 +572,59 @@ class SqliteStreamStore(MirroredStore):
             if acked:
                 db.executemany(_DELETE_PENDING, [(cs.key, seq) for seq in acked])
         return len(acked)
+
+    # -- copies between replicas (meshbus.storage.images) ------------------------
+
+    def image(self, name: str) -> images.StreamImage:
+        """Stream ``name`` but its messages, as of the Raft entry it applied last."""
+        return images.image_of(self._stream(name))
+
+    def copy_out(self, name: str, from_seq: int, max_bytes: int) -> list[BlockRow]:
+        """The blocks holding the stream's messages from ``from_seq`` on, up to
+        ``max_bytes`` of them (at least one), as they are stored."""
+        return images.blocks_after(self._db, self.path, self._stream(name), from_seq, max_bytes)
+
+    def held_last(self, name: str) -> int:
+        """The last seq stream ``name`` holds, a copy staged past it included."""
+        return images.held_last(self._db, self._stream(name))
+
+    def stage(self, name: str, rows: list[BlockRow]) -> int:
+        """Blocks copied from another replica, staged past the stream until ``install``;
+        the last seq held now. CopyMismatch if they do not fit."""
+        images.check_rows(rows)
+        st = self._stream(name)
+        with self._tx() as db:
+            return images.stage(db, st, rows)
+
+    def install(self, name: str, image: images.StreamImage) -> None:
+        """Stream ``name`` becomes ``image`` over the blocks staged for it."""
+        st = self._stream(name)
+        self._decoded.clear()
+        try:
+            with self._tx() as db:
+                images.install(db, st, image)
+        finally:
+            self._load(st)
+        self._stream(name).ids.restore(image.publish_ids)
+
+    def discard_staged(self, name: str) -> None:
+        with self._tx() as db:
+            images.discard_staged(db, self._stream(name))
+
+    def flush(self) -> None:
+        """Make every commit so far durable, with ``fsync="normal"`` too: the database
+        file and its WAL fsynced (from another thread than the store's: it opens its own
+        descriptors). A replicated stream's Raft log drops the entries up to an index
+        only once the store holds their state durably."""
+        for path in (self.path, self.path + "-wal"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # no WAL: every commit is in the database file
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # -- salvage ------------------------------------------------------------------
 

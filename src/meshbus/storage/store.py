@@ -285,6 +285,28 @@ class PublishIds:
         self.ids.update(fresh)
         self._order.append((at, fresh))
 
+    def older_than(self, seq: int) -> list[tuple[float, bytes, int]]:
+        """(time, id, seq) of the ids remembered for seqs below ``seq``: those of the
+        messages retention removed, which their blocks no longer tell."""
+        ids = self.ids
+        return [
+            (at, publish_id, stored)
+            for at, batch in self._order
+            for publish_id, stored in batch.items()
+            if stored < seq and ids.get(publish_id) == stored
+        ]
+
+    def restore(self, rows: Iterable[tuple[float, bytes, int]]) -> None:
+        """Remember (time, id, seq) rows besides what is remembered, in time order (the
+        order they are forgotten in: as on the replica they were copied from)."""
+        batches = list(self._order)
+        for at, publish_id, seq in rows:
+            batches.append((at, {publish_id: seq}))
+        batches.sort(key=itemgetter(0))
+        self._order = deque(batches)
+        for _, batch in batches:
+            self.ids.update(batch)
+
     def expire(self, now: float) -> int:
         gone = 0
         order, ids = self._order, self.ids

@@ -50,6 +50,7 @@ from meshbus.broker.replication.consumers import (
     Outcome,
     apply_commands,
 )
+from meshbus.broker.replication.copies import StoreCopies, encode_mark
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
@@ -58,6 +59,8 @@ from meshbus.errors import ProtocolError
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     MAX_RAFT_MESSAGES,
+    RaftChunkBody,
+    RaftFetchBody,
     RaftFrame,
     RaftJoinBody,
     RaftMemberBody,
@@ -65,7 +68,8 @@ from meshbus.protocol.control import (
 from meshbus.protocol.layout import ControlType
 from meshbus.raft import Entry, Message
 from meshbus.storage.errors import StoreError
-from meshbus.storage.store import MirroredStore, NewMessage, StreamConfig
+from meshbus.storage.sqlite import SqliteStreamStore
+from meshbus.storage.store import NewMessage, StreamConfig
 
 log = logging.getLogger("meshbus.broker")
 
@@ -199,6 +203,18 @@ class PeerTransport:
         if link is not None:
             self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, stranger=True))
 
+    def fetch(self, broker: str, group: str, body: RaftFetchBody) -> None:
+        """Ask ``broker`` for the blocks of ``group``'s stream (a copy: copies.py)."""
+        link = self._peers.get(broker)
+        if link is not None:
+            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, fetch=body))
+
+    def chunk(self, broker: str, group: str, body: RaftChunkBody) -> None:
+        """Answer ``broker``'s fetch; FrameTooLarge past the frame limit."""
+        link = self._peers.get(broker)
+        if link is not None:
+            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, chunk=body))
+
     def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
         link = self._peers.get(broker)
         if link is None:
@@ -221,7 +237,7 @@ class ReplicatedStreams:
         self,
         *,
         name: Callable[[], str],
-        store: MirroredStore,
+        store: SqliteStreamStore,
         transport: PeerTransport,
         driver: Callable[[ReplicatedStreams], RaftDriver],
         capture: Callable[[StreamConfig, bytes, bytes, int], None],
@@ -230,12 +246,15 @@ class ReplicatedStreams:
         acknowledge: Callable[[bytes, dict[bytes, list[int]]], None],
         entry_limit: int,
         linked: Callable[[str], bool],
+        copy_retry: int,
     ) -> None:
         """``capture(config, member, session, epoch)`` makes this broker capture the
         stream (it leads it); ``release(name)`` stops that; ``deleted(name)`` deletes it
         from the store (its deletion is committed); ``acknowledge(member, acks)``
         sends the ACKs of what a commit stored. ``driver(self)`` builds the driver with
-        this as its state machine. ``linked(broker)``: a peer link to it is open now."""
+        this as its state machine. ``linked(broker)``: a peer link to it is open now.
+        ``copy_retry``: ticks after which a copy's unanswered request is sent again
+        (copies.py); its chunks are at most ``entry_limit`` * 2 bytes of blocks."""
         self._name = name
         self._store = store
         self._transport = transport
@@ -246,6 +265,14 @@ class ReplicatedStreams:
         self._entry_limit = entry_limit
         self._linked = linked
         self.driver = driver(self)
+        self.copies = StoreCopies(
+            store=store,
+            fetch=transport.fetch,
+            chunk=transport.chunk,
+            installed=self.driver.installed,
+            chunk_bytes=2 * entry_limit,
+            retry_ticks=copy_retry,
+        )
         self._consumers = ConsumerCommands(self._propose_commands, entry_limit)
         self.configs: dict[str, StreamConfig] = {}
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
@@ -305,6 +332,13 @@ class ReplicatedStreams:
         if body.stranger:
             self.driver.stranger(link.name, group, body.incarnation)
             return
+        if body.fetch is not None:
+            if self._is_member(link.name, group):
+                self.copies.serve(link.name, group, body.fetch)
+            return
+        if body.chunk is not None:
+            self.copies.received(link.name, group, body.chunk, self.driver.now)
+            return
         if body.replicas:
             if self._name() in body.replicas and group not in self.configs:
                 try:
@@ -321,6 +355,11 @@ class ReplicatedStreams:
             log.warning("dropped a RAFT frame", extra={"from": link.name, "error": str(exc)})
             return
         self.driver.receive(link.name, group, messages, body.incarnation)
+
+    def _is_member(self, broker: str, group: str) -> bool:
+        """Whether ``broker`` holds a member of ``group`` (only they may copy it)."""
+        state = self.driver.groups.get(group)
+        return state is not None and bool(state.current().of_broker(broker))
 
     def _join(self, link: Link, body: RaftFrame, join: RaftJoinBody) -> None:
         """This broker is added to a group by its leader: it takes part, from an empty
@@ -435,6 +474,8 @@ class ReplicatedStreams:
             return
         store = self._store
         applied = store.applied(group) if group in store else 0
+        if entries[-1].index > applied and self.copies.copying(group):
+            self.copies.abort(group)  # caught up by entries after all: the copy goes
         for entry in entries:
             if not entry.data or entry.membership is not None or entry.index <= applied:
                 continue  # a no-op, a membership, or applied before a restart
@@ -477,6 +518,23 @@ class ReplicatedStreams:
             extra={"stream": group, "index": index, "error": str(error)},
         )
         self.driver.drop(group)
+
+    def applied(self, group: str) -> int:
+        return self._store.applied(group) if group in self._store else 0
+
+    def snapshot(self, group: str) -> bytes:
+        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages."""
+        if group not in self._store:
+            return b""
+        info = self._store.info(group)
+        return encode_mark(self._store.applied(group), info.first_seq, info.last_seq)
+
+    def install(self, group: str, source: str, index: int, now: int) -> None:
+        if group in self.configs:
+            self.copies.want(group, source, index, now)
+
+    def flush(self) -> None:
+        self._store.flush()
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """Who captures: the leader, as the stream's member with epoch 2 * term + 1; while
@@ -528,6 +586,7 @@ class ReplicatedStreams:
             "leader": state.leader or "",
             "term": state.node.term,
             "committed": state.node.log.committed,
+            "snapshot": state.node.log.snapshot.index,
             "applied": self._store.applied(name) if name in self._store else 0,
             "replica_states": self.driver.replica_states(name),
         }
