@@ -29,6 +29,8 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 # Seconds: a limit, a wait, a grace period (about 31 years at most; NaN is refused).
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+# A time on a broker's clock, seconds since the epoch (a block's, a deadline).
+Clock = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
 
 
 class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -570,7 +572,7 @@ class RaftBlockBody(msgspec.Struct, array_like=True, frozen=True):
 
     first: Seq
     last: Seq
-    stored_at: Seconds
+    stored_at: Clock
     crc: U32
     data: bytes
 
@@ -585,7 +587,7 @@ class RaftConsumerImageBody(msgspec.Struct, array_like=True, frozen=True):
     owner: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)]
     # (seq, deliveries so far, redelivery deadline)
     pending: Annotated[
-        list[tuple[Seq, Count, Seconds]], msgspec.Meta(max_length=MAX_COPY_PENDING)
+        list[tuple[Seq, Count, Clock]], msgspec.Meta(max_length=MAX_COPY_PENDING)
     ] = msgspec.field(default_factory=list)
 
 
@@ -601,7 +603,7 @@ class RaftImageBody(msgspec.Struct, array_like=True, frozen=True):
     ] = msgspec.field(default_factory=list)
     # (time, publish id, seq): ids in the dedupe window of messages retention removed
     publish_ids: Annotated[
-        list[tuple[Seconds, Annotated[bytes, msgspec.Meta(max_length=MAX_PUBLISH_ID)], Seq]],
+        list[tuple[Clock, Annotated[bytes, msgspec.Meta(max_length=MAX_PUBLISH_ID)], Seq]],
         msgspec.Meta(max_length=MAX_COPY_PENDING),
     ] = msgspec.field(default_factory=list)
 

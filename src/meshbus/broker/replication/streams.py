@@ -592,19 +592,28 @@ class ReplicatedStreams:
         }
 
     def observe(self) -> dict[str, Any]:
-        """For stat and /metrics: the Raft log's fsyncs and their time, and per stream
-        its leader, term, commit lag (entries held here beyond the commit index: on the
-        leader, what waits for a majority), leader changes seen here and, on the leader,
-        its replicas' states (``RaftDriver.replica_states``)."""
+        """For stat and /metrics: the Raft log's fsyncs and their time, its compactions,
+        the snapshots installed here and the blocks copied for them (here and for
+        others), and per stream its leader, term, commit lag (entries held here beyond
+        the commit index: on the leader, what waits for a majority), its last snapshot
+        and the entries held since, leader changes seen here and, on the leader, its
+        replicas' states (``RaftDriver.replica_states``)."""
         driver = self.driver
         return {
             "syncs": driver.stats.syncs,
             "sync_seconds": driver.stats.sync_seconds,
+            "compactions": driver.stats.compactions,
+            "snapshots_installed": driver.stats.snapshots_installed,
+            "copied_blocks": self.copies.copied_blocks,
+            "served_blocks": self.copies.served_blocks,
             "streams": {
                 name: {
                     "leader": state.leader or "",
                     "term": state.node.term,
                     "commit_lag": state.node.log.last_index - state.node.log.committed,
+                    # The log held in memory: the entries since its last snapshot.
+                    "snapshot": state.node.log.snapshot.index,
+                    "log_entries": state.node.log.last_index - state.node.log.snapshot.index,
                     "leader_changes": state.leader_changes,
                     "replicas": driver.replica_states(name),
                 }

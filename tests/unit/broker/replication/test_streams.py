@@ -26,8 +26,8 @@ from meshbus.broker.replication.streams import (
     placement,
 )
 from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import RaftChunkBody, RaftFetchBody, RaftFrame
-from meshbus.protocol.layout import ControlType
+from meshbus.protocol.control import DECODERS, RaftChunkBody, RaftFetchBody, RaftFrame
+from meshbus.protocol.layout import CONTROL_HEADER_SIZE, ControlType
 from meshbus.raft import Message, RaftSettings
 from meshbus.storage.errors import ConsumerNotFound
 from meshbus.storage.raftlog import RaftWal
@@ -134,8 +134,11 @@ class Wire:
         self.in_flight.append((self.sender, broker, group, body))
 
     def chunk(self, broker: str, group: str, body: RaftChunkBody) -> None:
-        encode_control(ControlType.RAFT, RaftFrame(group=group, chunk=body), max_frame=FRAME)
-        self.in_flight.append((self.sender, broker, group, body))
+        frame = encode_control(
+            ControlType.RAFT, RaftFrame(group=group, chunk=body), max_frame=FRAME
+        )
+        sent = DECODERS[ControlType.RAFT].decode(frame[CONTROL_HEADER_SIZE:])
+        self.in_flight.append((self.sender, broker, group, sent.chunk))
 
 
 async def inline(work: Callable[[], None]) -> None:
