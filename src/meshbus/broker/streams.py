@@ -47,11 +47,11 @@ from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.streams import (
-    PeerTransport,
     ReplicatedStreams,
     placement,
     placement_order,
 )
+from meshbus.broker.replication.transport import PeerTransport
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError

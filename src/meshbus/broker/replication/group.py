@@ -47,6 +47,15 @@ def encode_snapshot(roster: Roster, app: bytes) -> bytes:
     return _encode(SnapshotData(encode_roster(roster), app))
 
 
+def snapshot_roster(data: bytes) -> bytes:
+    """The roster in a snapshot's data (b"": none there, or data this broker does not
+    read -- a snapshot from before rosters were kept in it)."""
+    try:
+        return _decode_snapshot(data).roster if data else b""
+    except msgspec.DecodeError:
+        return b""
+
+
 class GroupMeta(msgspec.Struct, array_like=True, frozen=True):
     """What a group is, stored with its log: its founding replicas (node id = place +
     1) and the application's description of it (a stream's configuration); on a member
@@ -94,8 +103,7 @@ class Group:
             data, term = entry.data, entry.term
         else:
             snapshot = log.snapshot
-            data = _decode_snapshot(snapshot.data).roster if snapshot.data else b""
-            term = snapshot.term
+            data, term = snapshot_roster(snapshot.data), snapshot.term
         if not data:
             return self.base()
         cached = self._roster
