@@ -59,6 +59,8 @@ FLAGS = {
     "--max-groups",
     "--raft-tick",
     "--replace-after",
+    "--raft-compact-entries",
+    "--raft-compact-bytes",
     "--max-requests",
     "--max-request-timeout",
     "--max-handshaking",
