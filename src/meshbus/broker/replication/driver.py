@@ -201,6 +201,7 @@ class RaftDriver:
         self._compaction = compaction
         self._rewrite_slack = rewrite_slack
         self._compacted = False  # a compaction's record waits: the machine flushes first
+        self._holding: set[str] = set()  # groups with a held snapshot (Group.held_snapshot)
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -519,9 +520,13 @@ class RaftDriver:
             for state in groups.values():
                 if state.node.role is Role.LEADER:
                     self._replace(state)
-        for state in groups.values():
-            held = state.held_snapshot
-            if held is not None and self._installable(state, held):
+        for name in list(self._holding):
+            state = groups.get(name)
+            held = state.held_snapshot if state is not None else None
+            if state is None or held is None:
+                self._holding.discard(name)
+            elif self._installable(state, held):
+                self._holding.discard(name)
                 state.held_snapshot = None
                 self.stats.snapshots_installed += 1
                 self._step(state, held)
@@ -611,6 +616,7 @@ class RaftDriver:
             # again at each heartbeat, and it acknowledges nothing.
             assert message.snapshot is not None
             state.held_snapshot = message
+            self._holding.add(state.name)
             source = state.broker_of(message.sender)
             if source is not None:
                 self._machine.install(state.name, source, message.snapshot.index, self.now)
