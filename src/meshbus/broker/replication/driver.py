@@ -521,15 +521,15 @@ class RaftDriver:
                 if state.node.role is Role.LEADER:
                     self._replace(state)
         for name in list(self._holding):
-            state = groups.get(name)
-            held = state.held_snapshot if state is not None else None
-            if state is None or held is None:
+            holding = groups.get(name)
+            held = holding.held_snapshot if holding is not None else None
+            if holding is None or held is None:
                 self._holding.discard(name)
-            elif self._installable(state, held):
+            elif self._installable(holding, held):
                 self._holding.discard(name)
-                state.held_snapshot = None
+                holding.held_snapshot = None
                 self.stats.snapshots_installed += 1
-                self._step(state, held)
+                self._step(holding, held)
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:
