@@ -57,25 +57,35 @@ async def acknowledged(producers: list[Producer], each: int, since: float) -> No
         await producer.wait_acked(each, since=since, timeout=90)
 
 
-async def test_a_follower_cut_off_past_the_compacted_log_catches_up_by_a_snapshot(
-    tmp_path,
+@pytest.mark.parametrize("nemesis", ["cut", "pause"])
+async def test_a_follower_left_behind_the_compacted_log_catches_up_by_a_snapshot(
+    tmp_path, nemesis: str
 ) -> None:
+    """The follower cut off (its links through the gates) or paused (SIGSTOP: its links
+    stay open, and what was sent to it before the leader stopped hearing from it waits
+    in them)."""
     async with replicated_stream(tmp_path, *ARGS) as (replicas, info):
         leader = info.leader
         cut, other = followers(replicas, leader)
         producers = await producing(replicas, leader, 4)
         consumer = await Consumer.on(replicas[other])
         cut_at = time.monotonic()
-        replicas.cut_off(cut)
+        if nemesis == "cut":
+            replicas.cut_off(cut)
+        else:
+            replicas.pause(cut)
         await acknowledged(producers, 600, since=cut_at)  # 2,400 appends without it
         seen = await raft_of(replicas[leader])
         held = seen["streams"][STREAM]
         # A turn's captures are one entry: 2,400 appends are at least 600 entries.
         assert seen["compactions"] >= 600 // (2 * ENTRIES), seen
         assert held["log_entries"] <= MAX_HELD, held
-        behind = (await raft_of(replicas[cut]))["streams"][STREAM]
-        assert behind["snapshot"] < held["snapshot"]  # what it lacks is gone from the log
-        replicas.reconnect(cut)
+        if nemesis == "cut":
+            behind = (await raft_of(replicas[cut]))["streams"][STREAM]
+            assert behind["snapshot"] < held["snapshot"]  # what it lacks is gone
+            replicas.reconnect(cut)
+        else:
+            replicas.resume(cut)
         healed_at = time.monotonic()
 
         async def installed() -> bool:
