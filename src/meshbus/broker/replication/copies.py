@@ -191,22 +191,23 @@ class StoreCopies:
             return
         blocks = [RaftBlockBody(*row) for row in rows]
         self.served_blocks += len(blocks)
-        last = store.info(group).last_seq
-        if rows and rows[-1][1] < last:
-            self._chunk(sender, group, RaftChunkBody(fetch.from_seq, blocks))
-            return
-        image = image_body(store.image(group))
-        try:
-            self._chunk(sender, group, RaftChunkBody(fetch.from_seq, blocks, image))
-        except FrameTooLarge:  # the blocks first, the image alone in the next answer
-            if not blocks:
-                log.error(
-                    "a stream's consumers hold too many pending deliveries for a replica "
-                    "to copy them in one frame; raise --max-frame on every broker",
-                    extra={"stream": group, "to": sender},
-                )
+        # Blocks alone: the image alone follows in the next answer (never an empty one).
+        answers = [RaftChunkBody(fetch.from_seq, blocks)] if blocks else []
+        if not rows or rows[-1][1] >= store.info(group).last_seq:
+            image = image_body(store.image(group))
+            answers.insert(0, RaftChunkBody(fetch.from_seq, blocks, image))
+        for answer in answers:
+            try:
+                self._chunk(sender, group, answer)
                 return
-            self._chunk(sender, group, RaftChunkBody(fetch.from_seq, blocks))
+            except FrameTooLarge:
+                continue
+        log.error(
+            "a replica's copy of a stream does not fit in a frame (its consumers hold too "
+            "many pending deliveries, or it has publish ids of too many messages retention "
+            "removed); raise --max-frame on every broker",
+            extra={"stream": group, "to": sender},
+        )
 
 
 def image_body(image: StreamImage) -> RaftImageBody:
