@@ -931,7 +931,15 @@ class StreamHost:
             "raft_log_failed": self.replicated.driver.failed if self.replicated else "",
             "raft": self.replicated.observe()
             if self.replicated is not None
-            else {"syncs": 0, "sync_seconds": 0.0, "streams": {}},
+            else {
+                "syncs": 0,
+                "sync_seconds": 0.0,
+                "compactions": 0,
+                "snapshots_installed": 0,
+                "copied_blocks": 0,
+                "served_blocks": 0,
+                "streams": {},
+            },
             "paused": {
                 n: [describe_address(group) for group in groups]
                 for n, groups in sorted(self.paused.items())
