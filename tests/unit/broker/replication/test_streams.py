@@ -392,3 +392,39 @@ async def test_a_copy_cut_short_goes_on_from_the_next_leader(compacting: Replica
         behind.store.read_blocks("ledger", 1, 1 << 20)
     )
     assert staged < behind.streams.copies.copied_blocks
+
+
+async def test_replicas_restarted_after_compactions_read_their_snapshots_back(
+    tmp_path: Path,
+) -> None:
+    """Every replica stopped after its log was compacted, and started again from its
+    files: each node starts from its snapshot (its roster with it), each store skips what
+    it applied, a leader is elected and the stream goes on, the same everywhere."""
+    replicas = Replicas(tmp_path, COMPACTION)
+    leader = await replicas.found(StreamConfig("ledger", (GROUP,)))
+    leader.streams.consume("ledger", ConsumerCommand.add(ConsumerConfig("work", ack_wait=60.0)))
+    await replicas.turns()
+    await appended(leader, replicas, 40)
+    await caught_up(replicas)
+    before = {name: stream_of(r) for name, r in replicas.by_name.items()}
+    replicas.close()
+    again = Replicas(tmp_path, COMPACTION)
+    try:
+        for replica in again.by_name.values():
+            assert replica.wal.groups["ledger"].snapshot.index > 0, replica.name
+            replica.streams.restore()
+        assert {name: stream_of(r) for name, r in again.by_name.items()} == before
+        for _ in range(100):
+            leaders = [r for r in again.by_name.values() if r.streams.leads("ledger")]
+            if leaders:
+                break
+            await again.turns()
+        else:
+            raise AssertionError("no leader elected in 100 ticks")
+        await appended(leaders[0], again, 5, first=40)
+        await caught_up(again)
+        states = {repr(stream_of(r)) for r in again.by_name.values()}
+        assert len(states) == 1
+        assert leaders[0].store.info("ledger").last_seq == 45 * 8
+    finally:
+        again.close()
