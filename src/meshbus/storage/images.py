@@ -31,13 +31,11 @@ from meshbus.storage.blocks import (
     BlockRow,
     block_crc,
     block_key,
-    block_keys,
     check_block,
 )
 from meshbus.storage.errors import StoreError
-from meshbus.storage.store import ConsumerConfig, StreamState
+from meshbus.storage.store import ConsumerConfig, PublishIds, StreamState
 
-_LAST_BLOCK = "SELECT last_seq FROM blocks WHERE key >= ? AND key <= ? ORDER BY key DESC LIMIT 1"
 _BLOCKS_AFTER = (
     "SELECT key, stored_at, last_seq, crc, messages FROM blocks"
     " WHERE key >= ? AND key <= ? AND last_seq >= ? ORDER BY key"
@@ -91,13 +89,6 @@ def image_of(st: StreamState) -> StreamImage:
     )
 
 
-def held_last(db: sqlite3.Connection, st: StreamState) -> int:
-    """The last seq of the stream's blocks, those of a copy staged past ``last_seq``
-    included (``last_seq`` if it has none)."""
-    row = db.execute(_LAST_BLOCK, (block_key(st.key, 0), block_key(st.key, SEQ_MASK))).fetchone()
-    return max(st.last_seq, row[0] if row else 0)
-
-
 def blocks_after(
     db: sqlite3.Connection, path: str, st: StreamState, from_seq: int, max_bytes: int
 ) -> list[BlockRow]:
@@ -124,54 +115,81 @@ def blocks_after(
     return rows
 
 
-def check_rows(rows: list[BlockRow]) -> None:
+def check_rows(rows: list[BlockRow]) -> list[tuple[int, float, dict[bytes, int]]]:
     """Blocks from another replica: each whole (its CRC32), of as many messages as its
-    seqs say, in order. CopyMismatch if not."""
+    seqs say, in order. CopyMismatch if not. Each block's first seq, time and publish
+    ids (id -> seq)."""
     after = 0
-    for first, last, _, crc, data in rows:
+    ids: list[tuple[int, float, dict[bytes, int]]] = []
+    for first, last, at, crc, data in rows:
         if not after < first <= last or block_crc(data) != crc:
             raise CopyMismatch(f"a copied block of seqs {first}..{last} is damaged or out of order")
         try:
-            count = len(decode_block(data))
+            block = decode_block(data)
         except (msgspec.DecodeError, ValueError) as exc:
             raise CopyMismatch(f"a copied block of seqs {first}..{last} does not decode") from exc
-        if count != last - first + 1:
-            raise CopyMismatch(f"a copied block of seqs {first}..{last} holds {count} messages")
+        if len(block) != last - first + 1:
+            raise CopyMismatch(
+                f"a copied block of seqs {first}..{last} holds {len(block)} messages"
+            )
+        batch = {i: seq for seq, i in enumerate(block.publish_id_list(), first) if i}
+        ids.append((first, at, batch))
         after = last
+    return ids
 
 
-def stage(db: sqlite3.Connection, st: StreamState, rows: list[BlockRow]) -> int:
+@dataclass
+class Staged:
+    """A copy staged past a stream, as the store keeps it in memory (a restart drops its
+    blocks too): the seqs of its blocks -- unbroken from ``first`` to ``last`` (0: none
+    yet) -- and their publish ids, remembered as they come."""
+
+    ids: PublishIds
+    first: int = 0
+    last: int = 0
+
+    def held_last(self, st: StreamState) -> int:
+        """The last seq the stream holds, the staged blocks included."""
+        return max(st.last_seq, self.last)
+
+
+def stage(db: sqlite3.Connection, st: StreamState, staged: Staged, rows: list[BlockRow]) -> int:
     """Write the copied blocks past what the stream holds (staged and not); the last seq
-    held now. A block that starts inside one held -- they would not line up -- is a
-    CopyMismatch."""
-    held = held_last(db, st)
+    held now. Blocks must follow on from those held, unbroken -- but for the first
+    staged, which may start past the stream's end (what lies between is gone from the
+    replica copied: retention) --; one that does not is a CopyMismatch."""
+    held = staged.held_last(st)
     fresh = [row for row in rows if row[1] > held]
-    if fresh and fresh[0][0] <= held:
-        raise CopyMismatch(
-            f"a copied block of seqs {fresh[0][0]}..{fresh[0][1]} overlaps the blocks held "
-            f"(to {held})"
-        )
+    expected = held + 1 if staged.first else 0
+    for first, last, *_ in fresh:
+        if first <= held or (expected and first != expected):
+            raise CopyMismatch(
+                f"a copied block of seqs {first}..{last} does not follow on from the "
+                f"blocks held (to {held})"
+            )
+        expected = last + 1
+    if not fresh:
+        return held
     db.executemany(
         "INSERT INTO blocks VALUES (?, ?, ?, ?, ?)",
         [(block_key(st.key, first), last, at, crc, data) for first, last, at, crc, data in fresh],
     )
-    return fresh[-1][1] if fresh else held
+    staged.first = staged.first or fresh[0][0]
+    staged.last = fresh[-1][1]
+    return staged.last
 
 
-def install(db: sqlite3.Connection, st: StreamState, image: StreamImage) -> None:
+def install(db: sqlite3.Connection, st: StreamState, staged: Staged, image: StreamImage) -> None:
     """Make the stream ``image``: its blocks past ``image.last_seq`` and before
     ``image.first_seq`` gone, its counters, consumers and Raft index replaced. The caller
     reloads its mirror of the stream. CopyMismatch if the blocks held do not run
-    unbroken over ``image.first_seq..image.last_seq``."""
+    unbroken over ``image.first_seq..image.last_seq``: the stream's own (unbroken) and
+    the staged ones after them, or the staged ones alone."""
     sid = st.key
     if image.last_seq >= image.first_seq:
-        blocks = block_keys(db, sid, image.first_seq, image.last_seq)
-        expected = (blocks[0][0] & SEQ_MASK) if blocks else 0
-        for key, _, last in blocks:
-            if key & SEQ_MASK != expected:
-                break
-            expected = last + 1
-        if not blocks or blocks[0][0] & SEQ_MASK > image.first_seq or expected <= image.last_seq:
+        follows_on = staged.first in (0, st.last_seq + 1)
+        start = st.first_seq if follows_on else staged.first
+        if staged.held_last(st) < image.last_seq or start > image.first_seq:
             raise CopyMismatch(
                 f"the blocks held do not cover seqs {image.first_seq}..{image.last_seq}"
             )

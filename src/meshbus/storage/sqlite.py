@@ -70,6 +70,7 @@ from meshbus.storage.store import (
     Delivery,
     MirroredStore,
     NewMessage,
+    PublishIds,
     StoredMessage,
     StreamConfig,
     StreamState,
@@ -105,6 +106,7 @@ class SqliteStreamStore(MirroredStore):
         super().__init__()
         self.path = os.fspath(path)
         self._purge: list[int] = []  # ids of deleted streams whose blocks are still there
+        self._staged: dict[str, images.Staged] = {}  # stream -> a copy staged past it
         self._purge_rows = PURGE_ROWS
         # Before SQLite opens the file: once it has, a damaged WAL is cut short for good.
         problem = check_files(self.path)
@@ -204,7 +206,8 @@ class SqliteStreamStore(MirroredStore):
 
     def _load(self, only: StreamState | None = None) -> None:
         """(Re)build the mirror from the database, the truth: of every stream, or of
-        stream ``only`` alone (a copy installed in it)."""
+        stream ``only`` alone (a copy installed in it: its publish ids are the caller's,
+        not read back from its blocks)."""
         db = self._db
         self._decoded: dict[int, Block] = {}
         params: tuple[int, ...] = ()
@@ -226,7 +229,8 @@ class SqliteStreamStore(MirroredStore):
             st = StreamState(config, first, last, size, key=sid)
             if st.count:
                 st.first_at = block_keys(db, sid, first, first)[0][1]  # no decoding
-            self._load_publish_ids(st)
+            if only is None:
+                self._load_publish_ids(st)
             self._streams[name] = by_id[sid] = st
         by_cid: dict[int, ConsumerState] = {}
         for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped, owner in db.execute(
@@ -361,6 +365,7 @@ class SqliteStreamStore(MirroredStore):
         st = self._stream(name)
         sid = st.key
         self._decoded.clear()
+        self._staged.pop(name, None)
         with self._tx() as db:
             db.execute(
                 "DELETE FROM pending WHERE consumer_id IN"
@@ -586,28 +591,47 @@ class SqliteStreamStore(MirroredStore):
 
     def held_last(self, name: str) -> int:
         """The last seq stream ``name`` holds, a copy staged past it included."""
-        return images.held_last(self._db, self._stream(name))
+        st = self._stream(name)
+        staged = self._staged.get(name)
+        return staged.held_last(st) if staged is not None else st.last_seq
 
     def stage(self, name: str, rows: list[BlockRow]) -> int:
         """Blocks copied from another replica, staged past the stream until ``install``;
-        the last seq held now. CopyMismatch if they do not fit."""
-        images.check_rows(rows)
+        the last seq held now. CopyMismatch if they do not fit. Their publish ids are
+        remembered as they come (within the dedupe window of the newest), so that the
+        install neither reads them back from every block nor builds their table at
+        once: either would hold the caller as long as a store's open does."""
+        blocks = images.check_rows(rows)
         st = self._stream(name)
+        staged = self._staged.get(name)
+        if staged is None:
+            staged = self._staged[name] = images.Staged(PublishIds(st.config.dedupe_window))
+        before = staged.held_last(st)
         with self._tx() as db:
-            return images.stage(db, st, rows)
+            held = images.stage(db, st, staged, rows)
+        for first, at, batch in blocks:
+            if first > before and batch:
+                staged.ids.remember(batch, at)
+        if blocks:
+            staged.ids.expire(max(at for _, at, _ in blocks))
+        return held
 
     def install(self, name: str, image: images.StreamImage) -> None:
-        """Stream ``name`` becomes ``image`` over the blocks staged for it."""
+        """Stream ``name`` becomes ``image`` over the blocks staged for it. Its publish
+        ids: those of the staged blocks, with those it knew and the image's."""
         st = self._stream(name)
+        staged = self._staged.get(name) or images.Staged(PublishIds(st.config.dedupe_window))
+        known = st.ids.older_than(SEQ_MASK)
         self._decoded.clear()
-        try:
-            with self._tx() as db:
-                images.install(db, st, image)
-        finally:
-            self._load(st)
-        self._stream(name).ids.restore(image.publish_ids)
+        with self._tx() as db:  # a failure reloads the whole mirror, publish ids with it
+            images.install(db, st, staged, image)
+        self._load(st)
+        self._staged.pop(name, None)
+        staged.ids.restore([*known, *image.publish_ids])
+        self._stream(name).ids = staged.ids
 
     def discard_staged(self, name: str) -> None:
+        self._staged.pop(name, None)
         with self._tx() as db:
             images.discard_staged(db, self._stream(name))
 

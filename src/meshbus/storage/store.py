@@ -26,13 +26,14 @@ in seq order, stays sorted by seq.
 from __future__ import annotations
 
 import abc
+import heapq
 import math
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from itertools import repeat, takewhile
+from itertools import groupby, repeat, takewhile
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -298,13 +299,14 @@ class PublishIds:
 
     def restore(self, rows: Iterable[tuple[float, bytes, int]]) -> None:
         """Remember (time, id, seq) rows besides what is remembered, in time order (the
-        order they are forgotten in: as on the replica they were copied from)."""
-        batches = list(self._order)
-        for at, publish_id, seq in rows:
-            batches.append((at, {publish_id: seq}))
-        batches.sort(key=itemgetter(0))
-        self._order = deque(batches)
-        for _, batch in batches:
+        order they are forgotten in: as on the replica they were copied from). Costs
+        the rows and a merge of the batches, not the ids already remembered."""
+        extra = [
+            (at, {publish_id: seq for _, publish_id, seq in same})
+            for at, same in groupby(sorted(rows, key=itemgetter(0)), key=itemgetter(0))
+        ]
+        self._order = deque(heapq.merge(self._order, extra, key=itemgetter(0)))
+        for _, batch in extra:
             self.ids.update(batch)
 
     def expire(self, now: float) -> int:

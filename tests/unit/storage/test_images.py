@@ -73,9 +73,11 @@ def test_a_store_behind_is_copied_from_where_it_is(pair) -> None:
     assert source.info("orders").first_seq == 151  # retention removed the rest
     assert copy(source, target) > 3  # the chunks are bounded
     assert everything(target) == everything(source)
-    # The publish ids of messages retention removed came too: a resend is a duplicate.
-    assert source.append_entry("orders", batch(5, 1), 1100.0, 31)[0].duplicate
-    assert target.append_entry("orders", batch(5, 1), 1100.0, 31)[0].duplicate
+    # The publish ids came too -- of the blocks copied, and of the messages retention
+    # removed (in the image) --: a resend of either is a duplicate there as here.
+    for entry, resent in ((31, batch(290, 1)), (32, batch(5, 1))):
+        assert source.append_entry("orders", resent, 1100.0, entry)[0].duplicate
+        assert target.append_entry("orders", resent, 1100.0, entry)[0].duplicate
     assert everything(target) == everything(source)
 
 
@@ -115,8 +117,10 @@ def test_what_does_not_fit_is_refused(pair) -> None:
     with pytest.raises(CopyMismatch, match="holds 10 messages"):
         target.stage("orders", [(first, last + 1, at, crc, data)])
     target.stage("orders", rows[:1])
-    with pytest.raises(CopyMismatch, match="overlaps"):
+    with pytest.raises(CopyMismatch, match="does not follow on"):  # inside one held
         target.stage("orders", [(5, 14, at, crc, data)])
+    with pytest.raises(CopyMismatch, match="does not follow on"):  # a gap
+        target.stage("orders", rows[2:3])
     with pytest.raises(CopyMismatch, match="do not cover"):  # seqs 11..100 are missing
         target.install("orders", source.image("orders"))
     assert target.info("orders").last_seq == 0  # nothing changed
