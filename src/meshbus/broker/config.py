@@ -272,6 +272,23 @@ class BrokerConfig:
         "name.",
         metavar="NAME",
     )
+    raft_compact_entries: int = setting(
+        8192,
+        min=16,
+        max=2**31 - 1,
+        help="Replicated streams: a replica compacts a stream's Raft log once it applied "
+        "this many entries since the last snapshot (or --raft-compact-bytes of them), so "
+        "the log in memory and on disk stays bounded. The messages stay in the stream; a "
+        "replica behind the leader's log copies the stream from it (docs/raft.md).",
+    )
+    raft_compact_bytes: int = setting(
+        8 << 20,
+        min=4096,
+        max=2**40,
+        help="Replicated streams: a replica compacts a stream's Raft log once the entries "
+        "it applied since the last snapshot hold this many bytes (or "
+        "--raft-compact-entries of them).",
+    )
     max_streams: int = setting(
         1000,
         min=0,

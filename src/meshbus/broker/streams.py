@@ -43,11 +43,13 @@ from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.relay import Relay
 from meshbus.broker.mesh.sync import RouteSync
+from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand
 from meshbus.broker.replication.placement import replacement_order, spread
-from meshbus.broker.replication.streams import ConfigBody, PeerTransport, ReplicatedStreams
+from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
+from meshbus.broker.replication.transport import PeerTransport
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
 from meshbus.errors import ProtocolError
@@ -183,8 +185,8 @@ class StreamHost:
             os.makedirs(data_dir, exist_ok=True)
             self._lock = lock_data_dir(data_dir)
             path = os.path.join(data_dir, "streams.db")
-            self.store = SqliteStreamStore(path, fsync=config.fsync)
-            self.replicated = self._replication(data_dir, peers, randomness)
+            self.store = store = SqliteStreamStore(path, fsync=config.fsync)
+            self.replicated = self._replication(data_dir, store, peers, randomness)
         else:
             self.store = MemoryStreamStore()
         self.sink = StreamSink(self._captured)
@@ -205,7 +207,7 @@ class StreamHost:
         self._adding: set[asyncio.Task[None]] = set()  # replicated adds waiting for the meta group
 
     def _replication(
-        self, data_dir: str, peers: Peers, randomness: Randomness
+        self, data_dir: str, store: SqliteStreamStore, peers: Peers, randomness: Randomness
     ) -> ReplicatedStreams:
         wal, recovery = RaftWal.open(os.path.join(data_dir, "raft.wal"))
         if recovery.damage:
@@ -236,6 +238,10 @@ class StreamHost:
                 run_blocking=run_blocking,
                 replace_after=math.ceil(config.replace_after / config.raft_tick),
                 candidates=candidates,
+                compaction=CompactionPolicy(config.raft_compact_entries, config.raft_compact_bytes),
+                # The log file is rewritten once past twice its live records and this:
+                # with compaction, a few snapshots' worth.
+                rewrite_slack=8 * config.raft_compact_bytes,
             )
 
         def candidates(stream: str) -> list[str]:
@@ -247,7 +253,7 @@ class StreamHost:
 
         return ReplicatedStreams(
             name=lambda: config.name,
-            store=self.store,
+            store=store,
             transport=transport,
             driver=driver,
             capture=self._lead,
@@ -258,6 +264,7 @@ class StreamHost:
             linked=lambda broker: peers.get(broker) is not None,
             meta_voters=config.meta_voters,
             meta_changed=self._hosted_changed,
+            copy_retry=RAFT_SETTINGS.election_ticks,
         )
 
     def advertised(self) -> tuple[int, list[str], str]:
@@ -1049,7 +1056,15 @@ class StreamHost:
             "raft_log_failed": self.replicated.driver.failed if self.replicated else "",
             "raft": self.replicated.observe()
             if self.replicated is not None
-            else {"syncs": 0, "sync_seconds": 0.0, "streams": {}},
+            else {
+                "syncs": 0,
+                "sync_seconds": 0.0,
+                "compactions": 0,
+                "snapshots_installed": 0,
+                "copied_blocks": 0,
+                "served_blocks": 0,
+                "streams": {},
+            },
             "paused": {
                 n: [describe_address(group) for group in groups]
                 for n, groups in sorted(self.paused.items())

@@ -29,6 +29,8 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 # Seconds: a limit, a wait, a grace period (about 31 years at most; NaN is refused).
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+# A time on a broker's clock, seconds since the epoch (a block's, a deadline).
+Clock = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
 
 
 class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -565,6 +567,77 @@ class RaftJoinBody(msgspec.Struct, array_like=True, frozen=True):
     members: Annotated[list[RaftMemberBody], msgspec.Meta(max_length=MAX_MEMBERS)]
 
 
+# A replica copying a stream's store from another (docs/raft.md, "Snapshots of a
+# stream"): the blocks of one answer, the consumers of a stream, the pending deliveries
+# of one consumer. A frame's size bounds them first; these bound what a decoder makes.
+MAX_COPY_BLOCKS = 4096
+MAX_COPY_CONSUMERS = 10_000
+MAX_COPY_PENDING = 1 << 20
+MAX_CONSUMER_NAME = 64
+MAX_PUBLISH_ID = 0xFFFF
+
+
+class RaftFetchBody(msgspec.Struct, array_like=True, frozen=True):
+    """A replica asks for the stream's blocks from ``from_seq`` on; with them, once they
+    reach the stream's last message, the stream's image (``RaftImageBody``)."""
+
+    from_seq: Seq
+
+
+class RaftBlockBody(msgspec.Struct, array_like=True, frozen=True):
+    """One stored block, as it is (meshbus.storage.blocks): its seqs, its time, its CRC32."""
+
+    first: Seq
+    last: Seq
+    stored_at: Clock
+    crc: U32
+    data: bytes
+
+
+class RaftConsumerImageBody(msgspec.Struct, array_like=True, frozen=True):
+    name: Annotated[str, msgspec.Meta(max_length=MAX_CONSUMER_NAME)]
+    ack_wait: Seconds
+    max_deliver: Count
+    start_seq: Seq
+    next_seq: Seq
+    dropped: Counter
+    owner: Annotated[str, msgspec.Meta(max_length=MAX_USER_NAME)]
+    # (seq, deliveries so far, redelivery deadline)
+    pending: Annotated[
+        list[tuple[Seq, Count, Clock]], msgspec.Meta(max_length=MAX_COPY_PENDING)
+    ] = msgspec.field(default_factory=list)
+
+
+class RaftImageBody(msgspec.Struct, array_like=True, frozen=True):
+    """A stream but its messages, as of Raft entry ``applied`` (meshbus.storage.images)."""
+
+    applied: Counter
+    first_seq: Seq
+    last_seq: Seq
+    payload_bytes: ByteCount
+    consumers: Annotated[
+        list[RaftConsumerImageBody], msgspec.Meta(max_length=MAX_COPY_CONSUMERS)
+    ] = msgspec.field(default_factory=list)
+    # (time, publish id, seq): ids in the dedupe window of messages retention removed
+    publish_ids: Annotated[
+        list[tuple[Clock, Annotated[bytes, msgspec.Meta(max_length=MAX_PUBLISH_ID)], Seq]],
+        msgspec.Meta(max_length=MAX_COPY_PENDING),
+    ] = msgspec.field(default_factory=list)
+
+
+class RaftChunkBody(msgspec.Struct, array_like=True, frozen=True):
+    """The answer to a ``RaftFetchBody`` of ``from_seq``: blocks from there on, and the
+    image once they reach the stream's last message. ``missing``: the sender holds no
+    such stream (any more)."""
+
+    from_seq: Seq
+    blocks: Annotated[list[RaftBlockBody], msgspec.Meta(max_length=MAX_COPY_BLOCKS)] = (
+        msgspec.field(default_factory=list)
+    )
+    image: RaftImageBody | None = None
+    missing: bool = False
+
+
 class RaftFrame(Body):
     """RAFT: messages of the Raft group of replicated stream ``group`` (docs/protocol.md).
     With ``replicas`` (and ``create``, the stream's configuration) it founds the group on
@@ -572,7 +645,8 @@ class RaftFrame(Body):
     with ``join`` as well, it adds the receiver to the group as a new member (the
     group's leader sends it). ``incarnation`` is the sender's (0: a broker from before
     incarnations); ``stranger`` says the sender holds no such group (the answer to
-    messages of a group it does not hold)."""
+    messages of a group it does not hold). ``fetch`` and ``chunk``: a replica copying the
+    stream's store from the sender of a snapshot, and its answer."""
 
     group: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GROUP_NAME)]
     messages: Annotated[list[RaftMessageBody], msgspec.Meta(max_length=MAX_RAFT_MESSAGES)] = (
@@ -597,6 +671,8 @@ class RaftFrame(Body):
     command: Annotated[bytes, msgspec.Meta(max_length=MAX_META_COMMAND)] = b""
     serial: Counter = 0
     outcome: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    fetch: RaftFetchBody | None = None
+    chunk: RaftChunkBody | None = None
 
 
 # seq, stored_at, src, dst, group, priority, payload, delivery count, header block

@@ -83,6 +83,12 @@ class RaftLog:
         """The index of the latest membership change in the log (the snapshot's if none)."""
         return self._changes[-1] if self._changes else self.snapshot.index
 
+    def change_at(self, index: int) -> int:
+        """The index of the latest membership change at or before ``index`` (the
+        snapshot's if none in the log is)."""
+        position = bisect.bisect_right(self._changes, index)
+        return self._changes[position - 1] if position else self.snapshot.index
+
     def append(self, entries: Sequence[Entry]) -> None:
         """The leader's own entries, right after its last."""
         assert not entries or entries[0].index == self.last_index + 1

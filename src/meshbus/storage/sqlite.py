@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from meshbus.protocol.blocks import Block, BlockSlice, decode_block
+from meshbus.storage import images
 from meshbus.storage.blocks import (
     ADD_OWNERS,
     INSERT_BLOCK,
@@ -69,6 +70,7 @@ from meshbus.storage.store import (
     Delivery,
     MirroredStore,
     NewMessage,
+    PublishIds,
     StoredMessage,
     StreamConfig,
     StreamState,
@@ -104,6 +106,7 @@ class SqliteStreamStore(MirroredStore):
         super().__init__()
         self.path = os.fspath(path)
         self._purge: list[int] = []  # ids of deleted streams whose blocks are still there
+        self._staged: dict[str, images.Staged] = {}  # stream -> a copy staged past it
         self._purge_rows = PURGE_ROWS
         # Before SQLite opens the file: once it has, a damaged WAL is cut short for good.
         problem = check_files(self.path)
@@ -165,6 +168,9 @@ class SqliteStreamStore(MirroredStore):
                     db.execute(statement)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._load()
+        with self._tx() as db:
+            for st in self._streams.values():
+                images.discard_staged(db, st)  # a copy a restart cut short starts again
         self._verify_newest()
         self._find_orphans()
 
@@ -198,15 +204,24 @@ class SqliteStreamStore(MirroredStore):
                 self._purge.append(sid)
             key = block_key(sid, SEQ_MASK)
 
-    def _load(self) -> None:
-        """(Re)build the mirror from the database, the truth."""
+    def _load(self, only: StreamState | None = None) -> None:
+        """(Re)build the mirror from the database, the truth: of every stream, or of
+        stream ``only`` alone (a copy installed in it: its publish ids are the caller's,
+        not read back from its blocks)."""
         db = self._db
-        self._streams = {}
         self._decoded: dict[int, Block] = {}
+        params: tuple[int, ...] = ()
+        if only is None:
+            self._streams = {}
+            where = ""
+        else:
+            del self._streams[only.config.name]
+            where, params = " WHERE stream_id = ?", (only.key,)
         by_id: dict[int, StreamState] = {}
         for row in db.execute(
             "SELECT id, name, captures, max_msgs, max_bytes, max_age, dedupe_window,"
-            " first_seq, last_seq, bytes, owner FROM streams"
+            " first_seq, last_seq, bytes, owner FROM streams" + where.replace("stream_id", "id"),
+            params,
         ):
             sid, name, caps, max_msgs, max_bytes, max_age, window, first, last, size, owner = row
             captures = tuple(caps[i : i + ADDRESS_LEN] for i in range(0, len(caps), ADDRESS_LEN))
@@ -214,12 +229,14 @@ class SqliteStreamStore(MirroredStore):
             st = StreamState(config, first, last, size, key=sid)
             if st.count:
                 st.first_at = block_keys(db, sid, first, first)[0][1]  # no decoding
-            self._load_publish_ids(st)
+            if only is None:
+                self._load_publish_ids(st)
             self._streams[name] = by_id[sid] = st
         by_cid: dict[int, ConsumerState] = {}
         for cid, sid, name, ack_wait, max_deliver, start, next_seq, dropped, owner in db.execute(
             "SELECT id, stream_id, name, ack_wait, max_deliver, start_seq, next_seq, dropped,"
-            " owner FROM consumers"
+            " owner FROM consumers" + where,
+            params,
         ):
             cs = ConsumerState(
                 ConsumerConfig(name, ack_wait, max_deliver, start, owner), next_seq, dropped
@@ -227,12 +244,17 @@ class SqliteStreamStore(MirroredStore):
             cs.key = cid
             by_id[sid].consumers[name] = by_cid[cid] = cs
         for cid, seq, count, deadline in db.execute(
-            "SELECT consumer_id, seq, delivery, deadline FROM pending ORDER BY consumer_id, seq"
+            "SELECT consumer_id, seq, delivery, deadline FROM pending"
+            + (where and " WHERE consumer_id IN (SELECT id FROM consumers" + where + ")")
+            + " ORDER BY consumer_id, seq",
+            params,
         ):
             cs = by_cid[cid]
             cs.pending[seq] = (count, deadline)
             cs.earliest = min(cs.earliest, deadline)
-        for sid, index in db.execute("SELECT stream_id, raft_index FROM raft_applied"):
+        for sid, index in db.execute(
+            "SELECT stream_id, raft_index FROM raft_applied" + where, params
+        ):
             if sid in by_id:
                 by_id[sid].applied = index
 
@@ -248,6 +270,8 @@ class SqliteStreamStore(MirroredStore):
             " WHERE key >= ? AND key <= ? ORDER BY key DESC",
             (block_key(st.key, 0), block_key(st.key, SEQ_MASK)),
         ):
+            if key & SEQ_MASK > st.last_seq:
+                continue  # a copy staged past the stream (meshbus.storage.images)
             if young and at < young[0][1] - window:
                 break
             check_block(self.path, st.config.name, key, last, crc, block)
@@ -341,6 +365,7 @@ class SqliteStreamStore(MirroredStore):
         st = self._stream(name)
         sid = st.key
         self._decoded.clear()
+        self._staged.pop(name, None)
         with self._tx() as db:
             db.execute(
                 "DELETE FROM pending WHERE consumer_id IN"
@@ -552,6 +577,78 @@ class SqliteStreamStore(MirroredStore):
             if acked:
                 db.executemany(_DELETE_PENDING, [(cs.key, seq) for seq in acked])
         return len(acked)
+
+    # -- copies between replicas (meshbus.storage.images) ------------------------
+
+    def image(self, name: str) -> images.StreamImage:
+        """Stream ``name`` but its messages, as of the Raft entry it applied last."""
+        return images.image_of(self._stream(name))
+
+    def copy_out(self, name: str, from_seq: int, max_bytes: int) -> list[BlockRow]:
+        """The blocks holding the stream's messages from ``from_seq`` on, up to
+        ``max_bytes`` of them (at least one), as they are stored."""
+        return images.blocks_after(self._db, self.path, self._stream(name), from_seq, max_bytes)
+
+    def held_last(self, name: str) -> int:
+        """The last seq stream ``name`` holds, a copy staged past it included."""
+        st = self._stream(name)
+        staged = self._staged.get(name)
+        return staged.held_last(st) if staged is not None else st.last_seq
+
+    def stage(self, name: str, rows: list[BlockRow]) -> int:
+        """Blocks copied from another replica, staged past the stream until ``install``;
+        the last seq held now. CopyMismatch if they do not fit. Their publish ids are
+        remembered as they come (within the dedupe window of the newest), so that the
+        install neither reads them back from every block nor builds their table at
+        once: either would hold the caller as long as a store's open does."""
+        blocks = images.check_rows(rows)
+        st = self._stream(name)
+        staged = self._staged.get(name)
+        if staged is None:
+            staged = self._staged[name] = images.Staged(PublishIds(st.config.dedupe_window))
+        before = staged.held_last(st)
+        with self._tx() as db:
+            held = images.stage(db, st, staged, rows)
+        for first, at, batch in blocks:
+            if first > before and batch:
+                staged.ids.remember(batch, at)
+        if blocks:
+            staged.ids.expire(max(at for _, at, _ in blocks))
+        return held
+
+    def install(self, name: str, image: images.StreamImage) -> None:
+        """Stream ``name`` becomes ``image`` over the blocks staged for it. Its publish
+        ids: those of the staged blocks, with those it knew and the image's."""
+        st = self._stream(name)
+        staged = self._staged.get(name) or images.Staged(PublishIds(st.config.dedupe_window))
+        known = st.ids.older_than(SEQ_MASK)
+        self._decoded.clear()
+        with self._tx() as db:  # a failure reloads the whole mirror, publish ids with it
+            images.install(db, st, staged, image)
+        self._load(st)
+        self._staged.pop(name, None)
+        staged.ids.restore([*known, *image.publish_ids])
+        self._stream(name).ids = staged.ids
+
+    def discard_staged(self, name: str) -> None:
+        self._staged.pop(name, None)
+        with self._tx() as db:
+            images.discard_staged(db, self._stream(name))
+
+    def flush(self) -> None:
+        """Make every commit so far durable, with ``fsync="normal"`` too: the database
+        file and its WAL fsynced (from another thread than the store's: it opens its own
+        descriptors). A replicated stream's Raft log drops the entries up to an index
+        only once the store holds their state durably."""
+        for path in (self.path, self.path + "-wal"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # no WAL: every commit is in the database file
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # -- salvage ------------------------------------------------------------------
 

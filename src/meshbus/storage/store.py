@@ -26,13 +26,14 @@ in seq order, stays sorted by seq.
 from __future__ import annotations
 
 import abc
+import heapq
 import math
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from itertools import repeat, takewhile
+from itertools import groupby, repeat, takewhile
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -284,6 +285,29 @@ class PublishIds:
         """Remember a batch's publish id -> seq, all stored at ``at``."""
         self.ids.update(fresh)
         self._order.append((at, fresh))
+
+    def older_than(self, seq: int) -> list[tuple[float, bytes, int]]:
+        """(time, id, seq) of the ids remembered for seqs below ``seq``: those of the
+        messages retention removed, which their blocks no longer tell."""
+        ids = self.ids
+        return [
+            (at, publish_id, stored)
+            for at, batch in self._order
+            for publish_id, stored in batch.items()
+            if stored < seq and ids.get(publish_id) == stored
+        ]
+
+    def restore(self, rows: Iterable[tuple[float, bytes, int]]) -> None:
+        """Remember (time, id, seq) rows besides what is remembered, in time order (the
+        order they are forgotten in: as on the replica they were copied from). Costs
+        the rows and a merge of the batches, not the ids already remembered."""
+        extra = [
+            (at, {publish_id: seq for _, publish_id, seq in same})
+            for at, same in groupby(sorted(rows, key=itemgetter(0)), key=itemgetter(0))
+        ]
+        self._order = deque(heapq.merge(self._order, extra, key=itemgetter(0)))
+        for _, batch in extra:
+            self.ids.update(batch)
 
     def expire(self, now: float) -> int:
         gone = 0

@@ -61,6 +61,8 @@ FLAGS = {
     "--replace-after",
     "--zone",
     "--meta-voter",
+    "--raft-compact-entries",
+    "--raft-compact-bytes",
     "--max-requests",
     "--max-request-timeout",
     "--max-handshaking",

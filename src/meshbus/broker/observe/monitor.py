@@ -296,9 +296,10 @@ def _nats(broker: str, nats: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _raft(broker: str, raft: dict[str, Any]) -> Iterator[Metric]:
-    """Replicated streams (docs/raft.md): the Raft log's fsyncs and their time, and per
-    stream what this replica sees -- its commit lag, the leaders it saw come, whether it
-    leads, and on the leader how far behind each replica is."""
+    """Replicated streams (docs/raft.md): the Raft log's fsyncs and their time, its
+    compactions and the snapshots installed here, and per stream what this replica sees
+    -- its commit lag, the leaders it saw come, whether it leads, the entries its log
+    holds since its snapshot, and on the leader how far behind each replica is."""
     syncs = SummaryMetricFamily(
         "meshbus_raft_sync_seconds",
         "Appending and fsyncing the Raft log, one sync a turn for every replicated stream.",
@@ -306,6 +307,19 @@ def _raft(broker: str, raft: dict[str, Any]) -> Iterator[Metric]:
     )
     syncs.add_metric([broker], raft["syncs"], raft["sync_seconds"])
     yield syncs
+    compactions = CounterMetricFamily(
+        "meshbus_raft_compactions",
+        "Compactions of the replicated streams' Raft logs here (a snapshot each).",
+        labels=["broker"],
+    )
+    compactions.add_metric([broker], raft["compactions"])
+    installed = CounterMetricFamily(
+        "meshbus_raft_snapshots_installed",
+        "Snapshots installed here, each after copying its stream from the leader.",
+        labels=["broker"],
+    )
+    installed.add_metric([broker], raft["snapshots_installed"])
+    yield from (compactions, installed)
     per_stream = ["broker", "stream"]
     lag = GaugeMetricFamily(
         "meshbus_raft_commit_lag",
@@ -319,6 +333,11 @@ def _raft(broker: str, raft: dict[str, Any]) -> Iterator[Metric]:
     changes = CounterMetricFamily(
         "meshbus_raft_leader_changes", "New leaders this replica saw.", labels=per_stream
     )
+    held = GaugeMetricFamily(
+        "meshbus_raft_log_entries",
+        "Entries of the stream's Raft log since its last snapshot, held in memory.",
+        labels=per_stream,
+    )
     behind = GaugeMetricFamily(
         "meshbus_raft_replica_lag",
         "On the leader: entries of its log a replica is not known to hold.",
@@ -328,9 +347,10 @@ def _raft(broker: str, raft: dict[str, Any]) -> Iterator[Metric]:
         lag.add_metric([broker, stream], seen["commit_lag"])
         leads.add_metric([broker, stream], int(seen["leader"] == broker))
         changes.add_metric([broker, stream], seen["leader_changes"])
+        held.add_metric([broker, stream], seen["log_entries"])
         for replica in seen["replicas"]:
             behind.add_metric([broker, stream, replica["broker"]], replica["lag"])
-    yield from (lag, leads, changes, behind)
+    yield from (lag, leads, changes, held, behind)
 
 
 def monitor_registry(collector: BrokerCollector, *, process: bool = True) -> CollectorRegistry:

@@ -44,13 +44,22 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from meshbus.broker.replication.group import Group, GroupMeta, record_of, stored_of
+from meshbus.broker.replication.compaction import CompactionPolicy
+from meshbus.broker.replication.group import (
+    Group,
+    GroupMeta,
+    encode_snapshot,
+    record_of,
+    stored_of,
+    wal_snapshot,
+)
 from meshbus.broker.replication.members import Member, encode_roster, next_step
 from meshbus.errors import MeshbusError
 from meshbus.raft import (
     Entry,
     Membership,
     Message,
+    MessageType,
     NotLeader,
     ProposalRefused,
     RaftError,
@@ -63,7 +72,9 @@ from meshbus.raft import (
     bootstrap,
     empty,
 )
+from meshbus.raft.progress import Mode
 from meshbus.storage.raftlog import (
+    REWRITE_SLACK,
     RaftLogFailed,
     RaftWal,
     WalRecord,
@@ -105,6 +116,22 @@ class StateMachine(Protocol):
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """The leader this broker knows of ``group`` changed (None: none known)."""
 
+    def applied(self, group: str) -> int:
+        """The last entry of ``group`` the machine applied (0: none)."""
+
+    def snapshot(self, group: str) -> bytes:
+        """The machine's data for a snapshot of ``group`` now (its state is at
+        ``applied(group)``, at or past the snapshot's index)."""
+
+    def install(self, group: str, source: str, index: int, now: int) -> None:
+        """A snapshot of ``group`` at ``index`` came from broker ``source`` and the
+        machine is behind it: get the state from there (``RaftDriver.installed`` once it
+        holds it; told again at every snapshot that comes meanwhile, ``now`` the tick)."""
+
+    def flush(self) -> None:
+        """Make what the machine applied durable (called in the worker thread, before
+        the log drops the entries of a compaction)."""
+
 
 @dataclass
 class DriverStats:
@@ -115,6 +142,8 @@ class DriverStats:
     sent: int = 0
     received: int = 0
     dropped: int = 0  # messages for a group this broker does not hold, or misaddressed
+    compactions: int = 0
+    snapshots_installed: int = 0
 
 
 class RaftDriver:
@@ -130,6 +159,8 @@ class RaftDriver:
         run_blocking: RunBlocking[None],
         replace_after: int = 0,
         candidates: Callable[[str], list[str]] = lambda group: [],
+        compaction: CompactionPolicy | None = None,
+        rewrite_slack: int = REWRITE_SLACK,
     ) -> None:
         """``name()``: this broker's (known once it listens); ``run_blocking(fn)`` runs
         ``fn`` (the disk's work) off the loop, what it returns awaited for it -- best
@@ -137,7 +168,9 @@ class RaftDriver:
         overlap it.
         ``replace_after``: ticks of silence after which a leader replaces a voter (0:
         never); ``candidates(group)``: the brokers that may take a replica of it, in
-        its placement order (ready, linked; members are skipped)."""
+        its placement order (ready, linked; members are skipped). ``compaction``: when
+        a group's log is compacted (None: never); ``rewrite_slack``: the bytes the log
+        file may hold past twice its live records before it is rewritten."""
         self._name = name
         self._wal = wal
         self._transport = transport
@@ -165,6 +198,10 @@ class RaftDriver:
         self._recovered = False
         # members added, told so after the turn's sync (the change is durable here)
         self._joins: list[tuple[Group, Member]] = []
+        self._compaction = compaction
+        self._rewrite_slack = rewrite_slack
+        self._compacted = False  # a compaction's record waits: the machine flushes first
+        self._holding: set[str] = set()  # groups with a held snapshot (Group.held_snapshot)
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -354,6 +391,11 @@ class RaftDriver:
                 )
         self._wake.set()
 
+    def installed(self, group: str) -> None:
+        """The state machine holds the state of the snapshot ``group`` waits with: it is
+        stepped into the node at the next turn."""
+        self._wake.set()
+
     def propose(self, group: str, data: bytes) -> asyncio.Future[int]:
         """Append ``data`` to ``group``'s log; the future is its index once it is
         committed and applied here. It fails with ``NotLeader`` (this broker does not
@@ -389,7 +431,8 @@ class RaftDriver:
         self._step_inputs()
         readies: list[tuple[Group, Ready]] = []
         records, self._records = self._records, []
-        must_sync = bool(records)  # a group founded, joined or dropped
+        must_sync = bool(records)  # a group founded, joined, compacted or dropped
+        flush, self._compacted = self._compacted, False
         for state in self.groups.values():
             node = state.node
             self._note_leader(state)  # a leader that stepped down at a tick has no Ready
@@ -407,7 +450,9 @@ class RaftDriver:
         for state, ready in readies:
             self._send(state, ready.early_messages)
         persisted = (
-            self._run_blocking(lambda: self._persist(records, must_sync)) if records else None
+            self._run_blocking(lambda: self._persist(records, must_sync, flush))
+            if records
+            else None
         )
         for state, ready in readies:
             if ready.snapshot is None:
@@ -432,20 +477,26 @@ class RaftDriver:
                 self._apply(state, ready)
             state.node.advance()
             self._note_leader(state)
+            if ready.committed and self._compaction is not None:
+                self._compact(state, self._compaction)
             if state.node.has_ready():
                 self._wake.set()
 
-    def _persist(self, records: list[WalRecord], must_sync: bool) -> None:
+    def _persist(self, records: list[WalRecord], must_sync: bool, flush: bool) -> None:
         """In the worker thread: the turn's records, one fsync if one needs it (a turn
-        that only moved commit indexes needs none), a rewrite when due."""
+        that only moved commit indexes needs none), a rewrite when due. With a
+        compaction among them (``flush``), the state machine's own writes are made
+        durable first: the log must not drop entries whose state may yet be lost."""
         wal = self._wal
+        if flush:
+            self._machine.flush()
         started = time.perf_counter()
         wal.append(records)
         if must_sync:
             wal.sync()
             self.stats.syncs += 1
             self.stats.sync_seconds += time.perf_counter() - started
-        if wal.should_rewrite():
+        if wal.should_rewrite(self._rewrite_slack):
             wal.rewrite()
 
     def _step_inputs(self) -> None:
@@ -469,6 +520,16 @@ class RaftDriver:
             for state in groups.values():
                 if state.node.role is Role.LEADER:
                     self._replace(state)
+        for name in list(self._holding):
+            holding = groups.get(name)
+            held = holding.held_snapshot if holding is not None else None
+            if holding is None or held is None:
+                self._holding.discard(name)
+            elif self._installable(holding, held):
+                self._holding.discard(name)
+                holding.held_snapshot = None
+                self.stats.snapshots_installed += 1
+                self._step(holding, held)
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:
@@ -535,7 +596,31 @@ class RaftDriver:
         and its members as of now (the latest roster in this leader's log)."""
         return GroupMeta(state.meta.replicas, state.meta.app, 0, state.current().members)
 
+    def _installable(self, state: Group, message: Message) -> bool:
+        """Whether snapshot ``message`` may be stepped into the node: the node would not
+        install it (stale, or its log holds it already), or the machine holds its state."""
+        node, snapshot = state.node, message.snapshot
+        assert snapshot is not None
+        return (
+            message.term < node.term
+            or snapshot.index <= node.log.committed
+            or node.log.term(snapshot.index) == snapshot.term
+            or self._machine.applied(state.name) >= snapshot.index
+        )
+
     def _step(self, state: Group, message: Message) -> None:
+        if message.kind is MessageType.SNAPSHOT and not self._installable(state, message):
+            # The node would install the snapshot and then apply only what follows it:
+            # the machine must first hold the state there (docs/raft.md, "Snapshots of
+            # a stream"). The node hears nothing of it meanwhile: its leader sends it
+            # again at each heartbeat, and it acknowledges nothing.
+            assert message.snapshot is not None
+            state.held_snapshot = message
+            self._holding.add(state.name)
+            source = state.broker_of(message.sender)
+            if source is not None:
+                self._machine.install(state.name, source, message.snapshot.index, self.now)
+            return
         try:
             state.node.step(message)
         except RaftError as exc:
@@ -559,8 +644,11 @@ class RaftDriver:
             self._transport.send(broker, state.name, batch)
 
     def _apply(self, state: Group, ready: Ready) -> None:
+        if ready.snapshot is not None:
+            state.applied_bytes = 0
         if ready.committed:
             self._machine.apply(state.name, ready.committed)
+            state.applied_bytes += sum(len(e.data) for e in ready.committed)
         proposals = state.proposals
         if not proposals:
             return
@@ -575,6 +663,34 @@ class RaftDriver:
                 future.set_result(entry.index)
             else:
                 future.set_exception(_moved(state))
+
+    def _compact(self, state: Group, policy: CompactionPolicy) -> None:
+        """Compact the group's log if the policy says so: the snapshot (the roster at
+        its index, the machine's data) kept in memory at once, written to the log with
+        the next turn's records once the machine's writes are durable (``_persist``)."""
+        node = state.node
+        log_ = node.log
+        followers: list[int] = []
+        if node.role is Role.LEADER:
+            lately = self.now - self._settings.election_ticks
+            followers = [
+                progress.match
+                for peer, progress in node.progress.items()
+                if peer != node.id
+                and progress.mode is not Mode.SNAPSHOT
+                and state.heard.get(peer, lately - 1) >= lately
+            ]
+        index = policy.compact_to(log_.snapshot.index, log_.applied, state.applied_bytes, followers)
+        if index is None:
+            return
+        dropped = log_.entries(log_.first_index, index - log_.snapshot.index)
+        roster = state.roster_at(log_.change_at(index))
+        snapshot = node.compact(index, encode_snapshot(roster, self._machine.snapshot(state.name)))
+        state.applied_bytes = max(0, state.applied_bytes - sum(len(e.data) for e in dropped))
+        self._records.append(WalRecord(state.name, snapshot=wal_snapshot(snapshot), compacted=True))
+        self._compacted = True
+        self.stats.compactions += 1
+        self._wake.set()
 
     def _note_leader(self, state: Group) -> None:
         node = state.node

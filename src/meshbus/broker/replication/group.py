@@ -13,8 +13,14 @@ from typing import Any
 
 import msgspec
 
-from meshbus.broker.replication.members import Member, Roster, Seen, decode_roster
-from meshbus.raft import Entry, HardState, Membership, RaftNode, Snapshot, Stored
+from meshbus.broker.replication.members import (
+    Member,
+    Roster,
+    Seen,
+    decode_roster,
+    encode_roster,
+)
+from meshbus.raft import Entry, HardState, Membership, Message, RaftNode, Snapshot, Stored
 from meshbus.storage.raftlog import (
     GroupLog,
     WalEntry,
@@ -22,6 +28,32 @@ from meshbus.storage.raftlog import (
     WalRecord,
     WalSnapshot,
 )
+
+
+class SnapshotData(msgspec.Struct, array_like=True, frozen=True):
+    """A group's snapshot data: the roster in force at its index (the membership-change
+    entries that carried it are compacted away with the rest) and the state machine's
+    own (``StateMachine.snapshot``)."""
+
+    roster: bytes
+    app: bytes
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_snapshot = msgspec.msgpack.Decoder(SnapshotData).decode
+
+
+def encode_snapshot(roster: Roster, app: bytes) -> bytes:
+    return _encode(SnapshotData(encode_roster(roster), app))
+
+
+def snapshot_roster(data: bytes) -> bytes:
+    """The roster in a snapshot's data (b"": none there, or data this broker does not
+    read -- a snapshot from before rosters were kept in it)."""
+    try:
+        return _decode_snapshot(data).roster if data else b""
+    except msgspec.DecodeError:
+        return b""
 
 
 class GroupMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -51,23 +83,36 @@ class Group:
     lost: set[int] = field(default_factory=set)  # members whose broker is another self
     strangers: dict[str, int] = field(default_factory=dict)  # broker -> its incarnation
     _roster: tuple[int, int, Roster] | None = None  # (index, term, roster) of the log's
+    # Data of the entries applied since the last snapshot (the compaction policy's)
+    applied_bytes: int = 0
+    # A snapshot that waits for the state machine to hold its state (StateMachine.install)
+    held_snapshot: Message | None = None
 
     def roster(self) -> Roster:
         """Who the node ids are: the latest roster in the log (committed or not), over
         the one the group was founded or joined with (a member added later holds the
         log's older rosters first, which may name neither it nor its leader)."""
+        return self.roster_at(self.node.log.last_change)
+
+    def roster_at(self, change: int) -> Roster:
+        """The roster of the membership change at index ``change`` -- in the log, or
+        the snapshot's (kept in its data) --, over the founding or joining one."""
         log = self.node.log
-        index = log.last_change
-        entry = log.entries(index, 1)[0] if index >= log.first_index else None
-        if entry is None or not entry.data:
+        if change >= log.first_index:
+            entry = log.entries(change, 1)[0]
+            data, term = entry.data, entry.term
+        else:
+            snapshot = log.snapshot
+            data, term = snapshot_roster(snapshot.data), snapshot.term
+        if not data:
             return self.base()
         cached = self._roster
-        if cached is None or cached[:2] != (index, entry.term):
-            newer = decode_roster(entry.data)
+        if cached is None or cached[:2] != (change, term):
+            newer = decode_roster(data)
             known = {m.node for m in newer.members}
             older = [m for m in self.base().members if m.node not in known]
             roster = Roster(older + newer.members, newer.next_node)
-            cached = self._roster = (index, entry.term, roster)
+            cached = self._roster = (change, term, roster)
         return cached[2]
 
     def base(self) -> Roster:
@@ -158,6 +203,16 @@ class Group:
 # -- between the core's values and the log's records ------------------------------------------
 
 
+def wal_snapshot(snapshot: Snapshot) -> WalSnapshot:
+    return WalSnapshot(
+        snapshot.index,
+        snapshot.term,
+        sorted(snapshot.membership.voters),
+        sorted(snapshot.membership.learners),
+        snapshot.data,
+    )
+
+
 def record_of(
     group: str, hard: HardState | None, snapshot: Snapshot | None, entries: Sequence[Entry]
 ) -> WalRecord:
@@ -166,15 +221,7 @@ def record_of(
         hard=None
         if hard is None
         else WalHardState(hard.term, hard.vote or 0, hard.commit, hard.epoch, hard.repairing),
-        snapshot=None
-        if snapshot is None
-        else WalSnapshot(
-            snapshot.index,
-            snapshot.term,
-            sorted(snapshot.membership.voters),
-            sorted(snapshot.membership.learners),
-            snapshot.data,
-        ),
+        snapshot=None if snapshot is None else wal_snapshot(snapshot),
         entries=[wal_entry(e) for e in entries],
     )
 

@@ -45,7 +45,6 @@ import msgspec
 
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
 from meshbus.broker.core.link import Link
-from meshbus.broker.core.registry import Peers
 from meshbus.broker.replication.consumers import (
     CommandBatch,
     ConsumerCommand,
@@ -53,24 +52,20 @@ from meshbus.broker.replication.consumers import (
     Outcome,
     apply_commands,
 )
+from meshbus.broker.replication.copies import StoreCopies, encode_mark
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
 from meshbus.broker.replication.meta import DELETED, MEMBERS, META_GROUP, MetaCommand, Placed
 from meshbus.broker.replication.metagroup import MetaGroup
-from meshbus.broker.replication.wire import from_body, to_bodies
+from meshbus.broker.replication.transport import PeerTransport
+from meshbus.broker.replication.wire import from_body
 from meshbus.errors import ProtocolError
-from meshbus.protocol.codec import encode_control
-from meshbus.protocol.control import (
-    MAX_RAFT_MESSAGES,
-    RaftFrame,
-    RaftJoinBody,
-    RaftMemberBody,
-)
-from meshbus.protocol.layout import ControlType
-from meshbus.raft import Entry, Message
+from meshbus.protocol.control import RaftFrame, RaftJoinBody
+from meshbus.raft import Entry
 from meshbus.storage.errors import StoreError
-from meshbus.storage.store import MirroredStore, NewMessage, StreamConfig
+from meshbus.storage.sqlite import SqliteStreamStore
+from meshbus.storage.store import NewMessage, StreamConfig
 
 log = logging.getLogger("meshbus.broker")
 
@@ -134,92 +129,6 @@ _decode_batch = msgspec.msgpack.Decoder(CommandBatch).decode
 _decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 
 
-class PeerTransport:
-    """The driver's messages as RAFT frames on the peer links."""
-
-    def __init__(self, peers: Peers, frame_limit: int, incarnation: int) -> None:
-        """``incarnation``: this broker's, in every frame it sends."""
-        self._peers = peers
-        self._frame_limit = frame_limit
-        self._incarnation = incarnation
-
-    def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
-        link = self._peers.get(broker)
-        if link is None:
-            return  # not linked now: Raft sends again
-        if not messages:  # a probe: answered as a stranger by a broker without the group
-            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation))
-            return
-        # Each frame well under the frame limit: entries are at most an eighth of it, and
-        # an APPEND carries at most 4 (RaftSettings.max_append_entries).
-        batch: list[Message] = []
-        size = 0
-        for message in messages:
-            weight = sum(len(e.data) for e in message.entries) + 64
-            if batch and (
-                size + weight > self._frame_limit // 2 or len(batch) == MAX_RAFT_MESSAGES
-            ):
-                self._send(link, group, batch)
-                batch, size = [], 0
-            batch.append(message)
-            size += weight
-        if batch:
-            self._send(link, group, batch)
-
-    def _send(self, link: Link, group: str, batch: list[Message]) -> None:
-        body = RaftFrame(group=group, messages=to_bodies(batch), incarnation=self._incarnation)
-        link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
-
-    def _frame(self, link: Link, body: RaftFrame) -> None:
-        link.send(encode_control(ControlType.RAFT, body, max_frame=self._frame_limit))
-
-    def found(
-        self,
-        broker: str,
-        group: str,
-        replicas: list[str],
-        config: bytes,
-        incarnations: Sequence[int] = (),
-    ) -> None:
-        """Send ``broker`` the frame that founds ``group`` there (if it is linked); with
-        ``incarnations``, only the self of each replica placed founds it."""
-        link = self._peers.get(broker)
-        if link is not None:
-            body = RaftFrame(
-                group=group,
-                replicas=replicas,
-                create=config,
-                incarnation=self._incarnation,
-                incarnations=list(incarnations),
-            )
-            self._frame(link, body)
-
-    def frame(self, broker: str, body: RaftFrame) -> None:
-        """Send ``broker`` a RAFT frame (if it is linked): the meta group's commands."""
-        link = self._peers.get(broker)
-        if link is not None:
-            self._frame(link, msgspec.structs.replace(body, incarnation=self._incarnation))
-
-    def stranger(self, broker: str, group: str) -> None:
-        link = self._peers.get(broker)
-        if link is not None:
-            self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, stranger=True))
-
-    def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
-        link = self._peers.get(broker)
-        if link is None:
-            return  # not linked now: its stranger answer to the appends asks again
-        members = [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members]
-        body = RaftFrame(
-            group=group,
-            replicas=meta.replicas,
-            create=meta.app,
-            incarnation=self._incarnation,
-            join=RaftJoinBody(member.node, member.incarnation, members),
-        )
-        self._frame(link, body)
-
-
 class ReplicatedStreams:
     """The replicated streams this broker holds: the state machine of their groups."""
 
@@ -227,7 +136,7 @@ class ReplicatedStreams:
         self,
         *,
         name: Callable[[], str],
-        store: MirroredStore,
+        store: SqliteStreamStore,
         transport: PeerTransport,
         driver: Callable[[ReplicatedStreams], RaftDriver],
         capture: Callable[[StreamConfig, bytes, bytes, int], None],
@@ -236,6 +145,7 @@ class ReplicatedStreams:
         acknowledge: Callable[[bytes, dict[bytes, list[int]]], None],
         entry_limit: int,
         linked: Callable[[str], bool],
+        copy_retry: int,
         meta_voters: Sequence[str] = (),
         meta_changed: Callable[[], None] = lambda: None,
     ) -> None:
@@ -245,7 +155,9 @@ class ReplicatedStreams:
         sends the ACKs of what a commit stored. ``driver(self)`` builds the driver with
         this as its state machine. ``linked(broker)``: a peer link to it is open now.
         ``meta_voters`` (--meta-voter) and ``meta_changed`` (tell the peers what this
-        broker knows of the meta group) are the meta group's (``MetaGroup``)."""
+        broker knows of the meta group) are the meta group's (``MetaGroup``).
+        ``copy_retry``: ticks after which a copy's unanswered request is sent again
+        (copies.py); its chunks are at most ``entry_limit`` * 2 bytes of blocks."""
         self._name = name
         self._store = store
         self._transport = transport
@@ -256,6 +168,14 @@ class ReplicatedStreams:
         self._entry_limit = entry_limit
         self._linked = linked
         self.driver = driver(self)
+        self.copies = StoreCopies(
+            store=store,
+            fetch=transport.fetch,
+            chunk=transport.chunk,
+            installed=self.driver.installed,
+            chunk_bytes=2 * entry_limit,
+            retry_ticks=copy_retry,
+        )
         self._consumers = ConsumerCommands(self._propose_commands, entry_limit)
         self.configs: dict[str, StreamConfig] = {}
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
@@ -312,6 +232,13 @@ class ReplicatedStreams:
         if body.stranger:
             self.driver.stranger(link.name, group, body.incarnation)
             return
+        if body.fetch is not None:
+            if self._is_member(link.name, group):
+                self.copies.serve(link.name, group, body.fetch)
+            return
+        if body.chunk is not None:
+            self.copies.received(link.name, group, body.chunk, self.driver.now)
+            return
         if body.replicas:
             if self._name() in body.replicas and group not in self.configs:
                 place = body.replicas.index(self._name())
@@ -332,6 +259,11 @@ class ReplicatedStreams:
             log.warning("dropped a RAFT frame", extra={"from": link.name, "error": str(exc)})
             return
         self.driver.receive(link.name, group, messages, body.incarnation)
+
+    def _is_member(self, broker: str, group: str) -> bool:
+        """Whether ``broker`` holds a member of ``group`` (only they may copy it)."""
+        state = self.driver.groups.get(group)
+        return state is not None and bool(state.current().of_broker(broker))
 
     def _join(self, link: Link, body: RaftFrame, join: RaftJoinBody) -> None:
         """This broker is added to a group by its leader: it takes part, from an empty
@@ -449,6 +381,8 @@ class ReplicatedStreams:
             return
         store = self._store
         applied = store.applied(group) if group in store else 0
+        if entries[-1].index > applied and self.copies.copying(group):
+            self.copies.abort(group)  # caught up by entries after all: the copy goes
         for entry in entries:
             if entry.membership is not None and self.leads(group):
                 self._report(group)  # the meta group's record follows the group
@@ -496,6 +430,23 @@ class ReplicatedStreams:
             extra={"stream": group, "index": index, "error": str(error)},
         )
         self.driver.drop(group)
+
+    def applied(self, group: str) -> int:
+        return self._store.applied(group) if group in self._store else 0
+
+    def snapshot(self, group: str) -> bytes:
+        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages."""
+        if group not in self._store:
+            return b""
+        info = self._store.info(group)
+        return encode_mark(self._store.applied(group), info.first_seq, info.last_seq)
+
+    def install(self, group: str, source: str, index: int, now: int) -> None:
+        if group in self.configs:
+            self.copies.want(group, source, index, now)
+
+    def flush(self) -> None:
+        self._store.flush()
 
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         """Who captures: the leader, as the stream's member with epoch 2 * term + 1; while
@@ -574,24 +525,34 @@ class ReplicatedStreams:
             "leader": state.leader or "",
             "term": state.node.term,
             "committed": state.node.log.committed,
+            "snapshot": state.node.log.snapshot.index,
             "applied": self._store.applied(name) if name in self._store else 0,
             "replica_states": self.driver.replica_states(name),
         }
 
     def observe(self) -> dict[str, Any]:
-        """For stat and /metrics: the Raft log's fsyncs and their time, and per stream
-        its leader, term, commit lag (entries held here beyond the commit index: on the
-        leader, what waits for a majority), leader changes seen here and, on the leader,
-        its replicas' states (``RaftDriver.replica_states``)."""
+        """For stat and /metrics: the Raft log's fsyncs and their time, its compactions,
+        the snapshots installed here and the blocks copied for them (here and for
+        others), and per stream its leader, term, commit lag (entries held here beyond
+        the commit index: on the leader, what waits for a majority), its last snapshot
+        and the entries held since, leader changes seen here and, on the leader, its
+        replicas' states (``RaftDriver.replica_states``)."""
         driver = self.driver
         return {
             "syncs": driver.stats.syncs,
             "sync_seconds": driver.stats.sync_seconds,
+            "compactions": driver.stats.compactions,
+            "snapshots_installed": driver.stats.snapshots_installed,
+            "copied_blocks": self.copies.copied_blocks,
+            "served_blocks": self.copies.served_blocks,
             "streams": {
                 name: {
                     "leader": state.leader or "",
                     "term": state.node.term,
                     "commit_lag": state.node.log.last_index - state.node.log.committed,
+                    # The log held in memory: the entries since its last snapshot.
+                    "snapshot": state.node.log.snapshot.index,
+                    "log_entries": state.node.log.last_index - state.node.log.snapshot.index,
                     "leader_changes": state.leader_changes,
                     "replicas": driver.replica_states(name),
                 }

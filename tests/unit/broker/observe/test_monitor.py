@@ -71,12 +71,15 @@ def fake_stat() -> dict[str, Any]:
             "raft": {
                 "syncs": 12,
                 "sync_seconds": 0.25,
+                "compactions": 7,
+                "snapshots_installed": 1,
                 "streams": {
                     "ledger": {  # led here
                         "leader": "b1",
                         "term": 3,
                         "commit_lag": 2,
                         "leader_changes": 2,
+                        "log_entries": 300,
                         "replicas": [
                             {"broker": "b1", "state": "leader", "lag": 0},
                             {"broker": "b2", "state": "follower", "lag": 2},
@@ -88,6 +91,7 @@ def fake_stat() -> dict[str, Any]:
                         "term": 1,
                         "commit_lag": 0,
                         "leader_changes": 1,
+                        "log_entries": 5,
                         "replicas": [],
                     },
                 },
@@ -417,6 +421,9 @@ def test_replicated_streams_commit_lag_leaders_and_fsync_time() -> None:
     assert got[("meshbus_raft_leader", ledger)] == 1
     assert got[("meshbus_raft_leader", audit)] == 0
     assert got[("meshbus_raft_leader_changes_total", audit)] == 1
+    assert got[("meshbus_raft_log_entries", ledger)] == 300
+    assert got[("meshbus_raft_compactions_total", b)] == 7
+    assert got[("meshbus_raft_snapshots_installed_total", b)] == 1
     lags = {
         dict(labels)["replica"]: value
         for (metric, labels), value in got.items()

@@ -38,6 +38,20 @@ class Machine:
     def leader_changed(self, group: str, leader: str | None, term: int) -> None:
         self.leaders.append((group, leader))
 
+    # Snapshots: these drivers never compact (tests/unit/broker/replication/test_streams.py
+    # has replicas that do, with their stores).
+    def applied(self, group: str) -> int:
+        return 0
+
+    def snapshot(self, group: str) -> bytes:
+        return b""
+
+    def install(self, group: str, source: str, index: int, now: int) -> None:
+        raise AssertionError("no snapshot is sent where no log is compacted")
+
+    def flush(self) -> None:
+        pass
+
 
 async def inline(work: Callable[[], None]) -> None:
     work()

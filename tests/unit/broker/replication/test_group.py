@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import random
 
-from meshbus.broker.replication.group import Group, GroupMeta, record_of, stored_of
+from meshbus.broker.replication.group import (
+    Group,
+    GroupMeta,
+    encode_snapshot,
+    record_of,
+    stored_of,
+)
 from meshbus.broker.replication.members import Member, Roster, encode_roster
 from meshbus.raft import Entry, HardState, Membership, RaftNode, RaftSettings, Snapshot, Stored
 from meshbus.storage.raftlog import GroupLog
@@ -71,3 +77,23 @@ def test_a_replacement_is_looked_for_only_when_one_may_be_due() -> None:
     replacing = group((FOUNDING, promoted), GroupMeta(["b1", "b2", "b3"]))
     replacing.heard = {2: 100, 3: 100, 4: 100}
     assert replacing.may_need_replacing(100, replace_after=0)  # node 3 still to remove
+
+
+def test_the_roster_of_a_compacted_change_comes_from_the_snapshot() -> None:
+    """The entry that replaced node 3 by node 4 (b4) is compacted away: the snapshot's
+    data keeps the roster, so node 4 is still b4 -- after a restart from the snapshot,
+    and on a node that installed it."""
+    roster, _ = Roster.founding(["b1", "b2", "b3"]).added("b4", 9, replaces=3)
+    roster = roster.without(3)
+    snapshot = Snapshot(5, 2, Membership.of([1, 2, 4]), encode_snapshot(roster, b"mark"))
+    stored = Stored(HardState(2, None, 5), snapshot, (Entry(2, 6, b"x"),))
+    meta = GroupMeta(["b1", "b2", "b3"])
+    restored = Group("orders", meta, RaftNode(1, RaftSettings(), stored, random.Random(0)))
+    assert restored.member(4) == Member(4, "b4", 9, replaces=3)
+    assert restored.brokers() == (["b1", "b2", "b4"], [])
+    assert restored.roster_at(restored.node.log.change_at(6)) == restored.roster()
+    # A snapshot whose data holds no roster (or none this broker reads): the founding one.
+    unread = Snapshot(5, 2, Membership.of([1, 2, 3]), b"\xc1")
+    plain = Stored(HardState(2, None, 5), unread)
+    old = Group("orders", meta, RaftNode(1, RaftSettings(), plain, random.Random(0)))
+    assert old.broker_of(3) == "b3"

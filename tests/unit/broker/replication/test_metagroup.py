@@ -27,7 +27,7 @@ from meshbus.broker.replication.meta import (
     Placed,
 )
 from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
-from meshbus.protocol.control import RaftFrame
+from meshbus.protocol.control import RaftChunkBody, RaftFetchBody, RaftFrame
 from meshbus.raft import Message, RaftSettings
 from meshbus.storage.raftlog import RaftWal
 from meshbus.storage.sqlite import SqliteStreamStore
@@ -79,6 +79,12 @@ class Wire:
     def frame(self, broker: str, body: RaftFrame) -> None:
         self.mesh.frames.append((self.sender, broker, body))
 
+    def fetch(self, broker: str, group: str, body: RaftFetchBody) -> None:
+        self.frame(broker, RaftFrame(group=group, fetch=body))
+
+    def chunk(self, broker: str, group: str, body: RaftChunkBody) -> None:
+        self.frame(broker, RaftFrame(group=group, chunk=body))
+
 
 async def inline(work: Callable[[], None]) -> None:
     work()
@@ -113,6 +119,7 @@ class Broker:
             acknowledge=lambda *_: None,
             entry_limit=16 * 1024,
             linked=lambda _: True,
+            copy_retry=SETTINGS.election_ticks,
             meta_voters=voters,
         )
         self.meta = self.streams.meta
