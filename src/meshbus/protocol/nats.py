@@ -44,11 +44,16 @@ a ``NatsProtocolViolation``: fatal, the parser is done, and ``error_text`` says 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from meshbus.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from meshbus.protocol.control import NatsRow
 
 __all__ = [
     "DEFAULT_MAX_CONTROL_LINE",
@@ -73,6 +78,7 @@ __all__ = [
     "encode_hmsg",
     "encode_info",
     "encode_msg",
+    "encode_msgs",
     "no_responders_header",
 ]
 
@@ -584,6 +590,38 @@ def encode_msg(subject: bytes, sid: bytes, reply: bytes, payload: bytes) -> byte
     if reply:
         return b"MSG %b %b %b %d\r\n%b\r\n" % (subject, sid, reply, len(payload), payload)
     return b"MSG %b %b %d\r\n%b\r\n" % (subject, sid, len(payload), payload)
+
+
+def encode_msgs(
+    subject: bytes, sid: bytes, messages: Sequence[Message | NatsRow], headers: bool
+) -> tuple[bytes, int]:
+    """The messages of a run on ``subject`` to subscription ``sid``, each as
+    ``encode_msg`` or ``encode_hmsg`` writes it (an HMSG when the client takes
+    ``headers``, else a MSG of the payload alone), in one bytes; and the size of their
+    data. Only the fields that a ``Message`` and a peer's ``NatsRow`` share are read."""
+    head = b"MSG " + subject + b" " + sid + b" "
+    parts: list[bytes] = []
+    # Messages of a run are mostly of one size: their MSG line is the same.
+    line = b""
+    line_size = -1
+    total = 0
+    for message in messages:
+        reply, header_size, data = message[1], message[2], message[3]
+        total += len(data)
+        if reply or header_size:
+            if header_size and headers:
+                parts.append(encode_hmsg(subject, sid, reply, header_size, data))
+            else:
+                parts.append(encode_msg(subject, sid, reply, data[header_size:]))
+            continue
+        size = len(data)
+        if size != line_size:
+            line = head + b"%d\r\n" % size
+            line_size = size
+        parts.append(line)
+        parts.append(data)
+        parts.append(_CRLF)
+    return b"".join(parts), total
 
 
 def encode_hmsg(subject: bytes, sid: bytes, reply: bytes, header_size: int, data: bytes) -> bytes:

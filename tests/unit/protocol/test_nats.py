@@ -29,6 +29,7 @@ from meshbus.protocol.nats import (
     encode_hmsg,
     encode_info,
     encode_msg,
+    encode_msgs,
     no_responders_header,
 )
 
@@ -392,6 +393,34 @@ def test_encoders() -> None:
     header = no_responders_header(b"svc.a")
     assert header.startswith(b"NATS/1.0 503\r\n")
     assert header.endswith(b"\r\n\r\n")
+
+
+def test_a_run_encodes_as_its_messages_one_by_one() -> None:
+    header = b"NATS/1.0\r\nA: 1\r\n\r\n"
+    run = [
+        (b"s", b"", 0, b"ab"),
+        (b"s", b"", 0, b"cd"),  # the same line as the last
+        (b"s", b"", 0, b"efg"),  # another size
+        (b"s", b"r", 0, b"x"),
+        (b"s", b"", len(header), header + b"body"),
+        (b"s", b"r", len(header), header),
+        (b"s", b"", 0, b""),
+    ]
+    for headers in (True, False):
+        one_by_one = [
+            encode_hmsg(b"s", b"7", reply, size, data)
+            if size and headers
+            else encode_msg(b"s", b"7", reply, data[size:])
+            for _, reply, size, data in run
+        ]
+        assert encode_msgs(b"s", b"7", run, headers) == (
+            b"".join(one_by_one),
+            sum(len(data) for *_, data in run),
+        )
+    # A peer's rows are read alike (their flags are not the encoder's business).
+    rows = [(b"s", b"", 0, b"ab", True, []), (b"s", b"r", 0, b"", False, [b"q"])]
+    assert encode_msgs(b"s", b"7", rows, True)[0] == b"MSG s 7 2\r\nab\r\nMSG s 7 r 0\r\n\r\n"
+    assert encode_msgs(b"s", b"7", [], True) == (b"", 0)
 
 
 def test_info_carries_what_clients_read() -> None:

@@ -99,9 +99,12 @@ class _Plan:
     ``local``, the plain subscriptions here; ``peers``, the brokers with a plain
     interest; ``groups``, each queue group with a member that may be picked; whether
     they may go on to meshbus's services (``meshbus``: the bridge's ``reaches``, which
-    only a message from another link can change)."""
+    only a message from another link can change). ``in_runs``: the messages of a run
+    may be handed to ``local`` together, once the run leaves the plan -- not when the
+    publisher is one of them, whose closing (a slow consumer of its own messages) must
+    stop the run at once."""
 
-    __slots__ = ("groups", "local", "meshbus", "peers", "subject", "version")
+    __slots__ = ("groups", "in_runs", "local", "meshbus", "peers", "subject", "version")
 
     def __init__(
         self,
@@ -110,14 +113,15 @@ class _Plan:
         local: list[Subscription],
         peers: list[Link],
         groups: dict[bytes, _Group],
-        meshbus: bool = False,
+        in_runs: bool,
     ) -> None:
         self.subject = subject
         self.version = version
         self.local = local
         self.peers = peers
         self.groups = groups
-        self.meshbus = meshbus
+        self.in_runs = in_runs
+        self.meshbus = False
 
 
 class NatsRouter:
@@ -184,6 +188,9 @@ class NatsRouter:
         were routed (all but those after the publisher closed), and their size."""
         table, to_meshbus = self._table, self._to_meshbus
         plan: _Plan | None = None
+        # The messages of the run for the plan's subscriptions here, not yet handed out:
+        # they are, before the plan changes (in_runs).
+        run: list[Message] = []
         routed = size = 0
         for message in messages:
             if publisher is not None and publisher.closed:
@@ -192,14 +199,27 @@ class NatsRouter:
             size += len(message[3])
             subject = message[0]
             if plan is None or plan.version != table.version or plan.subject != subject:
+                if run:
+                    assert plan is not None
+                    self._deliver_run(plan, run)
+                    run = []
                 plan = self._plan(subject, publisher, echo)
                 plan.meshbus = self._reaches_meshbus(subject)
-            delivered = self._send(plan, message)
+            delivered = self._send(plan, message, run)
             if plan.meshbus:
                 delivered += to_meshbus(message)
             if not delivered and message[1] and requester is not None:
                 self._no_responders(requester, message)
+        if run:
+            assert plan is not None
+            self._deliver_run(plan, run)
         return routed, size
+
+    def _deliver_run(self, plan: _Plan, run: Sequence[Message | NatsRow]) -> None:
+        """The messages of ``run`` to each of ``plan``'s subscriptions here, in order."""
+        subject = plan.subject
+        for sub in plan.local:
+            sub.conn.deliver_run(sub, subject, run)
 
     def route(
         self, event: Publish, publisher: NatsConnection | None = None, echo: bool = True
@@ -207,7 +227,7 @@ class NatsRouter:
         """Deliver ``event`` to the subscriptions here and send it to the peers with an
         interest; how many subscriptions and peers it went to."""
         message = (event.subject, event.reply, event.header_size, event.data)
-        return self._send(self._plan(event.subject, publisher, echo), message)
+        return self._send(self._plan(event.subject, publisher, echo), message, None)
 
     def _plan(self, subject: bytes, publisher: Subscriber | None, echo: bool) -> _Plan:
         """Where a message on ``subject`` goes, from ``publisher``: without echo, never to
@@ -216,12 +236,14 @@ class NatsRouter:
         local: list[Subscription] = []
         peers: dict[Link, None] = {}
         services = False
+        in_runs = True
         for sub in interest.plain:
             if isinstance(sub, PeerSubscription):
                 peers[sub.peer] = None
             elif echo or sub.conn is not publisher:
                 local.append(sub)
                 services = services or type(sub) is ServiceSubscription
+                in_runs = in_runs and sub.conn is not publisher
         if services:
             local = _one_per_service(local)
         groups: dict[bytes, _Group] = {}
@@ -233,14 +255,20 @@ class NatsRouter:
             ]
             if eligible:
                 groups[name] = _Group(eligible)
-        return _Plan(subject, self._table.version, local, list(peers), groups)
+        return _Plan(subject, self._table.version, local, list(peers), groups, in_runs)
 
-    def _send(self, plan: _Plan, message: Message) -> int:
-        """``message`` where ``plan`` says; how many subscriptions and peers it went to."""
+    def _send(self, plan: _Plan, message: Message, run: list[Message] | None) -> int:
+        """``message`` where ``plan`` says -- to the subscriptions here by way of ``run``
+        when the plan allows -- and how many subscriptions and peers it went to."""
         subject, reply, header_size, data = message
-        for sub in plan.local:
-            sub.conn.deliver(sub, subject, reply, header_size, data)
-        delivered = len(plan.local)
+        local = plan.local
+        if run is not None and plan.in_runs:
+            if local:
+                run.append(message)
+        else:
+            for sub in local:
+                sub.conn.deliver(sub, subject, reply, header_size, data)
+        delivered = len(local)
         picked: dict[Link, list[bytes]] | None = None
         if plan.groups:
             picked = {}
@@ -305,8 +333,16 @@ class NatsRouter:
         """NATS_MSGS: messages a peer's clients published, for the clients here only."""
         table = self._table
         plan: _Plan | None = None
-        for subject, reply, header_size, data, plain, queues in body.msgs:
+        # The rows for the plan's plain subscriptions, handed out before the plan changes
+        # or a queue group's member gets a message.
+        run: list[NatsRow] = []
+        for row in body.msgs:
+            subject, reply, header_size, data, plain, queues = row
             if plan is None or plan.version != table.version or plan.subject != subject:
+                if run:
+                    assert plan is not None
+                    self._deliver_run(plan, run)
+                    run = []
                 # What would break a client's MSG line: a blank, an empty subject. A
                 # subject with an empty token only matches nothing.
                 if not subject or _BLANK(subject):
@@ -322,12 +358,17 @@ class NatsRouter:
                 self._invalid(link)
                 continue
             self.from_peers += 1
-            if plain:
-                for sub in plan.local:
-                    sub.conn.deliver(sub, subject, reply, header_size, data)
+            if plain and plan.local:
+                run.append(row)
                 self.msgs_out += len(plan.local)
             if queues:
+                if run:
+                    self._deliver_run(plan, run)
+                    run = []
                 self._deliver_to_groups(plan, subject, reply, header_size, data, queues)
+        if run:
+            assert plan is not None
+            self._deliver_run(plan, run)
         self.flushes.flush()
 
     def _invalid(self, link: Link) -> None:
@@ -348,7 +389,7 @@ class NatsRouter:
             ]
             if here:
                 groups[name] = _Group(here)
-        return _Plan(subject, self._table.version, local, [], groups)
+        return _Plan(subject, self._table.version, local, [], groups, True)
 
     def _deliver_to_groups(
         self,
