@@ -88,6 +88,8 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 MAX_CLIENT_PROTOCOL = 1
 # parseSize's limit: 999,999,999 at most.
 _MAX_DIGITS = 9
+# The shortest run of PUBs alike that is checked column by column (_repeats).
+_MIN_STRIDE_RUN = 8
 
 PING = b"PING\r\n"
 PONG = b"PONG\r\n"
@@ -265,6 +267,27 @@ def _check_head(head: bytes) -> None:
         raise NatsProtocolViolation(f"unknown operation {head!r}", UNKNOWN_OPERATION)
 
 
+def _repeats(buf: bytes | bytearray, pos: int, line: bytes, stride: int, most: int) -> int:
+    """How many messages, at most ``most``, lie whole from ``pos`` in ``buf`` at a fixed
+    ``stride``, each its PUB ``line`` and a payload then CRLF: the run of a publisher
+    that repeats one subject and one size, checked a column at a time -- each byte of the
+    line, and the CRLF, across the messages in one extended slice -- instead of message
+    by message. 0 where the run is too short to gain; a run cut short is found by
+    halving."""
+    count = min(most, (len(buf) - pos) // stride)
+    width = len(line)
+    while count >= _MIN_STRIDE_RUN and width <= 4 * count:
+        stop = pos + count * stride
+        if (
+            buf[pos + stride - 2 : stop : stride] == b"\r" * count
+            and buf[pos + stride - 1 : stop : stride] == b"\n" * count
+            and all(buf[pos + i : stop : stride] == line[i : i + 1] * count for i in range(width))
+        ):
+            return count
+        count //= 2
+    return 0
+
+
 def _size(text: bytes) -> int:
     """A size or count as nats-server reads one: 1 to 9 ASCII digits; -1 otherwise."""
     if 0 < len(text) <= _MAX_DIGITS and text.isdigit():
@@ -335,14 +358,13 @@ class NatsParser:
         match = _PUB_LINE.match
         max_line, max_payload = self.max_control_line, self.max_payload
         # A publisher mostly repeats its last PUB line byte for byte (one subject, one
-        # size): such a line is what it was last time, without the regex.
+        # size): such a line is what it was last time, without the regex, and a run of
+        # them lies at a fixed stride.
         line = b""
         subject = reply = b""
         size = 0
         while len(found) < limit:
-            if line and buf.startswith(line, pos):
-                start = pos + len(line)
-            else:
+            if not (line and buf.startswith(line, pos)):
                 pub = match(buf, pos)
                 if pub is None:
                     break
@@ -352,6 +374,18 @@ class NatsParser:
                     break
                 line = bytes(buf[pos:start])
                 subject, reply = pub[1], pub[2] or b""
+            stride = len(line) + size + 2
+            count = _repeats(buf, pos, line, stride, limit - len(found))
+            if count:
+                stop = pos + count * stride
+                run = bytes(buf[pos:stop])
+                found += [
+                    (subject, reply, 0, run[i : i + size])
+                    for i in range(len(line), len(run), stride)
+                ]
+                pos = stop
+                continue
+            start = pos + len(line)
             end = start + size
             if not buf.startswith(_CRLF, end):
                 break

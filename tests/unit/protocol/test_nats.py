@@ -295,6 +295,14 @@ def parse_in_chunks(data: bytes, cuts: list[int], limit: int, **limits: int) -> 
     return found
 
 
+ODD_ONES = [
+    b"PING\r\n",
+    b"PUB run.x 4\r\nabcd\r\n",  # the same subject, another size
+    b"PUB run.y 3\r\nabc\r\n",  # a line of the same length
+    b"PUB run.x 3\r\nabcd\r\n",  # longer than its size: the run stops, then an error
+]
+
+
 def test_a_run_is_the_pubs_up_to_anything_else() -> None:
     parser = NatsParser()
     parser.feed(
@@ -353,6 +361,26 @@ def test_a_repeated_line_carries_each_message_its_own_payload() -> None:
     # The same subject, another size: the line differs, and is read again.
     parser.feed(b"PUB same.subject _INBOX.r 3\r\nabc\r\n")
     assert parser.next_publishes(100) == [(b"same.subject", b"_INBOX.r", 0, b"abc")]
+
+
+@given(
+    st.integers(0, 60),
+    st.lists(st.tuples(st.integers(0, 60), st.sampled_from(ODD_ONES)), max_size=3),
+    st.lists(st.integers(0, 1500), max_size=3),
+    st.integers(1, 80),
+    st.binary(min_size=3, max_size=3),
+)
+def test_a_run_of_one_line_repeated_reads_as_one_message_at_a_time(
+    repeats: int, odd: list[tuple[int, bytes]], cuts: list[int], limit: int, fill: bytes
+) -> None:
+    """Long runs of one PUB line (taken a column at a time), broken anywhere by another
+    operation or a line alike but for its size, and cut anywhere by the reads: the same
+    events as the whole read one at a time. Payloads hold the line's own bytes."""
+    messages = [b"PUB run.x 3\r\n%b\r\n" % (fill if i % 2 else b"PUB") for i in range(repeats)]
+    for at, operation in odd:
+        messages.insert(min(at, len(messages)), operation)
+    data = b"".join(messages)
+    assert outcome(lambda: parse_in_chunks(data, cuts, limit)) == outcome(lambda: parse_whole(data))
 
 
 def test_a_message_longer_than_the_reads_is_gathered_and_read_after() -> None:

@@ -122,7 +122,7 @@ class Subscriber(Protocol):
 
     def deliver_run(
         self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
-    ) -> None: ...
+    ) -> int: ...
 
 
 class Subscription:
@@ -605,19 +605,19 @@ class NatsConnection(asyncio.Protocol):
 
     def deliver_run(
         self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
-    ) -> None:
+    ) -> int:
         """Messages on ``subject`` for one subscription, in order, each as ``deliver``
         hands one out, queued as one write: a run of a client's PUBs or of a peer's rows
         costs one encoding loop and one look at the output's bound, not one a message.
-        Past the subscription's ``max_msgs`` none is delivered."""
+        Past the subscription's ``max_msgs`` none is delivered. How many were."""
         permissions = self.permissions
         if permissions is not None and not permissions.may_deliver(subject):
-            return
+            return 0
         if sub.max_msgs:
             messages = messages[: max(sub.max_msgs - sub.delivered, 0)]
         count = len(messages)
         if not count:
-            return
+            return 0
         sub.delivered += count
         self.msgs_out += count
         data, size = encode_msgs(subject, sub.sid, messages, self._parser.options.headers)
@@ -625,6 +625,7 @@ class NatsConnection(asyncio.Protocol):
         self.queue(data)
         if sub.max_msgs and sub.delivered >= sub.max_msgs:
             self.drop(sub)
+        return count
 
     def queue(self, data: bytes) -> None:
         """Queue ``data``; it is written at the next flush."""

@@ -60,6 +60,9 @@ __all__ = ["NatsRouter"]
 log = logging.getLogger("meshbus.broker.nats")
 
 _BLANK = re.compile(rb"[ \t\r\n\f]").search
+# The queue groups of a row for a peer's plain subscriptions only: one list for all of
+# them, as rows are only ever encoded.
+_NO_QUEUES: list[bytes] = []
 
 
 def _one_per_service(local: list[Subscription]) -> list[Subscription]:
@@ -100,9 +103,9 @@ class _Plan:
     interest; ``groups``, each queue group with a member that may be picked; whether
     they may go on to meshbus's services (``meshbus``: the bridge's ``reaches``, which
     only a message from another link can change). ``in_runs``: the messages of a run
-    may be handed to ``local`` together, once the run leaves the plan -- not when the
-    publisher is one of them, whose closing (a slow consumer of its own messages) must
-    stop the run at once."""
+    that follow on the subject may go together -- no queue group to pick a member of for
+    each, and the publisher is not among ``local``: its closing (a slow consumer of its
+    own messages) must stop the run at once."""
 
     __slots__ = ("groups", "in_runs", "local", "meshbus", "peers", "subject", "version")
 
@@ -188,38 +191,59 @@ class NatsRouter:
         were routed (all but those after the publisher closed), and their size."""
         table, to_meshbus = self._table, self._to_meshbus
         plan: _Plan | None = None
-        # The messages of the run for the plan's subscriptions here, not yet handed out:
-        # they are, before the plan changes (in_runs).
-        run: list[Message] = []
         routed = size = 0
-        for message in messages:
+        at, count = 0, len(messages)
+        while at < count:
             if publisher is not None and publisher.closed:
                 break
-            routed += 1
-            size += len(message[3])
+            message = messages[at]
             subject = message[0]
             if plan is None or plan.version != table.version or plan.subject != subject:
-                if run:
-                    assert plan is not None
-                    self._deliver_run(plan, run)
-                    run = []
                 plan = self._plan(subject, publisher, echo)
                 plan.meshbus = self._reaches_meshbus(subject)
-            delivered = self._send(plan, message, run)
+            if plan.in_runs and not plan.meshbus:
+                # The messages that follow on the same subject go together.
+                end = at + 1
+                while end < count and messages[end][0] == subject:
+                    end += 1
+                run = messages[at:end]
+                self._send_run(plan, run, requester)
+                routed += end - at
+                size += sum([len(message[3]) for message in run])
+                at = end
+                continue
+            at += 1
+            routed += 1
+            size += len(message[3])
+            delivered = self._send(plan, message)
             if plan.meshbus:
                 delivered += to_meshbus(message)
             if not delivered and message[1] and requester is not None:
                 self._no_responders(requester, message)
-        if run:
-            assert plan is not None
-            self._deliver_run(plan, run)
         return routed, size
+
+    def _send_run(
+        self, plan: _Plan, run: Sequence[Message], requester: NatsConnection | None
+    ) -> None:
+        """Messages on ``plan``'s subject where it says, together (``_Plan.in_runs``): a
+        run for each subscription here, the rows for each peer; no responders for each
+        request of ``requester``'s when there is neither."""
+        local, peers = plan.local, plan.peers
+        self._deliver_run(plan, run)
+        if peers:
+            rows: list[NatsRow] = [(s, r, h, d, True, _NO_QUEUES) for s, r, h, d in run]
+            for peer in peers:
+                self._peers.send(peer, rows)
+        elif not local and requester is not None:
+            for message in run:
+                if message[1]:
+                    self._no_responders(requester, message)
 
     def _deliver_run(self, plan: _Plan, run: Sequence[Message | NatsRow]) -> None:
         """The messages of ``run`` to each of ``plan``'s subscriptions here, in order."""
         subject = plan.subject
         for sub in plan.local:
-            sub.conn.deliver_run(sub, subject, run)
+            self.msgs_out += sub.conn.deliver_run(sub, subject, run)
 
     def route(
         self, event: Publish, publisher: NatsConnection | None = None, echo: bool = True
@@ -227,7 +251,7 @@ class NatsRouter:
         """Deliver ``event`` to the subscriptions here and send it to the peers with an
         interest; how many subscriptions and peers it went to."""
         message = (event.subject, event.reply, event.header_size, event.data)
-        return self._send(self._plan(event.subject, publisher, echo), message, None)
+        return self._send(self._plan(event.subject, publisher, echo), message)
 
     def _plan(self, subject: bytes, publisher: Subscriber | None, echo: bool) -> _Plan:
         """Where a message on ``subject`` goes, from ``publisher``: without echo, never to
@@ -255,20 +279,15 @@ class NatsRouter:
             ]
             if eligible:
                 groups[name] = _Group(eligible)
+        in_runs = in_runs and not groups
         return _Plan(subject, self._table.version, local, list(peers), groups, in_runs)
 
-    def _send(self, plan: _Plan, message: Message, run: list[Message] | None) -> int:
-        """``message`` where ``plan`` says -- to the subscriptions here by way of ``run``
-        when the plan allows -- and how many subscriptions and peers it went to."""
+    def _send(self, plan: _Plan, message: Message) -> int:
+        """``message`` where ``plan`` says; how many subscriptions and peers it went to."""
         subject, reply, header_size, data = message
-        local = plan.local
-        if run is not None and plan.in_runs:
-            if local:
-                run.append(message)
-        else:
-            for sub in local:
-                sub.conn.deliver(sub, subject, reply, header_size, data)
-        delivered = len(local)
+        for sub in plan.local:
+            sub.conn.deliver(sub, subject, reply, header_size, data)
+        delivered = len(plan.local)
         picked: dict[Link, list[bytes]] | None = None
         if plan.groups:
             picked = {}
@@ -278,16 +297,16 @@ class NatsRouter:
         if picked:
             send = self._peers.send
             for peer in peers:
-                send(peer, (subject, reply, header_size, data, True, picked.pop(peer, [])))
+                send(peer, [(subject, reply, header_size, data, True, picked.pop(peer, []))])
             for peer, names in picked.items():
-                send(peer, (subject, reply, header_size, data, False, names))
+                send(peer, [(subject, reply, header_size, data, False, names)])
             return delivered + len(peers) + len(picked)
         if peers:
             # One row for every peer: rows are only ever encoded.
-            row: NatsRow = (subject, reply, header_size, data, True, [])
+            rows: list[NatsRow] = [(subject, reply, header_size, data, True, _NO_QUEUES)]
             send = self._peers.send
             for peer in peers:
-                send(peer, row)
+                send(peer, rows)
         return delivered + len(peers)
 
     def _pick_members(
@@ -360,7 +379,6 @@ class NatsRouter:
             self.from_peers += 1
             if plain and plan.local:
                 run.append(row)
-                self.msgs_out += len(plan.local)
             if queues:
                 if run:
                     self._deliver_run(plan, run)

@@ -122,10 +122,11 @@ class ServiceSubscriber:
 
     def deliver_run(
         self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
-    ) -> None:
-        """Messages on one subject for one of its subscriptions, in order."""
+    ) -> int:
+        """Messages on one subject for one of its subscriptions, in order; how many."""
         for message in messages:
             self._deliver(self, subject, message[2], message[3])
+        return len(messages)
 
 
 class ServiceSubjects:
