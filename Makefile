@@ -83,10 +83,11 @@ tmux:
 # one JVM (tests/conftest.py).
 PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 
-# The codec's and the client's tests run twice: with the compiled hot path (the whole
-# suite) and on the pure-Python source (MESHBUS_NO_EXTENSIONS=1), which is what runs
-# where no extension could be built.
-PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled.py
+# The codec's, the NATS parser's and the client's tests run twice: with the compiled hot
+# path (the whole suite) and on the pure-Python source (MESHBUS_NO_EXTENSIONS=1), which
+# is what runs where no extension could be built. The NATS connections' and router's
+# tests drive the parser and its encoders as the listener does.
+PURE_LEG_TESTS := tests/unit/protocol tests/unit/broker/nats tests/unit/client tests/unit/test_compiled.py
 
 # The checks, the extension's freshness and the nats-core venv side by side: none needs
 # another (the Debian installs before them stay one at a time: dpkg's lock).

@@ -1,8 +1,9 @@
 """The compiled hot path: which build of the per-message modules this process runs.
 
-The modules every message passes through -- the codec and the client's per-message
-path, ``MODULES`` -- are compiled by mypyc from their own source when the package is
-built (``setup.py``; why mypyc and not Cython, with the figures, is in BENCHMARKS.md).
+The modules every message passes through -- the codec, the client's per-message path
+and the NATS listener's parser, ``MODULES`` -- are compiled by mypyc from their own
+source when the package is built (``setup.py``; why mypyc and not Cython, with the
+figures, is in BENCHMARKS.md).
 The source stays the reference: there is no second implementation to keep in step,
 and it is what runs when
 
@@ -34,6 +35,7 @@ from types import ModuleType
 # Read by setup.py as text (a build does not import the package it builds).
 MODULES = (
     "meshbus.protocol.codec",
+    "meshbus.protocol.nats",
     "meshbus.client.outbound",
     "meshbus.client.message",
     "meshbus.client.mailboxes",

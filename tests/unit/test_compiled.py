@@ -1,7 +1,7 @@
 """The choice of the compiled or the pure-Python hot path (meshbus.compiled).
 
-``make test`` runs the codec's and the client's tests on both legs: the whole suite on
-the compiled one, built by the install, and these folders again with
+``make test`` runs the codec's, the NATS parser's and the client's tests on both legs:
+the whole suite on the compiled one, built by the install, and these folders again with
 ``MESHBUS_NO_EXTENSIONS=1``. These tests make sure each run is on the leg it claims:
 one that silently ran the source where the extension was built would test one leg twice.
 """

@@ -44,11 +44,24 @@ a ``NatsProtocolViolation``: fatal, the parser is done, and ``error_text`` says 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
 from meshbus.errors import ProtocolError
+from meshbus.protocol.nats_handshake import (
+    MAX_CLIENT_PROTOCOL,
+    ConnectCredentials,
+    ConnectOptions,
+    ServerInfo,
+    encode_info,
+    read_connect,
+)
+
+if TYPE_CHECKING:
+    from meshbus.protocol.control import NatsRow
 
 __all__ = [
     "DEFAULT_MAX_CONTROL_LINE",
@@ -73,28 +86,31 @@ __all__ = [
     "encode_hmsg",
     "encode_info",
     "encode_msg",
+    "encode_msgs",
     "no_responders_header",
 ]
 
-DEFAULT_MAX_CONTROL_LINE = 4096
-DEFAULT_MAX_PAYLOAD = 1024 * 1024
-# The protocol version of CONNECT's "protocol": 0 (the original), 1 (async INFO).
-MAX_CLIENT_PROTOCOL = 1
+# Final: compiled (mypyc), a module's Final names are C statics, its other globals a
+# dictionary look-up on every use.
+DEFAULT_MAX_CONTROL_LINE: Final = 4096
+DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
 # parseSize's limit: 999,999,999 at most.
-_MAX_DIGITS = 9
+_MAX_DIGITS: Final = 9
+# The shortest run of PUBs alike that is checked column by column (_repeats).
+_MIN_STRIDE_RUN: Final = 8
 
-PING = b"PING\r\n"
-PONG = b"PONG\r\n"
-OK = b"+OK\r\n"
-_CRLF = b"\r\n"
-_BLANKS = b" \t"
+PING: Final = b"PING\r\n"
+PONG: Final = b"PONG\r\n"
+OK: Final = b"+OK\r\n"
+_CRLF: Final = b"\r\n"
+_BLANKS: Final = b" \t"
 
 # The -ERR texts, nats-server's words (clients match on some of them).
-UNKNOWN_OPERATION = "Unknown Protocol Operation"
-MAX_CONTROL_LINE = "maximum control line exceeded"
-MAX_PAYLOAD = "Maximum Payload Violation"
-BAD_CLIENT_PROTOCOL = "invalid client protocol"
-NO_RESPONDERS_NEED_HEADERS = "no responders requires headers support"
+UNKNOWN_OPERATION: Final = "Unknown Protocol Operation"
+MAX_CONTROL_LINE: Final = "maximum control line exceeded"
+MAX_PAYLOAD: Final = "Maximum Payload Violation"
+BAD_CLIENT_PROTOCOL: Final = "invalid client protocol"
+NO_RESPONDERS_NEED_HEADERS: Final = "no responders requires headers support"
 
 
 class NatsProtocolViolation(ProtocolError):
@@ -105,62 +121,6 @@ class NatsProtocolViolation(ProtocolError):
     def __init__(self, message: str, error_text: str | None) -> None:
         super().__init__(message)
         self.error_text = error_text
-
-
-class ConnectOptions(msgspec.Struct, frozen=True):
-    """The options of a client's CONNECT that the server acts on (its credentials are
-    ``ConnectCredentials``; the others -- tls_required, ... -- are read past). The
-    defaults are nats-server's before any CONNECT: a client that never sends one
-    (telnet) gets +OK for each operation."""
-
-    verbose: bool = True
-    pedantic: bool = True
-    echo: bool = True
-    headers: bool = False
-    no_responders: bool = False
-    protocol: int = 0
-    name: str = ""
-    lang: str = ""
-    version: str = ""
-
-
-class ConnectCredentials(msgspec.Struct, frozen=True):
-    """The credentials one CONNECT carries (empty: not given): ``user`` and ``password``
-    (``pass`` on the wire), ``auth_token``, or an nkey (``nkey``, the user's public key)
-    with ``sig``, its signature of the INFO's nonce; ``jwt`` is read, never accepted.
-    Each is at most a control line long."""
-
-    user: str = ""
-    password: str = msgspec.field(default="", name="pass")
-    auth_token: str = ""
-    nkey: str = ""
-    sig: str = ""
-    jwt: str = ""
-
-
-class _ConnectFields(msgspec.Struct):
-    """What one CONNECT says: only the fields it names replace the options in force;
-    the credentials are its own."""
-
-    verbose: bool | msgspec.UnsetType = msgspec.UNSET
-    pedantic: bool | msgspec.UnsetType = msgspec.UNSET
-    echo: bool | msgspec.UnsetType = msgspec.UNSET
-    headers: bool | msgspec.UnsetType = msgspec.UNSET
-    no_responders: bool | msgspec.UnsetType = msgspec.UNSET
-    protocol: int | msgspec.UnsetType = msgspec.UNSET
-    name: str | msgspec.UnsetType = msgspec.UNSET
-    lang: str | msgspec.UnsetType = msgspec.UNSET
-    version: str | msgspec.UnsetType = msgspec.UNSET
-    user: str = ""
-    password: str = msgspec.field(default="", name="pass")
-    auth_token: str = ""
-    nkey: str = ""
-    sig: str = ""
-    jwt: str = ""
-
-
-_OPTION_FIELDS = ConnectOptions.__struct_fields__
-_CONNECT_DECODER = msgspec.json.Decoder(_ConnectFields)
 
 
 # The events are slotted dataclasses, not frozen ones: one is made per message, and a
@@ -177,7 +137,7 @@ class Connect:
     credentials: ConnectCredentials
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Publish:
     """A PUB (``header_size`` 0) or HPUB. ``data`` is the message as sent: its first
     ``header_size`` bytes are the header block, kept byte for byte, the rest the
@@ -187,6 +147,14 @@ class Publish:
     reply: bytes
     header_size: int
     data: bytes
+
+    # Written out, not generated: compiled (mypyc), the dataclass's generated __init__
+    # would stay interpreted, and a client off the fast way makes one per message.
+    def __init__(self, subject: bytes, reply: bytes, header_size: int, data: bytes) -> None:
+        self.subject = subject
+        self.reply = reply
+        self.header_size = header_size
+        self.data = data
 
 
 @dataclass(slots=True)
@@ -226,12 +194,14 @@ _PING, _PONG = Ping(), Pong()
 # A whole PUB line as clients write it (upper case, CRLF), matched at C speed: the common
 # case, taken whole when its message is all there. Anything else -- and any line this
 # matches but the limits refuse -- goes the general way, which decides alike.
-_PUB_LINE = re.compile(rb"PUB[ \t]+([^ \t\r\n]+)[ \t]+(?:([^ \t\r\n]+)[ \t]+)?(\d{1,9})[ \t]*\r\n")
+_PUB_LINE: Final = re.compile(
+    rb"PUB[ \t]+([^ \t\r\n]+)[ \t]+(?:([^ \t\r\n]+)[ \t]+)?(\d{1,9})[ \t]*\r\n"
+)
 
 # The verbs a client may send. An argument verb must be followed by a blank; PING and
 # PONG take whatever follows up to the line's end, CONNECT its JSON after any blanks.
-_ARGUMENT_VERBS = (b"PUB", b"HPUB", b"SUB", b"UNSUB", b"INFO", b"-ERR")
-_BARE_VERBS = (b"PING", b"PONG", b"CONNECT", b"+OK")
+_ARGUMENT_VERBS: Final = (b"PUB", b"HPUB", b"SUB", b"UNSUB", b"INFO", b"-ERR")
+_BARE_VERBS: Final = (b"PING", b"PONG", b"CONNECT", b"+OK")
 
 
 class _Ignored:
@@ -257,6 +227,27 @@ def _check_head(head: bytes) -> None:
     its length is looked at, so that it is the same error however the bytes came)."""
     if head and not _could_begin(head):
         raise NatsProtocolViolation(f"unknown operation {head!r}", UNKNOWN_OPERATION)
+
+
+def _repeats(buf: bytes | bytearray, pos: int, line: bytes, stride: int, most: int) -> int:
+    """How many messages, at most ``most``, lie whole from ``pos`` in ``buf`` at a fixed
+    ``stride``, each its PUB ``line`` and a payload then CRLF: the run of a publisher
+    that repeats one subject and one size, checked a column at a time -- each byte of the
+    line, and the CRLF, across the messages in one extended slice -- instead of message
+    by message. 0 where the run is too short to gain; a run cut short is found by
+    halving."""
+    count = min(most, (len(buf) - pos) // stride)
+    width = len(line)
+    while count >= _MIN_STRIDE_RUN and width <= 4 * count:
+        stop = pos + count * stride
+        if (
+            buf[pos + stride - 2 : stop : stride] == b"\r" * count
+            and buf[pos + stride - 1 : stop : stride] == b"\n" * count
+            and all(buf[pos + i : stop : stride] == line[i : i + 1] * count for i in range(width))
+        ):
+            return count
+        count //= 2
+    return 0
 
 
 def _size(text: bytes) -> int:
@@ -329,14 +320,13 @@ class NatsParser:
         match = _PUB_LINE.match
         max_line, max_payload = self.max_control_line, self.max_payload
         # A publisher mostly repeats its last PUB line byte for byte (one subject, one
-        # size): such a line is what it was last time, without the regex.
+        # size): such a line is what it was last time, without the regex, and a run of
+        # them lies at a fixed stride.
         line = b""
         subject = reply = b""
         size = 0
         while len(found) < limit:
-            if line and buf.startswith(line, pos):
-                start = pos + len(line)
-            else:
+            if not (line and buf.startswith(line, pos)):
                 pub = match(buf, pos)
                 if pub is None:
                     break
@@ -346,6 +336,18 @@ class NatsParser:
                     break
                 line = bytes(buf[pos:start])
                 subject, reply = pub[1], pub[2] or b""
+            stride = len(line) + size + 2
+            count = _repeats(buf, pos, line, stride, limit - len(found))
+            if count:
+                stop = pos + count * stride
+                run = bytes(buf[pos:stop])
+                found += [
+                    (subject, reply, 0, run[i : i + size])
+                    for i in range(len(line), len(run), stride)
+                ]
+                pos = stop
+                continue
+            start = pos + len(line)
             end = start + size
             if not buf.startswith(_CRLF, end):
                 break
@@ -486,15 +488,9 @@ class NatsParser:
 
     def _connect(self, text: bytes) -> Connect:
         try:
-            given = _CONNECT_DECODER.decode(text)
+            options, credentials = read_connect(text, self.options)
         except msgspec.DecodeError as exc:
             raise NatsProtocolViolation(f"CONNECT that cannot be read: {exc}", None) from None
-        changes = {
-            name: value
-            for name in _OPTION_FIELDS
-            if (value := getattr(given, name)) is not msgspec.UNSET
-        }
-        options = msgspec.structs.replace(self.options, **changes)
         if not 0 <= options.protocol <= MAX_CLIENT_PROTOCOL:
             raise NatsProtocolViolation(
                 f"CONNECT with protocol {options.protocol}", BAD_CLIENT_PROTOCOL
@@ -504,14 +500,6 @@ class NatsParser:
                 "CONNECT with no_responders and without headers", NO_RESPONDERS_NEED_HEADERS
             )
         self.options = options
-        credentials = ConnectCredentials(
-            user=given.user,
-            password=given.password,
-            auth_token=given.auth_token,
-            nkey=given.nkey,
-            sig=given.sig,
-            jwt=given.jwt,
-        )
         return Connect(options, credentials)
 
 
@@ -534,46 +522,6 @@ def _unsub(args: list[bytes], line: bytes) -> Unsubscribe:
 # -- the server's side -----------------------------------------------------------------
 
 
-class ServerInfo(msgspec.Struct):
-    """The INFO a server sends first (and again, as an async INFO, when what it says
-    changes): the fields clients read (nats.go, nats.py, ...). ``version`` is the
-    nats-server version whose client protocol the server speaks; ``go`` is where
-    nats-server names the runtime it was built with (its Go version), here the
-    server's own -- clients only show it, but nats-core refuses an INFO without it,
-    as without ``host`` and ``port``. The optional fields
-    are left out when unset or false, as nats-server leaves them out:
-    ``connect_urls`` (the other servers a client may reconnect to), ``auth_required``
-    (CONNECT must carry credentials), ``tls_required`` (the client starts TLS right
-    after this INFO), ``tls_verify`` (and shows a certificate), ``nonce`` (what an
-    nkey signs), ``ldm`` (lame duck mode: the server is going away, reconnect
-    elsewhere)."""
-
-    server_id: str
-    server_name: str
-    version: str
-    go: str
-    host: str
-    port: int
-    max_payload: int
-    client_id: int
-    client_ip: str
-    proto: int = MAX_CLIENT_PROTOCOL
-    headers: bool = True
-    connect_urls: list[str] | msgspec.UnsetType = msgspec.UNSET
-    auth_required: bool | msgspec.UnsetType = msgspec.UNSET
-    tls_required: bool | msgspec.UnsetType = msgspec.UNSET
-    tls_verify: bool | msgspec.UnsetType = msgspec.UNSET
-    nonce: str | msgspec.UnsetType = msgspec.UNSET
-    ldm: bool | msgspec.UnsetType = msgspec.UNSET
-
-
-_INFO_ENCODER = msgspec.json.Encoder()
-
-
-def encode_info(info: ServerInfo) -> bytes:
-    return b"INFO " + _INFO_ENCODER.encode(info) + _CRLF
-
-
 def encode_err(text: str) -> bytes:
     """``-ERR '<text>'``; ``text`` is one of nats-server's words (printable ASCII)."""
     return b"-ERR '" + text.encode() + b"'\r\n"
@@ -584,6 +532,38 @@ def encode_msg(subject: bytes, sid: bytes, reply: bytes, payload: bytes) -> byte
     if reply:
         return b"MSG %b %b %b %d\r\n%b\r\n" % (subject, sid, reply, len(payload), payload)
     return b"MSG %b %b %d\r\n%b\r\n" % (subject, sid, len(payload), payload)
+
+
+def encode_msgs(
+    subject: bytes, sid: bytes, messages: Sequence[Message | NatsRow], headers: bool
+) -> tuple[bytes, int]:
+    """The messages of a run on ``subject`` to subscription ``sid``, each as
+    ``encode_msg`` or ``encode_hmsg`` writes it (an HMSG when the client takes
+    ``headers``, else a MSG of the payload alone), in one bytes; and the size of their
+    data. Only the fields that a ``Message`` and a peer's ``NatsRow`` share are read."""
+    head = b"MSG " + subject + b" " + sid + b" "
+    parts: list[bytes] = []
+    # Messages of a run are mostly of one size: their MSG line is the same.
+    line = b""
+    line_size = -1
+    total = 0
+    for message in messages:
+        reply, header_size, data = message[1], message[2], message[3]
+        total += len(data)
+        if reply or header_size:
+            if header_size and headers:
+                parts.append(encode_hmsg(subject, sid, reply, header_size, data))
+            else:
+                parts.append(encode_msg(subject, sid, reply, data[header_size:]))
+            continue
+        size = len(data)
+        if size != line_size:
+            line = head + b"%d\r\n" % size
+            line_size = size
+        parts.append(line)
+        parts.append(data)
+        parts.append(_CRLF)
+    return b"".join(parts), total
 
 
 def encode_hmsg(subject: bytes, sid: bytes, reply: bytes, header_size: int, data: bytes) -> bytes:

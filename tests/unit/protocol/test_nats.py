@@ -29,6 +29,7 @@ from meshbus.protocol.nats import (
     encode_hmsg,
     encode_info,
     encode_msg,
+    encode_msgs,
     no_responders_header,
 )
 
@@ -294,6 +295,14 @@ def parse_in_chunks(data: bytes, cuts: list[int], limit: int, **limits: int) -> 
     return found
 
 
+ODD_ONES = [
+    b"PING\r\n",
+    b"PUB run.x 4\r\nabcd\r\n",  # the same subject, another size
+    b"PUB run.y 3\r\nabc\r\n",  # a line of the same length
+    b"PUB run.x 3\r\nabcd\r\n",  # longer than its size: the run stops, then an error
+]
+
+
 def test_a_run_is_the_pubs_up_to_anything_else() -> None:
     parser = NatsParser()
     parser.feed(
@@ -354,6 +363,26 @@ def test_a_repeated_line_carries_each_message_its_own_payload() -> None:
     assert parser.next_publishes(100) == [(b"same.subject", b"_INBOX.r", 0, b"abc")]
 
 
+@given(
+    st.integers(0, 60),
+    st.lists(st.tuples(st.integers(0, 60), st.sampled_from(ODD_ONES)), max_size=3),
+    st.lists(st.integers(0, 1500), max_size=3),
+    st.integers(1, 80),
+    st.binary(min_size=3, max_size=3),
+)
+def test_a_run_of_one_line_repeated_reads_as_one_message_at_a_time(
+    repeats: int, odd: list[tuple[int, bytes]], cuts: list[int], limit: int, fill: bytes
+) -> None:
+    """Long runs of one PUB line (taken a column at a time), broken anywhere by another
+    operation or a line alike but for its size, and cut anywhere by the reads: the same
+    events as the whole read one at a time. Payloads hold the line's own bytes."""
+    messages = [b"PUB run.x 3\r\n%b\r\n" % (fill if i % 2 else b"PUB") for i in range(repeats)]
+    for at, operation in odd:
+        messages.insert(min(at, len(messages)), operation)
+    data = b"".join(messages)
+    assert outcome(lambda: parse_in_chunks(data, cuts, limit)) == outcome(lambda: parse_whole(data))
+
+
 def test_a_message_longer_than_the_reads_is_gathered_and_read_after() -> None:
     payload = bytes(range(256)) * 64
     data = b"PUB big %d\r\n" % len(payload) + payload + b"\r\nPUB small 2\r\nok\r\n"
@@ -392,6 +421,34 @@ def test_encoders() -> None:
     header = no_responders_header(b"svc.a")
     assert header.startswith(b"NATS/1.0 503\r\n")
     assert header.endswith(b"\r\n\r\n")
+
+
+def test_a_run_encodes_as_its_messages_one_by_one() -> None:
+    header = b"NATS/1.0\r\nA: 1\r\n\r\n"
+    run = [
+        (b"s", b"", 0, b"ab"),
+        (b"s", b"", 0, b"cd"),  # the same line as the last
+        (b"s", b"", 0, b"efg"),  # another size
+        (b"s", b"r", 0, b"x"),
+        (b"s", b"", len(header), header + b"body"),
+        (b"s", b"r", len(header), header),
+        (b"s", b"", 0, b""),
+    ]
+    for headers in (True, False):
+        one_by_one = [
+            encode_hmsg(b"s", b"7", reply, size, data)
+            if size and headers
+            else encode_msg(b"s", b"7", reply, data[size:])
+            for _, reply, size, data in run
+        ]
+        assert encode_msgs(b"s", b"7", run, headers) == (
+            b"".join(one_by_one),
+            sum(len(data) for *_, data in run),
+        )
+    # A peer's rows are read alike (their flags are not the encoder's business).
+    rows = [(b"s", b"", 0, b"ab", True, []), (b"s", b"r", 0, b"", False, [b"q"])]
+    assert encode_msgs(b"s", b"7", rows, True)[0] == b"MSG s 7 2\r\nab\r\nMSG s 7 r 0\r\n\r\n"
+    assert encode_msgs(b"s", b"7", [], True) == (b"", 0)
 
 
 def test_info_carries_what_clients_read() -> None:

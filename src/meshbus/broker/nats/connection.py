@@ -41,7 +41,7 @@ import enum
 import logging
 import ssl
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -53,6 +53,7 @@ from meshbus.protocol.nats import (
     PONG,
     Connect,
     ConnectOptions,
+    Message,
     NatsEvent,
     NatsParser,
     NatsProtocolViolation,
@@ -62,8 +63,7 @@ from meshbus.protocol.nats import (
     Subscribe,
     Unsubscribe,
     encode_err,
-    encode_hmsg,
-    encode_msg,
+    encode_msgs,
 )
 from meshbus.tls import failure_reason
 
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from meshbus.broker.nats.interest import NatsInterest
     from meshbus.broker.nats.router import NatsRouter
     from meshbus.broker.security.users import User
+    from meshbus.protocol.control import NatsRow
 
 log = logging.getLogger("meshbus.broker.nats")
 
@@ -118,6 +119,10 @@ class Subscriber(Protocol):
     def deliver(
         self, sub: Subscription, subject: bytes, reply: bytes, header_size: int, data: bytes
     ) -> None: ...
+
+    def deliver_run(
+        self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
+    ) -> int: ...
 
 
 class Subscription:
@@ -596,20 +601,31 @@ class NatsConnection(asyncio.Protocol):
         header block byte for byte when this client took headers, else as MSG with the
         payload alone (nats-server strips the headers for such a client). A message
         whose subject the user's ``join`` denies is dropped: a wildcard let it match."""
+        self.deliver_run(sub, subject, ((subject, reply, header_size, data),))
+
+    def deliver_run(
+        self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
+    ) -> int:
+        """Messages on ``subject`` for one subscription, in order, each as ``deliver``
+        hands one out, queued as one write: a run of a client's PUBs or of a peer's rows
+        costs one encoding loop and one look at the output's bound, not one a message.
+        Past the subscription's ``max_msgs`` none is delivered. How many were."""
         permissions = self.permissions
         if permissions is not None and not permissions.may_deliver(subject):
-            return
-        sub.delivered += 1
-        self.msgs_out += 1
-        self.bytes_out += len(data)
-        if not header_size:
-            self.queue(encode_msg(subject, sub.sid, reply, data))
-        elif self._parser.options.headers:
-            self.queue(encode_hmsg(subject, sub.sid, reply, header_size, data))
-        else:
-            self.queue(encode_msg(subject, sub.sid, reply, data[header_size:]))
+            return 0
+        if sub.max_msgs:
+            messages = messages[: max(sub.max_msgs - sub.delivered, 0)]
+        count = len(messages)
+        if not count:
+            return 0
+        sub.delivered += count
+        self.msgs_out += count
+        data, size = encode_msgs(subject, sub.sid, messages, self._parser.options.headers)
+        self.bytes_out += size
+        self.queue(data)
         if sub.max_msgs and sub.delivered >= sub.max_msgs:
             self.drop(sub)
+        return count
 
     def queue(self, data: bytes) -> None:
         """Queue ``data``; it is written at the next flush."""

@@ -64,16 +64,16 @@ class PeerMessages:
         self._queued: dict[Link, list[NatsRow]] = {}
         self.stats = PeerMessageStats()
 
-    def send(self, peer: Link, row: NatsRow) -> None:
-        """Queue ``row`` for ``peer``; it leaves at the end of this loop turn."""
+    def send(self, peer: Link, rows: list[NatsRow]) -> None:
+        """Queue ``rows`` for ``peer``; they leave at the end of this loop turn."""
         queued = self._queued
         if not queued:
             asyncio.get_running_loop().call_soon(self.flush)
-        rows = queued.get(peer)
-        if rows is None:
-            queued[peer] = [row]
+        waiting = queued.get(peer)
+        if waiting is None:
+            queued[peer] = rows.copy()  # the caller's list may go to other peers too
         else:
-            rows.append(row)
+            waiting.extend(rows)
 
     def flush(self) -> None:
         """Write each peer's rows, in frames of at most its ``max_frame``."""

@@ -60,6 +60,9 @@ __all__ = ["NatsRouter"]
 log = logging.getLogger("meshbus.broker.nats")
 
 _BLANK = re.compile(rb"[ \t\r\n\f]").search
+# The queue groups of a row for a peer's plain subscriptions only: one list for all of
+# them, as rows are only ever encoded.
+_NO_QUEUES: list[bytes] = []
 
 
 def _one_per_service(local: list[Subscription]) -> list[Subscription]:
@@ -99,9 +102,12 @@ class _Plan:
     ``local``, the plain subscriptions here; ``peers``, the brokers with a plain
     interest; ``groups``, each queue group with a member that may be picked; whether
     they may go on to meshbus's services (``meshbus``: the bridge's ``reaches``, which
-    only a message from another link can change)."""
+    only a message from another link can change). ``in_runs``: the messages of a run
+    that follow on the subject may go together -- no queue group to pick a member of for
+    each, and the publisher is not among ``local``: its closing (a slow consumer of its
+    own messages) must stop the run at once."""
 
-    __slots__ = ("groups", "local", "meshbus", "peers", "subject", "version")
+    __slots__ = ("groups", "in_runs", "local", "meshbus", "peers", "subject", "version")
 
     def __init__(
         self,
@@ -110,14 +116,15 @@ class _Plan:
         local: list[Subscription],
         peers: list[Link],
         groups: dict[bytes, _Group],
-        meshbus: bool = False,
+        in_runs: bool,
     ) -> None:
         self.subject = subject
         self.version = version
         self.local = local
         self.peers = peers
         self.groups = groups
-        self.meshbus = meshbus
+        self.in_runs = in_runs
+        self.meshbus = False
 
 
 class NatsRouter:
@@ -185,21 +192,58 @@ class NatsRouter:
         table, to_meshbus = self._table, self._to_meshbus
         plan: _Plan | None = None
         routed = size = 0
-        for message in messages:
+        at, count = 0, len(messages)
+        while at < count:
             if publisher is not None and publisher.closed:
                 break
-            routed += 1
-            size += len(message[3])
+            message = messages[at]
             subject = message[0]
             if plan is None or plan.version != table.version or plan.subject != subject:
                 plan = self._plan(subject, publisher, echo)
                 plan.meshbus = self._reaches_meshbus(subject)
+            if plan.in_runs and not plan.meshbus:
+                # The messages that follow on the same subject go together.
+                end = at + 1
+                while end < count and messages[end][0] == subject:
+                    end += 1
+                run = messages[at:end]
+                self._send_run(plan, run, requester)
+                routed += end - at
+                size += sum([len(message[3]) for message in run])
+                at = end
+                continue
+            at += 1
+            routed += 1
+            size += len(message[3])
             delivered = self._send(plan, message)
             if plan.meshbus:
                 delivered += to_meshbus(message)
             if not delivered and message[1] and requester is not None:
                 self._no_responders(requester, message)
         return routed, size
+
+    def _send_run(
+        self, plan: _Plan, run: Sequence[Message], requester: NatsConnection | None
+    ) -> None:
+        """Messages on ``plan``'s subject where it says, together (``_Plan.in_runs``): a
+        run for each subscription here, the rows for each peer; no responders for each
+        request of ``requester``'s when there is neither."""
+        local, peers = plan.local, plan.peers
+        self._deliver_run(plan, run)
+        if peers:
+            rows: list[NatsRow] = [(s, r, h, d, True, _NO_QUEUES) for s, r, h, d in run]
+            for peer in peers:
+                self._peers.send(peer, rows)
+        elif not local and requester is not None:
+            for message in run:
+                if message[1]:
+                    self._no_responders(requester, message)
+
+    def _deliver_run(self, plan: _Plan, run: Sequence[Message | NatsRow]) -> None:
+        """The messages of ``run`` to each of ``plan``'s subscriptions here, in order."""
+        subject = plan.subject
+        for sub in plan.local:
+            self.msgs_out += sub.conn.deliver_run(sub, subject, run)
 
     def route(
         self, event: Publish, publisher: NatsConnection | None = None, echo: bool = True
@@ -216,12 +260,14 @@ class NatsRouter:
         local: list[Subscription] = []
         peers: dict[Link, None] = {}
         services = False
+        in_runs = True
         for sub in interest.plain:
             if isinstance(sub, PeerSubscription):
                 peers[sub.peer] = None
             elif echo or sub.conn is not publisher:
                 local.append(sub)
                 services = services or type(sub) is ServiceSubscription
+                in_runs = in_runs and sub.conn is not publisher
         if services:
             local = _one_per_service(local)
         groups: dict[bytes, _Group] = {}
@@ -233,7 +279,8 @@ class NatsRouter:
             ]
             if eligible:
                 groups[name] = _Group(eligible)
-        return _Plan(subject, self._table.version, local, list(peers), groups)
+        in_runs = in_runs and not groups
+        return _Plan(subject, self._table.version, local, list(peers), groups, in_runs)
 
     def _send(self, plan: _Plan, message: Message) -> int:
         """``message`` where ``plan`` says; how many subscriptions and peers it went to."""
@@ -250,16 +297,16 @@ class NatsRouter:
         if picked:
             send = self._peers.send
             for peer in peers:
-                send(peer, (subject, reply, header_size, data, True, picked.pop(peer, [])))
+                send(peer, [(subject, reply, header_size, data, True, picked.pop(peer, []))])
             for peer, names in picked.items():
-                send(peer, (subject, reply, header_size, data, False, names))
+                send(peer, [(subject, reply, header_size, data, False, names)])
             return delivered + len(peers) + len(picked)
         if peers:
             # One row for every peer: rows are only ever encoded.
-            row: NatsRow = (subject, reply, header_size, data, True, [])
+            rows: list[NatsRow] = [(subject, reply, header_size, data, True, _NO_QUEUES)]
             send = self._peers.send
             for peer in peers:
-                send(peer, row)
+                send(peer, rows)
         return delivered + len(peers)
 
     def _pick_members(
@@ -305,8 +352,16 @@ class NatsRouter:
         """NATS_MSGS: messages a peer's clients published, for the clients here only."""
         table = self._table
         plan: _Plan | None = None
-        for subject, reply, header_size, data, plain, queues in body.msgs:
+        # The rows for the plan's plain subscriptions, handed out before the plan changes
+        # or a queue group's member gets a message.
+        run: list[NatsRow] = []
+        for row in body.msgs:
+            subject, reply, header_size, data, plain, queues = row
             if plan is None or plan.version != table.version or plan.subject != subject:
+                if run:
+                    assert plan is not None
+                    self._deliver_run(plan, run)
+                    run = []
                 # What would break a client's MSG line: a blank, an empty subject. A
                 # subject with an empty token only matches nothing.
                 if not subject or _BLANK(subject):
@@ -322,12 +377,16 @@ class NatsRouter:
                 self._invalid(link)
                 continue
             self.from_peers += 1
-            if plain:
-                for sub in plan.local:
-                    sub.conn.deliver(sub, subject, reply, header_size, data)
-                self.msgs_out += len(plan.local)
+            if plain and plan.local:
+                run.append(row)
             if queues:
+                if run:
+                    self._deliver_run(plan, run)
+                    run = []
                 self._deliver_to_groups(plan, subject, reply, header_size, data, queues)
+        if run:
+            assert plan is not None
+            self._deliver_run(plan, run)
         self.flushes.flush()
 
     def _invalid(self, link: Link) -> None:
@@ -348,7 +407,7 @@ class NatsRouter:
             ]
             if here:
                 groups[name] = _Group(here)
-        return _Plan(subject, self._table.version, local, [], groups)
+        return _Plan(subject, self._table.version, local, [], groups, True)
 
     def _deliver_to_groups(
         self,

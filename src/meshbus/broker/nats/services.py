@@ -54,7 +54,7 @@ from meshbus.broker.nats.interest import NatsInterest
 from meshbus.errors import FrameTooLarge, ProtocolError
 from meshbus.protocol import ext
 from meshbus.protocol.codec import encode_data
-from meshbus.protocol.control import Body, Empty, SubjectInterest
+from meshbus.protocol.control import Body, Empty, NatsRow, SubjectInterest
 from meshbus.protocol.headers import MAX_HEADER_BYTES
 from meshbus.protocol.layout import (
     DATA_HEADER,
@@ -119,6 +119,14 @@ class ServiceSubscriber:
         """A message for one of its subscriptions (the reply subject of a NATS request is
         not carried: a service answers no NATS request through a subscription)."""
         self._deliver(self, subject, header_size, data)
+
+    def deliver_run(
+        self, sub: Subscription, subject: bytes, messages: Sequence[Message | NatsRow]
+    ) -> int:
+        """Messages on one subject for one of its subscriptions, in order; how many."""
+        for message in messages:
+            self._deliver(self, subject, message[2], message[3])
+        return len(messages)
 
 
 class ServiceSubjects:
