@@ -17,16 +17,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The dependencies and the package, without its compiled part (built next, below).
 $(STAMP): $(BIN)/python pyproject.toml setup.py
-	$(BIN)/python -m pip install --quiet -e '.[test,spark]'
+	MESHBUS_DEFER_BUILD=1 $(BIN)/python -m pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
-# The compiled hot path (setup.py, src/meshbus/compiled.py): the install builds it; built
-# again here once a module it compiles is newer than its extension (the source runs then).
-# Where it cannot be built (no C compiler), the pure-Python source runs; this says which.
+# The compiled hot path (setup.py, src/meshbus/compiled.py): built here, beside the checks
+# (make test runs them side by side), when it is missing or a module it compiles is newer
+# than its extension (the source runs then). Where it cannot be built (no C compiler), the
+# pure-Python source runs; this says which.
 COMPILED := $(VENV)/.compiled
 $(COMPILED): $(STAMP) $(wildcard src/meshbus/protocol/*.py src/meshbus/client/*.py)
-	@$(BIN)/python -c 'import sys, meshbus.compiled as c; sys.exit(c.select() is c.Leg.STALE)' \
+	@$(BIN)/python -c 'import sys, meshbus.compiled as c; sys.exit(c.available({}) is not c.Leg.COMPILED)' \
 	  || $(BIN)/python -m pip install --quiet --no-deps -e .
 	@$(BIN)/python -c 'import meshbus.compiled as c; print("meshbus hot path:", c.select().value)'
 	@touch $(COMPILED)
