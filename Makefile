@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js nats-core prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck pure-leg unit integration nats-server nats-js nats-core prometheus tmux clean
 
 # Where PYTHONDONTWRITEBYTECODE is set (many containers and CI images set it) no process
 # keeps the bytecode it compiles: each of the ~1,000 brokers and commands the tests start
@@ -87,15 +87,18 @@ PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 
 # The codec's and the client's tests run twice: with the compiled hot path (the whole
 # suite) and on the pure-Python source (MESHBUS_NO_EXTENSIONS=1), which is what runs
-# where no extension could be built.
+# where no extension could be built. The pure leg needs no extension, so it runs while
+# the extension is built (one process: ~20 s of one core).
 PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled.py
+pure-leg: $(STAMP)
+	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q -p no:xdist $(PURE_LEG_TESTS)
 
-# The checks, the extension's freshness and the nats-core venv side by side: none needs
-# another (the Debian installs before them stay one at a time: dpkg's lock).
+# The checks, the pure leg, the extension's build and the nats-core venv side by side:
+# none needs another (the Debian installs before them stay one at a time: dpkg's lock),
+# each one's output printed whole when it ends.
 test: nats-server nats-js prometheus tmux $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED) nats-core
+	$(MAKE) --no-print-directory --output-sync=target -j5 lint typecheck pure-leg $(COMPILED) nats-core
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
-	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
 
 unit: $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit
