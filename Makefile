@@ -91,7 +91,7 @@ PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 # the extension is built (one process: ~20 s of one core).
 PURE_LEG_TESTS := tests/unit/protocol tests/unit/client tests/unit/test_compiled.py
 pure-leg: $(STAMP)
-	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q -p no:xdist $(PURE_LEG_TESTS)
+	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q -n 0 $(PURE_LEG_TESTS)
 
 # The checks, the pure leg, the extension's build and the nats-core venv side by side:
 # none needs another (the Debian installs before them stay one at a time: dpkg's lock),
