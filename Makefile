@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench docs lint typecheck unit integration nats-server nats-js nats-core prometheus tmux clean
+.PHONY: test demo bench docs lint typecheck pure-leg unit integration nats-server nats-js nats-core prometheus tmux clean
 
 # Where PYTHONDONTWRITEBYTECODE is set (many containers and CI images set it) no process
 # keeps the bytecode it compiles: each of the ~1,000 brokers and commands the tests start
@@ -17,16 +17,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The dependencies and the package, without its compiled part (built next, below).
 $(STAMP): $(BIN)/python pyproject.toml setup.py
-	$(BIN)/python -m pip install --quiet -e '.[test,spark]'
+	MESHBUS_DEFER_BUILD=1 $(BIN)/python -m pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
-# The compiled hot path (setup.py, src/meshbus/compiled.py): the install builds it; built
-# again here once a module it compiles is newer than its extension (the source runs then).
-# Where it cannot be built (no C compiler), the pure-Python source runs; this says which.
+# The compiled hot path (setup.py, src/meshbus/compiled.py): built here, beside the checks
+# (make test runs them side by side), when it is missing or a module it compiles is newer
+# than its extension (the source runs then). Where it cannot be built (no C compiler), the
+# pure-Python source runs; this says which.
 COMPILED := $(VENV)/.compiled
 $(COMPILED): $(STAMP) $(wildcard src/meshbus/protocol/*.py src/meshbus/client/*.py)
-	@$(BIN)/python -c 'import sys, meshbus.compiled as c; sys.exit(c.select() is c.Leg.STALE)' \
+	@$(BIN)/python -c 'import sys, meshbus.compiled as c; sys.exit(c.available({}) is not c.Leg.COMPILED)' \
 	  || $(BIN)/python -m pip install --quiet --no-deps -e .
 	@$(BIN)/python -c 'import meshbus.compiled as c; print("meshbus hot path:", c.select().value)'
 	@touch $(COMPILED)
@@ -86,15 +88,18 @@ PYTEST_WORKERS ?= -n $(shell echo $$(( $$(nproc) + 1 ))) --dist loadgroup
 # The codec's, the NATS parser's and the client's tests run twice: with the compiled hot
 # path (the whole suite) and on the pure-Python source (MESHBUS_NO_EXTENSIONS=1), which
 # is what runs where no extension could be built. The NATS connections' and router's
-# tests drive the parser and its encoders as the listener does.
+# tests drive the parser and its encoders as the listener does. The pure leg needs no
+# extension, so it runs while the extension is built (one process: ~20 s of one core).
 PURE_LEG_TESTS := tests/unit/protocol tests/unit/broker/nats tests/unit/client tests/unit/test_compiled.py
+pure-leg: $(STAMP)
+	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q -n 0 $(PURE_LEG_TESTS)
 
-# The checks, the extension's freshness and the nats-core venv side by side: none needs
-# another (the Debian installs before them stay one at a time: dpkg's lock).
+# The checks, the pure leg, the extension's build and the nats-core venv side by side:
+# none needs another (the Debian installs before them stay one at a time: dpkg's lock),
+# each one's output printed whole when it ends.
 test: nats-server nats-js prometheus tmux $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck $(COMPILED) nats-core
+	$(MAKE) --no-print-directory --output-sync=target -j5 lint typecheck pure-leg $(COMPILED) nats-core
 	$(BIN)/pytest -q $(PYTEST_WORKERS)
-	MESHBUS_NO_EXTENSIONS=1 $(BIN)/pytest -q $(PYTEST_WORKERS) $(PURE_LEG_TESTS)
 
 unit: $(COMPILED)
 	$(BIN)/pytest -q $(PYTEST_WORKERS) tests/unit

@@ -9,6 +9,7 @@ reference the extensions are compiled from.
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,5 +61,10 @@ def _extensions() -> list[Extension]:
 # the metadata, and for the build itself -- and only the build compiles: mypyc's
 # type-check and C generation cost ~7 s each time, so they run for a build command only.
 _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+# Set by the Makefile's first install, which puts the dependencies in place: the
+# extension (~40 s of one core for gcc) is built by a second install beside the checks
+# (mypy, ruff), not before them.
+_DEFER = "MESHBUS_DEFER_BUILD"
 
-setup(ext_modules=_extensions() if _BUILDS & set(sys.argv[1:]) else [])
+_building = bool(_BUILDS & set(sys.argv[1:])) and os.environ.get(_DEFER) != "1"
+setup(ext_modules=_extensions() if _building else [])

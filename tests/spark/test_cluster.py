@@ -28,7 +28,11 @@ from tests.spark.conftest import publish
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("jvm")]
 
-SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
+SPARK_HOME = Path(pyspark.__file__).parent
+SPARK_CLASS = SPARK_HOME / "bin" / "spark-class"
+# pyspark's own SPARK_HOME, not the tests' (conftest.py), whose Python workers import
+# pyspark from this venv: the workers here run a Python without it, from the zip.
+WITH_ITS_ZIP = {"SPARK_HOME": str(SPARK_HOME)}
 CHECKOUT = Path(__file__).parents[2]
 LOOPBACK = ("--host", "127.0.0.1", "--port", "0", "--webui-port", "0")  # ports: any free one
 
@@ -81,6 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("cluster")
     env = {
         **os.environ,
+        **WITH_ITS_ZIP,
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_LOCAL_DIRS": str(base),
         "SPARK_DAEMON_MEMORY": "256m",
@@ -137,7 +142,8 @@ async def test_register_refuses_workers_without_meshbus_and_a_restart_is_exactly
             driver = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tests.spark.cluster_app",
                 cluster.master, broker.address, str(tmp_path), bare_python, QUICK_JVM, str(result),
-                cwd=CHECKOUT, stdout=out, stderr=subprocess.STDOUT,
+                cwd=CHECKOUT, env={**os.environ, **WITH_ITS_ZIP},
+                stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
             try:
                 # Five JVMs: about a minute on two idle cores, more beside a test suite's others.
