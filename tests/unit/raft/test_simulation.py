@@ -10,7 +10,8 @@ the fsync lost the write or kept it, at random, after those messages left: a lea
 entries may be committed by its followers alone, and it must learn them again);
 a message in flight is delivered (any one: they are reordered), sometimes keeping a
 copy to deliver again (duplicated), or dropped; the network is split in two or
-healed; a node crashes (losing all it had not fsynced) or restarts; a node's log is
+healed; a follower is told its leader is gone (rightly or not: ``leader_lost``,
+a closed link); a node crashes (losing all it had not fsynced) or restarts; a node's log is
 damaged (a minority of voters at most: a record of its log fails its checksum, and it
 and every later record are lost -- the entries, the commit index and the hard states
 they held -- or the whole log is; it restarts repairing, with the term, vote and epoch
@@ -86,6 +87,7 @@ ACTIONS = [
     ("change", 1),
     ("transfer", 0.5),
     ("corrupt", 2),
+    ("lose_leader", 2),
 ]
 # A leader cut off for long and few crashes: a stale leader leads on while the others
 # elect, and a damaged node may meet it (docs/raft.md, "Corruption").
@@ -172,6 +174,15 @@ class Simulation:
     def tick(self) -> None:
         if idle := self.idle():
             self.rng.choice(idle).up.tick()
+
+    def lose_leader(self) -> None:
+        """A follower is told its leader is gone (its link closed): true or not --
+        the leader may be alive, cut off from it alone, or just elected elsewhere."""
+        followers = [node for node in self.idle() if node.up.leader is not None]
+        if followers:
+            node = self.rng.choice(followers)
+            node.up.leader_lost()
+            self.trace.append(f"{node.id} lost its leader")
 
     def process(self) -> None:
         ready = [node for node in self.idle() if node.up.has_ready()]
@@ -529,7 +540,9 @@ def test_a_hard_state_lost_with_the_log_is_found() -> None:
     vote), and some seed of the first forty shows it."""
     failure = "no seed lost a term with the log"
     for seed in range(40):
-        simulation = Simulation(seed, 3, keeps_apart=False, actions=dict(STALE_LEADERS))
+        # The schedule as it was when this was found (seed 16): no word of lost leaders.
+        actions = {**STALE_LEADERS, "lose_leader": 0}
+        simulation = Simulation(seed, 3, keeps_apart=False, actions=actions)
         try:
             simulation.run(STEPS)
         except AssertionError as error:

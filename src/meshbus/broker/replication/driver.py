@@ -150,6 +150,7 @@ class RaftDriver:
         self.failed = ""
         self._ticks = 0
         self._inbox: list[tuple[str, Message]] = []
+        self._lost: list[str] = []  # brokers whose links closed since the last turn
         self._proposals: list[tuple[str, bytes, asyncio.Future[int]]] = []
         self._records: list[WalRecord] = []  # written with the next turn's Readys
         self._wake = asyncio.Event()
@@ -328,6 +329,14 @@ class RaftDriver:
             self._inbox.append((group, message))
         self._wake.set()
 
+    def broker_lost(self, broker: str) -> None:
+        """This broker's last link to ``broker`` closed (a killed process's socket is
+        reset at once): each group it leads here is told at the next turn
+        (``RaftNode.leader_lost``), so its followers elect a leader without waiting out
+        an election timeout of silence."""
+        self._lost.append(broker)
+        self._wake.set()
+
     def stranger(self, sender: str, group: str, incarnation: int) -> None:
         """Broker ``sender``, as ``incarnation``, holds no group ``group``: a member of
         it there that is another incarnation is lost (replaced by the leader); a
@@ -452,6 +461,7 @@ class RaftDriver:
         ticks, self._ticks = self._ticks, 0
         inbox, self._inbox = self._inbox, []
         proposals, self._proposals = self._proposals, []
+        lost, self._lost = self._lost, []
         groups = self.groups
         if self._handing_over:
             self._handing_over = False
@@ -469,6 +479,10 @@ class RaftDriver:
             for state in groups.values():
                 if state.node.role is Role.LEADER:
                     self._replace(state)
+        if lost:
+            for state in groups.values():
+                if state.leader in lost:
+                    state.node.leader_lost()
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:

@@ -621,3 +621,27 @@ async def test_committed_entries_are_acknowledged_before_the_turns_fsync(
     driver._run_blocking = inline
     await cluster.turns()
     assert second.result() == first.result() + 1
+
+
+async def test_followers_that_lose_the_leaders_broker_elect_without_a_tick(
+    cluster: Cluster,
+) -> None:
+    """The leader's broker is killed and its links close (RaftDriver.broker_lost): the
+    survivors elect a new leader and commit before any tick -- no election timeout of
+    silence is waited out --, and a group led elsewhere keeps its leader."""
+    leaders = {g: await cluster.found(g) for g in ("orders", "payments", "refunds")}
+    killed = leaders["orders"]
+    cluster.down.add(killed)
+    survivors = [n for n in NAMES if n != killed]
+    for name in survivors:
+        cluster.drivers[name].broker_lost(killed)
+    await cluster.turns()
+    for group, was in leaders.items():
+        now = cluster.leader(group)
+        if was != killed:
+            assert now == was
+            continue
+        assert now in survivors
+        future = cluster.drivers[now].propose(group, b"after")
+        await cluster.turns()
+        assert future.result() > 0
