@@ -6,14 +6,15 @@ One *turn* (``turn``), the contract of docs/raft.md for every group at once:
 1. step what arrived since the last turn -- ticks, messages, proposals -- into the
    nodes (never between a node's ``ready()`` and ``advance()``: they wait here);
 2. take every group's Ready; send the leaders' early messages (their appends and
-   heartbeats) and apply the entries already committed -- durable on a majority --,
-   resolving the proposals they settle (acks to the senders);
+   heartbeats) and apply the entries a leader has committed -- durable on a majority
+   --, resolving the proposals they settle (acks to the senders);
 3. meanwhile append all their records to the log and fsync it **once**, in a worker
    thread (``run_blocking``) so the loop is never held by the disk (and, in a turn
    where a term, vote, epoch or repairing flag changed, the state file the log keeps
    them in apart: meshbus.storage.raftlog); a turn that only moved commit indexes
    writes them and syncs nothing;
-4. only then send each Ready's other messages (``transport``), and ``advance()``.
+4. only then send each Ready's other messages (``transport``), apply a follower's
+   committed entries (after its answers: they acknowledge nothing), and ``advance()``.
 
 So a thousand groups with an append each cost one fsync per turn, not a thousand; a
 leader's fsync runs while its followers' do; and nothing leaves this broker before what
@@ -418,8 +419,14 @@ class RaftDriver:
         persisted = (
             self._run_blocking(lambda: self._persist(records, must_sync)) if records else None
         )
-        for state, ready in readies:
-            if ready.snapshot is None:
+        # A leader's applies acknowledge appends: at once, while the fsync runs. A
+        # follower's acknowledge nothing: after its answers, which would else wait for
+        # its store's writes as well as for its fsync.
+        applied_early = [
+            ready.snapshot is None and state.node.role is Role.LEADER for state, ready in readies
+        ]
+        for (state, ready), early in zip(readies, applied_early, strict=True):
+            if early:
                 self._apply(state, ready)
         if persisted is not None:
             try:
@@ -434,10 +441,10 @@ class RaftDriver:
                 self._transport.join(member.broker, state.name, self._meta_for(state), member)
         for state, ready in readies:
             self._send(state, ready.messages)
-        for state, ready in readies:
+        for (state, ready), early in zip(readies, applied_early, strict=True):
             if self.groups.get(state.name) is not state:
                 continue  # dropped while its write was in flight
-            if ready.snapshot is not None:
+            if not early:
                 self._apply(state, ready)
             state.node.advance()
             self._note_leader(state)

@@ -645,3 +645,27 @@ async def test_followers_that_lose_the_leaders_broker_elect_without_a_tick(
         future = cluster.drivers[now].propose(group, b"after")
         await cluster.turns()
         assert future.result() > 0
+
+
+async def test_a_follower_answers_before_it_applies(cluster: Cluster) -> None:
+    """A follower's applies acknowledge nothing: its answer to the leader leaves once
+    its fsync is done, without waiting for its store's writes too."""
+    leader = await cluster.found("orders")
+    await cluster.tick(2)
+    follower = next(n for n in NAMES if n != leader)
+    machine = cluster.machines[follower]
+    store = machine.apply
+    answered: list[bool] = []
+
+    def apply(group: str, entries: Sequence[Entry]) -> None:
+        flying = [(sender, to) for sender, to, _ in cluster.in_flight]
+        answered.append((follower, leader) in flying)
+        store(group, entries)
+
+    machine.apply = apply  # type: ignore[method-assign]
+    for value in (b"first", b"second"):
+        cluster.drivers[leader].propose("orders", value)
+        await cluster.turns()
+    assert machine.applied["orders"] == [b"first", b"second"]
+    assert answered
+    assert all(answered)
