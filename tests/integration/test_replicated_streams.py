@@ -424,3 +424,22 @@ async def test_a_minority_acknowledges_nothing(tmp_path: Path) -> None:
             info = await conn.streams.info(STREAM)
             assert info.leader == ""  # the last one stepped down: no majority answers it
             assert [m.payload for m in await fetch_all(conn, STREAM)] == []
+
+
+async def test_the_followers_elect_at_once_when_the_leaders_links_close(tmp_path: Path) -> None:
+    """kill -9 resets the leader's links, and its followers campaign at once
+    (``RaftNode.leader_lost``) instead of after an election timeout of silence. With
+    --raft-tick 0.3 that timeout is 3-6 s: a new leader named well within it -- the
+    bound is the timeouts', not a speed goal -- was elected by that path."""
+    async with replicated_stream(tmp_path, "--raft-tick", "0.3") as (replicas, info):
+        survivor = next(n for n in replicas.names if n != info.leader)
+        async with await meshbus.connect(replicas[survivor].address, server="pub") as conn:
+            publisher = await conn.register()
+            await replicas.kill(info.leader)
+            killed_at = time.monotonic()
+            new = await led(conn, STREAM, not_by=info.leader)
+            elected_in = time.monotonic() - killed_at
+            await publisher.send_reliable(f"multicast:{STREAM}", b"after")
+        assert elected_in < 2.5, f"elected {elected_in:.2f} s after the kill"
+        async with await meshbus.connect(replicas[new.leader].address, server="reader") as conn:
+            assert [m.payload for m in await fetch_all(conn, STREAM)] == [b"after"]

@@ -438,7 +438,7 @@ class StreamHost:
     def peer_lost(self, peer: Link) -> None:
         if self.replicated is not None:
             self.replicated.meta.peer_lost(peer.name)
-            self.replicated.links_changed()
+            self.replicated.peer_lost(peer.name)
         now = time.time()
         for name, link in list(self.elsewhere.items()):
             if link is peer:

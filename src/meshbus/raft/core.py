@@ -59,6 +59,11 @@ T = MessageType
 # What only a leader sends (docs/raft.md, "The driver's contract": early messages).
 _LEADING = frozenset((T.APPEND, T.HEARTBEAT, T.SNAPSHOT, T.TIMEOUT_NOW))
 
+# After the leader is lost (``leader_lost``), the ticks between one voter's campaign and
+# the next one's: long enough for a pre-vote and a vote round (two fsyncs), so the first
+# usually wins before the second asks and they do not split the vote.
+_LOST_LEADER_STAGGER = 2
+
 
 class Role(enum.Enum):
     FOLLOWER = "follower"
@@ -232,6 +237,30 @@ class RaftNode:
         self._idle()
         if self.role is not Role.LEADER and self.promotable:
             self._hup(transfer=False)
+
+    def leader_lost(self) -> None:
+        """The driver learned that the leader is gone -- its broker's link closed --
+        sooner than an election timeout of silence would tell. A follower stops counting
+        on it: its lease ends (it grants the pre-votes of the others who lost it too),
+        and it campaigns without waiting out its timeout -- the first other voter by id
+        at once, each next one ``_LOST_LEADER_STAGGER`` ticks later, so that they do not
+        split the vote. Timing only, never safety: a pre-vote still needs a majority
+        out of their lease, and a word that is wrong (the leader is alive, a link only
+        flapped) costs what a late heartbeat does."""
+        self._idle()
+        leader = self.leader
+        if self.role is not Role.FOLLOWER or leader is None:
+            return
+        self.leader = None
+        if not self.promotable:
+            return
+        rank = sorted(self.membership.voters - {leader}).index(self.id)
+        if rank == 0:
+            self._hup(transfer=False)
+        else:
+            # The timeout is kept: a leader heard again sets the count back to 0.
+            due = self._timeout - rank * _LOST_LEADER_STAGGER
+            self._election_elapsed = max(self._election_elapsed, due)
 
     def propose(self, data: bytes) -> int:
         """Append ``data`` to the log as the leader; its index."""

@@ -240,14 +240,15 @@ class Cluster:
         self.start(node, on_apply)
         return self.finish(node, on_apply)
 
-    def start(self, node: int, on_apply: OnApply | None = None) -> Ready:
+    def start(self, node: int, on_apply: OnApply | None = None, early: bool = True) -> Ready:
         """Take ``node``'s Ready and do what may precede its write's fsync: send its
-        early messages, apply it (unless it installs a snapshot). The write is then in
-        flight until ``finish`` (a crash before loses it)."""
+        early messages, apply it (unless it installs a snapshot, or not ``early``: the
+        driver may apply after the messages, as broker followers do). The write is then
+        in flight until ``finish`` (a crash before loses it)."""
         sim = self.nodes[node]
         ready = sim.up.ready()
         self.in_flight.extend(ready.early_messages)
-        applied = ready.snapshot is None
+        applied = early and ready.snapshot is None
         if applied and on_apply is not None:
             on_apply(sim, ready)
         sim.writing = (ready, applied)

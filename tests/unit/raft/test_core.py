@@ -278,3 +278,77 @@ def test_a_membership_change_carries_the_drivers_data_with_it() -> None:
     (entry,) = core.ready().entries
     assert (entry.index, entry.data) == (index, b"who 4 is")
     assert entry.membership == Membership.of([1, 2, 3], [4])
+
+
+def settle(cluster: Cluster) -> None:
+    """Every Ready handled and every message delivered, no tick between."""
+    while True:
+        busy = [n for n, sim in cluster.nodes.items() if sim.core and sim.up.has_ready()]
+        for node in busy:
+            cluster.process(node)
+        if not busy and not cluster.in_flight:
+            return
+        flying, cluster.in_flight = cluster.in_flight, []
+        for message in flying:
+            cluster.deliver(message)
+
+
+def lost_leader(lease: bool = False) -> Cluster:
+    """Three voters, node 1 leading, then killed; with ``lease``, 3 has not heard."""
+    cluster = Cluster([1, 2, 3], RaftSettings(), lambda n: Fixed(0))
+    cluster.nodes[1].up.campaign()
+    settle(cluster)
+    assert cluster.nodes[1].up.role is Role.LEADER
+    cluster.nodes[1].crash()
+    return cluster
+
+
+def test_followers_that_lose_the_leaders_link_elect_another_at_once() -> None:
+    cluster = lost_leader()
+    for node in (2, 3):
+        cluster.nodes[node].up.leader_lost()
+    # The first other voter asks at once: no tick, no election timeout waited out.
+    assert cluster.nodes[2].up.role is Role.PRE_CANDIDATE
+    assert cluster.nodes[3].up.role is Role.FOLLOWER
+    settle(cluster)
+    assert cluster.nodes[2].up.role is Role.LEADER
+    assert cluster.nodes[3].up.leader == 2
+    assert cluster.nodes[3].up.term == cluster.nodes[2].up.term == 3  # one election after 1's
+
+
+def test_a_follower_still_in_its_lease_refuses_until_it_loses_the_leader_too() -> None:
+    cluster = lost_leader()
+    cluster.nodes[2].up.leader_lost()
+    settle(cluster)
+    # 3 heard from 1 within an election timeout: 2's pre-vote is ignored, no term moved.
+    assert cluster.nodes[2].up.role is Role.PRE_CANDIDATE
+    assert (cluster.nodes[3].up.role, cluster.nodes[3].up.term) == (Role.FOLLOWER, 2)
+    # Told in turn, 3 waits its stagger -- 2 asked first -- then campaigns and wins.
+    third = cluster.nodes[3].up
+    third.leader_lost()
+    assert third.role is Role.FOLLOWER
+    ticks = 0
+    while third.role is Role.FOLLOWER:
+        third.tick()
+        ticks += 1
+    assert ticks == 2
+    settle(cluster)
+    assert third.role is Role.LEADER
+    assert cluster.nodes[2].up.leader == 3
+
+
+def test_a_wrong_word_of_a_lost_leader_disturbs_nothing() -> None:
+    cluster = Cluster([1, 2, 3], RaftSettings(), lambda n: Fixed(0))
+    cluster.nodes[1].up.campaign()
+    settle(cluster)
+    # The link of 2 to 1 flapped; 1 is alive and 3 still hears it.
+    cluster.nodes[2].up.leader_lost()
+    settle(cluster)
+    assert cluster.nodes[1].up.role is Role.LEADER
+    assert cluster.nodes[1].up.term == 2  # still the term it was elected in
+    cluster.nodes[1].up.tick()  # a heartbeat: 2 follows 1 again
+    settle(cluster)
+    assert cluster.nodes[2].up.leader == 1
+    # A leader, or a follower that knows no leader, has nothing to lose.
+    cluster.nodes[1].up.leader_lost()
+    assert cluster.nodes[1].up.role is Role.LEADER

@@ -6,14 +6,15 @@ One *turn* (``turn``), the contract of docs/raft.md for every group at once:
 1. step what arrived since the last turn -- ticks, messages, proposals -- into the
    nodes (never between a node's ``ready()`` and ``advance()``: they wait here);
 2. take every group's Ready; send the leaders' early messages (their appends and
-   heartbeats) and apply the entries already committed -- durable on a majority --,
-   resolving the proposals they settle (acks to the senders);
+   heartbeats) and apply the entries a leader has committed -- durable on a majority
+   --, resolving the proposals they settle (acks to the senders);
 3. meanwhile append all their records to the log and fsync it **once**, in a worker
    thread (``run_blocking``) so the loop is never held by the disk (and, in a turn
    where a term, vote, epoch or repairing flag changed, the state file the log keeps
    them in apart: meshbus.storage.raftlog); a turn that only moved commit indexes
    writes them and syncs nothing;
-4. only then send each Ready's other messages (``transport``), and ``advance()``.
+4. only then send each Ready's other messages (``transport``), apply a follower's
+   committed entries (after its answers: they acknowledge nothing), and ``advance()``.
 
 So a thousand groups with an append each cost one fsync per turn, not a thousand; a
 leader's fsync runs while its followers' do; and nothing leaves this broker before what
@@ -183,6 +184,7 @@ class RaftDriver:
         self.failed = ""
         self._ticks = 0
         self._inbox: list[tuple[str, Message]] = []
+        self._lost: list[str] = []  # brokers whose links closed since the last turn
         self._proposals: list[tuple[str, bytes, asyncio.Future[int]]] = []
         self._records: list[WalRecord] = []  # written with the next turn's Readys
         self._wake = asyncio.Event()
@@ -365,6 +367,14 @@ class RaftDriver:
             self._inbox.append((group, message))
         self._wake.set()
 
+    def broker_lost(self, broker: str) -> None:
+        """This broker's last link to ``broker`` closed (a killed process's socket is
+        reset at once): each group it leads here is told at the next turn
+        (``RaftNode.leader_lost``), so its followers elect a leader without waiting out
+        an election timeout of silence."""
+        self._lost.append(broker)
+        self._wake.set()
+
     def stranger(self, sender: str, group: str, incarnation: int) -> None:
         """Broker ``sender``, as ``incarnation``, holds no group ``group``: a member of
         it there that is another incarnation is lost (replaced by the leader); a
@@ -454,8 +464,14 @@ class RaftDriver:
             if records
             else None
         )
-        for state, ready in readies:
-            if ready.snapshot is None:
+        # A leader's applies acknowledge appends: at once, while the fsync runs. A
+        # follower's acknowledge nothing: after its answers, which would else wait for
+        # its store's writes as well as for its fsync.
+        applied_early = [
+            ready.snapshot is None and state.node.role is Role.LEADER for state, ready in readies
+        ]
+        for (state, ready), early in zip(readies, applied_early, strict=True):
+            if early:
                 self._apply(state, ready)
         if persisted is not None:
             try:
@@ -470,10 +486,10 @@ class RaftDriver:
                 self._transport.join(member.broker, state.name, self._meta_for(state), member)
         for state, ready in readies:
             self._send(state, ready.messages)
-        for state, ready in readies:
+        for (state, ready), early in zip(readies, applied_early, strict=True):
             if self.groups.get(state.name) is not state:
                 continue  # dropped while its write was in flight
-            if ready.snapshot is not None:
+            if not early:
                 self._apply(state, ready)
             state.node.advance()
             self._note_leader(state)
@@ -503,6 +519,7 @@ class RaftDriver:
         ticks, self._ticks = self._ticks, 0
         inbox, self._inbox = self._inbox, []
         proposals, self._proposals = self._proposals, []
+        lost, self._lost = self._lost, []
         groups = self.groups
         if self._handing_over:
             self._handing_over = False
@@ -530,6 +547,10 @@ class RaftDriver:
                 holding.held_snapshot = None
                 self.stats.snapshots_installed += 1
                 self._step(holding, held)
+        if lost:
+            for state in groups.values():
+                if state.leader in lost:
+                    state.node.leader_lost()
         for group, message in inbox:
             target = groups.get(group)
             if target is not None:

@@ -501,6 +501,13 @@ class ReplicatedStreams:
 
         self.meta.request(command).add_done_callback(told)
 
+    def peer_lost(self, broker: str) -> None:
+        """A link to ``broker`` closed: if it was the last, the groups it leads elect
+        another leader at once (``RaftDriver.broker_lost``); the captures follow."""
+        if not self._linked(broker):
+            self.driver.broker_lost(broker)
+        self.links_changed()
+
     def links_changed(self) -> None:
         """A peer link opened or closed: the captures follow (``leader_changed``)."""
         for group, state in self.driver.groups.items():

@@ -635,3 +635,51 @@ async def test_committed_entries_are_acknowledged_before_the_turns_fsync(
     driver._run_blocking = inline
     await cluster.turns()
     assert second.result() == first.result() + 1
+
+
+async def test_followers_that_lose_the_leaders_broker_elect_without_a_tick(
+    cluster: Cluster,
+) -> None:
+    """The leader's broker is killed and its links close (RaftDriver.broker_lost): the
+    survivors elect a new leader and commit before any tick -- no election timeout of
+    silence is waited out --, and a group led elsewhere keeps its leader."""
+    leaders = {g: await cluster.found(g) for g in ("orders", "payments", "refunds")}
+    killed = leaders["orders"]
+    cluster.down.add(killed)
+    survivors = [n for n in NAMES if n != killed]
+    for name in survivors:
+        cluster.drivers[name].broker_lost(killed)
+    await cluster.turns()
+    for group, was in leaders.items():
+        now = cluster.leader(group)
+        if was != killed:
+            assert now == was
+            continue
+        assert now in survivors
+        future = cluster.drivers[now].propose(group, b"after")
+        await cluster.turns()
+        assert future.result() > 0
+
+
+async def test_a_follower_answers_before_it_applies(cluster: Cluster) -> None:
+    """A follower's applies acknowledge nothing: its answer to the leader leaves once
+    its fsync is done, without waiting for its store's writes too."""
+    leader = await cluster.found("orders")
+    await cluster.tick(2)
+    follower = next(n for n in NAMES if n != leader)
+    machine = cluster.machines[follower]
+    store = machine.apply
+    answered: list[bool] = []
+
+    def apply(group: str, entries: Sequence[Entry]) -> None:
+        flying = [(sender, to) for sender, to, _ in cluster.in_flight]
+        answered.append((follower, leader) in flying)
+        store(group, entries)
+
+    machine.apply = apply  # type: ignore[method-assign]
+    for value in (b"first", b"second"):
+        cluster.drivers[leader].propose("orders", value)
+        await cluster.turns()
+    assert machine.applied["orders"] == [b"first", b"second"]
+    assert answered
+    assert all(answered)
