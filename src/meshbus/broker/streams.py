@@ -796,7 +796,14 @@ class StreamHost:
                     for n in dict.fromkeys(held)
                     if n not in self.members and n not in self.elsewhere
                 ]
-            there = [{"name": n, "broker": peer.name} for n, peer in self.elsewhere.items()]
+            # A name both here and announced by a peer is a replicated stream whose
+            # leadership moves: listed once, as this broker sees it.
+            listed_here = {s["name"] for s in here}
+            there = [
+                {"name": n, "broker": peer.name}
+                for n, peer in self.elsewhere.items()
+                if n not in listed_here
+            ]
             listed = sorted(here + there, key=lambda s: s["name"])
             permissions = link.permissions
             if permissions is not None:  # only what its user may read (docs/security.md)
