@@ -180,6 +180,39 @@ class Taker:
         await self.conn.close()
 
 
+def check_deliveries(taker: Taker, stored: list[StreamMessage], fault_at: float) -> None:
+    """What docs/guarantees.md promises a durable consumer across a failover at
+    ``fault_at``, checked against what the stream ``stored``: every message delivered, as
+    stored; none delivered again once its ack was answered; each of the batch ``taker``
+    forgot before the fault delivered again once its ack wait was over; and the delivery
+    counts of a message rising with each delivery."""
+    payloads = {m.seq: m.payload for m in stored}
+    # At least once: every message delivered, as stored.
+    assert {seq for seq, *_ in taker.delivered} == set(payloads)
+    assert all(payload == payloads[seq] for seq, payload, *_ in taker.delivered)
+    # Never again once its ack was answered: before the fault or after it.
+    again = [
+        (seq, delivery)
+        for seq, _, delivery, _, at in taker.delivered
+        if seq in taker.acked_at and at > taker.acked_at[seq]
+    ]
+    assert not again, f"delivered after its ack was answered: {again[:10]}"
+    # What was delivered and not acknowledged before the fault came again from the
+    # new leader, once its ack wait was over.
+    assert taker.forgotten
+    first_at = {seq: asked for seq, _, _, asked, _ in reversed(taker.delivered)}
+    for seq in taker.forgotten:
+        again_at = [at for s, *_, at in taker.delivered if s == seq and at > fault_at]
+        assert again_at, f"{seq}, delivered and not acknowledged, never came again"
+        assert again_at[0] - first_at[seq] >= ACK_WAIT, (seq, first_at[seq], again_at)
+    # What was delivered more than once came again with a higher delivery count
+    # (higher by more than one when an answer was lost with the leader).
+    counts: dict[int, int] = {}
+    for seq, _, delivery, *_ in taker.delivered:
+        assert delivery > counts.get(seq, 0), (seq, delivery, counts.get(seq))
+        counts[seq] = delivery
+
+
 async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> None:
     async with replicated_stream(tmp_path, *FAST) as (replicas, info):
         leader = info.leader
@@ -219,30 +252,7 @@ async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> No
 
         await wait_until(all_acked, f"every one of {last} messages acknowledged", timeout=20)
         await taker.stop()
-        payloads = {m.seq: m.payload for m in stored}
-        # At least once: every message delivered, as stored.
-        assert {seq for seq, *_ in taker.delivered} == set(payloads)
-        assert all(payload == payloads[seq] for seq, payload, *_ in taker.delivered)
-        # Never again once its ack was answered: before the kill or after it.
-        again = [
-            (seq, delivery)
-            for seq, _, delivery, _, at in taker.delivered
-            if seq in taker.acked_at and at > taker.acked_at[seq]
-        ]
-        assert not again, f"delivered after its ack was answered: {again[:10]}"
-        # What was delivered and not acknowledged before the kill came again from the
-        # new leader, once its ack wait was over.
-        first_at = {seq: asked for seq, _, _, asked, _ in reversed(taker.delivered)}
-        for seq in taker.forgotten:
-            again_at = [at for s, *_, at in taker.delivered if s == seq and at > killed_at]
-            assert again_at, f"{seq}, delivered and not acknowledged, never came again"
-            assert again_at[0] - first_at[seq] >= ACK_WAIT, (seq, first_at[seq], again_at)
-        # What was delivered more than once came again with a higher delivery count
-        # (higher by more than one when an answer was lost with the leader).
-        counts: dict[int, int] = {}
-        for seq, _, delivery, *_ in taker.delivered:
-            assert delivery > counts.get(seq, 0), (seq, delivery, counts.get(seq))
-            counts[seq] = delivery
+        check_deliveries(taker, stored, killed_at)
         assert any(at > killed_at for at in taker.acked_at.values())
         # The consumer's state is the same on every replica, the restarted one included.
         await replicas.restart(leader)

@@ -51,6 +51,7 @@ class Replicas:
     args: tuple[str, ...]
     gates: dict[str, BrokerGate] = field(default_factory=dict)
     brokers: dict[str, BrokerProcess] = field(default_factory=dict)
+    paused: set[str] = field(default_factory=set)
 
     @classmethod
     async def start(cls, root: Path, count: int = 3, *args: str) -> Replicas:
@@ -76,8 +77,12 @@ class Replicas:
         return self.brokers[name].process.returncode is None
 
     async def restart(self, name: str) -> BrokerProcess:
-        """Start broker ``name`` (again) from its data dir, joining through a running one."""
-        seed = next((self.gates[n].address for n in self.names if self.running(n)), "")
+        """Start broker ``name`` (again) from its data dir, joining through a running one
+        (not a paused one: its join would wait on it)."""
+        seed = next(
+            (self.gates[n].address for n in self.names if self.running(n) and n not in self.paused),
+            "",
+        )
         broker = await start_broker(
             "--name", name, "--data-dir", str(self.data_dir(name)),
             "--advertise", self.gates[name].address, *(("--seed", seed) if seed else ()),
@@ -96,9 +101,11 @@ class Replicas:
 
     def pause(self, name: str) -> None:
         self.brokers[name].process.send_signal(signal.SIGSTOP)
+        self.paused.add(name)
 
     def resume(self, name: str) -> None:
         self.brokers[name].process.send_signal(signal.SIGCONT)
+        self.paused.discard(name)
 
     def cut_off(self, name: str) -> None:
         """Cut every link between broker ``name`` and the others (both gates of each
