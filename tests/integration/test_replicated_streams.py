@@ -57,11 +57,14 @@ class Replicas:
     async def start(cls, root: Path, count: int = 3, *args: str) -> Replicas:
         replicas = cls(root, args)
         for i in range(count):
-            name = f"r{i}"
-            gate = replicas.gates[name] = BrokerGate()
-            await gate.start()
-            await replicas.restart(name)
+            await replicas.add(f"r{i}")
         return replicas
+
+    async def add(self, name: str) -> BrokerProcess:
+        """A new broker ``name``, with its gate, joining the mesh."""
+        gate = self.gates[name] = BrokerGate()
+        await gate.start()
+        return await self.restart(name)
 
     def __getitem__(self, name: str) -> BrokerProcess:
         return self.brokers[name]
@@ -253,14 +256,18 @@ class Consumer:
 
 
 async def check_copies(
-    replicas: Replicas, producers: list[Producer], consumer: Consumer | None = None
+    replicas: Replicas,
+    producers: list[Producer],
+    consumer: Consumer | None = None,
+    removed: tuple[str, ...] = (),
 ) -> list[StreamMessage]:
-    """Once every running replica has the same last seq twice in a row (a resend the
+    """Once every running replica (but those ``removed`` from the stream's group, which
+    keep the copy they had) has the same last seq twice in a row (a resend the
     producers' brokers still held when they stopped may commit meanwhile), their copies
     are the same; in it every acknowledged value is stored once, in the order
     acknowledged, no value is stored twice, and seqs run 1..n. What ``consumer`` read is
     a prefix of it."""
-    names = [n for n in replicas.names if replicas.running(n)]
+    names = [n for n in replicas.names if replicas.running(n) and n not in removed]
     async with contextlib.AsyncExitStack() as stack:
         conns = [
             await stack.enter_async_context(
