@@ -16,7 +16,8 @@ its state the same on every replica.
 
 ``make test`` runs it for a few seconds; the long soak is
 ``MESHBUS_SOAK_SECONDS=600 pytest -m slow tests/integration/test_replicated_soak.py``
-(``MESHBUS_SOAK_SEED`` picks the schedule; a failure names its seed and round)."""
+(``MESHBUS_SOAK_SEED`` picks the schedule, a failure names its seed and round;
+``MESHBUS_SOAK_REPLICAS=5`` runs it on five, faulting one or two at a time, or three)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from tests.integration.test_replicated_streams import (
 
 SOAK_SECONDS = float(os.environ.get("MESHBUS_SOAK_SECONDS", "10"))
 SOAK_SEED = int(os.environ.get("MESHBUS_SOAK_SEED", "27"))
+SOAK_REPLICAS = int(os.environ.get("MESHBUS_SOAK_REPLICAS", "3"))  # or 5
 MAJORITY_ODDS = 0.25  # of a round faulting a majority
 BLIP_ODDS = 0.3  # of a minority's fault healed at once, before appends are checked
 MINORITY_FAULTS = ("kill", "pause", "cut", "restart")
@@ -81,6 +83,8 @@ class Soak:
         for name in self.replicas.names:
             broker = self.replicas[name]
             if self.homes.get(name) is broker:
+                producer = self.producers[name]
+                assert not producer.ended, f"{name}'s producer ended: {producer.failed[-1:]}"
                 continue
             if name in self.producers:
                 await self.producers[name].stop()
@@ -171,7 +175,8 @@ class Soak:
         rng = self.rng
         names = self.replicas.names
         majority = rng.random() < MAJORITY_ODDS
-        victims = rng.sample(names, len(names) // 2 + 1 if majority else 1)
+        minority = rng.randint(1, (len(names) - 1) // 2)
+        victims = rng.sample(names, len(names) // 2 + 1 if majority else minority)
         kinds = MAJORITY_FAULTS if majority else MINORITY_FAULTS
         faults = {name: rng.choice(kinds) for name in victims}
         blip = not majority and rng.random() < BLIP_ODDS
@@ -215,7 +220,7 @@ async def taker_on(broker: BrokerProcess) -> Taker:
 @pytest.mark.slow
 @pytest.mark.timeout(SOAK_SECONDS + 120)
 async def test_a_random_schedule_of_faults_loses_nothing(tmp_path) -> None:
-    async with replicated_stream(tmp_path, *FAST) as (replicas, _):
+    async with replicated_stream(tmp_path, *FAST, count=SOAK_REPLICAS) as (replicas, _):
         soak = Soak(replicas, random.Random(SOAK_SEED))
         await soak.staff()
         for producer in soak.producers.values():

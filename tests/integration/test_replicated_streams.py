@@ -26,7 +26,7 @@ import meshbus
 from bench.gate import BrokerGate
 from meshbus import Multicast, ReliableConfig, RetryPolicy
 from meshbus.client.streams import StreamInfo, StreamMessage
-from meshbus.errors import DeliveryFailed, MeshbusError, StreamError
+from meshbus.errors import DeliveryFailed, MeshbusError, StreamError, Timeout
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import wait_members, wait_until
 from tests.integration.test_cli import run_cli
@@ -197,7 +197,7 @@ class Producer:
         while True:
             try:
                 await publisher.send_reliable(f"multicast:{STREAM}", self.prefix + b"%d" % value)
-            except DeliveryFailed as exc:
+            except (DeliveryFailed, Timeout) as exc:  # no ack; or its broker paused
                 self.failed.append((value, str(exc)))
             except MeshbusError as exc:  # its broker was killed: it sends no more
                 self.failed.append((value, str(exc)))
@@ -209,6 +209,11 @@ class Producer:
 
     def acked_since(self, moment: float) -> int:
         return sum(1 for at in self.acked_at if at > moment)
+
+    @property
+    def ended(self) -> bool:
+        """It sends no more: its link failed (``failed[-1]`` says how)."""
+        return self._task.done()
 
     async def wait_acked(self, count: int, since: float = 0.0, timeout: float = 20.0) -> float:
         """Until ``count`` values more were acknowledged after ``since``; seconds from
