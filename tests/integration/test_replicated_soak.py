@@ -16,7 +16,7 @@ its state the same on every replica.
 
 ``make test`` runs it for a few seconds; the long soak is
 ``MESHBUS_SOAK_SECONDS=600 pytest -m slow tests/integration/test_replicated_soak.py``
-(``MESHBUS_SOAK_SEED`` picks the schedule, a failure names its seed and round;
+(``MESHBUS_SOAK_SEED`` picks the schedule, each round prints its seed and faults;
 ``MESHBUS_SOAK_REPLICAS=5`` runs it on five, faulting one or two at a time, or three)."""
 
 from __future__ import annotations
