@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -180,6 +181,50 @@ class Taker:
         await self.conn.close()
 
 
+def check_deliveries(
+    takers: Sequence[Taker], stored: list[StreamMessage], fault_at: float | None = None
+) -> None:
+    """What docs/guarantees.md promises a durable consumer across failovers, checked
+    against what the stream ``stored``, over what ``takers`` (of one consumer, one after
+    the other) were delivered and acknowledged: every message delivered, as stored; none
+    delivered again once its ack was answered; the delivery counts of a message rising
+    with each delivery; and with ``fault_at``, each of the batch forgotten before that
+    fault delivered again once its ack wait was over."""
+    delivered = [d for taker in takers for d in taker.delivered]
+    acked_at: dict[int, float] = {}
+    for taker in takers:
+        for seq, at in taker.acked_at.items():
+            acked_at[seq] = min(at, acked_at.get(seq, at))
+    payloads = {m.seq: m.payload for m in stored}
+    # At least once: every message delivered, as stored.
+    assert {seq for seq, *_ in delivered} == set(payloads)
+    assert all(payload == payloads[seq] for seq, payload, *_ in delivered)
+    # Never again once its ack was answered: before a fault or after it.
+    again = [
+        (seq, delivery)
+        for seq, _, delivery, _, at in delivered
+        if seq in acked_at and at > acked_at[seq]
+    ]
+    assert not again, f"delivered after its ack was answered: {again[:10]}"
+    # What was delivered more than once came again with a higher delivery count
+    # (higher by more than one when an answer was lost with the leader).
+    counts: dict[int, int] = {}
+    for seq, _, delivery, *_ in delivered:
+        assert delivery > counts.get(seq, 0), (seq, delivery, counts.get(seq))
+        counts[seq] = delivery
+    if fault_at is None:
+        return
+    # What was delivered and not acknowledged before the fault came again from the
+    # new leader, once its ack wait was over.
+    forgotten = [seq for taker in takers for seq in taker.forgotten]
+    assert forgotten
+    first_at = {seq: asked for seq, _, _, asked, _ in reversed(delivered)}
+    for seq in forgotten:
+        again_at = [at for s, *_, at in delivered if s == seq and at > fault_at]
+        assert again_at, f"{seq}, delivered and not acknowledged, never came again"
+        assert again_at[0] - first_at[seq] >= ACK_WAIT, (seq, first_at[seq], again_at)
+
+
 async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> None:
     async with replicated_stream(tmp_path, *FAST) as (replicas, info):
         leader = info.leader
@@ -219,30 +264,7 @@ async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> No
 
         await wait_until(all_acked, f"every one of {last} messages acknowledged", timeout=20)
         await taker.stop()
-        payloads = {m.seq: m.payload for m in stored}
-        # At least once: every message delivered, as stored.
-        assert {seq for seq, *_ in taker.delivered} == set(payloads)
-        assert all(payload == payloads[seq] for seq, payload, *_ in taker.delivered)
-        # Never again once its ack was answered: before the kill or after it.
-        again = [
-            (seq, delivery)
-            for seq, _, delivery, _, at in taker.delivered
-            if seq in taker.acked_at and at > taker.acked_at[seq]
-        ]
-        assert not again, f"delivered after its ack was answered: {again[:10]}"
-        # What was delivered and not acknowledged before the kill came again from the
-        # new leader, once its ack wait was over.
-        first_at = {seq: asked for seq, _, _, asked, _ in reversed(taker.delivered)}
-        for seq in taker.forgotten:
-            again_at = [at for s, *_, at in taker.delivered if s == seq and at > killed_at]
-            assert again_at, f"{seq}, delivered and not acknowledged, never came again"
-            assert again_at[0] - first_at[seq] >= ACK_WAIT, (seq, first_at[seq], again_at)
-        # What was delivered more than once came again with a higher delivery count
-        # (higher by more than one when an answer was lost with the leader).
-        counts: dict[int, int] = {}
-        for seq, _, delivery, *_ in taker.delivered:
-            assert delivery > counts.get(seq, 0), (seq, delivery, counts.get(seq))
-            counts[seq] = delivery
+        check_deliveries([taker], stored, killed_at)
         assert any(at > killed_at for at in taker.acked_at.values())
         # The consumer's state is the same on every replica, the restarted one included.
         await replicas.restart(leader)

@@ -26,7 +26,7 @@ import meshbus
 from bench.gate import BrokerGate
 from meshbus import Multicast, ReliableConfig, RetryPolicy
 from meshbus.client.streams import StreamInfo, StreamMessage
-from meshbus.errors import DeliveryFailed, MeshbusError, StreamError
+from meshbus.errors import DeliveryFailed, MeshbusError, StreamError, Timeout
 from tests.conftest import BrokerProcess, start_broker, stop_all
 from tests.integration.helpers import wait_members, wait_until
 from tests.integration.test_cli import run_cli
@@ -51,16 +51,20 @@ class Replicas:
     args: tuple[str, ...]
     gates: dict[str, BrokerGate] = field(default_factory=dict)
     brokers: dict[str, BrokerProcess] = field(default_factory=dict)
+    paused: set[str] = field(default_factory=set)
 
     @classmethod
     async def start(cls, root: Path, count: int = 3, *args: str) -> Replicas:
         replicas = cls(root, args)
         for i in range(count):
-            name = f"r{i}"
-            gate = replicas.gates[name] = BrokerGate()
-            await gate.start()
-            await replicas.restart(name)
+            await replicas.add(f"r{i}")
         return replicas
+
+    async def add(self, name: str) -> BrokerProcess:
+        """A new broker ``name``, with its gate, joining the mesh."""
+        gate = self.gates[name] = BrokerGate()
+        await gate.start()
+        return await self.restart(name)
 
     def __getitem__(self, name: str) -> BrokerProcess:
         return self.brokers[name]
@@ -76,8 +80,12 @@ class Replicas:
         return self.brokers[name].process.returncode is None
 
     async def restart(self, name: str) -> BrokerProcess:
-        """Start broker ``name`` (again) from its data dir, joining through a running one."""
-        seed = next((self.gates[n].address for n in self.names if self.running(n)), "")
+        """Start broker ``name`` (again) from its data dir, joining through a running one
+        (not a paused one: its join would wait on it)."""
+        seed = next(
+            (self.gates[n].address for n in self.names if self.running(n) and n not in self.paused),
+            "",
+        )
         broker = await start_broker(
             "--name", name, "--data-dir", str(self.data_dir(name)),
             "--advertise", self.gates[name].address, *(("--seed", seed) if seed else ()),
@@ -96,9 +104,11 @@ class Replicas:
 
     def pause(self, name: str) -> None:
         self.brokers[name].process.send_signal(signal.SIGSTOP)
+        self.paused.add(name)
 
     def resume(self, name: str) -> None:
         self.brokers[name].process.send_signal(signal.SIGCONT)
+        self.paused.discard(name)
 
     def cut_off(self, name: str) -> None:
         """Cut every link between broker ``name`` and the others (both gates of each
@@ -187,7 +197,7 @@ class Producer:
         while True:
             try:
                 await publisher.send_reliable(f"multicast:{STREAM}", self.prefix + b"%d" % value)
-            except DeliveryFailed as exc:
+            except (DeliveryFailed, Timeout) as exc:  # no ack; or its broker paused
                 self.failed.append((value, str(exc)))
             except MeshbusError as exc:  # its broker was killed: it sends no more
                 self.failed.append((value, str(exc)))
@@ -199,6 +209,11 @@ class Producer:
 
     def acked_since(self, moment: float) -> int:
         return sum(1 for at in self.acked_at if at > moment)
+
+    @property
+    def ended(self) -> bool:
+        """It sends no more: its link failed (``failed[-1]`` says how)."""
+        return self._task.done()
 
     async def wait_acked(self, count: int, since: float = 0.0, timeout: float = 20.0) -> float:
         """Until ``count`` values more were acknowledged after ``since``; seconds from
@@ -246,14 +261,18 @@ class Consumer:
 
 
 async def check_copies(
-    replicas: Replicas, producers: list[Producer], consumer: Consumer | None = None
+    replicas: Replicas,
+    producers: list[Producer],
+    consumer: Consumer | None = None,
+    removed: tuple[str, ...] = (),
 ) -> list[StreamMessage]:
-    """Once every running replica has the same last seq twice in a row (a resend the
+    """Once every running replica (but those ``removed`` from the stream's group, which
+    keep the copy they had) has the same last seq twice in a row (a resend the
     producers' brokers still held when they stopped may commit meanwhile), their copies
     are the same; in it every acknowledged value is stored once, in the order
     acknowledged, no value is stored twice, and seqs run 1..n. What ``consumer`` read is
     a prefix of it."""
-    names = [n for n in replicas.names if replicas.running(n)]
+    names = [n for n in replicas.names if replicas.running(n) and n not in removed]
     async with contextlib.AsyncExitStack() as stack:
         conns = [
             await stack.enter_async_context(

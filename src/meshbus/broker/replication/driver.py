@@ -300,25 +300,34 @@ class RaftDriver:
         return state.brokers() if state is not None else ([], [])
 
     def hand_over(self) -> list[str]:
-        """Ask each group this broker leads to move its leadership to the follower that
-        holds most of its log (the Raft core's leadership transfer: that follower is
-        brought up to date, then campaigns at once) -- before a drain, so that no group
-        waits an election timeout for a leader once this broker is gone. The groups it
-        leads now; the transfers start at the next turn (a node takes nothing between
-        its Ready and its advance). One that cannot move then (no other voter is up to
-        it, a membership change under way) is logged and keeps its leader until the
-        broker stops."""
+        """Ask each group this broker leads to move its leadership to a follower that
+        answered its last heartbeat, of those the one that holds most of its log (the
+        Raft core's leadership transfer: that follower is brought up to date, then
+        campaigns at once) -- before a drain, so that no group waits an election timeout
+        for a leader once this broker is gone. The groups it leads now; the transfers
+        start at the next turn (a node takes nothing between its Ready and its advance).
+        One that cannot move then (no other voter is up to it, a membership change under
+        way) is logged and keeps its leader until the broker stops."""
         self._handing_over = True
         self._wake.set()
         return [name for name, state in self.groups.items() if state.node.role is Role.LEADER]
 
     def _transfer_leaderships(self) -> None:
+        # Those that answered the last heartbeat first: the core's recent_active is
+        # cleared only at a check-quorum, so a follower lost a few ticks ago still has it,
+        # and a transfer to it would hold every append for an election timeout, then fail.
+        answers_within = self._settings.heartbeat_ticks
         for state in self.groups.values():
             node = state.node
             if node.role is not Role.LEADER:
                 continue
             others = [
-                (progress.recent_active, progress.match, peer)
+                (
+                    progress.recent_active,
+                    self.now - state.heard.get(peer, -answers_within - 1) <= answers_within,
+                    progress.match,
+                    peer,
+                )
                 for peer, progress in node.progress.items()
                 if peer != node.id and peer in node.membership.voters and not progress.repairing
             ]
@@ -326,7 +335,7 @@ class RaftDriver:
                 log.warning("stream %s: no other voter to lead it", state.name)
                 continue
             try:
-                node.transfer_leadership(max(others)[2])
+                node.transfer_leadership(max(others)[3])
             except ProposalRefused as exc:
                 log.warning("stream %s: its leadership stays here: %s", state.name, exc)
 

@@ -362,6 +362,29 @@ async def test_hand_over_moves_each_led_group_to_a_follower_without_an_election_
     assert cluster.drivers[leaving].hand_over() == []  # it leads nothing now
 
 
+@pytest.mark.parametrize("lost", [0, 1])
+async def test_hand_over_passes_a_follower_just_lost_by(cluster: Cluster, lost: int) -> None:
+    """A follower lost a few ticks before a drain -- too few for a check-quorum to have
+    marked it silent --, with a log as long as the other's (nothing appended since): the
+    leadership goes to the other, which answers, not to the lost one, which cannot take
+    it (the transfer would hold every append for an election timeout, then give up and
+    leave the group to elect a leader once the drained broker is gone)."""
+    leader = await cluster.found("orders")
+    driver = cluster.drivers[leader]
+    driver.propose("orders", b"m")
+    await cluster.turns()
+    await cluster.tick()
+    gone = sorted(n for n in NAMES if n != leader)[lost]
+    cluster.down.add(gone)
+    await cluster.tick(2)
+    states = {r["broker"]: (r["state"], r["lag"]) for r in driver.replica_states("orders")}
+    assert states[gone] == ("follower", 0)  # as far as the leader's core knows
+    assert driver.hand_over() == ["orders"]
+    await cluster.turns()
+    new = cluster.leader("orders")
+    assert new not in (leader, gone, None)
+
+
 async def test_the_leader_tells_each_replicas_state_and_lag(cluster: Cluster) -> None:
     """``stream info`` asked of the leader: every replica's state and how many entries
     of the leader's log it is not known to hold; a follower knows none of it."""
