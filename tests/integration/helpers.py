@@ -304,14 +304,16 @@ async def wait_routes(brokers: list[BrokerProcess], address: meshbus.Address) ->
     await wait_until(everywhere, f"{address} in every routing table")
 
 
-async def wait_members(brokers: list[BrokerProcess], group: meshbus.Address, count: int) -> None:
+async def wait_members(
+    brokers: list[BrokerProcess], group: meshbus.Address, count: int, timeout: float = 10
+) -> None:
     async def everywhere() -> bool:
         for b in brokers:
             if len((await stat(b))["groups"].get(str(group), [])) != count:
                 return False
         return True
 
-    await wait_until(everywhere, f"{count} members of {group} in every routing table")
+    await wait_until(everywhere, f"{count} members of {group} in every routing table", timeout)
 
 
 # -- receiving in the background -------------------------------------------------------------

@@ -155,6 +155,8 @@ async def test_the_raft_log_stays_bounded_under_a_long_run_of_appends(tmp_path) 
         assert sent == 4096
         for name in replicas.names:
             size = (replicas.data_dir(name) / "raft.wal").stat().st_size
-            assert size < 1 << 20, (name, size)  # 4 MB written, and more with overhead
+            # 4 MB written, and more with overhead; a rewrite comes at the end of a turn,
+            # and a turn on a loaded host may write several hundred KiB past 512 KiB.
+            assert size < 2 << 20, (name, size)
             held = (await raft_of(replicas[name]))["streams"][STREAM]
             assert held["log_entries"] <= MAX_HELD, (name, held)

@@ -146,7 +146,10 @@ async def replicated_stream(
         async with await meshbus.connect(first.address, server="op", operator=True) as op:
             await op.streams.add(STREAM, f"multicast:{STREAM}", replicas=count)
             info = await led(op, STREAM)
-        await wait_members(list(replicas.brokers.values()), Multicast(STREAM), 1)
+        # The stream's member address follows its leader: a leadership that moves on a
+        # loaded host (a broker stalled past its heartbeat budget, an election of up to
+        # 20 ticks of --raft-tick 0.3) moves it again before every table has it.
+        await wait_members(list(replicas.brokers.values()), Multicast(STREAM), 1, timeout=30)
         yield replicas, info
     finally:
         await replicas.close()
