@@ -327,6 +327,10 @@ class SubjectTable(Generic[S]):
         which some subject ``<prefix><token>`` matches it. The pattern's own token at
         that level is such a token when it has one (a ``*`` or ``>`` there matches any);
         past its end, any token will do, as only a ``>`` before can match."""
+        if is_literal(pattern):
+            # It matches itself only: the entry of its own prefix.
+            self._prefixes.pop(pattern[: pattern.rfind(_SEPARATOR) + 1], None)
+            return
         tokens = pattern.split(_SEPARATOR)
         stale: list[bytes] = []
         for prefix in self._prefixes:
