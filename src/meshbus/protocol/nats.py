@@ -235,7 +235,10 @@ def _repeats(buf: bytes | bytearray, pos: int, line: bytes, stride: int, most: i
     that repeats one subject and one size, checked a column at a time -- each byte of the
     line, and the CRLF, across the messages in one extended slice -- instead of message
     by message. 0 where the run is too short to gain; a run cut short is found by
-    halving."""
+    halving. The lines of requests differ (a reply subject each): one look at the
+    message after the first finds that, before any column is."""
+    if not buf.startswith(line, pos + stride):
+        return 0
     count = min(most, (len(buf) - pos) // stride)
     width = len(line)
     while count >= _MIN_STRIDE_RUN and width <= 4 * count:

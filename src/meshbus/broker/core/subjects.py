@@ -27,6 +27,17 @@ alter a cached answer drops it: inserting or removing a literal subject drops th
 subject's entry; a pattern with wildcards drops every cached subject it matches. Nothing
 else changes what a subject matches, so the cache is never stale
 (tests/unit/broker/core/test_subjects.py holds it to a brute-force matcher).
+
+Subjects seen once. The reply subject of every request is new (``_INBOX.<id>.<n>``,
+which its requester subscribes to as ``_INBOX.<id>.*`` or ``.>``): cached by subject,
+each would be a walk of the table, an entry made and one pushed out that a publisher
+may still use. So where the table holds no literal token at a subject's last level --
+nothing under the nodes its other tokens lead to but ``*`` and ``>`` -- the match does
+not depend on the last token, and it is cached by the subject up to its last ``.``
+(``_prefixes``; the ``.`` kept, so that ``a.b`` and the one token ``a`` never share a
+key): one entry answers every reply to ``_INBOX.<id>.``, and the subject cache keeps
+what is published again. A change drops the prefix entries it may alter as it drops
+subjects: those of the subjects it matches, the last token left open.
 """
 
 from __future__ import annotations
@@ -141,6 +152,7 @@ class SubjectTable(Generic[S]):
         self._root: _Node[S] = _Node()
         self._count = 0
         self._cache: dict[bytes, Interest[S]] = {}
+        self._prefixes: dict[bytes, Interest[S]] = {}
         self._cache_size = cache_size
         self.version = 0
         self.cache_hits = 0
@@ -154,6 +166,11 @@ class SubjectTable(Generic[S]):
     def cached(self) -> int:
         """Subjects whose match is cached."""
         return len(self._cache)
+
+    @property
+    def cached_prefixes(self) -> int:
+        """Subject prefixes whose match, whatever the last token, is cached."""
+        return len(self._prefixes)
 
     def insert(self, subject: bytes, queue: bytes, sub: S) -> None:
         """Add ``sub`` to ``subject`` (a pattern), in queue group ``queue`` (empty: a
@@ -213,32 +230,55 @@ class SubjectTable(Generic[S]):
             del cache[subject]
             cache[subject] = found
             return found
+        prefix = subject[: subject.rfind(_SEPARATOR) + 1]
+        if len(prefix) < len(subject):
+            prefixes = self._prefixes
+            found = prefixes.get(prefix)
+            if found is not None:
+                self.cache_hits += 1
+                del prefixes[prefix]
+                prefixes[prefix] = found
+                return found
         self.cache_misses += 1
         tokens = subject.split(_SEPARATOR)
         if not all(tokens):
             return _NOTHING  # type: ignore[return-value]
-        interest = self._collect(tokens)
+        interest, by_prefix = self._collect(tokens)
+        if by_prefix:
+            cache, key = self._prefixes, prefix
+        else:
+            key = subject
         if len(cache) >= self._cache_size:
-            cache = self._evict()
-        cache[subject] = interest
+            cache = self._evict(cache)
+        cache[key] = interest
         return interest
 
-    def _evict(self) -> dict[bytes, Interest[S]]:
-        """Make room: the less recently used half goes, in one copy of the rest (the
-        cache from now on) -- taking the oldest one at a time would walk past the holes
-        that every removal from the front of a dict leaves."""
-        cache = self._cache
-        keep = self._cache_size // 2
-        self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
-        return self._cache
+    def _evict(self, cache: dict[bytes, Interest[S]]) -> dict[bytes, Interest[S]]:
+        """Make room in ``cache`` (the subjects' or the prefixes'): the less recently
+        used half goes, in one copy of the rest (that cache from now on) -- taking the
+        oldest one at a time would walk past the holes that every removal from the front
+        of a dict leaves."""
+        keep = dict(itertools.islice(cache.items(), len(cache) - self._cache_size // 2, None))
+        if cache is self._cache:
+            self._cache = keep
+        else:
+            self._prefixes = keep
+        return keep
 
-    def _collect(self, tokens: list[bytes]) -> Interest[S]:
+    def _collect(self, tokens: list[bytes]) -> tuple[Interest[S], bool]:
+        """What the subject of ``tokens`` matches, and whether any subject that differs
+        from it in the last token only matches the same (no literal token of the table's
+        was looked up for the last)."""
         # Level by level, not recursive (a subject of 2,000 tokens fits in a control
         # line): the nodes the tokens so far lead to, and those where a subscription
         # matches -- a ``>`` on the way, or where the last token leads.
         ends: list[_Node[S]] = []
         nodes = [self._root]
-        for token in tokens:
+        last = len(tokens) - 1
+        by_prefix = True
+        for level, token in enumerate(tokens):
+            if level == last:
+                by_prefix = not any(node.children for node in nodes)
             following: list[_Node[S]] = []
             for node in nodes:
                 if node.rest is not None:
@@ -262,13 +302,16 @@ class SubjectTable(Generic[S]):
                 for name, members in node.queues.items():
                     queues.setdefault(name, []).extend(members)
         if not queues:
-            return Interest(tuple(plain), ()) if plain else _NOTHING  # type: ignore[return-value]
+            interest = Interest(tuple(plain), ()) if plain else _NOTHING
+            return interest, by_prefix  # type: ignore[return-value]
         return Interest(
             tuple(plain), tuple([(name, tuple(members)) for name, members in queues.items()])
-        )
+        ), by_prefix
 
     def _invalidate(self, pattern: bytes) -> None:
         """Drop the cached answers a change to ``pattern`` may have made wrong."""
+        if self._prefixes:
+            self._invalidate_prefixes(pattern)
         cache = self._cache
         if not cache:
             return
@@ -278,3 +321,23 @@ class SubjectTable(Generic[S]):
         tokens = pattern.split(_SEPARATOR)
         for subject in [s for s in cache if pattern_matches(tokens, s.split(_SEPARATOR))]:
             del cache[subject]
+
+    def _invalidate_prefixes(self, pattern: bytes) -> None:
+        """Drop the prefix entries a change to ``pattern`` may have made wrong: those of
+        which some subject ``<prefix><token>`` matches it. The pattern's own token at
+        that level is such a token when it has one (a ``*`` or ``>`` there matches any);
+        past its end, any token will do, as only a ``>`` before can match."""
+        if is_literal(pattern):
+            # It matches itself only: the entry of its own prefix.
+            self._prefixes.pop(pattern[: pattern.rfind(_SEPARATOR) + 1], None)
+            return
+        tokens = pattern.split(_SEPARATOR)
+        stale: list[bytes] = []
+        for prefix in self._prefixes:
+            subject = prefix.split(_SEPARATOR)  # its last item, b"", the open token
+            level = len(subject) - 1
+            subject[level] = tokens[level] if level < len(tokens) else _ONE
+            if pattern_matches(tokens, subject):
+                stale.append(prefix)
+        for prefix in stale:
+            del self._prefixes[prefix]

@@ -31,8 +31,11 @@ of one frame from a peer -- and the messages of a run mostly share a subject. Wh
 subject's messages go (a ``_Plan``: the subscriptions here, the peers, each queue
 group's members that may be picked) is worked out once for the messages that follow on
 it, and again when the subject changes or the table does (a subscription that got its
-max, a connection closed as a slow consumer). A plan lives for one run only: a peer's
-count of queue-group members changes in place, between runs.
+max, a connection closed as a slow consumer). A new subject whose match is the one the
+plan was made from -- the same answer of the table's cache, as the replies to one
+requester's inbox get (meshbus.broker.core.subjects, "Subjects seen once") -- takes the
+plan over. A plan lives for one run only: a peer's count of queue-group members changes
+in place, between runs.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from meshbus.broker.core.interest import PeerSubscription
 from meshbus.broker.core.link import Link
-from meshbus.broker.core.subjects import SubjectTable, is_valid_queue
+from meshbus.broker.core.subjects import Interest, SubjectTable, is_valid_queue
 from meshbus.broker.nats.connection import Flushes
 from meshbus.broker.nats.peers import PeerMessages
 from meshbus.broker.nats.services import ServiceSubscription
@@ -107,11 +110,14 @@ class _Plan:
     each, and the publisher is not among ``local``: its closing (a slow consumer of its
     own messages) must stop the run at once."""
 
-    __slots__ = ("groups", "in_runs", "local", "meshbus", "peers", "subject", "version")
+    __slots__ = (
+        "groups", "in_runs", "interest", "local", "meshbus", "peers", "subject", "version",
+    )  # fmt: skip
 
     def __init__(
         self,
         subject: bytes,
+        interest: Interest[Subscription | PeerSubscription[Link]],
         version: int,
         local: list[Subscription],
         peers: list[Link],
@@ -119,12 +125,27 @@ class _Plan:
         in_runs: bool,
     ) -> None:
         self.subject = subject
+        self.interest = interest
         self.version = version
         self.local = local
         self.peers = peers
         self.groups = groups
         self.in_runs = in_runs
         self.meshbus = False
+
+
+def _taken_over(
+    plan: _Plan | None,
+    subject: bytes,
+    interest: Interest[Subscription | PeerSubscription[Link]],
+    version: int,
+) -> _Plan | None:
+    """``plan``, now for ``subject``, when the subject matched what the plan was made
+    from (the table's one cached answer, unchanged since); else None."""
+    if plan is not None and plan.interest is interest and plan.version == version:
+        plan.subject = subject
+        return plan
+    return None
 
 
 class NatsRouter:
@@ -199,7 +220,10 @@ class NatsRouter:
             message = messages[at]
             subject = message[0]
             if plan is None or plan.version != table.version or plan.subject != subject:
-                plan = self._plan(subject, publisher, echo)
+                interest = table.match(subject)
+                plan = _taken_over(plan, subject, interest, table.version) or self._plan(
+                    subject, interest, publisher, echo
+                )
                 plan.meshbus = self._reaches_meshbus(subject)
             if plan.in_runs and not plan.meshbus:
                 # The messages that follow on the same subject go together.
@@ -250,13 +274,20 @@ class NatsRouter:
     ) -> int:
         """Deliver ``event`` to the subscriptions here and send it to the peers with an
         interest; how many subscriptions and peers it went to."""
-        message = (event.subject, event.reply, event.header_size, event.data)
-        return self._send(self._plan(event.subject, publisher, echo), message)
+        subject = event.subject
+        message = (subject, event.reply, event.header_size, event.data)
+        return self._send(self._plan(subject, self._table.match(subject), publisher, echo), message)
 
-    def _plan(self, subject: bytes, publisher: Subscriber | None, echo: bool) -> _Plan:
-        """Where a message on ``subject`` goes, from ``publisher``: without echo, never to
-        one of its own subscriptions (nor is one picked in a queue group)."""
-        interest = self._table.match(subject)
+    def _plan(
+        self,
+        subject: bytes,
+        interest: Interest[Subscription | PeerSubscription[Link]],
+        publisher: Subscriber | None,
+        echo: bool,
+    ) -> _Plan:
+        """Where a message on ``subject``, which matched ``interest``, goes, from
+        ``publisher``: without echo, never to one of its own subscriptions (nor is one
+        picked in a queue group)."""
         local: list[Subscription] = []
         peers: dict[Link, None] = {}
         services = False
@@ -280,7 +311,7 @@ class NatsRouter:
             if eligible:
                 groups[name] = _Group(eligible)
         in_runs = in_runs and not groups
-        return _Plan(subject, self._table.version, local, list(peers), groups, in_runs)
+        return _Plan(subject, interest, self._table.version, local, list(peers), groups, in_runs)
 
     def _send(self, plan: _Plan, message: Message) -> int:
         """``message`` where ``plan`` says; how many subscriptions and peers it went to."""
@@ -368,7 +399,10 @@ class NatsRouter:
                     self._invalid(link)
                     plan = None
                     continue
-                plan = self._plan_here(subject)
+                interest = table.match(subject)
+                plan = _taken_over(plan, subject, interest, table.version) or self._plan_here(
+                    subject, interest
+                )
             if (
                 (reply and _BLANK(reply))
                 or header_size > len(data)
@@ -394,9 +428,11 @@ class NatsRouter:
         if self.dropped_from_peers == 1:
             log.warning("an invalid NATS message from a peer", extra={"peer": link.name})
 
-    def _plan_here(self, subject: bytes) -> _Plan:
-        """Where a peer's message on ``subject`` goes: the subscriptions here only."""
-        interest = self._table.match(subject)
+    def _plan_here(
+        self, subject: bytes, interest: Interest[Subscription | PeerSubscription[Link]]
+    ) -> _Plan:
+        """Where a peer's message on ``subject``, which matched ``interest``, goes: the
+        subscriptions here only."""
         local = _one_per_service(
             [sub for sub in interest.plain if not isinstance(sub, PeerSubscription)]
         )
@@ -407,7 +443,7 @@ class NatsRouter:
             ]
             if here:
                 groups[name] = _Group(here)
-        return _Plan(subject, self._table.version, local, [], groups, True)
+        return _Plan(subject, interest, self._table.version, local, [], groups, True)
 
     def _deliver_to_groups(
         self,

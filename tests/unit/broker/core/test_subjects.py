@@ -99,6 +99,7 @@ def test_the_cache_is_dropped_by_a_change_that_concerns_it() -> None:
 def test_the_cache_is_bounded() -> None:
     table: SubjectTable[str] = SubjectTable(cache_size=4)
     table.insert(b">", b"", "all")
+    table.insert(b"s.x", b"", "x")  # a literal at the last level: cached by subject
     for i in range(10):
         table.match(b"s.%d" % i)
     assert table.cached == 4
@@ -106,17 +107,59 @@ def test_the_cache_is_bounded() -> None:
     assert table.cache_hits == 1
 
 
+def test_the_prefixes_cached_are_bounded() -> None:
+    table: SubjectTable[str] = SubjectTable(cache_size=4)
+    table.insert(b"*.*", b"", "two")
+    for i in range(10):
+        assert table.match(b"p%d.r" % i).plain == ("two",)
+    assert table.cached_prefixes == 4
+    assert table.cached == 0
+    assert table.match(b"p9.other").plain == ("two",)
+    assert table.cache_hits == 1
+
+
 def test_a_subject_in_use_stays_cached_through_a_flood_of_one_off_subjects() -> None:
-    # The reply subjects of requests: each matched once, by the requesters' inbox pattern.
+    # The reply subjects of requests: each matched once, by the requesters' inbox pattern,
+    # all by one entry of the inbox's prefix.
     table: SubjectTable[str] = SubjectTable(cache_size=8)
     table.insert(b"_INBOX.x.*", b"", "inbox")
     table.insert(b"svc", b"", "service")
     for i in range(100):
         assert table.match(b"svc").plain == ("service",)
         assert table.match(b"_INBOX.x.%d" % i).plain == ("inbox",)
-        assert table.cached <= 8
-    assert table.cache_misses == 1 + 100
-    assert table.cache_hits == 99
+    assert (table.cached, table.cached_prefixes) == (1, 1)
+    assert table.cache_misses == 2
+    assert table.cache_hits == 99 + 99
+
+
+def test_a_literal_at_the_last_level_ends_the_prefix_entry() -> None:
+    table: SubjectTable[str] = SubjectTable()
+    table.insert(b"_INBOX.x.>", b"", "rest")
+    table.insert(b"_INBOX.y.*", b"", "y")
+    assert table.match(b"_INBOX.x.1").plain == ("rest",)
+    assert table.match(b"_INBOX.y.1").plain == ("y",)
+    assert table.cached_prefixes == 2
+    table.insert(b"_INBOX.x.5", b"", "five")  # a subject of _INBOX.x.'s: only that entry goes
+    assert table.cached_prefixes == 1
+    assert set(table.match(b"_INBOX.x.5").plain) == {"rest", "five"}
+    assert table.match(b"_INBOX.x.6").plain == ("rest",)
+    assert table.cached_prefixes == 1  # _INBOX.x.'s answers now depend on the last token
+    table.insert(b"_INBOX.*.*.z", b"", "longer")  # matches no subject of three tokens
+    assert table.cached_prefixes == 1
+    table.insert(b"_INBOX.>", b"", "all")
+    assert table.cached_prefixes == 0
+    assert set(table.match(b"_INBOX.y.2").plain) == {"y", "all"}
+
+
+def test_one_token_and_an_empty_token_never_share_an_entry() -> None:
+    table: SubjectTable[str] = SubjectTable()
+    table.insert(b"*", b"", "one")
+    assert table.match(b"a").plain == ("one",)
+    assert table.cached_prefixes == 1
+    assert table.match(b"b").plain == ("one",)
+    assert not table.match(b".b")
+    assert not table.match(b"b.")
+    assert not table.match(b"a..b")
 
 
 def test_a_long_subject_does_not_recurse() -> None:

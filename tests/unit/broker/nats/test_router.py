@@ -263,6 +263,26 @@ def test_meshbus_is_asked_once_a_run_and_handed_only_what_may_reach_it() -> None
     assert line.startswith(b"HMSG _INBOX.r.2 9 ")
 
 
+def test_replies_to_one_inbox_each_go_on_their_own_subject() -> None:
+    # Replies on new subjects that the table answers alike (one inbox pattern) share the
+    # plan of the first; a literal subscription among them, and one that got its max,
+    # change where the next goes.
+    clients = Clients()
+    requester, other, responder = clients.connect(), clients.connect(), clients.connect()
+    subscribe(requester, b"_INBOX.r.*", b"1")
+    subscribe(other, b"_INBOX.r.>", b"2")
+    other._handle(Unsubscribe(b"2", 2))
+    run = [(b"_INBOX.r.%d" % i, b"", 0, b"%d" % i) for i in range(4)]
+    clients.router.publish_many(responder, run)
+    assert taken(requester) == [b"MSG _INBOX.r.%d 1 1" % i for i in range(4)]
+    assert taken(other) == [b"MSG _INBOX.r.0 2 1", b"MSG _INBOX.r.1 2 1"]
+    subscribe(other, b"_INBOX.r.5", b"3")
+    run = [(b"_INBOX.r.%d" % i, b"", 0, b"") for i in (4, 5, 6)]
+    clients.router.publish_many(responder, run)
+    assert taken(requester) == [b"MSG _INBOX.r.%d 1 0" % i for i in (4, 5, 6)]
+    assert taken(other) == [b"MSG _INBOX.r.5 3 0"]
+
+
 # -- across the mesh: peers' interest in the same table ------------------------------------
 
 
