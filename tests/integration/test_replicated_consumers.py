@@ -173,6 +173,21 @@ class Taker:
                 self.errors.append(str(exc))
             await asyncio.sleep(0.05)
 
+    async def forget_a_batch(self, after: int) -> None:
+        """Once ``after`` deliveries are acknowledged, take one batch and never
+        acknowledge it (``forgotten``); returns once it is taken."""
+
+        async def taken() -> bool:
+            return len(self.acked_at) >= after
+
+        await wait_until(taken, f"{after} messages acknowledged", timeout=20)
+        self.forget = True
+
+        async def forgotten() -> bool:
+            return bool(self.forgotten)
+
+        await wait_until(forgotten, "a batch taken and never acknowledged")
+
     async def stop(self) -> None:
         assert self.task is not None
         self.task.cancel()
@@ -240,17 +255,7 @@ async def test_the_leader_killed_while_a_consumer_takes_and_acks(tmp_path) -> No
         # On the leader first: its link dies with it, and the connector fails over.
         order = [leader, *followers(replicas, leader)]
         taker = await Taker.on([replicas[n].address for n in order])
-
-        async def taken() -> bool:
-            return len(taker.acked_at) >= 60
-
-        await wait_until(taken, "60 messages acknowledged", timeout=20)
-        taker.forget = True
-
-        async def forgotten() -> bool:
-            return bool(taker.forgotten)
-
-        await wait_until(forgotten, "a batch taken and never acknowledged")
+        await taker.forget_a_batch(after=60)
         killed_at = time.monotonic()
         await replicas.kill(leader)
         taker.go.set()

@@ -195,17 +195,7 @@ async def test_a_consumer_acks_while_its_leader_is_cut_off(tmp_path) -> None:
         producer = await Producer.on(replicas[outside], "v", RETRY)
         await producer.wait_acked(100)
         taker = await Taker.on([replicas[leader].address])
-
-        async def taken() -> bool:
-            return len(taker.acked_at) >= 60
-
-        await wait_until(taken, "60 messages acknowledged", timeout=20)
-        taker.forget = True
-
-        async def forgotten() -> bool:
-            return bool(taker.forgotten)
-
-        await wait_until(forgotten, "a batch taken and never acknowledged")
+        await taker.forget_a_batch(after=60)
         cut_at = time.monotonic()
         replicas.cut_off(leader)
         failed = len(taker.errors)
