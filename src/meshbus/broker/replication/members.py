@@ -19,7 +19,8 @@ first hand (docs/raft.md, "Replacing a replica", says why) --, one membership ch
 a time:
 
 1. add the replacement as a **learner** (it counts toward nothing), marked with the
-   node id it ``replaces``; it receives the whole log by ordinary appends;
+   node id it ``replaces``; it receives the log by ordinary appends, or, past the
+   leader's compaction, a snapshot and a copy of the stream (copies.py);
 2. once it is **caught up** (its match within ``gap`` entries of the leader's last):
    if the member it replaces is still heard from, **promote** it first, then remove
    the old one -- the old one still counts until then, so the group never has fewer
