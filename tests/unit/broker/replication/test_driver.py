@@ -57,6 +57,19 @@ async def inline(work: Callable[[], None]) -> None:
     work()
 
 
+def hold_fsyncs(driver: RaftDriver) -> asyncio.Event:
+    """Make ``driver``'s writes (its turn's fsync in the executor) wait until the event
+    returned is set; ``driver._run_blocking = inline`` undoes it."""
+    fsync_done = asyncio.Event()
+
+    async def slow_fsync(work: Callable[[], None]) -> None:
+        await fsync_done.wait()
+        work()
+
+    driver._run_blocking = slow_fsync
+    return fsync_done
+
+
 class Cluster:
     def __init__(self, tmp: Path, replace_after: int = 0) -> None:
         self.tmp = tmp
@@ -414,13 +427,7 @@ async def test_hand_over_while_a_turn_waits_for_its_fsync(cluster: Cluster) -> N
     core refuses anything then (DriverError) and the drain failed."""
     leader = await cluster.found("orders")
     driver = cluster.drivers[leader]
-    fsync_done = asyncio.Event()
-
-    async def slow_fsync(work: Callable[[], None]) -> None:
-        await fsync_done.wait()
-        work()
-
-    driver._run_blocking = slow_fsync
+    fsync_done = hold_fsyncs(driver)
     driver.propose("orders", b"m")
     turn = asyncio.create_task(driver.turn())
     await asyncio.sleep(0)  # the turn took its Ready and waits for the disk
@@ -589,13 +596,7 @@ async def test_a_leaders_appends_leave_while_its_fsync_runs(cluster: Cluster) ->
     leader = await cluster.found("orders")
     await cluster.tick(2)
     driver = cluster.drivers[leader]
-    fsync_done = asyncio.Event()
-
-    async def slow_fsync(work: Callable[[], None]) -> None:
-        await fsync_done.wait()
-        work()
-
-    driver._run_blocking = slow_fsync
+    fsync_done = hold_fsyncs(driver)
     future = driver.propose("orders", b"m")
     turn = asyncio.create_task(driver.turn())
     await asyncio.sleep(0)  # the turn took its Ready and waits for the disk
@@ -641,13 +642,7 @@ async def test_committed_entries_are_acknowledged_before_the_turns_fsync(
     # One turn steps the answers that commit the first and takes the second: its
     # write of the second must be synced, the first is durable on a majority already.
     second = driver.propose("orders", b"second")
-    fsync_done = asyncio.Event()
-
-    async def slow_fsync(work: Callable[[], None]) -> None:
-        await fsync_done.wait()
-        work()
-
-    driver._run_blocking = slow_fsync
+    fsync_done = hold_fsyncs(driver)
     turn = asyncio.create_task(driver.turn())
     await asyncio.sleep(0)
     assert first.done()
