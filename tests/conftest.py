@@ -44,17 +44,11 @@ def spark_home_without_its_zip(pyspark_dir: Path, into: Path) -> Path:
     compiled pyspark again, 1.0-1.3 s of CPU against 0.2-0.3 s importing the installed
     package, whose bytecode is kept. Without the zip, the workers -- this venv's
     Python -- import the same pyspark from site-packages."""
-    for entry in pyspark_dir.iterdir():
-        if entry.name != "python":
-            (into / entry.name).symlink_to(entry)
-    for entry in (pyspark_dir / "python").iterdir():
-        if entry.name != "lib":
-            (into / "python").mkdir(exist_ok=True)
-            (into / "python" / entry.name).symlink_to(entry)
     (into / "python" / "lib").mkdir(parents=True)
-    for entry in (pyspark_dir / "python" / "lib").iterdir():
-        if entry.name != "pyspark.zip":
-            (into / "python" / "lib" / entry.name).symlink_to(entry)
+    for folder, kept_apart in (("", "python"), ("python", "lib"), ("python/lib", "pyspark.zip")):
+        for entry in (pyspark_dir / folder).iterdir():
+            if entry.name != kept_apart:
+                (into / folder / entry.name).symlink_to(entry)
     return into
 
 
