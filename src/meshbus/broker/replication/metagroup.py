@@ -39,6 +39,7 @@ from typing import Protocol
 
 from meshbus.broker.core.link import Link
 from meshbus.broker.replication.driver import RaftDriver
+from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
@@ -189,6 +190,15 @@ class MetaGroup:
             self._driver.create(META_GROUP, voters, b"")
         self._changed()
         return True
+
+    def join(self, meta: GroupMeta) -> None:
+        """The meta leader added this broker as a new voter (in place of a lost one)."""
+        if self._driver.join(META_GROUP, meta):
+            log.warning(
+                "joined the mesh's meta group as a new voter; it copies the log",
+                extra={"node": meta.node},
+            )
+            self._changed()
 
     # -- frames from peers --------------------------------------------------------------------
 

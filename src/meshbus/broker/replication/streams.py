@@ -273,6 +273,9 @@ class ReplicatedStreams:
             return
         members = [Member(m.node, m.broker, m.incarnation) for m in join.members]
         meta = GroupMeta(list(body.replicas), body.create, join.node, members)
+        if group == META_GROUP:  # it has no stream, so no configuration to decode
+            self.meta.join(meta)
+            return
         try:
             config = _decode_config(meta.app).config()
             if config.name not in self._store:

@@ -27,7 +27,13 @@ from meshbus.broker.replication.meta import (
     Placed,
 )
 from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
-from meshbus.protocol.control import RaftChunkBody, RaftFetchBody, RaftFrame
+from meshbus.protocol.control import (
+    RaftChunkBody,
+    RaftFetchBody,
+    RaftFrame,
+    RaftJoinBody,
+    RaftMemberBody,
+)
 from meshbus.raft import Message, RaftSettings
 from meshbus.storage.raftlog import RaftWal
 from meshbus.storage.sqlite import SqliteStreamStore
@@ -50,9 +56,10 @@ class Wire:
     """One broker's sends, queued for ``Mesh.turns`` to deliver: Raft messages, and
     RAFT frames (founding, the meta group's commands and answers)."""
 
-    def __init__(self, sender: str, mesh: Mesh) -> None:
+    def __init__(self, sender: str, mesh: Mesh, incarnation: int) -> None:
         self.sender = sender
         self.mesh = mesh
+        self.incarnation = incarnation  # in every RAFT frame, as PeerTransport sends
 
     def send(self, broker: str, group: str, messages: Sequence[Message]) -> None:
         self.mesh.messages.append((self.sender, broker, group, messages))
@@ -61,7 +68,14 @@ class Wire:
         self.frame(broker, RaftFrame(group=group, stranger=True))
 
     def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
-        raise AssertionError("no membership change here")
+        join = RaftJoinBody(
+            member.node,
+            member.incarnation,
+            [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members],
+        )
+        self.frame(
+            broker, RaftFrame(group=group, replicas=meta.replicas, create=meta.app, join=join)
+        )
 
     def found(
         self,
@@ -77,6 +91,7 @@ class Wire:
         self.frame(broker, body)
 
     def frame(self, broker: str, body: RaftFrame) -> None:
+        body = msgspec.structs.replace(body, incarnation=self.incarnation)
         self.mesh.frames.append((self.sender, broker, body))
 
     def fetch(self, broker: str, group: str, body: RaftFetchBody) -> None:
@@ -91,11 +106,13 @@ async def inline(work: Callable[[], None]) -> None:
 
 
 class Broker:
-    def __init__(self, name: str, tmp: Path, mesh: Mesh, voters: Sequence[str]) -> None:
+    def __init__(
+        self, name: str, tmp: Path, mesh: Mesh, voters: Sequence[str], replace_after: int
+    ) -> None:
         self.name = name
         self.store = SqliteStreamStore(tmp / f"{name}.db")
         self.wal, _ = RaftWal.open(str(tmp / f"{name}.wal"))
-        wire = Wire(name, mesh)
+        wire = Wire(name, mesh, self.wal.incarnation)
 
         def driver(machine: ReplicatedStreams) -> RaftDriver:
             return RaftDriver(
@@ -106,6 +123,8 @@ class Broker:
                 settings=SETTINGS,
                 randomness=random.Random(NAMES.index(name)),
                 run_blocking=inline,
+                replace_after=replace_after,
+                candidates=lambda _: [b for b in NAMES if b not in mesh.down],
             )
 
         self.streams = ReplicatedStreams(
@@ -127,13 +146,14 @@ class Broker:
 
 
 class Mesh:
-    def __init__(self, tmp: Path, voters: Sequence[str] = ()) -> None:
-        """``voters``: every broker's --meta-voter."""
+    def __init__(self, tmp: Path, voters: Sequence[str] = (), replace_after: int = 0) -> None:
+        """``voters``: every broker's --meta-voter; ``replace_after``: their
+        --replace-after, in ticks (0: never)."""
         self.messages: list[tuple[str, str, str, Sequence[Message]]] = []
         self.frames: list[tuple[str, str, RaftFrame]] = []
         self.down: set[str] = set()  # brokers whose sends and receives are lost
         self.drop_founding = False  # lose every frame that founds a stream's group
-        self.brokers = {name: Broker(name, tmp, self, voters) for name in NAMES}
+        self.brokers = {name: Broker(name, tmp, self, voters, replace_after) for name in NAMES}
 
     def __getitem__(self, name: str) -> Broker:
         return self.brokers[name]
@@ -167,7 +187,8 @@ class Mesh:
                 frames, self.frames[:] = list(self.frames), []
                 for sender, to, group, batch in messages:
                     if not {sender, to} & self.down:
-                        self[to].streams.driver.receive(sender, group, batch)
+                        incarnation = self[sender].streams.driver.incarnation
+                        self[to].streams.driver.receive(sender, group, batch, incarnation)
                 for sender, to, body in frames:
                     founding = body.group != META_GROUP and bool(body.replicas)
                     if {sender, to} & self.down or (founding and self.drop_founding):
@@ -350,5 +371,38 @@ async def test_configured_voters_found_it_at_start_and_nobody_else_does(tmp_path
         added = leader.meta.propose(add("ledger", ["b1", "b2", "b3"]))
         await mesh.turns()
         assert added.result() == ADDED
+    finally:
+        mesh.close()
+
+
+async def test_a_voter_silent_past_replace_after_is_replaced_by_a_broker_that_joins(
+    tmp_path: Path,
+) -> None:
+    """The meta group holds no stream, so its join carries no stream configuration: the
+    broker it adds joins all the same (it once failed to, decoding an empty one), copies
+    the log and votes; the records are the same on the three voters after."""
+    mesh = Mesh(tmp_path, voters=VOTERS, replace_after=30)
+    try:
+        leader = await mesh.meta_leader()
+        added = leader.meta.propose(add("orders"))
+        await mesh.turns()
+        assert added.result() == ADDED
+        silent = next(n for n in VOTERS if n != leader.name)
+        mesh.down.add(silent)
+        for _ in range(20):
+            await mesh.turns(5)
+            if mesh["b4"].meta.holds() and silent not in leader.meta.voters():
+                break
+        await mesh.turns()
+        assert mesh["b4"].meta.holds()
+        assert sorted(leader.meta.voters()) == sorted({*VOTERS, "b4"} - {silent})
+        assert mesh["b4"].meta.state.streams.keys() == {"orders"}
+        added = leader.meta.propose(add("ledger"))  # committed with b4's vote
+        await mesh.turns()
+        assert added.result() == ADDED
+        held = records(mesh)
+        del held[silent]  # cut off: it knows nothing of the change
+        assert len(held) == 3
+        assert len({repr(r) for r in held.values()}) == 1
     finally:
         mesh.close()
