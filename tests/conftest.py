@@ -18,6 +18,7 @@ import pytest
 from hypothesis import settings
 
 from meshbus.broker.process import spawn_broker
+from tests import forkserver
 
 # No time limit per example: the suite runs on 2 busy cores, where an example of a
 # property test took over hypothesis's default 200 ms and failed a correct decoder.
@@ -85,8 +86,9 @@ class BrokerProcess:
 
 
 async def start_broker(*args: str) -> BrokerProcess:
-    """Start `meshbus broker --listen 127.0.0.1:0 ARGS` and wait for its ready line."""
-    process, name, address, nats_address = await spawn_broker(*args)
+    """Start `meshbus broker --listen 127.0.0.1:0 ARGS` and wait for its ready line.
+    (Forked from the worker's fork server: tests/forkserver.py.)"""
+    process, name, address, nats_address = await spawn_broker(*args, launch=forkserver.launch)
     return BrokerProcess(process, name, address, nats_address)
 
 

@@ -42,6 +42,7 @@ from meshbus.protocol import (
     encode_data,
 )
 from meshbus.protocol.control import AddressBody, Empty, Hello, Register, Welcome
+from tests import forkserver
 from tests.conftest import BrokerProcess
 
 # Generous bound for one network round trip on loopback; only hit when something is broken.
@@ -237,7 +238,7 @@ class LaunchedBroker(BrokerProcess):
 async def start_broker_process(*args: str) -> asyncio.subprocess.Process:
     """``meshbus broker ARGS`` with stdout and stderr piped, not waited for: for tests of
     what a broker prints, or of one that must not start."""
-    return await asyncio.create_subprocess_exec(
+    return await forkserver.launch(
         *broker_argv(*args),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

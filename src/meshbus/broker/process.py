@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 _READY = re.compile(r"meshbus broker (\S+) listening on (\S+:\d+)(?:; NATS clients on (\S+:\d+))?$")
@@ -67,6 +68,11 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
+# How a child is started: asyncio.create_subprocess_exec's signature (program, *args,
+# stdout=..., env=...); a test suite may start its brokers another way.
+Launch = Callable[..., Awaitable[asyncio.subprocess.Process]]
+
+
 class StartedBroker(NamedTuple):
     process: asyncio.subprocess.Process
     name: str
@@ -75,7 +81,10 @@ class StartedBroker(NamedTuple):
 
 
 async def spawn_broker(
-    *args: str, listen: str = "127.0.0.1:0", timeout: float = 20.0
+    *args: str,
+    listen: str = "127.0.0.1:0",
+    timeout: float = 20.0,
+    launch: Launch = asyncio.create_subprocess_exec,
 ) -> StartedBroker:
     """Start a broker on ``listen`` and wait for its ready line: the process, its name and
     the addresses it listens on.
@@ -83,7 +92,7 @@ async def spawn_broker(
     If it does not come up, or the wait ends any other way (cancelled, Ctrl-C), the
     child is killed and reaped before the exception goes on: no broker outlives a
     failed call."""
-    process = await asyncio.create_subprocess_exec(
+    process = await launch(
         *broker_command(*args, listen=listen), stdout=asyncio.subprocess.PIPE, env=child_env()
     )
     try:
