@@ -120,9 +120,10 @@ class StateMachine(Protocol):
     def applied(self, group: str) -> int:
         """The last entry of ``group`` the machine applied (0: none)."""
 
-    def snapshot(self, group: str) -> bytes:
+    def snapshot(self, group: str) -> bytes | None:
         """The machine's data for a snapshot of ``group`` now (its state is at
-        ``applied(group)``, at or past the snapshot's index)."""
+        ``applied(group)``, at or past the snapshot's index); None: the machine keeps
+        ``group``'s state in no other place than its log, which is never compacted."""
 
     def install(self, group: str, source: str, index: int, now: int) -> None:
         """A snapshot of ``group`` at ``index`` came from broker ``source`` and the
@@ -713,9 +714,12 @@ class RaftDriver:
         index = policy.compact_to(log_.snapshot.index, log_.applied, state.applied_bytes, followers)
         if index is None:
             return
+        data = self._machine.snapshot(state.name)
+        if data is None:
+            return
         dropped = log_.entries(log_.first_index, index - log_.snapshot.index)
         roster = state.roster_at(log_.change_at(index))
-        snapshot = node.compact(index, encode_snapshot(roster, self._machine.snapshot(state.name)))
+        snapshot = node.compact(index, encode_snapshot(roster, data))
         state.applied_bytes = max(0, state.applied_bytes - sum(len(e.data) for e in dropped))
         self._records.append(WalRecord(state.name, snapshot=wal_snapshot(snapshot), compacted=True))
         self._compacted = True

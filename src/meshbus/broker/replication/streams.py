@@ -437,8 +437,11 @@ class ReplicatedStreams:
     def applied(self, group: str) -> int:
         return self._store.applied(group) if group in self._store else 0
 
-    def snapshot(self, group: str) -> bytes:
-        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages."""
+    def snapshot(self, group: str) -> bytes | None:
+        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages.
+        The meta group has none: its record is rebuilt from its whole log at start."""
+        if group == META_GROUP:
+            return None
         if group not in self._store:
             return b""
         info = self._store.info(group)

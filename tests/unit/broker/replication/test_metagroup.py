@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
@@ -107,7 +108,13 @@ async def inline(work: Callable[[], None]) -> None:
 
 class Broker:
     def __init__(
-        self, name: str, tmp: Path, mesh: Mesh, voters: Sequence[str], replace_after: int
+        self,
+        name: str,
+        tmp: Path,
+        mesh: Mesh,
+        voters: Sequence[str],
+        replace_after: int,
+        compaction: CompactionPolicy | None,
     ) -> None:
         self.name = name
         self.store = SqliteStreamStore(tmp / f"{name}.db")
@@ -124,6 +131,7 @@ class Broker:
                 randomness=random.Random(NAMES.index(name)),
                 run_blocking=inline,
                 replace_after=replace_after,
+                compaction=compaction,
                 candidates=lambda _: [b for b in NAMES if b not in mesh.down],
             )
 
@@ -146,14 +154,22 @@ class Broker:
 
 
 class Mesh:
-    def __init__(self, tmp: Path, voters: Sequence[str] = (), replace_after: int = 0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        voters: Sequence[str] = (),
+        replace_after: int = 0,
+        compaction: CompactionPolicy | None = None,
+    ) -> None:
         """``voters``: every broker's --meta-voter; ``replace_after``: their
-        --replace-after, in ticks (0: never)."""
+        --replace-after, in ticks (0: never); ``compaction``: their logs' policy."""
         self.messages: list[tuple[str, str, str, Sequence[Message]]] = []
         self.frames: list[tuple[str, str, RaftFrame]] = []
         self.down: set[str] = set()  # brokers whose sends and receives are lost
         self.drop_founding = False  # lose every frame that founds a stream's group
-        self.brokers = {name: Broker(name, tmp, self, voters, replace_after) for name in NAMES}
+        self.brokers = {
+            name: Broker(name, tmp, self, voters, replace_after, compaction) for name in NAMES
+        }
 
     def __getitem__(self, name: str) -> Broker:
         return self.brokers[name]
@@ -404,5 +420,24 @@ async def test_a_voter_silent_past_replace_after_is_replaced_by_a_broker_that_jo
         del held[silent]  # cut off: it knows nothing of the change
         assert len(held) == 3
         assert len({repr(r) for r in held.values()}) == 1
+    finally:
+        mesh.close()
+
+
+async def test_the_meta_group_s_log_is_never_compacted(tmp_path: Path) -> None:
+    """Its record lives nowhere but in its log (rebuilt from it at start): a compaction
+    would drop the records before it at the next restart, freeing taken names."""
+    mesh = Mesh(tmp_path, voters=VOTERS, compaction=CompactionPolicy(entries=2, bytes=1 << 20))
+    try:
+        leader = await mesh.meta_leader()
+        for number in range(8):
+            added = leader.meta.propose(add(f"s{number}"))
+            await mesh.turns()
+            assert added.result() == ADDED
+        for name in VOTERS:
+            meta_log = mesh[name].streams.driver.groups[META_GROUP].node.log
+            assert meta_log.snapshot.index == 0
+            assert meta_log.first_index == 1
+        assert len(records(mesh)["b1"]) == 8
     finally:
         mesh.close()
