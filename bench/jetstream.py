@@ -58,6 +58,14 @@ def jetstream_server(store_dir: str) -> Iterator[Server]:
 SYNC_ALWAYS = "jetstream { sync_interval: always }\n"
 
 
+def nats_server_version() -> str:
+    """What the nats-server measured says of its version (``nats-server: v2.9.10``)."""
+    said = subprocess.run(
+        [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
+    )
+    return said.stdout.strip()
+
+
 def sync_always_refused() -> str:
     """Why this machine's nats-server cannot fsync every write ("" if it can): what it says
     of a config file with ``SYNC_ALWAYS`` when asked to check one (-t)."""
@@ -68,14 +76,11 @@ def sync_always_refused() -> str:
         checked = subprocess.run(
             [find_nats_server(), "-t", "-c", path], capture_output=True, text=True, timeout=10
         )
-        version = subprocess.run(
-            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
-        )
     if checked.returncode == 0:
         return ""
     said = (checked.stderr or checked.stdout).strip().replace(path, "the config file")
     said = said.removeprefix("nats-server: ")
-    return f"{version.stdout.strip()}: {said}"
+    return f"{nats_server_version()}: {said}"
 
 
 @contextlib.contextmanager

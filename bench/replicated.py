@@ -210,10 +210,12 @@ def replicated_appends(count: int, size: int, window: int, runs: int, vs_nats: b
     """The rows ``always`` and ``default``; the last line has each row's medians and the
     ratios meshbus/nats (appends/s, p99), or `<row>_nats=none` where nats-server cannot
     run the row."""
-    from bench.jetstream import JetStreamError, sync_always_refused
+    from bench.jetstream import JetStreamError, nats_server_version, sync_always_refused
     from meshbus.errors import MeshbusError
 
     refused = sync_always_refused() if vs_nats else ""
+    if vs_nats:
+        click.echo(f"against {nats_server_version()}", err=True)
     if refused:
         click.echo(f"no nats-server in the `always` row: {refused}", err=True)
     rows = [("always", "always", True), ("default", "normal", False)]

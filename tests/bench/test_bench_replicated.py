@@ -5,13 +5,14 @@ up, failovers that lose nothing, and no server left running (``run_bench``)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from bench.cli import bench
-from bench.jetstream import jetstream_cluster
+from bench.jetstream import jetstream_cluster, nats_server_version
 from bench.replicated import nats_failover
-from bench.servers import BenchSetupError, find_nats_server
+from bench.servers import NATS_SERVER_ENV, BenchSetupError, find_nats_server
 from tests.bench.helpers import run_bench
 
 
@@ -93,3 +94,18 @@ def test_failover_needs_three_replicas() -> None:
     result = CliRunner().invoke(bench, ["stream", "--failover"])
     assert result.exit_code == 2
     assert "--failover needs --replicas 3" in result.output
+
+
+def test_the_nats_server_measured_may_be_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MESHBUS_BENCH_NATS_SERVER picks the binary (a newer release than the one on PATH,
+    for the `always` row); one that cannot be run is refused, never skipped silently."""
+    binary = tmp_path / "nats-server"
+    binary.write_text("#!/bin/sh\necho 'nats-server: v9.9.9'\n")
+    monkeypatch.setenv(NATS_SERVER_ENV, str(binary))
+    with pytest.raises(BenchSetupError, match="not an executable"):
+        find_nats_server()
+    binary.chmod(0o755)
+    assert find_nats_server() == str(binary)
+    assert nats_server_version() == "nats-server: v9.9.9"
