@@ -52,6 +52,7 @@ class Replicas:
     gates: dict[str, BrokerGate] = field(default_factory=dict)
     brokers: dict[str, BrokerProcess] = field(default_factory=dict)
     paused: set[str] = field(default_factory=set)
+    cut: set[str] = field(default_factory=set)
 
     @classmethod
     async def start(cls, root: Path, count: int = 3, *args: str) -> Replicas:
@@ -81,9 +82,13 @@ class Replicas:
 
     async def restart(self, name: str) -> BrokerProcess:
         """Start broker ``name`` (again) from its data dir, joining through a running one
-        (not a paused one: its join would wait on it)."""
+        (not a paused or cut off one: its join would wait on it)."""
         seed = next(
-            (self.gates[n].address for n in self.names if self.running(n) and n not in self.paused),
+            (
+                self.gates[n].address
+                for n in self.names
+                if self.running(n) and n not in self.paused | self.cut
+            ),
             "",
         )
         broker = await start_broker(
@@ -113,12 +118,14 @@ class Replicas:
     def cut_off(self, name: str) -> None:
         """Cut every link between broker ``name`` and the others (both gates of each
         link); its clients still reach it."""
+        self.cut.add(name)
         for other in self.names:
             if other != name:
                 self.gates[name].shut_out(other)
                 self.gates[other].shut_out(name)
 
     def reconnect(self, name: str) -> None:
+        self.cut.discard(name)
         for other in self.names:
             if other != name:
                 self.gates[name].open_to(other)
