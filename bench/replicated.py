@@ -13,8 +13,9 @@ latency from its write to its ack, p50 and p99. Every run starts its cluster afr
 
 Two durability rows, each system's own words for the same thing:
 - ``always``: every write fsynced before its ack. meshbus `--fsync always` (the Raft log
-  is fsynced before every answer and every ack whatever --fsync says; `always` also
-  fsyncs each replica's SQLite store at each group commit); nats-server
+  is fsynced before every answer and every ack whatever --fsync says, and a replica's
+  SQLite store, applied from that log, is not fsynced at each apply either way: the
+  two meshbus rows differ only in the brokers' setting); nats-server
   `jetstream { sync_interval: always }`, a key 2.9 servers do not know: one that refuses
   it (asked with `nats-server -t`) gets no `always` row, the reason printed, and meshbus
   is measured alone.

@@ -230,8 +230,10 @@ class BrokerConfig:
     )
     fsync: Fsync = setting(
         Fsync.NORMAL,
-        help="Streams: 'normal' keeps every acknowledged message when the broker is killed "
-        "(kill -9); 'always' also through an OS crash or power loss, at a throughput cost.",
+        help="Streams of one replica: 'normal' keeps every acknowledged message when the "
+        "broker is killed (kill -9); 'always' also through an OS crash or power loss, at a "
+        "throughput cost. Replicated streams fsync their Raft log before every ack whatever "
+        "this says.",
     )
     # Replicated streams: an election after 10-20 silent ticks, a heartbeat every tick,
     # a leader that heard from no majority for 10-20 ticks steps down (docs/raft.md).

@@ -466,6 +466,32 @@ def test_sqlite_pragmas(tmp_path: Path) -> None:
         SqliteStreamStore(tmp_path / "x.db", fsync="sometimes")
 
 
+def test_a_replicated_entry_commits_without_an_fsync_an_r1_append_with_one(
+    tmp_path: Path,
+) -> None:
+    """With fsync="always" an R=1 append is fsynced (synchronous=FULL), but a replicated
+    stream's entry is not: its Raft log was fsynced before any ack, and the entry is
+    applied again from that log after a power loss (the store's ``applied``)."""
+    s = SqliteStreamStore(tmp_path / "always.db", fsync="always")
+    try:
+        s.add_stream(cfg("r3"))
+
+        def synchronous() -> int:
+            return int(s._db.execute("PRAGMA synchronous").fetchone()[0])
+
+        with s.raft_entry("r3", 7):
+            assert synchronous() == 1  # NORMAL: no fsync at this commit
+            s.append_batch("r3", [msg(b"a")], 1.0)
+        assert synchronous() == 2  # FULL again, for what is not replicated
+        assert s.applied("r3") == 7
+        with pytest.raises(RuntimeError), s.raft_entry("r3", 8):
+            raise RuntimeError("an apply that fails")
+        assert synchronous() == 2
+        assert s.applied("r3") == 7
+    finally:
+        s.close()
+
+
 def test_sqlite_refuses_another_schema_version(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "old.db")
     db.execute("PRAGMA user_version=99")
