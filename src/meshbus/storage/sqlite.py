@@ -647,6 +647,27 @@ class SqliteStreamStore(MirroredStore):
         with self._tx() as db:
             images.discard_staged(db, self._stream(name))
 
+    def wal_bytes(self) -> int:
+        """The size of the WAL file now (0: none)."""
+        try:
+            return os.stat(self.path + "-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    def checkpoint(self) -> None:
+        """Copy the WAL's committed pages into the database file, with a connection of
+        its own: from another thread than the store's, so the copying and its fsyncs do
+        not stall the store's writer. PASSIVE: it never waits for the writer, which
+        keeps its own checkpoint at SQLite's 1,000 pages -- little is left for it to do
+        then, and the WAL starts over (and is cut to ``_WAL_LIMIT``) after it."""
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:
+            raise StoreError(f"checkpointing the stream store failed: {exc}") from exc
+        finally:
+            db.close()
+
     def flush(self) -> None:
         """Make every commit so far durable, with ``fsync="normal"`` too: the database
         file and its WAL fsynced (from another thread than the store's: it opens its own

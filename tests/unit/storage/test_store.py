@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -490,6 +491,30 @@ def test_a_replicated_entry_commits_without_an_fsync_an_r1_append_with_one(
         assert s.applied("r3") == 7
     finally:
         s.close()
+
+
+def test_a_checkpoint_from_another_thread_copies_the_wal_while_the_store_writes(
+    tmp_path: Path,
+) -> None:
+    """SqliteStreamStore.checkpoint, run in a worker thread beside the store's writer:
+    what the WAL held is in the database file after it, and the store goes on."""
+    s = SqliteStreamStore(tmp_path / "s.db", fsync="always")
+    try:
+        s.add_stream(cfg("big"))
+        for _ in range(20):
+            s.append_batch("big", [msg(bytes(4000)) for _ in range(10)], 1.0)
+        database = tmp_path / "s.db"
+        assert s.wal_bytes() > 800_000
+        assert database.stat().st_size < 100_000  # the appends are in the WAL only
+        worker = threading.Thread(target=s.checkpoint)
+        worker.start()
+        s.append_batch("big", [msg(b"during")], 1.0)
+        worker.join()
+        assert database.stat().st_size > 800_000  # copied into the database file
+        assert s.info("big").last_seq == 201
+    finally:
+        s.close()
+    assert SqliteStreamStore(tmp_path / "s.db").info("big").last_seq == 201
 
 
 def test_sqlite_refuses_another_schema_version(tmp_path: Path) -> None:
