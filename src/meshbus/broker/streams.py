@@ -52,6 +52,7 @@ from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
 from meshbus.broker.replication.transport import PeerTransport
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES
+from meshbus.broker.upkeep import StoreUpkeep
 from meshbus.errors import ProtocolError
 from meshbus.protocol.batch import received_rows
 from meshbus.protocol.control import (
@@ -116,10 +117,6 @@ RAFT_SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1, max_append_en
 # The same in a block (four indices, two offsets), with room for every message to
 # have a source, destination, group and priority of its own.
 _COLUMN_OVERHEAD = 128
-# The store's WAL is checkpointed in a worker thread once it holds this much (SQLite's own
-# checkpoint, in the writer's commit, comes at 1,000 pages: ~4 MiB), looked at this often.
-_CHECKPOINT_AHEAD = 1 << 20
-_CHECKPOINT_EVERY = 0.05
 
 
 class StreamTaken(ReplicationError):
@@ -185,11 +182,13 @@ class StreamHost:
         self._ready_brokers = ready_brokers
         self._peers = peers
         self.replicated: ReplicatedStreams | None = None
+        self._upkeep: StoreUpkeep | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
             self._lock = lock_data_dir(data_dir)
             path = os.path.join(data_dir, "streams.db")
             self.store = store = SqliteStreamStore(path, fsync=config.fsync)
+            self._upkeep = StoreUpkeep(store)
             self.replicated = self._replication(data_dir, store, peers, randomness)
         else:
             self.store = MemoryStreamStore()
@@ -207,9 +206,6 @@ class StreamHost:
         self.unreachable: dict[str, tuple[str, float]] = {}
         self.stored = 0
         self.dropped = 0
-        self._purging: asyncio.Handle | None = None
-        self._checkpoint_timer: asyncio.TimerHandle | None = None
-        self._checkpointing: asyncio.Future[None] | None = None
         self._adding: set[asyncio.Task[None]] = set()  # replicated adds waiting for the meta group
 
     def _replication(
@@ -302,51 +298,12 @@ class StreamHost:
             self._usage.stream_added(config.owner, config.name, config.max_bytes)
             if replicated is None or config.name not in replicated:
                 self._host(config)
-        self._purge_later()  # a delete that a restart cut short
-        if isinstance(self.store, SqliteStreamStore):
-            self._checkpoint_soon()
-
-    def _checkpoint_soon(self) -> None:
-        """Every ``_CHECKPOINT_EVERY`` s: once the store's WAL holds ``_CHECKPOINT_AHEAD``
-        bytes, a checkpoint in a worker thread (SqliteStreamStore.checkpoint), so the one
-        SQLite runs in the writer's commit, on the event loop, finds little to copy: it
-        was the appends' p99 (20 ms and more, against 10 ms without it)."""
-        loop = asyncio.get_running_loop()
-        self._checkpoint_timer = loop.call_later(_CHECKPOINT_EVERY, self._checkpoint_due)
-
-    def _checkpoint_due(self) -> None:
-        store = self.store
-        assert isinstance(store, SqliteStreamStore)
-        if self._checkpointing is None and store.wal_bytes() >= _CHECKPOINT_AHEAD:
-            running = asyncio.get_running_loop().run_in_executor(None, store.checkpoint)
-            running.add_done_callback(self._checkpointed)
-            self._checkpointing = running
-        self._checkpoint_soon()
-
-    def _checkpointed(self, done: asyncio.Future[None]) -> None:
-        self._checkpointing = None
-        if not done.cancelled() and done.exception() is not None:
-            log.error(
-                "checkpointing the stream store failed", extra={"error": str(done.exception())}
-            )
+        if self._upkeep is not None:
+            self._upkeep.start()
 
     def _purge_later(self) -> None:
-        """Remove deleted streams' blocks a slice per turn of the event loop (a slice
-        takes about 10 ms): deleting a big stream must not stall the broker."""
-        store = self.store
-        if self._purging is None and isinstance(store, SqliteStreamStore) and store.purging:
-            self._purging = asyncio.get_running_loop().call_soon(self._purge_slice)
-
-    def _purge_slice(self) -> None:
-        self._purging = None
-        store = self.store
-        assert isinstance(store, SqliteStreamStore)
-        try:
-            store.purge()
-        except StoreError as exc:
-            log.error("purging a deleted stream failed", extra={"error": str(exc)})
-            return
-        self._purge_later()
+        if self._upkeep is not None:
+            self._upkeep.purge_later()
 
     def _host(self, config: StreamConfig) -> None:
         if config.name in self.members:
@@ -1069,10 +1026,8 @@ class StreamHost:
             log.info("draining: the leadership of streams %s handed over", ", ".join(asked))
 
     def close(self) -> None:
-        if self._purging is not None:
-            self._purging.cancel()  # the rest goes after the next start
-        if self._checkpoint_timer is not None:
-            self._checkpoint_timer.cancel()
+        if self._upkeep is not None:
+            self._upkeep.close()
         for task in self._adding:
             task.cancel()
         if self.replicated is not None:
