@@ -90,6 +90,14 @@ async def test_two_adds_of_one_name_at_once_make_one_stream(tmp_path: Path) -> N
             assert "exists already" in str(refused[0])
             with pytest.raises(StreamExists):  # and later, from any broker
                 await other.streams.add("ledger", "multicast:ledger", replicas=5)
+            # The stream that won, asked for again from either broker, is there already
+            # (as an identical add of an R=1 stream is).
+            won = (
+                "multicast:ledger" if isinstance(results[0], StreamInfo) else "multicast:elsewhere"
+            )
+            for asker in (one, other):
+                again = await asker.streams.add("ledger", won, replicas=3)
+                assert sorted(again.replicas) == sorted(added[0].replicas)
             info = await led(one, "ledger")
         assert sorted(info.replicas) == sorted(added[0].replicas)
         assert len(info.replicas) == 3
@@ -161,8 +169,11 @@ async def test_an_add_while_the_meta_leader_is_killed_is_done_or_refused(
                     return sorted(held) == sorted(n for n in info.replicas if n != leader.name)
 
                 await wait_until(founded, "the stream on every replica that is up")
-                with pytest.raises(StreamExists):
-                    await op.streams.add("ledger", "multicast:ledger", replicas=3)
+                # Asked again, as a client whose answer was lost does: it is there.
+                again = await op.streams.add("ledger", "multicast:ledger", replicas=3)
+                assert sorted(again.replicas) == sorted(info.replicas)
+                with pytest.raises(StreamExists):  # another stream of that name is not
+                    await op.streams.add("ledger", "multicast:other", replicas=3)
             else:  # refused: no replica founded it, and it can be added again
                 assert not isinstance(outcome, StreamInfo)
                 for broker in alive:

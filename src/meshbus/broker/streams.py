@@ -46,7 +46,7 @@ from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
-from meshbus.broker.replication.meta import ADD, EXISTS, MetaCommand
+from meshbus.broker.replication.meta import ADD, ALREADY, EXISTS, MetaCommand
 from meshbus.broker.replication.placement import replacement_order, spread
 from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
 from meshbus.broker.replication.transport import PeerTransport
@@ -907,9 +907,12 @@ class StreamHost:
         assert replicated is not None
         meta = replicated.meta
         name = config.name
-        if name in meta.state.streams:
-            raise StreamTaken(name)
         ready = self._ready_brokers()
+        record = meta.state.streams.get(name)
+        if record is not None:
+            if not record.same_stream(_encode_config(config), count):
+                raise StreamTaken(name)
+            return self._added(config, record.brokers, ready)  # asked again
         if len(ready) < count:
             raise ValueError(
                 f"stream {name!r}: --replicas {count} needs {count} ready brokers in the mesh, "
@@ -927,9 +930,17 @@ class StreamHost:
                 continue
             if outcome == EXISTS:
                 raise StreamTaken(name)
+            if outcome == ALREADY:  # the same stream, added by an entry before this one
+                replicas = meta.state.streams[name].brokers
             break
         else:
             raise ReplicationError(f"stream {name!r}: the meta group takes no proposal now")
+        return self._added(config, replicas, ready)
+
+    def _added(
+        self, config: StreamConfig, replicas: list[str], ready: dict[str, str]
+    ) -> StreamReply:
+        """The answer to a replicated add: the stream as placed on ``replicas``."""
         info = self._info(StreamStatus(config, 1, 0, 0, 0, ()))
         info.update(replicas=replicas, leader="")
         info["zones"] = [ready.get(b, "") for b in replicas]
@@ -948,10 +959,10 @@ class StreamHost:
             )
         if count not in (3, 5):
             raise ValueError(f"stream {name!r}: --replicas is 1, 3 or 5, not {count}")
-        if name in self.replicated or name in self.members or name in self.elsewhere:
-            raise StreamTaken(name)
         cap = self._config.max_stream_bytes
         config = _stream_config(body, min(body.max_bytes or cap, cap))
+        if self._taken_by_another(config, count):
+            raise StreamTaken(name)
         hosted = len(self.store.streams())
         if hosted >= self._config.max_streams:
             raise StoreFull(
@@ -960,6 +971,25 @@ class StreamHost:
             )
         self._usage.check(config.owner, STREAM_BYTES, config.max_bytes)
         return config
+
+    def _taken_by_another(self, config: StreamConfig, count: int) -> bool:
+        """Whether this broker knows that ``config.name`` is another stream than the one
+        asked for. The same replicated stream asked again (an add whose answer was lost)
+        is not: the meta leader answers it with the stream, as the store of an R=1
+        stream answers an identical add. A name a peer announces that this broker holds
+        no record of is left to the meta leader, whose record tells a replicated stream
+        from one of one replica."""
+        replicated = self.replicated
+        assert replicated is not None
+        name = config.name
+        record = replicated.meta.state.streams.get(name)
+        if record is not None:
+            return not record.same_stream(_encode_config(config), count)
+        if name in replicated:
+            return replicated.configs[name] != config
+        if name in self.members:
+            return True
+        return name in self.elsewhere and replicated.meta.holds()
 
     def _info(self, info: StreamStatus) -> dict[str, Any]:
         config = info.config

@@ -9,7 +9,9 @@ and a decision -- this name is free, these brokers hold it -- is made once, by t
 entry that commits it, never by two brokers that each saw the mesh their own way:
 
 - ``ADD``: the stream, its configuration and the members its leader picked. Applied
-  where the name is free; refused (``EXISTS``) where an entry before it took it.
+  where the name is free; refused (``EXISTS``) where an entry before it took it, but
+  for the same stream asked again -- its configuration and replica count -- which is
+  ``ALREADY`` there (an add whose answer was lost, asked once more, or two at once).
 - ``MEMBERS``: the stream's members now, as its own group's leader reports them (at its
   election and after each membership change): the record follows the group.
 - ``DELETED``: the stream's group committed its deletion; the name is free again.
@@ -38,6 +40,7 @@ DELETED = 2
 # What applying a command did (the proposer's answer).
 ADDED = "added"
 EXISTS = "exists"
+ALREADY = "already"
 UPDATED = "updated"
 REMOVED = "deleted"
 NO_STREAM = "no stream"
@@ -72,6 +75,10 @@ class StreamRecord(msgspec.Struct, array_like=True, frozen=True):
     def brokers(self) -> list[str]:
         return [m.broker for m in self.members]
 
+    def same_stream(self, config: bytes, replicas: int) -> bool:
+        """Whether an add of ``config`` on ``replicas`` asks for this stream again."""
+        return config == self.config and replicas == len(self.founding)
+
 
 _encode = msgspec.msgpack.Encoder().encode
 encode_command = _encode
@@ -94,7 +101,9 @@ class MetaState:
         record = streams.get(name)
         if command.op == ADD:
             if record is not None:
-                return EXISTS
+                return (
+                    ALREADY if record.same_stream(command.config, len(command.members)) else EXISTS
+                )
             members = list(command.members)
             streams[name] = StreamRecord(command.config, members, members, index)
             return ADDED

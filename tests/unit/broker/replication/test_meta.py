@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
+    ALREADY,
     DELETED,
     EXISTS,
     MEMBERS,
@@ -28,15 +29,20 @@ def add(name: str, members: list[Placed] = ABC) -> MetaCommand:
     return MetaCommand(ADD, name, b"config of " + name.encode(), members)
 
 
-def test_the_first_add_of_a_name_takes_it_and_the_second_is_refused() -> None:
+def test_the_first_add_of_a_name_takes_it_and_another_stream_of_it_is_refused() -> None:
     state = MetaState()
     assert state.apply(1, add("ledger")) == ADDED
-    second = add("ledger", [Placed("d", 14), Placed("e", 15), Placed("f", 16)])
-    assert state.apply(2, second) == EXISTS
+    elsewhere = [Placed("d", 14), Placed("e", 15), Placed("f", 16)]
+    # The same stream asked again (placed elsewhere this time): it is there already.
+    assert state.apply(2, add("ledger", elsewhere)) == ALREADY
+    # Another configuration, or another count of replicas: another stream, refused.
+    other = MetaCommand(ADD, "ledger", b"another config", elsewhere)
+    assert state.apply(3, other) == EXISTS
+    assert state.apply(4, add("ledger", [*elsewhere, Placed("g"), Placed("h")])) == EXISTS
     record = state.streams["ledger"]
     assert record.brokers == ["a", "b", "c"]  # the first one's placement stays
     assert (record.index, record.config, record.confirmed) == (1, b"config of ledger", False)
-    assert state.applied == 2
+    assert state.applied == 4
 
 
 def test_members_follow_the_group_and_confirm_it() -> None:

@@ -22,6 +22,7 @@ from meshbus.broker.replication.members import Member
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
+    ALREADY,
     EXISTS,
     META_GROUP,
     MetaCommand,
@@ -44,6 +45,7 @@ NAMES = ("b1", "b2", "b3", "b4")  # b4 holds no copy of the meta group
 VOTERS = ["b1", "b2", "b3"]
 SETTINGS = RaftSettings(election_ticks=10, heartbeat_ticks=1)
 GROUP = bytes([2]) + bytes(15)
+OTHER = bytes([2]) + bytes(14) + b"\x01"
 
 
 class PeerLink:
@@ -238,8 +240,10 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
     made.close()
 
 
-def add(name: str, members: Sequence[str] = VOTERS) -> MetaCommand:
-    config = msgspec.msgpack.encode(ConfigBody.of(StreamConfig(name, (GROUP,))))
+def add(
+    name: str, members: Sequence[str] = VOTERS, captures: tuple[bytes, ...] = (GROUP,)
+) -> MetaCommand:
+    config = msgspec.msgpack.encode(ConfigBody.of(StreamConfig(name, captures)))
     return MetaCommand(ADD, name, config, [Placed(b) for b in members])
 
 
@@ -273,13 +277,13 @@ async def test_two_adds_of_one_name_at_once_make_one_stream(mesh: Mesh) -> None:
     leader = await mesh.meta_leader()
     asker = next(b for b in mesh.up() if b is not leader and b.name != "b4")
     # One proposed on the leader, one sent to it by a follower, one by a non-voter,
-    # each placing the stream elsewhere: the first applied wins.
+    # each placing the stream elsewhere: the first applied wins; of the others, the
+    # same stream is there already, another one is refused.
     first = leader.meta.propose(add("ledger", ["b1", "b2", "b3"]))
     second = asker.meta.request(add("ledger", ["b2", "b3", "b4"]))
-    third = mesh["b4"].meta.request(add("ledger", ["b1", "b3", "b4"]))
+    third = mesh["b4"].meta.request(add("ledger", ["b1", "b3", "b4"], captures=(OTHER,)))
     await mesh.turns()
-    assert sorted([first.result(), second.result(), third.result()]) == [ADDED, EXISTS, EXISTS]
-    assert first.result() == ADDED
+    assert [first.result(), second.result(), third.result()] == [ADDED, ALREADY, EXISTS]
     held = records(mesh)
     assert len(held) == 3
     assert all(h == next(iter(held.values())) for h in held.values())
