@@ -27,6 +27,7 @@ from meshbus.errors import MeshbusError
 from meshbus.storage.raftlog import MAGIC, WalRecord
 from tests.integration.helpers import wait_until
 from tests.integration.test_replicated_streams import (
+    NO_MEMBER,
     STREAM,
     Consumer,
     Producer,
@@ -97,7 +98,8 @@ async def refused_meanwhile(producer: Producer, since: float) -> None:
         return len(producer.failed) > given_up
 
     await wait_until(gave_up, "a send given up", timeout=4 * RETRY.give_up_after())
-    assert "no acknowledgement" in producer.failed[-1][1], producer.failed[-1]
+    said = producer.failed[-1][1]
+    assert "no acknowledgement" in said or said == NO_MEMBER, producer.failed[-1]
     assert producer.acked_since(since) == 0, "acknowledged without a majority"
 
 

@@ -176,6 +176,11 @@ async def led(conn: meshbus.Connector, stream: str, not_by: str = "") -> StreamI
     return info
 
 
+# What a Producer records of a send its broker knew no member to send to (send_reliable
+# returns 0: a multicast to nobody, where nothing can be lost or stored).
+NO_MEMBER = "no member of the stream's group"
+
+
 class Producer:
     """Sends PREFIX0, PREFIX1, ... to the stream's group reliably, one at a time, until
     stopped; records each value acknowledged (in order, with when) and each given up.
@@ -206,15 +211,21 @@ class Producer:
         value = 0
         while True:
             try:
-                await publisher.send_reliable(f"multicast:{STREAM}", self.prefix + b"%d" % value)
+                sent = await publisher.send_reliable(
+                    f"multicast:{STREAM}", self.prefix + b"%d" % value
+                )
             except (DeliveryFailed, Timeout) as exc:  # no ack; or its broker paused
                 self.failed.append((value, str(exc)))
             except MeshbusError as exc:  # its broker was killed: it sends no more
                 self.failed.append((value, str(exc)))
                 return
             else:
-                self.acked.append(value)
-                self.acked_at.append(time.monotonic())
+                if sent:
+                    self.acked.append(value)
+                    self.acked_at.append(time.monotonic())
+                else:  # 0: its broker knew no member of the group, so nobody took it
+                    self.failed.append((value, NO_MEMBER))
+                    await asyncio.sleep(0.05)
             value += 1
 
     def acked_since(self, moment: float) -> int:
