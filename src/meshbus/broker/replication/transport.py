@@ -74,16 +74,7 @@ class PeerTransport:
     ) -> None:
         """Send ``broker`` the frame that founds ``group`` there (if it is linked); with
         ``incarnations``, only the self of each replica placed founds it."""
-        link = self._peers.get(broker)
-        if link is not None:
-            body = RaftFrame(
-                group=group,
-                replicas=replicas,
-                create=config,
-                incarnation=self._incarnation,
-                incarnations=list(incarnations),
-            )
-            self._frame(link, body)
+        self.frame(broker, found_frame(group, replicas, config, incarnations))
 
     def frame(self, broker: str, body: RaftFrame) -> None:
         """Send ``broker`` a RAFT frame (if it is linked): the meta group's commands."""
@@ -109,15 +100,25 @@ class PeerTransport:
             self._frame(link, RaftFrame(group=group, incarnation=self._incarnation, chunk=body))
 
     def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
-        link = self._peers.get(broker)
-        if link is None:
-            return  # not linked now: its stranger answer to the appends asks again
-        members = [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members]
-        body = RaftFrame(
-            group=group,
-            replicas=meta.replicas,
-            create=meta.app,
-            incarnation=self._incarnation,
-            join=RaftJoinBody(member.node, member.incarnation, members),
-        )
-        self._frame(link, body)
+        # Not linked now: its stranger answer to the appends asks again.
+        self.frame(broker, join_frame(group, meta, member))
+
+
+def found_frame(
+    group: str, replicas: list[str], config: bytes, incarnations: Sequence[int] = ()
+) -> RaftFrame:
+    """The RAFT frame that founds ``group`` on its ``replicas`` (the sender's incarnation
+    is stamped as it is sent)."""
+    return RaftFrame(group=group, replicas=replicas, create=config, incarnations=list(incarnations))
+
+
+def join_frame(group: str, meta: GroupMeta, member: Member) -> RaftFrame:
+    """The RAFT frame that adds its receiver to ``group`` as ``member`` (the sender's
+    incarnation is stamped as it is sent)."""
+    members = [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members]
+    return RaftFrame(
+        group=group,
+        replicas=meta.replicas,
+        create=meta.app,
+        join=RaftJoinBody(member.node, member.incarnation, members),
+    )

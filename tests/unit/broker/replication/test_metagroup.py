@@ -29,12 +29,11 @@ from meshbus.broker.replication.meta import (
     Placed,
 )
 from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
+from meshbus.broker.replication.transport import found_frame, join_frame
 from meshbus.protocol.control import (
     RaftChunkBody,
     RaftFetchBody,
     RaftFrame,
-    RaftJoinBody,
-    RaftMemberBody,
 )
 from meshbus.raft import Message, RaftSettings
 from meshbus.storage.raftlog import RaftWal
@@ -71,14 +70,7 @@ class Wire:
         self.frame(broker, RaftFrame(group=group, stranger=True))
 
     def join(self, broker: str, group: str, meta: GroupMeta, member: Member) -> None:
-        join = RaftJoinBody(
-            member.node,
-            member.incarnation,
-            [RaftMemberBody(m.node, m.broker, m.incarnation) for m in meta.members],
-        )
-        self.frame(
-            broker, RaftFrame(group=group, replicas=meta.replicas, create=meta.app, join=join)
-        )
+        self.frame(broker, join_frame(group, meta, member))
 
     def found(
         self,
@@ -88,10 +80,7 @@ class Wire:
         config: bytes,
         incarnations: Sequence[int] = (),
     ) -> None:
-        body = RaftFrame(
-            group=group, replicas=replicas, create=config, incarnations=list(incarnations)
-        )
-        self.frame(broker, body)
+        self.frame(broker, found_frame(group, replicas, config, incarnations))
 
     def frame(self, broker: str, body: RaftFrame) -> None:
         body = msgspec.structs.replace(body, incarnation=self.incarnation)
