@@ -908,9 +908,10 @@ class StreamHost:
         meta = replicated.meta
         name = config.name
         ready = self._ready_brokers()
+        encoded = _encode_config(config)
         record = meta.state.streams.get(name)
         if record is not None:
-            if not record.same_stream(_encode_config(config), count):
+            if not record.same_stream(encoded, count):
                 raise StreamTaken(name)
             return self._added(config, record.brokers, ready)  # asked again
         if len(ready) < count:
@@ -919,7 +920,7 @@ class StreamHost:
                 f"and it has {len(ready)} ({', '.join(sorted(ready))})"
             )
         replicas = spread(name, ready, count)
-        command = MetaCommand(ADD, name, _encode_config(config), meta.placed(replicas))
+        command = MetaCommand(ADD, name, encoded, meta.placed(replicas))
         for _ in range(2 * RAFT_SETTINGS.election_ticks):
             try:
                 outcome = await meta.propose(command)
