@@ -270,9 +270,11 @@ class _Forked:
         return self._pid
 
     def get_returncode(self) -> int | None:
-        return (
-            self._exited.result() if self._exited.done() and not self._exited.cancelled() else None
-        )
+        """None while it runs, and when its fork server went away before saying (``wait``
+        raises that)."""
+        exited = self._exited
+        known = exited.done() and not exited.cancelled() and exited.exception() is None
+        return exited.result() if known else None
 
     async def _wait(self) -> int:
         return await asyncio.shield(self._exited)
