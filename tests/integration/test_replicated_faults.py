@@ -91,7 +91,8 @@ async def stopped_and_checked(
 async def refused_meanwhile(producer: Producer, since: float) -> None:
     """Nothing acknowledged after ``since`` (an election timeout past the fault: what was
     committed before it may be acknowledged a moment after) until a send was given up
-    with the error a sender sees: no acknowledgement."""
+    with an error a sender sees: no acknowledgement, or (its broker lost every replica
+    that held the stream's address) its group refused for having no member now."""
     given_up = len(producer.failed)
 
     async def gave_up() -> bool:
@@ -99,7 +100,8 @@ async def refused_meanwhile(producer: Producer, since: float) -> None:
 
     await wait_until(gave_up, "a send given up", timeout=4 * RETRY.give_up_after())
     said = producer.failed[-1][1]
-    assert "no acknowledgement" in said or said == NO_MEMBER, producer.failed[-1]
+    refusals = ("no acknowledgement", "the stream that captures it was on broker")
+    assert any(r in said for r in refusals) or said == NO_MEMBER, producer.failed[-1]
     assert producer.acked_since(since) == 0, "acknowledged without a majority"
 
 
@@ -136,6 +138,28 @@ async def test_a_leader_cut_off_from_its_followers_acknowledges_nothing(tmp_path
         healed_at = time.monotonic()
         assert await inside.wait_acked(10, since=healed_at) < RESUME_WITHIN
         await stopped_and_checked(replicas, [outside, inside], consumer)
+
+
+async def test_a_broker_cut_off_from_every_replica_refuses_its_clients_appends(
+    tmp_path,
+) -> None:
+    """A fourth broker holds no replica. Cut off from the three, it knows no member of
+    the stream's group; its clients' sends are refused (Timeout: the stream that captures
+    it is out of reach), never taken for a multicast to nobody -- which returned 0, "sent",
+    and stored nothing."""
+    async with replicated_stream(tmp_path, *FAST, brokers=4) as (replicas, info):
+        (outsider,) = [n for n in replicas.names if n not in info.replicas]
+        producer = await Producer.on(replicas[outsider], "o", RETRY)
+        consumer = await Consumer.on(replicas[info.leader])
+        await producer.wait_acked(20)
+        cut_at = time.monotonic()
+        replicas.cut_off(outsider)
+        await refused_meanwhile(producer, since=cut_at + ELECTION)
+        assert NO_MEMBER not in {said for _, said in producer.failed}, producer.failed
+        replicas.reconnect(outsider)
+        healed_at = time.monotonic()
+        await producer.wait_acked(10, since=healed_at)
+        await stopped_and_checked(replicas, [producer], consumer)
 
 
 async def test_a_majority_killed_then_restarted_loses_nothing(tmp_path) -> None:

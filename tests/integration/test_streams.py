@@ -17,7 +17,7 @@ import pytest
 import meshbus
 from meshbus import Multicast
 from meshbus.client.streams import StreamMessage
-from meshbus.errors import DeliveryFailed, FrameTooLarge, StreamError
+from meshbus.errors import DeliveryFailed, FrameTooLarge, StreamError, Timeout
 from tests.conftest import BrokerProcess, start_broker, start_mesh, stop_all
 from tests.integration.helpers import start_broker_process, wait_members
 
@@ -217,6 +217,44 @@ async def test_kill_9_keeps_every_acknowledged_message(tmp_path: Path) -> None:
             await asyncio.sleep(max(0.0, taken_at + 1.1 - time.monotonic()))
             redelivered = await consumer.next(5)
             assert [(m.seq, m.delivery) for m in redelivered] == [(s, 2) for s in range(6, 11)]
+    finally:
+        assert await stop_all(running) == [0] * len(running)
+
+
+async def test_a_send_to_a_stream_whose_host_is_down_is_refused_not_counted_delivered(
+    tmp_path: Path,
+) -> None:
+    """A reliable multicast to a group without members succeeds at once (nobody to miss
+    it). A stream's group loses its member when the stream's broker goes: a send then
+    would be stored nowhere, so it raises Timeout, until the stream is back; once the
+    stream is deleted, "no member" is the answer again."""
+    data_dir = str(tmp_path / "host")
+    host = await start_broker("--data-dir", data_dir)
+    other = await start_broker("--seed", host.address)
+    running = [host, other]
+    try:
+        async with await meshbus.connect(host.address, server="op", operator=True) as op:
+            await op.streams.add("ledger", "multicast:ledger")
+        await wait_members(running, Multicast("ledger"), 1)
+        async with await meshbus.connect(other.address, server="pub") as conn:
+            publisher = await conn.register()
+            assert await publisher.send_reliable("multicast:ledger", b"before") > 0
+            host.process.kill()
+            assert await host.process.wait() == -9
+            running.remove(host)
+            await asyncio.sleep(1.1)  # the member cache of the send above is stale
+            with pytest.raises(Timeout) as refused:
+                await publisher.send_reliable("multicast:ledger", b"lost?", timeout=1.0)
+            assert f"the stream that captures it was on broker {host.name}" in str(refused.value)
+            host = await start_broker("--data-dir", data_dir, "--seed", other.address)
+            running.append(host)
+            assert await publisher.send_reliable("multicast:ledger", b"after", timeout=10) > 0
+            stored = await fetch_all(conn, "ledger")
+            assert [m.payload for m in stored] == [b"before", b"after"]
+            await conn.streams.delete("ledger")
+            await wait_members(running, Multicast("ledger"), 0)
+            await asyncio.sleep(1.1)  # the member cache of the send above is stale
+            assert await publisher.send_reliable("multicast:ledger", b"nobody") == 0
     finally:
         assert await stop_all(running) == [0] * len(running)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from meshbus.address import SUBJECTS
 from meshbus.broker.config import BrokerConfig
+from meshbus.broker.core.captures import STREAM_SERVERS, LostCaptures
 from meshbus.broker.core.dispatch import ControlDispatch
 from meshbus.broker.core.endpoint import CloseReason, Endpoint, LinkRole, is_peer
 from meshbus.broker.core.forward import Forwarder
@@ -207,9 +208,10 @@ class Broker:
             max_weight=nats_entries,
             changed=lambda pattern: self.nats_bridge.interest_changed(pattern),
         )
+        self.lost_captures = LostCaptures()
         self.sync = RouteSync(
             config, self.peers, self.routing, self.outbox, self.watch, rng,
-            self.local_interest, self.peer_interest,
+            self.local_interest, self.peer_interest, self.lost_captures,
         )  # fmt: skip
         self.nats_peers = PeerMessages(self.sync.flush_ops)
         self.nats_router = NatsRouter(
@@ -233,6 +235,7 @@ class Broker:
             clock=clock,
             fenced=lambda: self.mesh.fence.fenced(),
             out_of_reach=lambda: self.mesh.out_of_reach.names(),
+            lost_captures=self.lost_captures,
         )
         self.streams = StreamHost(
             config=config,
@@ -612,6 +615,9 @@ class Broker:
         waited on it -- requests, relayed answers, streams -- is answered or forgotten."""
         was_connector = self.links.close(link, reason)
         held = self.routing.memberships_of(link) + self.routing.owned_count(link)
+        if link.is_peer:
+            captured = self.routing.groups_of_servers(link, STREAM_SERVERS)
+            self.lost_captures.lost(link.name, captured)
         self._withdraw(link, was_connector)
         self.watch.link_closed(link)
         self.pending.drop_link(link)

@@ -35,6 +35,7 @@ import msgspec
 
 from meshbus.address import CAST_MULTICAST, describe_address
 from meshbus.broker.config import BrokerConfig
+from meshbus.broker.core.captures import STREAM_SERVER
 from meshbus.broker.core.endpoint import Endpoint, LinkRole, LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
@@ -107,7 +108,6 @@ _HEADER_SIZE = DATA_HEADER.size
 # NewMessage is a NamedTuple: tuple.__new__ builds one without its Python-level __new__.
 _new_message = tuple.__new__
 _payload_of = itemgetter(2)  # NewMessage.payload
-_STREAM_SERVER = b"stream\x00\x00\x00\x00\x00"  # the server name of stream members
 # Room left in a fetch answer for everything but the payloads.
 _ROW_OVERHEAD = 96
 # Replicated streams (meshbus.broker.replication): a tick every --raft-tick seconds; an
@@ -308,7 +308,7 @@ class StreamHost:
     def _host(self, config: StreamConfig) -> None:
         if config.name in self.members:
             return
-        member = self._routing.allocate_dynamic(_STREAM_SERVER, self.sink)
+        member = self._routing.allocate_dynamic(STREAM_SERVER, self.sink)
         self._sync.announce(OP_ADD, member)
         self._capture_as(config, member)
 

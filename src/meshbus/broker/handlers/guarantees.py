@@ -3,7 +3,8 @@
 * MEMBERS -- the members of a group, mesh-wide (every broker holds the whole
   table): a reliable multicast waits for one ack from each; with ``pick``, the
   member a reliable anycast send goes to (a local one first, one that holds no
-  message group when there is one -- the seed's rule).
+  message group when there is one -- the seed's rule). TRY_AGAIN for a group whose
+  stream was lost with its broker (meshbus.broker.core.captures).
 * GROUP_BIND / GROUP_END -- answered by the group's home broker
   (meshbus.broker.mesh.groups); a connector's broker relays them there and relays
   the answer back (meshbus.broker.mesh.relay). Bindings are replicated to every
@@ -16,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from meshbus.address import describe_address
+from meshbus.broker.core.captures import LostCaptures
 from meshbus.broker.core.dispatch import Refused
 from meshbus.broker.core.endpoint import Endpoint
 from meshbus.broker.core.link import Link
@@ -57,11 +59,14 @@ class Guarantees:
         clock: Callable[[], float],
         fenced: Callable[[], bool],
         out_of_reach: Callable[[], list[str]],
+        lost_captures: LostCaptures,
     ) -> None:
         """``name`` gives this broker's name (known once it listens); ``fenced`` is true
         while it re-links after a stall (meshbus.broker.mesh.fence), when it binds nothing;
         ``out_of_reach`` names the brokers a peer is linked to and this one is not
-        (``OutOfReach``): alive behind a cut link."""
+        (``OutOfReach``): alive behind a cut link; ``lost_captures``: the groups whose
+        stream went with a lost peer, where "no member" is not the answer."""
+        self._lost_captures = lost_captures
         self._name = name
         self.groups = groups
         self._routing = routing
@@ -77,6 +82,18 @@ class Guarantees:
     def on_members(self, link: Link, correlation: int, body: MembersRequest) -> None:
         routing = self._routing
         members = routing.members(body.group)
+        holder = self._lost_captures.holder(body.group, bool(members))
+        if holder is not None:
+            self._relay.refuse(
+                link,
+                ErrorCode.TRY_AGAIN,
+                f"{describe_address(body.group)} has no member now: the stream that captures "
+                f"it was on broker {holder}, which is down or out of reach from broker "
+                f"{self._name()}; a send now would be stored nowhere. Ask again in a moment "
+                "(another replica may lead it)",
+                correlation,
+            )
+            return
         if body.pick and members:
             local = [m for m in members if not routing.is_remote_member(m)] or members
             fewest = min(self.groups.holds(m) for m in local)

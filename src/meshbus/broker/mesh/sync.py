@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, CAST_UNICAST, describe_address
 from meshbus.broker.config import BrokerConfig
 from meshbus.broker.core import slices
+from meshbus.broker.core.captures import LostCaptures
 from meshbus.broker.core.endpoint import Endpoint
 from meshbus.broker.core.interest import InterestError, LocalInterest, PeerInterest
 from meshbus.broker.core.link import Link
@@ -134,9 +135,12 @@ class RouteSync:
         rng: random.Random,
         local_interest: LocalInterest,
         peer_interest: PeerInterest[Link],
+        lost_captures: LostCaptures,
     ) -> None:
         """``local_interest``: this broker's NATS interest, sent in each snapshot;
-        ``peer_interest``: where the peers' goes."""
+        ``peer_interest``: where the peers' goes; ``lost_captures`` hears of each peer
+        whose whole table arrived."""
+        self._lost_captures = lost_captures
         self._config = config
         self._local_interest = local_interest
         self._peer_interest = peer_interest
@@ -290,6 +294,7 @@ class RouteSync:
         if body.seq:
             self._outbox.reply(link, ControlType.ROUTED, Routed(seq=body.seq))
         if body.complete:
+            self._lost_captures.linked(link.name)
             self._snapshot_received(link)
 
     def expect_snapshot(self, link: Link) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
+from meshbus.broker.core.captures import REPLICATED_STREAM_SERVER
 from meshbus.broker.core.link import Link
 from meshbus.broker.replication.consumers import (
     CommandBatch,
@@ -69,7 +70,6 @@ from meshbus.storage.store import NewMessage, StreamConfig
 
 log = logging.getLogger("meshbus.broker")
 
-_SERVER = b"rstream".ljust(11, b"\x00")  # the server name of replicated streams' members
 _APPEND = 0
 _DELETE = 1
 _CONSUMERS = 2
@@ -81,7 +81,7 @@ def member_address(stream: str) -> bytes:
     of server ``rstream`` drawn from the name (no broker allocates from that server)."""
     digest = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=4).digest(), "big")
     instance = DYNAMIC_INSTANCE_MIN + digest % (2**32 - DYNAMIC_INSTANCE_MIN)
-    return bytes([CAST_UNICAST]) + _SERVER + instance.to_bytes(4, "big")
+    return bytes([CAST_UNICAST]) + REPLICATED_STREAM_SERVER + instance.to_bytes(4, "big")
 
 
 def member_session(stream: str) -> bytes:
