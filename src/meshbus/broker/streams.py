@@ -47,9 +47,9 @@ from meshbus.broker.mesh.sync import RouteSync
 from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand, Outcome
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
-from meshbus.broker.replication.meta import ADD, ALREADY, EXISTS, MetaCommand
+from meshbus.broker.replication.meta import ADD, ALREADY, EXISTS, ConfigBody, MetaCommand
 from meshbus.broker.replication.placement import replacement_order, spread
-from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
+from meshbus.broker.replication.streams import ReplicatedStreams
 from meshbus.broker.replication.transport import PeerTransport
 from meshbus.broker.security.permissions import CONSUMERS, stream_operation
 from meshbus.broker.security.quotas import STREAM_BYTES

@@ -14,7 +14,15 @@ entry that commits it, never by two brokers that each saw the mesh their own way
   ``ALREADY`` there (an add whose answer was lost, asked once more, or two at once).
 - ``MEMBERS``: the stream's members now, as its own group's leader reports them (at its
   election and after each membership change): the record follows the group.
-- ``DELETED``: the stream's group committed its deletion; the name is free again.
+- ``DELETED``: the stream's group committed its deletion; the name is free again. Each
+  replica says so as it applies the deletion, so the name is freed unless every one of
+  them stops before one of their commands is committed.
+
+A stream's group knows its record by the index of the entry that added it (``record``
+in the configuration its members are founded with, ``founding_config``): ``MEMBERS``
+and ``DELETED`` name it, and change nothing of a record added by another entry -- a
+later stream of the same name, added once the first was deleted, which a command of
+the first one's group, late or sent again, must not change.
 
 The state is rebuilt at start by applying the log again (``dump``/``load`` hold it
 whole, for a snapshot).
@@ -25,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+
+from meshbus.storage.store import StreamConfig
 
 # The meta group's name among the driver's groups: '$' is in no stream name
 # (meshbus.storage.store.check_name).
@@ -47,6 +57,37 @@ NO_STREAM = "no stream"
 REFUSED = "refused"  # not a command this broker reads
 
 
+class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
+    """A stream's configuration: in an ADD, in its group's meta and in the founding RAFT
+    frame -- the last two with ``record``, the index of the entry that added the stream
+    (0 in the ADD, and in a group founded before records were named)."""
+
+    name: str
+    captures: list[bytes]
+    max_msgs: int
+    max_bytes: int
+    max_age: float
+    dedupe_window: float
+    owner: str
+    record: int = 0
+
+    @classmethod
+    def of(cls, c: StreamConfig) -> ConfigBody:
+        captures = list(c.captures)
+        return cls(c.name, captures, c.max_msgs, c.max_bytes, c.max_age, c.dedupe_window, c.owner)
+
+    def config(self) -> StreamConfig:
+        return StreamConfig(
+            self.name,
+            tuple(self.captures),
+            self.max_msgs,
+            self.max_bytes,
+            self.max_age,
+            self.dedupe_window,
+            self.owner,
+        )
+
+
 class Placed(msgspec.Struct, array_like=True, frozen=True):
     """A member of a stream: its broker, as the incarnation it was when chosen (0: not
     known then; any self of the broker will do)."""
@@ -58,8 +99,9 @@ class Placed(msgspec.Struct, array_like=True, frozen=True):
 class MetaCommand(msgspec.Struct, array_like=True, frozen=True):
     op: int
     stream: str
-    config: bytes = b""  # ADD: the stream's configuration (replication.streams.ConfigBody)
+    config: bytes = b""  # ADD: the stream's configuration (ConfigBody)
     members: list[Placed] = msgspec.field(default_factory=list)
+    record: int = 0  # MEMBERS, DELETED: the index of the ADD of the stream (0: any)
 
 
 class StreamRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -84,6 +126,13 @@ _encode = msgspec.msgpack.Encoder().encode
 encode_command = _encode
 decode_command = msgspec.msgpack.Decoder(MetaCommand).decode
 _decode_records = msgspec.msgpack.Decoder(dict[str, StreamRecord]).decode
+decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
+
+
+def founding_config(record: StreamRecord) -> bytes:
+    """The configuration a stream's group is founded with: its record's, naming the
+    record."""
+    return _encode(msgspec.structs.replace(decode_config(record.config), record=record.index))
 
 
 class MetaState:
@@ -107,16 +156,17 @@ class MetaState:
             members = list(command.members)
             streams[name] = StreamRecord(command.config, members, members, index)
             return ADDED
+        if command.op not in (MEMBERS, DELETED):
+            return REFUSED
+        if record is None or (command.record and command.record != record.index):
+            return NO_STREAM  # none, or another stream of the name than the command's
         if command.op == MEMBERS:
-            if record is None:
-                return NO_STREAM
             streams[name] = msgspec.structs.replace(
                 record, members=list(command.members), confirmed=True
             )
             return UPDATED
-        if command.op == DELETED:
-            return REMOVED if streams.pop(name, None) is not None else NO_STREAM
-        return REFUSED
+        del streams[name]
+        return REMOVED
 
     def unconfirmed(self) -> list[tuple[str, StreamRecord]]:
         """The streams no leader of their group has reported yet: maybe never founded

@@ -37,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import msgspec
+
 from meshbus.broker.core.link import Link
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
@@ -51,6 +53,7 @@ from meshbus.broker.replication.meta import (
     StreamRecord,
     decode_command,
     encode_command,
+    founding_config,
     meta_voters,
 )
 from meshbus.protocol.control import RaftFrame
@@ -317,14 +320,23 @@ class MetaGroup:
     def _found(self, stream: str, record: StreamRecord) -> None:
         """Send each of the stream's founding members the frame that founds its group
         (and found it here, if this broker is one as the incarnation placed)."""
+        try:
+            config = founding_config(record)
+        except (msgspec.DecodeError, ValueError) as exc:
+            log.error(
+                "a replicated stream's record holds a configuration this broker does not "
+                "read; its group is not founded",
+                extra={"stream": stream, "error": str(exc)},
+            )
+            return
         replicas = [p.broker for p in record.founding]
         incarnations = [p.incarnation for p in record.founding]
         me = self._name()
         for placed in record.founding:
             if placed.broker != me:
-                self._transport.found(placed.broker, stream, replicas, record.config, incarnations)
+                self._transport.found(placed.broker, stream, replicas, config, incarnations)
             elif placed.incarnation in (0, self._driver.incarnation):
-                self._found_here(stream, replicas, record.config)
+                self._found_here(stream, replicas, config)
 
     def leader_changed(self, leader: str | None, term: int) -> None:
         if (leader, term) == (self.leader, self._term):

@@ -57,7 +57,14 @@ from meshbus.broker.replication.copies import StoreCopies, encode_mark
 from meshbus.broker.replication.driver import RaftDriver
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
-from meshbus.broker.replication.meta import DELETED, MEMBERS, META_GROUP, MetaCommand, Placed
+from meshbus.broker.replication.meta import (
+    DELETED,
+    MEMBERS,
+    META_GROUP,
+    MetaCommand,
+    Placed,
+    decode_config,
+)
 from meshbus.broker.replication.metagroup import MetaGroup
 from meshbus.broker.replication.transport import PeerTransport
 from meshbus.broker.replication.wire import from_body
@@ -90,34 +97,6 @@ def member_session(stream: str) -> bytes:
     return b"rstream:" + hashlib.blake2b(stream.encode(), digest_size=16).digest()
 
 
-class ConfigBody(msgspec.Struct, array_like=True, frozen=True):
-    """A stream's configuration in its group's meta (and in the founding RAFT frame)."""
-
-    name: str
-    captures: list[bytes]
-    max_msgs: int
-    max_bytes: int
-    max_age: float
-    dedupe_window: float
-    owner: str
-
-    @classmethod
-    def of(cls, c: StreamConfig) -> ConfigBody:
-        captures = list(c.captures)
-        return cls(c.name, captures, c.max_msgs, c.max_bytes, c.max_age, c.dedupe_window, c.owner)
-
-    def config(self) -> StreamConfig:
-        return StreamConfig(
-            self.name,
-            tuple(self.captures),
-            self.max_msgs,
-            self.max_bytes,
-            self.max_age,
-            self.dedupe_window,
-            self.owner,
-        )
-
-
 # An entry's data: (kind, the leader's clock when it made it, what it holds): for
 # _APPEND the messages captured, for _CONSUMERS a CommandBatch, for _DELETE and _EXPIRE
 # (retention by age, at that clock) nothing.
@@ -126,7 +105,6 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_entry = msgspec.msgpack.Decoder(tuple[int, float, msgspec.Raw]).decode
 _decode_rows = msgspec.msgpack.Decoder(_Rows).decode
 _decode_batch = msgspec.msgpack.Decoder(CommandBatch).decode
-_decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 
 
 class ReplicatedStreams:
@@ -178,6 +156,7 @@ class ReplicatedStreams:
         )
         self._consumers = ConsumerCommands(self._propose_commands, entry_limit)
         self.configs: dict[str, StreamConfig] = {}
+        self._records: dict[str, int] = {}  # stream -> the meta entry that added it (meta.py)
         self.capturing: dict[str, int] = {}  # stream -> the epoch it captures with here
         self.refused = 0  # captured messages never proposed (too large, no leader)
         self._warned: dict[str, int] = {}  # stream -> the term of its last _not_stored
@@ -204,10 +183,12 @@ class ReplicatedStreams:
         self.meta.start()
 
     def _hold(self, group: str, meta: GroupMeta) -> None:
-        config = _decode_config(meta.app).config()
+        founded = decode_config(meta.app)
+        config = founded.config()
         if config.name not in self._store:
             self._store.add_stream(config)
         self.configs[group] = config
+        self._records[group] = founded.record
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -277,11 +258,13 @@ class ReplicatedStreams:
             self.meta.join(meta)
             return
         try:
-            config = _decode_config(meta.app).config()
+            founded = decode_config(meta.app)
+            config = founded.config()
             if config.name not in self._store:
                 self._store.add_stream(config)
             if self.driver.join(group, meta):
                 self.configs[group] = config
+                self._records[group] = founded.record
                 log.warning(
                     "joined a replicated stream as a new replica; it copies the log",
                     extra={"stream": group, "from": link.name, "node": join.node},
@@ -394,8 +377,10 @@ class ReplicatedStreams:
             try:
                 kind, at, held = _decode_entry(entry.data)
                 if kind == _DELETE:
-                    if self.leads(group):  # the name is free once the meta group knows
-                        self._tell_meta(MetaCommand(DELETED, group))
+                    # The name is free once the meta group knows. Every replica tells it:
+                    # once this one drops the group, nothing here says so again.
+                    record = self._records.pop(group, 0)
+                    self._tell_meta(MetaCommand(DELETED, group, record=record))
                     self._reported.pop(group, None)
                     self.configs.pop(group, None)
                     if self.capturing.pop(group, 0):
@@ -493,7 +478,8 @@ class ReplicatedStreams:
         state = self.driver.groups.get(group)
         if state is not None:
             members = [Placed(m.broker, state.incarnation_of(m)) for m in state.current().members]
-            self._tell_meta(MetaCommand(MEMBERS, group, members=members))
+            record = self._records.get(group, 0)
+            self._tell_meta(MetaCommand(MEMBERS, group, members=members, record=record))
 
     def _tell_meta(self, command: MetaCommand) -> None:
         def told(outcome: asyncio.Future[str]) -> None:

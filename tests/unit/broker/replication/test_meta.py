@@ -3,6 +3,8 @@ records at each index, and a name is taken by the first add that commits it."""
 
 from __future__ import annotations
 
+import msgspec
+
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
@@ -14,13 +16,17 @@ from meshbus.broker.replication.meta import (
     REFUSED,
     REMOVED,
     UPDATED,
+    ConfigBody,
     MetaCommand,
     MetaState,
     Placed,
     decode_command,
+    decode_config,
     encode_command,
+    founding_config,
     meta_voters,
 )
+from meshbus.storage.store import StreamConfig
 
 ABC = [Placed("a", 11), Placed("b", 12), Placed("c", 13)]
 
@@ -67,6 +73,32 @@ def test_a_deleted_name_is_free_again() -> None:
     assert state.apply(3, MetaCommand(DELETED, "ledger")) == NO_STREAM
     assert state.apply(4, add("ledger")) == ADDED
     assert state.streams["ledger"].index == 4
+
+
+def test_a_command_of_another_stream_of_the_name_changes_nothing() -> None:
+    """A group's MEMBERS and DELETED name its record (the index of its ADD): the group
+    of a deleted stream, late or telling again, never changes a later stream's record."""
+    state = MetaState()
+    state.apply(1, add("ledger"))
+    assert state.apply(2, MetaCommand(DELETED, "ledger", record=1)) == REMOVED
+    assert state.apply(3, add("ledger")) == ADDED
+    late = [Placed("x", 1), Placed("y", 2), Placed("z", 3)]
+    assert state.apply(4, MetaCommand(MEMBERS, "ledger", members=late, record=1)) == NO_STREAM
+    assert state.apply(5, MetaCommand(DELETED, "ledger", record=1)) == NO_STREAM
+    record = state.streams["ledger"]
+    assert (record.index, record.members, record.confirmed) == (3, ABC, False)
+    assert state.apply(6, MetaCommand(MEMBERS, "ledger", members=late, record=3)) == UPDATED
+    assert state.apply(7, MetaCommand(DELETED, "ledger", record=3)) == REMOVED
+    assert state.streams == {}
+
+
+def test_the_founding_configuration_names_the_record() -> None:
+    config = ConfigBody.of(StreamConfig("ledger", (b"\x02" + bytes(15),)))
+    state = MetaState()
+    state.apply(7, MetaCommand(ADD, "ledger", msgspec.msgpack.encode(config), ABC))
+    founded = decode_config(founding_config(state.streams["ledger"]))
+    assert founded == msgspec.structs.replace(config, record=7)
+    assert founded.config() == config.config()
 
 
 def test_an_unknown_command_changes_nothing() -> None:

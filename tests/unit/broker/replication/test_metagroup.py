@@ -25,10 +25,11 @@ from meshbus.broker.replication.meta import (
     ALREADY,
     EXISTS,
     META_GROUP,
+    ConfigBody,
     MetaCommand,
     Placed,
 )
-from meshbus.broker.replication.streams import ConfigBody, ReplicatedStreams
+from meshbus.broker.replication.streams import ReplicatedStreams
 from meshbus.broker.replication.transport import found_frame, join_frame
 from meshbus.protocol.control import (
     RaftChunkBody,
@@ -158,6 +159,7 @@ class Mesh:
         self.frames: list[tuple[str, str, RaftFrame]] = []
         self.down: set[str] = set()  # brokers whose sends and receives are lost
         self.drop_founding = False  # lose every frame that founds a stream's group
+        self.mute_meta: set[str] = set()  # brokers whose meta group sends are lost
         self.brokers = {
             name: Broker(name, tmp, self, voters, replace_after, compaction) for name in NAMES
         }
@@ -193,12 +195,16 @@ class Mesh:
                 messages, self.messages[:] = list(self.messages), []
                 frames, self.frames[:] = list(self.frames), []
                 for sender, to, group, batch in messages:
+                    if group == META_GROUP and sender in self.mute_meta:
+                        continue
                     if not {sender, to} & self.down:
                         incarnation = self[sender].streams.driver.incarnation
                         self[to].streams.driver.receive(sender, group, batch, incarnation)
                 for sender, to, body in frames:
                     founding = body.group != META_GROUP and bool(body.replicas)
                     if {sender, to} & self.down or (founding and self.drop_founding):
+                        continue
+                    if body.group == META_GROUP and sender in self.mute_meta:
                         continue
                     self[to].streams.on_frame(PeerLink(sender), 0, body)  # type: ignore[arg-type]
                 if not messages and not frames:
@@ -348,6 +354,43 @@ async def test_a_deleted_stream_frees_its_name(mesh: Mesh) -> None:
     await mesh.turns()
     assert records(mesh) == {key: {} for key in VOTERS}
     again = leader.meta.propose(add("ledger"))
+    await mesh.turns()
+    assert again.result() == ADDED
+
+
+async def test_a_stream_leader_that_stops_as_its_delete_commits_frees_the_name(
+    mesh: Mesh,
+) -> None:
+    """The stream's leader goes down once every replica applied its delete (so no
+    replica holds the group any more), before its DELETED reached the meta group: the
+    followers tell the meta group too -- or the name stayed taken by a stream that no
+    broker holds."""
+    mesh["b1"].meta.found_if_none(list(NAMES))
+    leader = await mesh.meta_leader()
+    leader.meta.propose(add("ledger", ["b2", "b3", "b4"]))
+    stream_leader: Broker | None = None
+    for _ in range(60):
+        await mesh.turns(1)
+        stream_leader = next((b for b in mesh.up() if b.streams.leads("ledger")), None)
+        if stream_leader is not None and all(r["ledger"][1] for r in records(mesh).values()):
+            break
+    assert stream_leader is not None
+    mesh.mute_meta.add(stream_leader.name)  # what it tells the meta group is lost
+    deleted = stream_leader.streams.delete("ledger")
+    for _ in range(60):
+        await mesh.turns(1)
+        if not any("ledger" in b.streams for b in mesh.brokers.values()):
+            break
+    assert deleted.exception() is None
+    mesh.down.add(stream_leader.name)
+    for _ in range(60):
+        await mesh.turns(1)
+        if all("ledger" not in r for n, r in records(mesh).items() if n not in mesh.down):
+            break
+    held = {n: r for n, r in records(mesh).items() if n not in mesh.down}
+    assert held == {n: {} for n in VOTERS if n not in mesh.down}
+    meta_leader = await mesh.meta_leader()
+    again = meta_leader.meta.propose(add("ledger", ["b1", "b2", "b3"]))
     await mesh.turns()
     assert again.result() == ADDED
 

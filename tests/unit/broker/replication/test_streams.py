@@ -18,8 +18,8 @@ from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN, Address, Unicast
 from meshbus.broker.replication.compaction import CompactionPolicy
 from meshbus.broker.replication.consumers import ConsumerCommand
 from meshbus.broker.replication.driver import RaftDriver, ReplicationError
+from meshbus.broker.replication.meta import ConfigBody
 from meshbus.broker.replication.streams import (
-    ConfigBody,
     ReplicatedStreams,
     member_address,
     member_session,
