@@ -3,7 +3,8 @@ replicas under a producer of unique values and a consumer, through one nemesis p
 test -- the leader paused past its election timeout, the leader cut off from the
 followers while its clients still reach it, a majority killed and restarted, a
 follower's data dir wiped (it comes back as a new replica), a follower lost for good
-(another broker takes its place), a bit flipped in a follower's Raft log. After each: no
+(another broker takes its place), a bit flipped in a follower's Raft log, the leader's
+disk full, a broker cut off from every replica. After each: no
 acknowledged value lost, none stored twice, the order kept, the copies equal
 (``check_copies``); appends acknowledged again within a few election timeouts while a
 majority is up, and never acknowledged while only a minority is.
@@ -13,10 +14,15 @@ The brokers tick Raft every 40 ms (--raft-tick): election timeouts of 0.4-0.8 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import shutil
 import signal
 import struct
+import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -326,3 +332,64 @@ async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> No
         assert await replicas[leader].process.wait() == 0
         await check_copies(replicas, [producer], consumer)
         await consumer.stop()
+
+
+@contextlib.contextmanager
+def disks_of_their_own(root: Path, names: list[str], size: str = "256m") -> Iterator[None]:
+    """Each broker's data dir (``root``/NAME) on a file system of its own: a tmpfs of
+    ``size``, which ``fill`` can fill. Mounting needs CAP_SYS_ADMIN (root in CI)."""
+    mounted: list[Path] = []
+    try:
+        for name in names:
+            path = root / name
+            path.mkdir(parents=True)
+            mount = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if mount.returncode:
+                pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+            mounted.append(path)
+        yield
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Fill the file system ``path`` is on: a ballast file written until ENOSPC."""
+    ballast = path / "ballast"
+    chunk = bytes(1 << 16)
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return ballast
+
+
+async def test_a_leader_whose_disk_fills_is_replaced_and_loses_nothing(tmp_path) -> None:
+    """The leader's disk fills: its Raft log's next write fails, which stops its driver
+    (it acknowledges nothing more), and the followers elect one of them; appends are
+    acknowledged again within a few election timeouts. With room again and restarted, it
+    catches up: nothing acknowledged lost, the copies the same."""
+    with disks_of_their_own(tmp_path, ["r0", "r1", "r2"]):
+        async with replicated_stream(tmp_path, *FAST) as (replicas, info):
+            leader = info.leader
+            follower, other = followers(replicas, leader)
+            producer = await Producer.on(replicas[follower], "v", RETRY)
+            consumer = await Consumer.on(replicas[other])
+            await producer.wait_acked(20)
+            filled_at = time.monotonic()
+            ballast = fill(replicas.data_dir(leader))
+            assert await producer.wait_acked(20, since=filled_at) < RESUME_WITHIN
+            async with await meshbus.connect(replicas[follower].address, server="c") as conn:
+                await led_by_another(conn, leader, "a leader other than the full one", 10)
+            ballast.unlink()
+            replicas[leader].process.kill()
+            await replicas[leader].process.wait()
+            await replicas.restart(leader)
+            await producer.wait_acked(10, since=time.monotonic())
+            await stopped_and_checked(replicas, [producer], consumer)

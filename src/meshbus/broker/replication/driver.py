@@ -196,6 +196,7 @@ class RaftDriver:
         self.now = 0  # ticks stepped in so far: the clock of silences
         # (broker, group) told "stranger" since the last election timeout: once each
         self._told: set[tuple[str, str]] = set()
+        self._suspended: set[str] = set()  # groups this broker stopped in until it restarts
         # Only once its groups are read back does this broker know which it holds: a
         # stranger's answer before would make a member that restarts look wiped.
         self._recovered = False
@@ -252,6 +253,20 @@ class RaftDriver:
             return
         self._records.append(WalRecord(group, dropped=True))
         self._fail_proposals(state, ReplicationError(f"stream {group!r} was deleted"))
+        self._wake.set()
+
+    def suspend(self, group: str, why: str) -> None:
+        """Stop taking part in ``group`` until the broker restarts, keeping its log: the
+        state machine cannot apply what was committed (its store failed: a full disk; an
+        entry it does not read). Its messages are dropped unanswered, so its leader sees
+        a silent member (replaced after --replace-after), not one that lost the group; a
+        restart recovers it from the log, and the machine applies again from where it
+        stopped."""
+        state = self.groups.pop(group, None)
+        if state is None:
+            return
+        self._suspended.add(group)
+        self._fail_proposals(state, ReplicationError(f"stream {group!r} stopped here: {why}"))
         self._wake.set()
 
     def join(self, group: str, meta: GroupMeta) -> bool:
@@ -357,6 +372,8 @@ class RaftDriver:
         state = self.groups.get(group)
         if state is None:
             self.stats.dropped += len(messages)
+            if group in self._suspended:
+                return
             if self._recovered and (sender, group) not in self._told:
                 self._told.add((sender, group))
                 self._transport.stranger(sender, group)

@@ -411,13 +411,17 @@ class ReplicatedStreams:
 
     def _not_applied(self, group: str, index: int, error: Exception) -> None:
         """The replica cannot hold what the others do (its store failed, or the entry is
-        not one this broker reads): it stops taking part -- it would answer with a log it
-        does not apply."""
+        not one this broker reads): it stops taking part until it restarts -- it would
+        answer with a log it does not apply -- and keeps its log, so that a restart (room
+        on the disk again, a broker that reads the entry) applies from where it stopped."""
         log.error(
-            "a replicated stream's entry could not be stored here; it stops here",
+            "a replicated stream's entry could not be stored here; this replica stops "
+            "until the broker restarts (free space or fix the disk first)",
             extra={"stream": group, "index": index, "error": str(error)},
         )
-        self.driver.drop(group)
+        if self.capturing.pop(group, 0):
+            self._release(group)
+        self.driver.suspend(group, f"its entry {index} could not be stored here: {error}")
 
     def applied(self, group: str) -> int:
         return self._store.applied(group) if group in self._store else 0

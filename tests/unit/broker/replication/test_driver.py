@@ -256,6 +256,33 @@ async def test_a_follower_restarted_from_its_log_catches_up(cluster: Cluster) ->
     assert cluster.leader("orders") == leader  # pre-vote: its return did not disturb
 
 
+async def test_a_suspended_follower_is_silent_and_its_restart_catches_up(
+    cluster: Cluster,
+) -> None:
+    """A follower whose machine cannot apply (its store failed: a full disk) suspends
+    the group: it answers nothing -- not "no such group", which would make the leader
+    take it for wiped -- and the other two commit without it; restarted, it reads the
+    group back from its log and catches up."""
+    leader = await cluster.found("orders", b"config")
+    follower = next(n for n in NAMES if n != leader)
+    stopped = cluster.drivers[follower]
+    stopped.suspend("orders", "the disk is full")
+    assert "orders" not in stopped.groups
+    more = [cluster.drivers[leader].propose("orders", f"b{i}".encode()) for i in range(3)]
+    await cluster.turns()
+    await cluster.tick(SETTINGS.election_ticks)
+    assert all(f.done() and not f.exception() for f in more)
+    assert stopped.stats.dropped > 0
+    led = cluster.drivers[leader].groups["orders"]
+    assert (led.strangers, led.lost) == ({}, set())
+    stopped.close()
+    restarted = cluster.start(follower)
+    assert "orders" in restarted.groups
+    await cluster.tick(3)
+    assert cluster.machines[follower].applied["orders"][-3:] == [b"b0", b"b1", b"b2"]
+    assert cluster.leader("orders") == leader
+
+
 async def test_a_minority_commits_nothing(cluster: Cluster) -> None:
     leader = await cluster.found("orders")
     cluster.down.update(n for n in NAMES if n != leader)
