@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Hashable
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -76,6 +78,48 @@ class Turns(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+class FailureLog:
+    """A failure that repeats -- a full disk failing every commit -- logged as an error
+    when it starts, then at most once every ``every`` seconds with how often it happened
+    meanwhile, and as a warning once it stops: the operator reads what is wrong, and the
+    log is not flooded (a commit fails up to a hundred times a second)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        every: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._message = message
+        self._every = every
+        self._clock = clock
+        self.failing = False
+        self._logged_at = 0.0
+        self._unlogged = 0
+
+    def failed(self, error: str, **extra: object) -> None:
+        now = self._clock()
+        if self.failing and now - self._logged_at < self._every:
+            self._unlogged += 1
+            return
+        if self.failing:
+            extra["times_since_last_logged"] = self._unlogged + 1
+        self._logger.error(self._message, extra={"error": error, **extra})
+        self.failing = True
+        self._logged_at = now
+        self._unlogged = 0
+
+    def succeeded(self) -> None:
+        if self.failing:
+            self.failing = False
+            self._logger.warning(
+                f"{self._message}: works again",
+                extra={"times_since_last_logged": self._unlogged},
+            )
 
 
 def parse_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
-from collections.abc import Awaitable, Callable
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import meshbus
 from meshbus.auth import Credentials, brokers_entry, toml_string
@@ -448,3 +452,39 @@ async def start_secure_broker(directory: Path, user: str, *args: str) -> SecureB
         "--config", str(config), "--tls-cert", str(cert_file), "--tls-key", str(key_file), *args
     )
     return SecureBroker(process, ca_file, creds)
+
+
+@contextlib.contextmanager
+def disks_of_their_own(root: Path, names: list[str], size: str = "256m") -> Iterator[None]:
+    """Each broker's data dir (``root``/NAME) on a file system of its own: a tmpfs of
+    ``size``, which ``fill`` can fill. Mounting needs CAP_SYS_ADMIN (root in CI)."""
+    mounted: list[Path] = []
+    try:
+        for name in names:
+            path = root / name
+            path.mkdir(parents=True)
+            mount = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if mount.returncode:
+                pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+            mounted.append(path)
+        yield
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Fill the file system ``path`` is on: a ballast file written until ENOSPC."""
+    ballast = path / "ballast"
+    chunk = bytes(1 << 16)
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return ballast

@@ -14,15 +14,10 @@ The brokers tick Raft every 40 ms (--raft-tick): election timeouts of 0.4-0.8 s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import shutil
 import signal
 import struct
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -31,7 +26,7 @@ import meshbus
 from meshbus import RetryPolicy
 from meshbus.errors import MeshbusError
 from meshbus.storage.raftlog import MAGIC, WalRecord
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import disks_of_their_own, fill, wait_until
 from tests.integration.test_replicated_streams import (
     NO_MEMBER,
     STREAM,
@@ -332,42 +327,6 @@ async def test_a_draining_leader_hands_its_leadership_over_first(tmp_path) -> No
         assert await replicas[leader].process.wait() == 0
         await check_copies(replicas, [producer], consumer)
         await consumer.stop()
-
-
-@contextlib.contextmanager
-def disks_of_their_own(root: Path, names: list[str], size: str = "256m") -> Iterator[None]:
-    """Each broker's data dir (``root``/NAME) on a file system of its own: a tmpfs of
-    ``size``, which ``fill`` can fill. Mounting needs CAP_SYS_ADMIN (root in CI)."""
-    mounted: list[Path] = []
-    try:
-        for name in names:
-            path = root / name
-            path.mkdir(parents=True)
-            mount = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            if mount.returncode:
-                pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-            mounted.append(path)
-        yield
-    finally:
-        for path in mounted:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(path: Path) -> Path:
-    """Fill the file system ``path`` is on: a ballast file written until ENOSPC."""
-    ballast = path / "ballast"
-    chunk = bytes(1 << 16)
-    with open(ballast, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-    return ballast
 
 
 async def test_a_leader_whose_disk_fills_is_replaced_and_loses_nothing(tmp_path) -> None:

@@ -93,6 +93,7 @@ from meshbus.storage.store import (
     StreamConfig,
     StreamStatus,
 )
+from meshbus.util import FailureLog
 
 log = logging.getLogger("meshbus.broker")
 
@@ -206,6 +207,7 @@ class StreamHost:
         self.unreachable: dict[str, tuple[str, float]] = {}
         self.stored = 0
         self.dropped = 0
+        self._store_failures = FailureLog(log, "could not store")
         self._adding: set[asyncio.Task[None]] = set()  # replicated adds waiting for the meta group
 
     def _replication(
@@ -542,9 +544,11 @@ class StreamHost:
                 store.append_batch(name, messages, now)
             except StoreError as exc:
                 # Not acknowledged, so reliable senders try again; plain sends are lost.
-                log.error("could not store", extra={"stream": name, "error": str(exc)})
+                self._store_failures.failed(str(exc), stream=name)
                 self.dropped += len(messages)
                 continue
+            if self._store_failures.failing:
+                self._store_failures.succeeded()
             self.stored += len(messages)
             member = self.members.get(name)
             if member is not None and acks:

@@ -9,6 +9,7 @@ import logging
 
 from meshbus.storage.errors import StoreError
 from meshbus.storage.sqlite import SqliteStreamStore
+from meshbus.util import FailureLog
 
 log = logging.getLogger("meshbus.broker")
 
@@ -16,6 +17,7 @@ log = logging.getLogger("meshbus.broker")
 # checkpoint, in the writer's commit, comes at 1,000 pages: ~4 MiB), looked at this often.
 CHECKPOINT_AHEAD = 1 << 20
 CHECKPOINT_EVERY = 0.05
+CHECKPOINT_RETRY = 1.0  # after a failed one (a full disk): no worker busy on it all along
 
 
 class StoreUpkeep:
@@ -24,6 +26,7 @@ class StoreUpkeep:
         self._purging: asyncio.Handle | None = None
         self._checkpoint_timer: asyncio.TimerHandle | None = None
         self._checkpointing: asyncio.Future[None] | None = None
+        self._failures = FailureLog(log, "checkpointing the stream store failed")
 
     def start(self) -> None:
         self.purge_later()  # a delete that a restart cut short
@@ -56,7 +59,8 @@ class StoreUpkeep:
         runs in the writer's commit, on the event loop, finds little to copy: it was the
         appends' p99 (20 ms and more, against 10 ms without it; BENCHMARKS.md)."""
         loop = asyncio.get_running_loop()
-        self._checkpoint_timer = loop.call_later(CHECKPOINT_EVERY, self._checkpoint_due)
+        every = CHECKPOINT_RETRY if self._failures.failing else CHECKPOINT_EVERY
+        self._checkpoint_timer = loop.call_later(every, self._checkpoint_due)
 
     def _checkpoint_due(self) -> None:
         store = self._store
@@ -68,7 +72,10 @@ class StoreUpkeep:
 
     def _checkpointed(self, done: asyncio.Future[None]) -> None:
         self._checkpointing = None
-        if not done.cancelled() and done.exception() is not None:
-            log.error(
-                "checkpointing the stream store failed", extra={"error": str(done.exception())}
-            )
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            self._failures.failed(str(error))
+        else:
+            self._failures.succeeded()
