@@ -40,6 +40,16 @@ Reading it back (``RaftWal.open``):
   back: a crash between the two must not leave a log with nothing to say it was
   damaged.
 
+Why a third file (``raft.synced``, ``SyncedMark``): a log cut short *after* it was
+synced -- truncated by hand or by a bad copy, or the last blocks of the file lost --
+reads back as a clean file, or as a torn write, and the node would vote without the
+entries it acknowledged (JetStream lost acknowledged writes so, in 2.12.1). So after
+each fsync of the log, its size (and the file's inode, which a rewrite changes) is
+written there, with a checksum and without an fsync of its own: the log's fsync came
+first, so the size it says was on the disk. At ``open`` an intact prefix shorter than
+that size is damage, as a failed checksum is. A mark lost or damaged, or of another
+file, checks nothing.
+
 It knows nothing of the Raft core's classes (storage imports no broker or raft code):
 the driver converts its entries and states into this module's records.
 
@@ -276,6 +286,47 @@ def _read_copy(data: bytes, start: int, current: bool) -> StateFile | None:
         return None
 
 
+class SyncedMark:
+    """The log's size at its last fsync, and the inode of the file it was measured on:
+    ``<u64 inode><u64 size><u32 crc32 of the 16 bytes before>``, written in place."""
+
+    _FORMAT = struct.Struct("<QQI")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+
+    def read(self) -> tuple[int, int] | None:
+        """(inode, size), or None: no mark, or a damaged one."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(self._FORMAT.size)
+        except FileNotFoundError:
+            return None
+        if len(data) < self._FORMAT.size:
+            return None
+        inode, size, crc = self._FORMAT.unpack(data)
+        if zlib.crc32(data[:16]) != crc:
+            return None
+        return inode, size
+
+    def write(self, log_fd: int, size: int) -> None:
+        """The log open as ``log_fd`` was synced at ``size`` bytes. A failed write
+        leaves the mark it was, or a damaged one: either checks less, never wrongly."""
+        body = struct.pack("<QQ", os.fstat(log_fd).st_ino, size)
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(self._fd, body + struct.pack("<I", zlib.crc32(body)), 0)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def frame(record: WalRecord) -> bytes:
     """``record`` as it goes into the file: length, checksum, payload."""
     payload = _encode(record)
@@ -301,8 +352,10 @@ class RaftWal:
         state_file: KeptStates,
         kept: dict[str, KeptState],
         incarnation: int,
+        mark: SyncedMark,
     ) -> None:
         self.path = path
+        self._mark = mark
         self.groups = groups
         self._fd = fd
         self.size = size
@@ -341,7 +394,11 @@ class RaftWal:
                 )
         else:
             good, recovery = _read_records(data, groups)
-        state_file = KeptStates(os.path.splitext(path)[0] + ".state")
+        stem = os.path.splitext(path)[0]
+        mark = SyncedMark(stem + ".synced")
+        if data and not recovery.damage:
+            recovery = _cut_short(recovery, good, os.stat(path).st_ino, mark.read())
+        state_file = KeptStates(stem + ".state")
         incarnation, kept = _kept_states(state_file, groups, recovery, new_incarnation)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -357,7 +414,8 @@ class RaftWal:
             os.close(fd)
             raise
         _fsync_dir(path)
-        return cls(path, groups, fd, good, state_file, kept, incarnation), recovery
+        mark.write(fd, good)
+        return cls(path, groups, fd, good, state_file, kept, incarnation, mark), recovery
 
     @property
     def lost(self) -> list[str]:
@@ -395,6 +453,7 @@ class RaftWal:
             os.fsync(self._fd)
         except OSError as exc:
             self._fail("syncing", exc)
+        self._mark.write(self._fd, self.size)
         if self._kept_changed:
             try:
                 self._state_file.write(StateFile(self.incarnation, self.kept))
@@ -444,11 +503,13 @@ class RaftWal:
         self._fd = fd = os.open(self.path, os.O_RDWR)
         os.lseek(fd, 0, os.SEEK_END)
         self.size = self._measured_at = len(data)
+        self._mark.write(fd, self.size)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._mark.close()
 
     def _check(self) -> None:
         if self.failed:
@@ -497,6 +558,20 @@ def _read_records(data: bytes, groups: dict[str, GroupLog]) -> tuple[int, Recove
             return pos, _damage(pos, end, f"a record that does not decode ({exc})")
         pos = stop
     return pos, Recovery()
+
+
+def _cut_short(recovery: Recovery, good: int, inode: int, mark: tuple[int, int] | None) -> Recovery:
+    """Damage if the intact prefix ends before the size the log was synced to: the file
+    lost records after they were synced (``SyncedMark``)."""
+    if mark is None or mark[0] != inode or good >= mark[1]:
+        return recovery
+    return Recovery(
+        torn_bytes=recovery.torn_bytes,
+        damage=(
+            f"the log's intact records end at byte {good}, and it was synced to byte "
+            f"{mark[1]}: it lost records after they were synced (cut short)"
+        ),
+    )
 
 
 def _kept_states(

@@ -34,10 +34,13 @@ def entries(term: int, first: int, last: int) -> list[WalEntry]:
     return [WalEntry(term, i, f"{term}/{i}".encode()) for i in range(first, last + 1)]
 
 
-def write(path: Path, records: list[WalRecord]) -> None:
+def write(path: Path, records: list[WalRecord], *, synced: bool = True) -> None:
+    """``records`` appended to the log at ``path``; unless ``synced``, the broker stops
+    before its fsync (the bytes are in the file, the synced mark is not moved)."""
     wal, _ = RaftWal.open(str(path))
     wal.append(records)
-    wal.sync()
+    if synced:
+        wal.sync()
     wal.close()
 
 
@@ -125,9 +128,9 @@ def test_a_dropped_group_is_gone(tmp_path: Path) -> None:
 
 
 def last_record_bounds(path: Path) -> tuple[int, int]:
-    wal, _ = RaftWal.open(str(path))
-    end = wal.size
-    wal.close()
+    """Where the last record of the tests below starts and ends in the file (read as
+    bytes: opening the log would sync what an unsynced write left there)."""
+    end = path.stat().st_size
     last = len(frame(WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))))
     return end - last, end
 
@@ -136,16 +139,16 @@ def last_record_bounds(path: Path) -> tuple[int, int]:
 def test_a_torn_tail_is_dropped_as_if_never_written(tmp_path: Path, cut: int) -> None:
     path = tmp_path / "raft.wal"
     write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING, *entries(1, 2, 3)])])
-    write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))])
+    last = [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))]
+    write(path, last, synced=False)
     start, end = last_record_bounds(path)
     keep = start + 1 if cut == -1 else end - cut
     os.truncate(path, keep)
     wal, recovery = RaftWal.open(str(path))
     assert recovery.torn_bytes == keep - start
     assert not recovery.damage
-    # The record's term and vote reached the state file (synced, then cut here): they
-    # stay; the commit index is the log's.
-    assert summary(wal) == {"a": (WalHardState(5, 2, 1), 0, [(1, 1), (1, 2), (1, 3)])}
+    # Its term and vote never reached the state file either (written after the fsync).
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1), (1, 2), (1, 3)])}
     assert path.stat().st_size == start  # cut back, so what is appended next follows it
     wal.append([WalRecord("a", hard=WalHardState(6, 0, 3), entries=entries(6, 4, 4))])
     wal.sync()
@@ -153,6 +156,62 @@ def test_a_torn_tail_is_dropped_as_if_never_written(tmp_path: Path, cut: int) ->
     wal, recovery = RaftWal.open(str(path))
     assert recovery.torn_bytes == 0
     assert summary(wal)["a"] == (WalHardState(6, 0, 3), 0, [(1, 1), (1, 2), (1, 3), (6, 4)])
+    wal.close()
+
+
+@pytest.mark.parametrize("cut", [0, 1, 20])
+def test_a_log_cut_short_after_it_was_synced_is_damage(tmp_path: Path, cut: int) -> None:
+    """Records lost after their fsync -- the file truncated at a record's start, or
+    inside it -- look like a clean end, or a torn write; the synced mark says the log
+    was longer: the node may have acknowledged what it lost, so it repairs."""
+    path = tmp_path / "raft.wal"
+    write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING, *entries(1, 2, 3)])])
+    write(path, [WalRecord("a", hard=WalHardState(5, 2, 4), entries=entries(5, 4, 4))])
+    start, end = last_record_bounds(path)
+    os.truncate(path, start + cut)
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery.damage == (
+        f"the log's intact records end at byte {start}, and it was synced to byte {end}: "
+        "it lost records after they were synced (cut short)"
+    )
+    assert summary(wal) == {"a": (WalHardState(5, 2, 1, 1, True), 0, [(1, 1), (1, 2), (1, 3)])}
+    wal.close()
+    # Read back once, the damage stays known (the state file), and the mark follows the
+    # file as it is now: a second start finds nothing more.
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery == type(recovery)()
+    assert wal.groups["a"].hard.repairing
+    wal.close()
+
+
+def test_the_synced_mark_follows_a_rewrite_and_checks_nothing_when_lost(tmp_path: Path) -> None:
+    path = tmp_path / "raft.wal"
+    write(
+        path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING, *entries(1, 2, 30)])]
+    )
+    wal, _ = RaftWal.open(str(path))
+    wal.append([WalRecord("a", snapshot=WalSnapshot(25, 1, [1]), compacted=True)])
+    wal.sync()
+    wal.rewrite()  # a new, shorter file: the mark says its size
+    wal.close()
+    wal, recovery = RaftWal.open(str(path))
+    assert recovery == type(recovery)()
+    wal.close()
+    start = path.stat().st_size
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 30), entries=entries(2, 31, 31))])
+    mark = tmp_path / "raft.synced"
+    kept = mark.read_bytes()
+    mark.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))  # a damaged mark
+    os.truncate(path, start)
+    wal, recovery = RaftWal.open(str(path))
+    assert not recovery.damage  # a clean end, as before there was a mark
+    wal.close()
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 30), entries=entries(2, 31, 31))])
+    mark.unlink()
+    os.truncate(path, start)
+    wal, recovery = RaftWal.open(str(path))
+    assert not recovery.damage  # no mark
+    assert [e.index for e in wal.groups["a"].entries][-1] == 30
     wal.close()
 
 
@@ -188,7 +247,7 @@ def test_a_last_record_with_a_sector_of_zeros_is_torn(tmp_path: Path) -> None:
     path = tmp_path / "raft.wal"
     write(path, [WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])])
     big = [WalEntry(2, 2, b"x" * 2000)]
-    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1), entries=big)])
+    write(path, [WalRecord("a", hard=WalHardState(2, 1, 1), entries=big)], synced=False)
     good = len(MAGIC) + len(frame(WalRecord("a", hard=WalHardState(1, 0, 1), entries=[FOUNDING])))
     sector = (good // 512 + 2) * 512  # a whole sector inside the last record
     with open(path, "r+b") as f:
@@ -198,7 +257,7 @@ def test_a_last_record_with_a_sector_of_zeros_is_torn(tmp_path: Path) -> None:
     wal, recovery = RaftWal.open(str(path))
     assert (recovery.torn_bytes, recovery.damage) == (size - good, "")
     assert path.stat().st_size == good
-    assert summary(wal) == {"a": (WalHardState(2, 1, 1), 0, [(1, 1)])}
+    assert summary(wal) == {"a": (WalHardState(1, 0, 1), 0, [(1, 1)])}
     wal.close()
 
 
