@@ -65,7 +65,8 @@ from meshbus.broker.security.handshakes import evicted_why, source_of
 from meshbus.broker.security.signin import SignIn
 from meshbus.broker.security.trust import MeshTrust
 from meshbus.broker.security.users import UserTable
-from meshbus.broker.streams import StreamHost
+from meshbus.broker.streams.host import StreamHost
+from meshbus.broker.streams.requests import StreamRequests
 from meshbus.protocol.codec import encode_control
 from meshbus.protocol.control import (
     OP_REMOVE,
@@ -237,20 +238,31 @@ class Broker:
             out_of_reach=lambda: self.mesh.out_of_reach.names(),
             lost_captures=self.lost_captures,
         )
+
+        def ready_brokers() -> dict[str, str]:
+            return {b.name: b.zone for b in self.mesh.brokers() if b.ready and not b.draining}
+
         self.streams = StreamHost(
             config=config,
             routing=self.routing,
             sync=self.sync,
-            relay=self.relay,
             outbox=self.outbox,
             usage=self.usage,
             hosted_changed=lambda: self.mesh.gossip.load_changed(),
             may_capture=lambda owner, group: self.sign_in.may_capture(owner, group),
             peers=self.peers,
-            ready_brokers=lambda: {
-                b.name: b.zone for b in self.mesh.brokers() if b.ready and not b.draining
-            },
+            ready_brokers=ready_brokers,
             randomness=rng,
+        )
+        self.stream_requests = StreamRequests(
+            streams=self.streams,
+            config=config,
+            sync=self.sync,
+            relay=self.relay,
+            outbox=self.outbox,
+            usage=self.usage,
+            peers=self.peers,
+            ready_brokers=ready_brokers,
         )
         self.telemetry = Telemetry(
             config=config,
@@ -401,7 +413,7 @@ class Broker:
             on(role, _C.DRAIN, Drain, operator.on_drain)
             on(role, _C.MEMBERS, MembersRequest, guarantees.on_members)
             on(role, _C.WATCH, Empty, self.watch.on_watch)
-            on(role, _C.STREAM, StreamRequest, streams.on_request)
+            on(role, _C.STREAM, StreamRequest, self.stream_requests.on_request)
         # Connectors only.
         on(_CONNECTOR, _C.REGISTER, Register, services.on_register)
         on(_CONNECTOR, _C.UNREGISTER, AddressBody, services.on_unregister)
@@ -432,7 +444,7 @@ class Broker:
         on(_PEER, _C.GROUP_END, GroupEnd, guarantees.on_end)
         on(_PEER, _C.GROUPS, Groups, guarantees.on_groups)
         on(_PEER, _C.RELAYED, Relayed, self.relay.on_relayed)
-        on(_PEER, _C.STREAM, StreamRequest, streams.on_request)
+        on(_PEER, _C.STREAM, StreamRequest, self.stream_requests.on_request)
         on(_PEER, _C.RAFT, RaftFrame, streams.on_raft)
         on(_PEER, _C.NATS_MSGS, NatsMessages, self.nats_router.from_peer)
 
@@ -543,6 +555,7 @@ class Broker:
         await self._tasks.cancel()
         if self._server is not None:
             await self._server.wait_closed()
+        self.stream_requests.close()
         self.streams.close()
 
     # -- links -------------------------------------------------------------------

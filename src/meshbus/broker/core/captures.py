@@ -15,7 +15,7 @@ never comes back leaves its marks for the life of this process (bounded, ``limit
 its streams cannot take a send, and their senders hear so.
 
 A stream member is told by its server name: ``stream`` (an R=1 stream's dynamic address,
-meshbus.broker.streams) or ``rstream`` (a replicated stream's fixed one,
+meshbus.broker.streams.host) or ``rstream`` (a replicated stream's fixed one,
 meshbus.broker.replication.streams).
 """
 

@@ -2,7 +2,7 @@
 
 An ``Endpoint`` is anything frames can be routed to: a ``Link`` (a connector's,
 an operator's or a peer broker's TCP link, meshbus.broker.core.link) or a stream's
-``StreamSink`` (meshbus.broker.streams), which stores what is routed to it.
+``StreamSink`` (meshbus.broker.streams.host), which stores what is routed to it.
 
 Roles and states of a link, and the only transitions between them (each is a
 method of ``Link``, the one place a link's role and state change):

@@ -24,7 +24,7 @@ from meshbus.broker.mesh.sync import SyncStats
 from meshbus.broker.observe.lag import LoopLag
 from meshbus.broker.observe.nats import NatsView
 from meshbus.broker.security.signin import Reloads
-from meshbus.broker.streams import StreamHost
+from meshbus.broker.streams.host import StreamHost
 
 
 class StatView:

@@ -44,7 +44,7 @@ from meshbus.broker.core.pending import PendingTable
 from meshbus.broker.core.registry import LinkRegistry
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.mesh.membership import MeshEvent
-from meshbus.broker.streams import StreamHost
+from meshbus.broker.streams.host import StreamHost
 from meshbus.protocol.control import BrokerInfo, TraceReport
 from meshbus.storage.errors import StoreError
 from meshbus.storage.store import NewMessage, StreamConfig
