@@ -14,17 +14,17 @@ whole table has arrived: the stream is back, or was deleted meanwhile. A broker 
 never comes back leaves its marks for the life of this process (bounded, ``limit``):
 its streams cannot take a send, and their senders hear so.
 
-A stream member is told by its server name: ``stream`` (an R=1 stream's dynamic address,
-meshbus.broker.streams.host) or ``rstream`` (a replicated stream's fixed one,
-meshbus.broker.replication.streams).
+A stream member is told by its server name: ``stream`` (an R=1 stream's dynamic address)
+or ``rstream`` (a replicated stream's fixed one), names no connector may register
+(meshbus.broker.core.reserved).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-STREAM_SERVER = b"stream".ljust(11, b"\x00")
-REPLICATED_STREAM_SERVER = b"rstream".ljust(11, b"\x00")
+from meshbus.broker.core.reserved import REPLICATED_STREAM_SERVER, STREAM_SERVER
+
 STREAM_SERVERS = frozenset((STREAM_SERVER, REPLICATED_STREAM_SERVER))
 
 # Groups remembered at most: 16 bytes and a name each. Past it the oldest mark goes (its

@@ -31,6 +31,7 @@ from meshbus.broker.core.endpoint import Endpoint, LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.registry import Peers
+from meshbus.broker.core.reserved import RESERVED_SERVERS
 from meshbus.broker.core.routing import RoutingError, RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.core.watch import ServiceWatch
@@ -116,10 +117,15 @@ class ServiceCommands:
             )
         self._usage.check(link.user, SERVICES)
         try:
-            if body.instance == 0:
-                address = routing.allocate_dynamic(
-                    server_name_bytes(body.server), link, link.session, link.epoch
+            server = server_name_bytes(body.server)
+            if server in RESERVED_SERVERS:
+                raise Refused(
+                    ErrorCode.INVALID_ADDRESS,
+                    f"cannot register: the server name {body.server!r} is the broker's own "
+                    "(streams' members and the NATS bridge); choose another name",
                 )
+            if body.instance == 0:
+                address = routing.allocate_dynamic(server, link, link.session, link.epoch)
                 self._sync.announce(OP_ADD, address, owner_of(link.session, link.epoch))
                 self.answer(
                     link, ControlType.REGISTERED, AddressBody(address=address), correlation, True

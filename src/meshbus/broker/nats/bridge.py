@@ -46,6 +46,7 @@ from meshbus.address import CAST_ANYCAST, CAST_MULTICAST, GROUP_NAME_MAX
 from meshbus.broker.core.endpoint import Endpoint, LinkRole
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.pending import PendingTable
+from meshbus.broker.core.reserved import BRIDGE_SERVER
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.subjects import is_valid_subject
 from meshbus.errors import ProtocolError
@@ -69,7 +70,6 @@ __all__ = ["ANYCAST_PREFIX", "BRIDGE_SERVER", "MeshbusBridge", "group_subject"]
 log = logging.getLogger("meshbus.broker.nats")
 
 # The server name of the bridge's address (11 bytes, NUL-padded, as a unicast's).
-BRIDGE_SERVER = b"nats" + bytes(7)
 ANYCAST_PREFIX = b"anycast."
 _unpack_header = DATA_HEADER.unpack_from
 _HEADER_SIZE = DATA_HEADER.size

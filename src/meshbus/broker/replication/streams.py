@@ -44,8 +44,8 @@ from typing import Any
 import msgspec
 
 from meshbus.address import CAST_UNICAST, DYNAMIC_INSTANCE_MIN
-from meshbus.broker.core.captures import REPLICATED_STREAM_SERVER
 from meshbus.broker.core.link import Link
+from meshbus.broker.core.reserved import REPLICATED_STREAM_SERVER
 from meshbus.broker.replication.consumers import (
     CommandBatch,
     ConsumerCommand,

@@ -34,11 +34,11 @@ from typing import IO, Any
 
 from meshbus.address import describe_address
 from meshbus.broker.config import BrokerConfig
-from meshbus.broker.core.captures import STREAM_SERVER
 from meshbus.broker.core.endpoint import Endpoint, LinkRole
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox
 from meshbus.broker.core.registry import Peers
+from meshbus.broker.core.reserved import STREAM_SERVER
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.core.usage import UsageTable
 from meshbus.broker.mesh.sync import RouteSync

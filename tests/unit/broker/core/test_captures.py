@@ -4,12 +4,8 @@ members were in, and how long "no member" is not the answer for them."""
 from __future__ import annotations
 
 from meshbus.address import Multicast, Unicast
-from meshbus.broker.core.captures import (
-    REPLICATED_STREAM_SERVER,
-    STREAM_SERVER,
-    STREAM_SERVERS,
-    LostCaptures,
-)
+from meshbus.broker.core.captures import STREAM_SERVERS, LostCaptures
+from meshbus.broker.core.reserved import REPLICATED_STREAM_SERVER, STREAM_SERVER
 from meshbus.broker.core.routing import RoutingTable
 from meshbus.broker.replication.streams import member_address
 

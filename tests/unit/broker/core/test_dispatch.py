@@ -15,6 +15,7 @@ from meshbus.broker.core.dispatch import ControlDispatch, Refused
 from meshbus.broker.core.endpoint import CloseReason, LinkRole, LinkState
 from meshbus.broker.core.link import Link
 from meshbus.broker.core.outbox import Outbox, TrafficStats
+from meshbus.broker.replication.streams import member_address
 from meshbus.broker.security.permissions import Permissions
 from meshbus.broker.server import Broker
 from meshbus.protocol.codec import ControlFrame, encode_control
@@ -133,6 +134,39 @@ async def test_register_from_an_operator_is_refused(network: FakeNetwork, broker
     assert answer.type == ControlType.ERROR
     assert isinstance(answer.body, Error)
     assert answer.body.code == ErrorCode.UNSUPPORTED_CONTROL
+    assert broker.routing.service_count == 0
+    await assert_still_open(client)
+
+
+@pytest.mark.parametrize(
+    ("server", "instance"),
+    [
+        ("rstream", member_address("orders")[12:16]),  # a replicated stream's own address
+        ("rstream", 0),
+        ("stream", 0),
+        ("stream", 70000),
+        ("nats", 0),
+        ("nats", 5),
+    ],
+)
+async def test_a_connector_cannot_register_a_name_the_broker_keeps_for_itself(
+    network: FakeNetwork, broker: Broker, server: str, instance: int | bytes
+) -> None:
+    """The addresses of streams' members and of the NATS bridge: a connector holding a
+    replicated stream's (drawn from the stream's name, so known beforehand) would take
+    what is sent to the stream and acknowledge it, with an epoch of its own choosing
+    that no leader's passes."""
+    if isinstance(instance, bytes):
+        instance = int.from_bytes(instance, "big")
+    client = await open_link(network, broker, LinkRole.CONNECTOR)
+    answer = await client.ask(ControlType.REGISTER, Register(server=server, instance=instance))
+    assert answer.type == ControlType.ERROR
+    assert isinstance(answer.body, Error)
+    assert answer.body.code == ErrorCode.INVALID_ADDRESS
+    assert answer.body.message == (
+        f"cannot register: the server name {server!r} is the broker's own (streams' members "
+        "and the NATS bridge); choose another name"
+    )
     assert broker.routing.service_count == 0
     await assert_still_open(client)
 
