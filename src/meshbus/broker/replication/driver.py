@@ -122,8 +122,8 @@ class StateMachine(Protocol):
 
     def snapshot(self, group: str) -> bytes | None:
         """The machine's data for a snapshot of ``group`` now (its state is at
-        ``applied(group)``, at or past the snapshot's index); None: the machine keeps
-        ``group``'s state in no other place than its log, which is never compacted."""
+        ``applied(group)``, at or past the snapshot's index); None: no snapshot now, so
+        the log is not compacted."""
 
     def install(self, group: str, source: str, index: int, now: int) -> None:
         """A snapshot of ``group`` at ``index`` came from broker ``source`` and the

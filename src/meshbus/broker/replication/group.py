@@ -47,6 +47,11 @@ def encode_snapshot(roster: Roster, app: bytes) -> bytes:
     return _encode(SnapshotData(encode_roster(roster), app))
 
 
+def snapshot_app(data: bytes) -> bytes:
+    """The state machine's part of a snapshot's data (b"": none)."""
+    return _decode_snapshot(data).app if data else b""
+
+
 def snapshot_roster(data: bytes) -> bytes:
     """The roster in a snapshot's data (b"": none there, or data this broker does not
     read -- a snapshot from before rosters were kept in it)."""

@@ -24,8 +24,9 @@ and ``DELETED`` name it, and change nothing of a record added by another entry -
 later stream of the same name, added once the first was deleted, which a command of
 the first one's group, late or sent again, must not change.
 
-The state is rebuilt at start by applying the log again (``dump``/``load`` hold it
-whole, for a snapshot).
+The state is the group's snapshot data (``dump``/``load``: the records and the index
+they are at), so its log is compacted as a stream's is; at start it is loaded from the
+log's snapshot and the entries after it applied again.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class StreamRecord(msgspec.Struct, array_like=True, frozen=True):
 _encode = msgspec.msgpack.Encoder().encode
 encode_command = _encode
 decode_command = msgspec.msgpack.Decoder(MetaCommand).decode
-_decode_records = msgspec.msgpack.Decoder(dict[str, StreamRecord]).decode
+_decode_state = msgspec.msgpack.Decoder(tuple[int, dict[str, StreamRecord]]).decode
 decode_config = msgspec.msgpack.Decoder(ConfigBody).decode
 
 
@@ -174,13 +175,14 @@ class MetaState:
         return [(name, r) for name, r in sorted(self.streams.items()) if not r.confirmed]
 
     def dump(self) -> bytes:
-        return _encode(self.streams)
+        """The records and the index they are at: a snapshot's data."""
+        return _encode((self.applied, self.streams))
 
     @classmethod
-    def load(cls, data: bytes, applied: int) -> MetaState:
+    def load(cls, data: bytes) -> MetaState:
+        """The state ``dump`` gave (msgspec.DecodeError for data that is not one)."""
         state = cls()
-        state.streams = _decode_records(data)
-        state.applied = applied
+        state.applied, state.streams = _decode_state(data)
         return state
 
 

@@ -41,7 +41,7 @@ import msgspec
 
 from meshbus.broker.core.link import Link
 from meshbus.broker.replication.driver import RaftDriver
-from meshbus.broker.replication.group import GroupMeta
+from meshbus.broker.replication.group import GroupMeta, snapshot_app
 from meshbus.broker.replication.meta import (
     ADD,
     ADDED,
@@ -288,6 +288,38 @@ class MetaGroup:
             self._send_request(serial)
 
     # -- the state machine ---------------------------------------------------------------------
+
+    def recovered(self) -> None:
+        """At start: the record as the log's snapshot holds it; the driver applies the
+        entries after it again."""
+        state = self._driver.groups.get(META_GROUP)
+        if state is not None and state.node.log.snapshot.index:
+            self._load(state.node.log.snapshot.data, "the Raft log's snapshot")
+
+    def snapshot(self) -> bytes:
+        """A snapshot's data: the record whole, and the index it is at."""
+        return self.state.dump()
+
+    def install(self) -> None:
+        """A snapshot came from the leader (this voter's log is behind its compaction):
+        its data is the record, loaded now; then the driver installs it."""
+        state = self._driver.groups.get(META_GROUP)
+        held = state.held_snapshot if state is not None else None
+        if held is None or held.snapshot is None:
+            return
+        if self._load(held.snapshot.data, f"a snapshot from node {held.sender}"):
+            self._driver.installed(META_GROUP)
+
+    def _load(self, data: bytes, source: str) -> bool:
+        try:
+            self.state = MetaState.load(snapshot_app(data))
+        except (msgspec.DecodeError, ValueError) as exc:
+            log.error(
+                "the meta group's snapshot is not one this broker reads; it keeps its record",
+                extra={"source": source, "error": str(exc)},
+            )
+            return False
+        return True
 
     def apply(self, entries: Sequence[Entry]) -> None:
         for entry in entries:

@@ -180,6 +180,7 @@ class ReplicatedStreams:
         for group, meta in self.driver.recover():
             if group != META_GROUP:
                 self._hold(group, meta)
+        self.meta.recovered()
         self.meta.start()
 
     def _hold(self, group: str, meta: GroupMeta) -> None:
@@ -424,20 +425,27 @@ class ReplicatedStreams:
         self.driver.suspend(group, f"its entry {index} could not be stored here: {error}")
 
     def applied(self, group: str) -> int:
+        if group == META_GROUP:
+            return self.meta.state.applied
         return self._store.applied(group) if group in self._store else 0
 
     def snapshot(self, group: str) -> bytes | None:
-        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages.
-        The meta group has none: its record is rebuilt from its whole log at start."""
+        """A snapshot's data: the store's mark (copies.SnapshotMark), not its messages;
+        the meta group's, its record whole (MetaGroup.snapshot) -- none while that is
+        past what one RAFT frame carries to a voter behind (half a frame): its log is
+        then kept whole, as it was before its snapshots."""
         if group == META_GROUP:
-            return None
+            data = self.meta.snapshot()
+            return data if len(data) <= 4 * self._entry_limit else None
         if group not in self._store:
             return b""
         info = self._store.info(group)
         return encode_mark(self._store.applied(group), info.first_seq, info.last_seq)
 
     def install(self, group: str, source: str, index: int, now: int) -> None:
-        if group in self.configs:
+        if group == META_GROUP:
+            self.meta.install()
+        elif group in self.configs:
             self.copies.want(group, source, index, now)
 
     def flush(self) -> None:
