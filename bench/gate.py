@@ -63,6 +63,10 @@ class BrokerGate:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        # A connection accepted in the last turn has a handler task that has not started:
+        # cancelled before it runs, it would never close its transport (a ResourceWarning
+        # when it is collected). One turn lets each start and register its writer.
+        await asyncio.sleep(0)
         for writer in list(self._open):
             writer.transport.abort()
         # Not cancelled first: with their transports aborted the handlers end by
