@@ -123,6 +123,10 @@ class BrokerLink(asyncio.Protocol):
         )
         if not self.welcomed.done():
             self.welcomed.set_exception(error if self.error else self._unanswered(exc))
+            # Read now: a dial cancelled while it connected (a failover's deadline)
+            # leaves nobody to await it, and asyncio would log it as never retrieved.
+            # One that awaits it still gets it.
+            self.welcomed.exception()
         self._on_lost(self, error)
 
     def _unanswered(self, exc: Exception | None) -> MeshbusError:
