@@ -269,6 +269,10 @@ OP_LEAVE = 4
 # any, 0 for none); 0 ends the entry. Each operation states the whole count, so a
 # snapshot and the changes after it need no order between them.
 OP_INTEREST = 5
+# In a snapshot only: (OP_LOST_CAPTURE, group, broker name) -- the group's stream went with
+# that broker's link, lost by the sender (meshbus.broker.core.captures), so that a broker
+# that never saw the stream's member does not take "no member" for the answer either.
+OP_LOST_CAPTURE = 6
 _EPOCH = 4  # bytes of the epoch at the end of an ADD's owner
 
 

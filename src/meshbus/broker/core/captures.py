@@ -12,7 +12,10 @@ new leader may take the address over in a moment) and, past its deadline, raises
 A mark goes when the group has a member again, or when that peer links again and its
 whole table has arrived: the stream is back, or was deleted meanwhile. A broker that
 never comes back leaves its marks for the life of this process (bounded, ``limit``):
-its streams cannot take a send, and their senders hear so.
+its streams cannot take a send, and their senders hear so. The marks go with this
+broker's snapshot to a peer that links (``OP_LOST_CAPTURE``): a broker started while
+the stream's brokers are out of its reach never saw their members, and takes the marks
+of those it is not linked to.
 
 A stream member is told by its server name: ``stream`` (an R=1 stream's dynamic address)
 or ``rstream`` (a replicated stream's fixed one), names no connector may register
@@ -53,6 +56,10 @@ class LostCaptures:
         """``broker`` linked again and its whole table arrived: what it holds is known."""
         if broker in self._lost.values():
             self._lost = {g: b for g, b in self._lost.items() if b != broker}
+
+    def marks(self) -> list[tuple[bytes, str]]:
+        """Every mark: (group, the broker its stream went with)."""
+        return list(self._lost.items())
 
     def holder(self, group: bytes, has_members: bool) -> str | None:
         """The broker whose loss took the stream member of ``group``, if the group has no

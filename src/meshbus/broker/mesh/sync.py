@@ -58,6 +58,7 @@ from meshbus.protocol.control import (
     OP_INTEREST,
     OP_JOIN,
     OP_LEAVE,
+    OP_LOST_CAPTURE,
     OP_REMOVE,
     Claim,
     Empty,
@@ -253,8 +254,12 @@ class RouteSync:
             [(OP_INTEREST, subject, interest_extra(count, queue))]
             for subject, queue, count in self._local_interest.snapshot()
         ]
+        lost = [
+            [(OP_LOST_CAPTURE, group, broker.encode())]
+            for group, broker in self._lost_captures.marks()
+        ]
         parts = map(self._routing.local_ops, self._routing.local_addresses())
-        self._snapshot_slice(link, itertools.chain(parts, interest))
+        self._snapshot_slice(link, itertools.chain(parts, interest, lost))
 
     def _snapshot_slice(self, link: Link, parts: Iterator[list[RouteOp]]) -> None:
         """Each part is one address's operations (taken as it stands when its turn
@@ -315,6 +320,13 @@ class RouteSync:
             await self._snapshots_done.wait()
 
     def _apply(self, link: Link, op: int, address: bytes, extra: bytes) -> None:
+        if op == OP_LOST_CAPTURE:
+            if len(address) != 16 or address[0] != CAST_MULTICAST:
+                raise RoutingError("a lost capture of an address that is not multicast")
+            broker = extra.decode()  # UnicodeDecodeError: a ValueError, logged as bad
+            if broker != self._config.name and self._peers.get(broker) is None:
+                self._lost_captures.lost(broker, [address])  # else its own table says
+            return
         if op == OP_INTEREST:
             count, queue = split_interest(extra)
             self._peer_interest.apply(link, address, queue, count)
