@@ -57,3 +57,8 @@ class ConsumerExists(StoreError):
         )
         self.stream = stream
         self.name = name
+
+
+class RaftLogFailed(StoreError):
+    """A write or fsync of the Raft log failed: the broker stops acknowledging appends
+    to replicated streams (what it would acknowledge may not be on its disk)."""

@@ -14,19 +14,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from meshbus.storage.raftlog import (
-    MAGIC,
+from meshbus.storage.errors import RaftLogFailed
+from meshbus.storage.raftlog import MAGIC, RaftWal, WalEntry, WalRecord, WalSnapshot, frame
+from meshbus.storage.raftstate import (
     STATE_MAGIC_GROUPS_ONLY,
     KeptState,
     KeptStates,
-    RaftLogFailed,
-    RaftWal,
     StateFile,
-    WalEntry,
     WalHardState,
-    WalRecord,
-    WalSnapshot,
-    frame,
 )
 
 
@@ -360,7 +355,8 @@ def test_rewrite_keeps_the_live_state_only(tmp_path: Path) -> None:
 FULL_DISK = textwrap.dedent(
     """
     import resource, signal, sys
-    from meshbus.storage.raftlog import RaftLogFailed, RaftWal, WalEntry, WalRecord
+    from meshbus.storage.errors import RaftLogFailed
+    from meshbus.storage.raftlog import RaftWal, WalEntry, WalRecord
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
     wal, _ = RaftWal.open(sys.argv[1])
     wal.append([WalRecord("a", entries=[WalEntry(1, 1, voters=[1])])])

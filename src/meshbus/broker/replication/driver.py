@@ -74,12 +74,8 @@ from meshbus.raft import (
     empty,
 )
 from meshbus.raft.progress import Mode
-from meshbus.storage.raftlog import (
-    REWRITE_SLACK,
-    RaftLogFailed,
-    RaftWal,
-    WalRecord,
-)
+from meshbus.storage.errors import RaftLogFailed
+from meshbus.storage.raftlog import REWRITE_SLACK, RaftWal, WalRecord
 
 log = logging.getLogger("meshbus.broker")
 

@@ -21,13 +21,8 @@ from meshbus.broker.replication.members import (
     encode_roster,
 )
 from meshbus.raft import Entry, HardState, Membership, Message, RaftNode, Snapshot, Stored
-from meshbus.storage.raftlog import (
-    GroupLog,
-    WalEntry,
-    WalHardState,
-    WalRecord,
-    WalSnapshot,
-)
+from meshbus.storage.raftlog import GroupLog, WalEntry, WalRecord, WalSnapshot
+from meshbus.storage.raftstate import WalHardState
 
 
 class SnapshotData(msgspec.Struct, array_like=True, frozen=True):

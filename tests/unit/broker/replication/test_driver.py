@@ -16,7 +16,8 @@ from meshbus.broker.replication.driver import RaftDriver, ReplicationError
 from meshbus.broker.replication.group import GroupMeta
 from meshbus.broker.replication.members import Member
 from meshbus.raft import Entry, Message, MessageType, NotLeader, RaftSettings
-from meshbus.storage.raftlog import MAGIC, RaftLogFailed, RaftWal
+from meshbus.storage.errors import RaftLogFailed
+from meshbus.storage.raftlog import MAGIC, RaftWal
 
 NAMES = ("b1", "b2", "b3")
 SPARE = "b4"  # in the mesh, no replica until one is replaced
