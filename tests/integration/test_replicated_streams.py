@@ -243,7 +243,9 @@ class Producer:
         async def enough() -> bool:
             return self.acked_since(since) >= count
 
-        await wait_until(enough, f"{count} acknowledgements of {self.prefix!r}", timeout)
+        given_up = self.failed[-3:]
+        what = f"{count} acknowledgements of {self.prefix!r} (the last given up: {given_up})"
+        await wait_until(enough, what, timeout)
         return next(at for at in self.acked_at if at > since) - since
 
     async def stop(self) -> None:
