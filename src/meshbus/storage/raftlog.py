@@ -270,7 +270,8 @@ class RaftWal:
             os.close(fd)
             raise
         fsync_dir(path)
-        mark.write(fd, good)
+        mark.follow(fd)
+        mark.write(good)
         return cls(path, groups, fd, good, state_file, kept, incarnation, mark), recovery
 
     @property
@@ -309,7 +310,7 @@ class RaftWal:
             os.fsync(self._fd)
         except OSError as exc:
             self._fail("syncing", exc)
-        self._mark.write(self._fd, self.size)
+        self._mark.write(self.size)
         if self._kept_changed:
             try:
                 self._state_file.write(StateFile(self.incarnation, self.kept))
@@ -359,7 +360,8 @@ class RaftWal:
         self._fd = fd = os.open(self.path, os.O_RDWR)
         os.lseek(fd, 0, os.SEEK_END)
         self.size = self._measured_at = len(data)
-        self._mark.write(fd, self.size)
+        self._mark.follow(fd)
+        self._mark.write(self.size)
 
     def close(self) -> None:
         if self._fd >= 0:

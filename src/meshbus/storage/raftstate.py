@@ -140,6 +140,7 @@ class SyncedMark:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = -1
+        self._inode = 0  # of the log's file (``follow``); 0, a mark that checks nothing
 
     def read(self) -> tuple[int, int] | None:
         """(inode, size), or None: no mark, or a damaged one."""
@@ -155,10 +156,15 @@ class SyncedMark:
             return None
         return inode, size
 
-    def write(self, log_fd: int, size: int) -> None:
-        """The log open as ``log_fd`` was synced at ``size`` bytes. A failed write
-        leaves the mark it was, or a damaged one: either checks less, never wrongly."""
-        body = struct.pack("<QQ", os.fstat(log_fd).st_ino, size)
+    def follow(self, log_fd: int) -> None:
+        """The log is the file open as ``log_fd`` from now on (opened, or rewritten):
+        its inode is measured once, not at every sync."""
+        self._inode = os.fstat(log_fd).st_ino
+
+    def write(self, size: int) -> None:
+        """The log was synced at ``size`` bytes. A failed write leaves the mark it was,
+        or a damaged one: either checks less, never wrongly."""
+        body = struct.pack("<QQ", self._inode, size)
         try:
             if self._fd < 0:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
